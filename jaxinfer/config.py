@@ -1,0 +1,156 @@
+"""Model configuration: one frozen, hashable dataclass describes a decoder-only transformer.
+
+Shape letters used across jaxinfer (defined once, here):
+  B batch, T new tokens, S cache length (slots), D model width, N query heads,
+  K kv heads, G query heads per kv head (N // K), H head dim, F ffn width, V vocab, L layers.
+
+The config is hashable so it can be a static argument of `jax.jit`. Presets are functions that
+return a config and accept keyword overrides, e.g. `llama3_8b(max_seq_len=4096)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama, Qwen2, Mistral and Gemma 3 families)."""
+
+    name: str = "custom"  # human-readable preset or model name
+    vocab_size: int  # V: rows of the embedding table
+    d_model: int  # D: width of the residual stream
+    n_layers: int  # L: transformer blocks
+    n_heads: int  # N: query heads
+    n_kv_heads: int  # K: key/value heads (K divides N; K < N is grouped-query attention)
+    head_dim: int  # H: width of one head
+    ffn_dim: int  # F: hidden width of the gated MLP
+    rope_theta: float = 10_000.0  # RoPE base for global layers
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    max_seq_len: int = 2048  # longest sequence (prompt + generated) the model supports
+    tie_embeddings: bool = True  # LM head reuses the embedding table
+    activation: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+    qk_norm: bool = False  # Gemma 3: RMSNorm on each query and key head
+    post_norms: bool = False  # Gemma 3: RMSNorm after attention and after the MLP, before the residual add
+    scale_embeddings: bool = False  # Gemma: multiply embeddings by sqrt(D)
+    query_pre_attn_scalar: Optional[float] = None  # scores scale 1/sqrt(this); None means H
+    sliding_window: Optional[int] = None  # local layers see this many most recent tokens
+    global_every: int = 0  # with sliding_window: every n-th layer (1-based) is global; 0 = all local
+    rope_local_theta: Optional[float] = None  # RoPE base for local (sliding) layers; None = rope_theta
+    final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap) when set
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    dtype: str = "float32"  # parameter and activation dtype
+
+    def __post_init__(self):
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
+        for f in positive:
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+
+    # Derived sizes --------------------------------------------------------------------------
+    @property
+    def q_per_kv(self) -> int:
+        """G: query heads that share one kv head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.d_model) if self.scale_embeddings else 1.0
+
+    @property
+    def attn_scale(self) -> float:
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def is_local_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) uses the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not (self.global_every and (layer + 1) % self.global_every == 0)
+
+    def layer_rope_theta(self, layer: int) -> float:
+        if self.is_local_layer(layer) and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        D, N, K, H, F, V, L = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
+                               self.ffn_dim, self.vocab_size, self.n_layers)
+        attn = D * N * H + 2 * D * K * H + N * H * D
+        if self.qkv_bias:
+            attn += N * H + 2 * K * H
+        norms = 2 * D + (2 * H if self.qk_norm else 0) + (2 * D if self.post_norms else 0)
+        per_layer = attn + 3 * D * F + norms
+        head = 0 if self.tie_embeddings else D * V
+        return V * D + L * per_layer + D + head
+
+    def replace(self, **overrides) -> "ModelConfig":
+        return dataclasses.replace(self, **overrides)
+
+
+# Presets ---------------------------------------------------------------------------------------
+
+def smollm2_135m(**overrides) -> ModelConfig:
+    """SmolLM2-135M (Llama architecture); the values the GGUF metadata carries."""
+    cfg = ModelConfig(name="smollm2-135m", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
+                      n_kv_heads=3, head_dim=64, ffn_dim=1536, rope_theta=100_000.0, norm_eps=1e-5,
+                      max_seq_len=8192, tie_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return cfg.replace(**overrides)
+
+
+def llama3_8b(**overrides) -> ModelConfig:
+    """Llama 3 8B shapes (for eval_shape, sharding plans and random-weight benchmarks)."""
+    cfg = ModelConfig(name="llama3-8b", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=8, head_dim=128, ffn_dim=14336, rope_theta=500_000.0, norm_eps=1e-5,
+                      max_seq_len=8192, tie_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+    return cfg.replace(**overrides)
+
+
+def llama3_70b(**overrides) -> ModelConfig:
+    """Llama 3 70B shapes."""
+    cfg = llama3_8b(name="llama3-70b", d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                    ffn_dim=28672)
+    return cfg.replace(**overrides)
+
+
+def llama31_405b(**overrides) -> ModelConfig:
+    """Llama 3.1 405B shapes."""
+    cfg = llama3_8b(name="llama3.1-405b", d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                    ffn_dim=53248, max_seq_len=131072)
+    return cfg.replace(**overrides)
+
+
+def tiny(**overrides) -> ModelConfig:
+    """A tiny random-weight model for fast tests (GQA, untied head)."""
+    cfg = ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=16, ffn_dim=128, rope_theta=10_000.0, max_seq_len=512,
+                      tie_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return cfg.replace(**overrides)
+
+
+PRESETS = {
+    "smollm2-135m": smollm2_135m,
+    "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
+    "llama3.1-405b": llama31_405b,
+    "tiny": tiny,
+}

@@ -1,0 +1,325 @@
+"""The generation loop: a jitted prefill over the prompt, then a `lax.scan` decode loop.
+
+prefill:  tokens [B, Tb] (right-padded to a bucket Tb) -> cache filled to each row's length,
+          first sampled token per row.
+decode:   `lax.scan` over steps, carrying DecodeState (cache, last token, keys, step, finished);
+          each step runs the model on one token per row and samples the next. The loop runs in
+          chunks of scan steps so a caller can stream text between chunks and stop early once
+          every row has finished; nothing inside a chunk goes back to the host.
+
+Prompt lengths are padded to power-of-two buckets and the cache length is bucketed too, so a
+new prompt length (inside a bucket) or a new max_new_tokens does not mean a new compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer import cache as kv
+from jaxinfer import model as mdl
+from jaxinfer import sampling as smp
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import Model
+from jaxinfer.params import Params
+from jaxinfer.sampling import SamplingParams
+
+MIN_BUCKET = 16
+
+
+@struct.dataclass
+class DecodeState:
+    cache: kv.KVCache
+    tokens: jax.Array  # [B] int32: last sampled token per row (the next input)
+    keys: jax.Array  # [B] PRNG keys, one per request (the step is folded in when sampling)
+    step: jax.Array  # [] int32: tokens generated so far (the sampling step index)
+    finished: jax.Array  # [B] bool: row has produced a stop token
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= n (and >= minimum)."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVCache,
+            keys: jax.Array, cfg: ModelConfig, sampling: SamplingParams, stop_ids: tuple[int, ...]):
+    """Read the prompts, fill the cache and sample the first new token.
+
+    Args:
+      params: params pytree.
+      tokens: [B, Tb] prompt ids, right-padded.
+      lengths: [B] true prompt lengths.
+      cache: empty KVCache with S >= Tb slots (donated).
+      keys: [B] per-request PRNG keys.
+      cfg, sampling, stop_ids: static.
+    Returns:
+      (DecodeState, first tokens [B], their logprobs [B]).
+    """
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    with jax.named_scope("prefill"):
+        logits, cache = mdl.forward(params, tokens, positions, cache, cfg, logit_index=lengths - 1)
+    cache = cache.replace(lengths=lengths.astype(jnp.int32))
+    step = jnp.zeros((), jnp.int32)
+    first, logprob = smp.sample(logits[:, 0], smp.step_keys(keys, step), sampling)
+    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1,
+                        finished=_is_stop(first, stop_ids))
+    return state, first, logprob
+
+
+def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
+                stop_ids: tuple[int, ...]):
+    """One token per row: forward the last token, sample the next. Returns (state, tokens, logprobs)."""
+    positions = state.cache.lengths[:, None]  # [B, 1]: the next free slot is the token's position
+    logits, cache = mdl.forward(params, state.tokens[:, None], positions, state.cache, cfg)
+    nxt, logprob = smp.sample(logits[:, 0], smp.step_keys(state.keys, state.step), sampling)
+    finished = state.finished | _is_stop(nxt, stop_ids)
+    return DecodeState(cache=cache, tokens=nxt, keys=state.keys, step=state.step + 1,
+                       finished=finished), nxt, logprob
+
+
+def decode_loop(step_fn: Callable, state, n_steps: int):
+    """Run `step_fn(state) -> (state, token[B], logprob[B])` n_steps times under `lax.scan`.
+
+    The loop knows nothing about models: a fake `step_fn` can drive it in tests.
+    Returns (final state, tokens [n_steps, B], logprobs [n_steps, B]).
+    """
+    def body(s, _):
+        s, t, lp = step_fn(s)
+        return s, (t, lp)
+
+    state, (tokens, logprobs) = jax.lax.scan(body, state, None, length=n_steps)
+    return state, tokens, logprobs
+
+
+def decode_chunk(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
+                 stop_ids: tuple[int, ...], n_steps: int):
+    """`n_steps` decode steps on device. Returns (state, tokens [n_steps, B], logprobs [n_steps, B])."""
+    with jax.named_scope("decode"):
+        return decode_loop(lambda s: decode_step(params, s, cfg, sampling, stop_ids), state, n_steps)
+
+
+_STATIC = ("cfg", "sampling", "stop_ids")
+prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
+decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps",), donate_argnames=("state",))
+
+
+def _uncached_logits(params, tokens, cfg):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return mdl.forward(params, tokens, positions, None, cfg)[0]
+
+
+uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
+
+
+def compilation_count() -> int:
+    """Executables compiled so far by the jitted steps of this module."""
+    return sum(f._cache_size() for f in (prefill_jit, decode_chunk_jit, uncached_logits_jit))
+
+
+# Public API ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]  # new tokens (a final stop token included)
+    text: str  # decoded new tokens, without the stop token
+    logprobs: list[float]  # log p(token) under the model, per new token
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    prefill_s: float  # prefill incl. first sample (and any compile it triggered)
+    decode_s: float  # all decode chunks
+    ttft_s: float  # call start -> first token on host
+    total_s: float
+    prompt_tokens: int  # real (unpadded) prompt tokens across the batch
+    new_tokens: int  # generated tokens across the batch
+    decode_tokens_per_s: float  # tokens produced by the decode loop across the batch / decode_s
+    n_compilations: int  # XLA compilations triggered by this call
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    completions: list[Completion]
+    timings: Timings
+
+    @property
+    def texts(self) -> list[str]:
+        return [c.text for c in self.completions]
+
+
+Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
+
+
+def _prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; pass a string, a list of strings or a list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            if not p:
+                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+            ids = model.tokenizer.encode(p)
+        else:
+            ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+            bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {model.config.vocab_size})")
+        out.append(ids)
+    return out
+
+
+def _row_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParams) -> jax.Array:
+    if key is not None and seed is not None:
+        raise ValueError("pass either key or seed, not both")
+    if key is not None:
+        key = jnp.asarray(key) if not jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key) else key
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n, dtype=jnp.uint32))
+    if seed is None:
+        if not sampling.greedy:
+            raise ValueError("sampling with temperature > 0 needs a key or a seed (there is no default "
+                             "PRNG key); pass seed=0 for reproducible samples")
+        seed = 0  # greedy decoding draws no random numbers; the keys are never used
+    seeds = [seed] * n if isinstance(seed, (int, np.integer)) else list(seed)
+    if len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one int or one per prompt")
+    return smp.row_keys(np.asarray(seeds, np.uint32))
+
+
+def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
+             seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
+             sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True,
+             stop_tokens: Sequence[int] = (), chunk_size: int = 32,
+             on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> Output:
+    """Generate continuations of a batch of prompts.
+
+    Args:
+      model: a loaded `Model`.
+      prompts: a string, a list of strings, or a list of token-id lists (mixed lengths allowed).
+      key: a PRNG key; row b samples with fold_in(key, b). Or:
+      seed: an int (every row) or one int per prompt; row b samples with key(seed_b).
+        One of key/seed is required unless sampling is greedy.
+      max_new_tokens: tokens to generate per prompt (>= 1).
+      sampling: SamplingParams (default greedy).
+      stop_at_eos: stop a row at the tokenizer's stop ids (eos, <|endoftext|>) or stop_tokens.
+      stop_tokens: extra token ids that end a row.
+      chunk_size: decode steps per jitted scan call (streaming granularity).
+      on_tokens: optional callback, called with each row's new tokens after prefill and after
+        every decode chunk (for streaming).
+    Returns:
+      Output: one Completion per prompt, plus Timings.
+    """
+    t0 = time.perf_counter()
+    cfg = model.config
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    ids = _prompt_ids(model, prompts)
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > cfg.max_seq_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that is "
+                             f"{len(p) + max_new_tokens}, beyond the context length {cfg.max_seq_len}")
+    stop_ids: tuple[int, ...] = ()
+    if stop_at_eos:
+        base = model.tokenizer.stop_ids if model.tokenizer is not None else (cfg.eos_token_id,)
+        stop_ids = tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
+    keys = _row_keys(len(ids), key, seed, sampling)
+
+    B = len(ids)
+    lengths = np.array([len(p) for p in ids], np.int32)
+    Tb = bucket(int(lengths.max()))
+    n_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
+    S = bucket(max(Tb, int(lengths.max()) + n_chunks * chunk_size + 1), 64)
+    tokens = np.zeros((B, Tb), np.int32)
+    for b, p in enumerate(ids):
+        tokens[b, : len(p)] = p
+
+    compiled_before = compilation_count()
+    cache = kv.init_cache(cfg, B, S)
+    state, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+                                         keys, cfg, sampling, stop_ids)
+    out_tokens = [np.asarray(first)[None]]
+    out_lps = [np.asarray(first_lp)[None]]
+    t_first = time.perf_counter()
+    done = np.asarray(state.finished)
+    if on_tokens:
+        on_tokens([[int(t)] for t in out_tokens[0][0]])
+
+    produced = 1
+    while produced < max_new_tokens and not done.all():
+        state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size)
+        toks, lps = np.asarray(toks), np.asarray(lps)
+        out_tokens.append(toks)
+        out_lps.append(lps)
+        done = np.asarray(state.finished)
+        if on_tokens:
+            on_tokens([list(map(int, toks[:, b])) for b in range(B)])
+        produced += chunk_size
+    t_end = time.perf_counter()
+
+    all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]
+    all_lps = np.concatenate(out_lps)[:max_new_tokens].T
+    completions = []
+    stop_set = set(stop_ids)
+    for b in range(B):
+        row = [int(t) for t in all_toks[b]]
+        n, reason = len(row), "length"
+        for j, t in enumerate(row):
+            if t in stop_set:
+                n, reason = j + 1, "stop"
+                break
+        text_ids = row[: n - 1] if reason == "stop" else row[:n]
+        text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
+        completions.append(Completion(prompt_ids=ids[b], token_ids=row[:n], text=text,
+                                      logprobs=[float(x) for x in all_lps[b, :n]], finish_reason=reason))
+    decode_s = t_end - t_first
+    decode_tokens = (np.concatenate(out_tokens).shape[0] - 1) * B
+    timings = Timings(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
+                      prompt_tokens=int(lengths.sum()), new_tokens=sum(len(c.token_ids) for c in completions),
+                      decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
+                      n_compilations=compilation_count() - compiled_before)
+    return Output(completions=completions, timings=timings)
+
+
+def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
+    """One uncached forward pass over `token_ids`: next-token logits [T, V] float32.
+
+    The sequence is padded to a bucket (causal attention: padding after the last token cannot
+    change the logits before it), so scoring many lengths compiles few times.
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("token_ids is empty")
+    V = model.config.vocab_size
+    if any(not 0 <= t < V for t in ids):
+        raise ValueError(f"token ids must be in [0, {V})")
+    if len(ids) > model.config.max_seq_len:
+        raise ValueError(f"{len(ids)} tokens exceed the context length {model.config.max_seq_len}")
+    T = len(ids)
+    padded = np.zeros((1, bucket(T)), np.int32)
+    padded[0, :T] = ids
+    return uncached_logits_jit(model.params, jnp.asarray(padded), model.config)[0, :T]

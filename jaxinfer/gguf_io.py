@@ -1,0 +1,238 @@
+"""Reading GGUF files: metadata -> ModelConfig, tensors -> params pytree, tokenizer data.
+
+The `gguf` package parses the file and dequantizes every block type (Q4_0/1, Q5_x, Q8_0,
+k-quants, F16, BF16, F32 ...) in numpy; nothing here assumes a particular quantization.
+
+llama.cpp's converter permutes the rows of the Q and K projections of Llama-style models so that
+its RoPE can rotate adjacent pairs; we undo that permutation (as Hugging Face does) and use the
+"rotate half" RoPE of the original checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+
+
+class GGUFError(ValueError):
+    """A file is not a readable GGUF model (bad magic, truncated, missing tensors)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerData:
+    """The tokenizer as a GGUF stores it (`tokenizer.ggml.*`)."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    pre: Optional[str]  # pre-tokenizer name, e.g. "smollm"
+    tokens: list[str]
+    token_types: list[int]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    merges: list[str]
+    scores: Optional[list[float]]
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    chat_template: Optional[str]
+    extra_eos_ids: tuple[int, ...] = ()
+
+
+def _open(path: str):
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # truncated files fail inside numpy memmap / struct parsing
+        raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def _field(reader, key: str, default: Any = None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_config(reader, name: str = "gguf") -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.*` keys)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+
+    def a(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    n_heads = int(a("attention.head_count"))
+    d_model = int(a("embedding_length"))
+    head_dim = int(a("attention.key_length", d_model // n_heads))
+    vocab = a("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    common = dict(
+        name=name,
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(a("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(a("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        ffn_dim=int(a("feed_forward_length")),
+        rope_theta=float(a("rope.freq_base", 10_000.0)),
+        norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_seq_len=int(a("context_length", 2048)),
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=_opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
+    )
+    if arch == "qwen2":
+        common["qkv_bias"] = True
+    if arch == "gemma3":
+        # Values a Gemma 3 GGUF does not carry come from the published Gemma 3 config
+        # (transformers' Gemma3TextConfig): query_pre_attn_scalar = head_dim (256 for 270M),
+        # local RoPE base 10,000, a global layer every 6th, GeGLU with tanh GELU.
+        common.update(activation="gelu_tanh", qk_norm=True, post_norms=True, scale_embeddings=True,
+                      query_pre_attn_scalar=float(head_dim),
+                      sliding_window=int(a("attention.sliding_window", 512)),
+                      global_every=6, rope_local_theta=10_000.0)
+    return ModelConfig(**common)
+
+
+def _opt_int(v) -> Optional[int]:
+    return None if v is None else int(v)
+
+
+def read_tokenizer(reader) -> TokenizerData:
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GGUFError("GGUF has no tokenizer.ggml.tokens")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    return TokenizerData(
+        model=_field(reader, "tokenizer.ggml.model"),
+        pre=_field(reader, "tokenizer.ggml.pre"),
+        tokens=list(tokens),
+        token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))],
+        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
+        scores=None if scores is None else [float(s) for s in scores],
+        bos_id=_opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def dequantize(tensor) -> np.ndarray:
+    """One GGUF tensor as float32 numpy, in numpy order (GGUF dims reversed: [out, in])."""
+    import gguf
+
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.asarray(data, dtype=np.float32).reshape(shape)
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation. w: [heads * H, D_in] -> same shape, HF row order."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_params(reader, cfg: ModelConfig, arch: str,
+                progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Dequantize every tensor into the jaxinfer params layout (numpy float32, layers stacked)."""
+    tensors = {t.name: t for t in reader.tensors}
+    L, D, N, K, H = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    total = len(tensors)
+    done = 0
+
+    def get(name: str) -> np.ndarray:
+        nonlocal done
+        if name not in tensors:
+            raise GGUFError(f"GGUF is missing tensor {name!r}")
+        arr = dequantize(tensors[name])
+        done += 1
+        if progress:
+            progress(done, total)
+        return arr
+
+    def expect(name, arr, shape):
+        if arr.shape != shape:
+            raise GGUFError(f"tensor {name!r} has shape {arr.shape}, expected {shape}")
+        return arr
+
+    permute = arch == "llama"  # llama.cpp permutes Q/K only for the llama architecture
+    layers: dict[str, list[np.ndarray]] = {}
+
+    def add(key, arr):
+        layers.setdefault(key, []).append(arr)
+
+    for i in range(L):
+        p = f"blk.{i}."
+        wq = expect(p + "attn_q.weight", get(p + "attn_q.weight"), (N * H, D))
+        wk = expect(p + "attn_k.weight", get(p + "attn_k.weight"), (K * H, D))
+        if permute:
+            wq, wk = unpermute_qk(wq, N), unpermute_qk(wk, K)
+        wv = expect(p + "attn_v.weight", get(p + "attn_v.weight"), (K * H, D))
+        wo = expect(p + "attn_output.weight", get(p + "attn_output.weight"), (D, N * H))
+        add("attn_norm", get(p + "attn_norm.weight"))
+        add("wq", wq.T.reshape(D, N, H))
+        add("wk", wk.T.reshape(D, K, H))
+        add("wv", wv.T.reshape(D, K, H))
+        add("wo", wo.T.reshape(N, H, D))
+        add("ffn_norm", get(p + ("pre_ffw_norm.weight" if cfg.post_norms else "ffn_norm.weight")))
+        add("w_gate", expect(p + "ffn_gate.weight", get(p + "ffn_gate.weight"), (cfg.ffn_dim, D)).T)
+        add("w_up", expect(p + "ffn_up.weight", get(p + "ffn_up.weight"), (cfg.ffn_dim, D)).T)
+        add("w_down", expect(p + "ffn_down.weight", get(p + "ffn_down.weight"), (D, cfg.ffn_dim)).T)
+        if cfg.qkv_bias:
+            add("bq", get(p + "attn_q.bias").reshape(N, H))
+            add("bk", get(p + "attn_k.bias").reshape(K, H))
+            add("bv", get(p + "attn_v.bias").reshape(K, H))
+        if cfg.qk_norm:
+            add("q_norm", get(p + "attn_q_norm.weight"))
+            add("k_norm", get(p + "attn_k_norm.weight"))
+        if cfg.post_norms:
+            add("post_attn_norm", get(p + "post_attention_norm.weight"))
+            add("post_ffn_norm", get(p + "post_ffw_norm.weight"))
+
+    params = {
+        "embed": expect("token_embd.weight", get("token_embd.weight"), (cfg.vocab_size, D)),
+        "layers": {k: np.stack(v) for k, v in layers.items()},
+        "final_norm": get("output_norm.weight"),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = expect("output.weight", get("output.weight"), (cfg.vocab_size, D)).T
+    return params
+
+
+@dataclasses.dataclass
+class GGUFModel:
+    config: ModelConfig
+    params: dict  # numpy float32
+    tokenizer: TokenizerData
+    arch: str
+
+
+def read_gguf(path: str, name: Optional[str] = None,
+              progress: Optional[Callable[[int, int], None]] = None) -> GGUFModel:
+    """Read a whole GGUF model: config, dequantized params (float32 numpy) and tokenizer data."""
+    reader = _open(path)
+    try:
+        arch = _field(reader, "general.architecture")
+        cfg = read_config(reader, name or os.path.basename(path))
+        tok = read_tokenizer(reader)
+        params = read_params(reader, cfg, arch, progress)
+    except GGUFError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        raise GGUFError(f"{path}: cannot read GGUF model: {e}") from e
+    return GGUFModel(config=cfg, params=params, tokenizer=tok, arch=arch)

@@ -1,0 +1,201 @@
+"""The transformer forward pass as pure functions over a params pytree.
+
+One `forward` serves prefill (T = prompt length) and decode (T = 1): token ids become vectors,
+pass L causal-attention blocks (run as one `lax.scan` over the stacked layer weights) and the last
+norm, and become logits over the vocabulary. Shape letters are defined in `jaxinfer.config`.
+
+Families: Llama/Mistral (SwiGLU, RMSNorm, RoPE, GQA), Qwen2 (+ q/k/v biases) and Gemma 3
+(+ QK-norm, post-norms, scaled embeddings, GeGLU, sliding-window local layers with their own
+RoPE base) are switches on `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import cache as kv
+from jaxinfer.cache import KVCache
+from jaxinfer.config import ModelConfig
+from jaxinfer.params import Params
+
+_NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
+
+
+def linear(eq: str, x: jax.Array, w) -> jax.Array:
+    """`einsum(eq, x, w)`: every weight matmul goes through here (quantized weights hook in)."""
+    if hasattr(w, "einsum"):  # quantized weight types carry their own dequantizing matmul
+        return w.einsum(eq, x)
+    return jnp.einsum(eq, x, w)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32: x / rms(x) * w."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: jax.Array) -> jax.Array:
+    """Rotary position embedding, "rotate half" layout (as in Hugging Face Llama).
+
+    Args:
+      x: [B, T, heads, H].
+      positions: [B, T] int positions.
+      theta: scalar RoPE base (traced: local and global layers may differ).
+    """
+    H = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: Optional[jax.Array]) -> jax.Array:
+    """Causal (and optionally sliding-window) mask.
+
+    Args:
+      q_pos: [B, T] query positions.
+      k_pos: [B, S] key positions.
+      window: scalar window size, or None; keys older than `window` tokens are hidden.
+    Returns:
+      [B, T, S] bool, True where the query may attend the key.
+    """
+    q = q_pos[:, :, None]
+    k = k_pos[:, None, :]
+    mask = k <= q  # a token looks back, never forward
+    if window is not None:
+        mask &= k > q - window
+    return mask
+
+
+def attend(q, k, v, mask, scale):
+    """Grouped-query attention.
+
+    Args:
+      q: [B, T, N, H] queries.
+      k, v: [B, S, K, H] keys and values.
+      mask: [B, T, S] bool.
+      scale: score scale (1/sqrt(H) for most families).
+    Returns:
+      out [B, T, N, H] and probabilities [B, N, T, S] (float32).
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+    return out.reshape(B, T, N, H), probs.reshape(B, N, T, -1)
+
+
+def _activation(cfg: ModelConfig):
+    if cfg.activation == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu
+
+
+def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D]."""
+    gate = linear("BTD,DF->BTF", x, lp["w_gate"])
+    up = linear("BTD,DF->BTF", x, lp["w_up"])
+    return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
+
+
+def _layer_meta(cfg: ModelConfig):
+    """Per-layer constants scanned beside the weights: RoPE base and local (sliding) flag."""
+    theta = jnp.array([cfg.layer_rope_theta(i) for i in range(cfg.n_layers)], jnp.float32)
+    local = jnp.array([cfg.is_local_layer(i) for i in range(cfg.n_layers)], bool)
+    return jnp.arange(cfg.n_layers, dtype=jnp.int32), theta, local
+
+
+def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
+            cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
+            return_attention: bool = False):
+    """Run the model on new tokens, reading and extending the KV cache.
+
+    Args:
+      params: params pytree (see `jaxinfer.params`).
+      tokens: [B, T] int token ids.
+      positions: [B, T] int positions of those tokens; with a cache, row b's tokens are written to
+        slots positions[b, 0] .. positions[b, 0] + T - 1 (positions must be consecutive).
+      cache: a `KVCache`, or None for one uncached pass (keys are the T tokens themselves).
+      cfg: model config (static).
+      logit_index: optional [B] index into T; logits are computed only there ([B, 1, V]).
+      return_attention: also return attention probabilities [L, B, N, T, S].
+    Returns:
+      (logits [B, T, V] float32, cache) -- cache is the updated cache (None if none was given);
+      with return_attention, a third item, the attention probabilities.
+    """
+    x = params["embed"][tokens] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)  # [B, T, D]
+    if cache is not None:
+        starts = positions[:, 0]
+        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=positions.dtype), (tokens.shape[0], cache.max_len))
+    else:
+        k_pos = positions
+    window = cfg.sliding_window
+
+    def block(carry, xs):
+        x, ck, cv = carry
+        lp, idx, theta, local = xs
+        h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        q = linear("BTD,DNH->BTNH", h, lp["wq"])
+        k = linear("BTD,DKH->BTKH", h, lp["wk"])
+        v = linear("BTD,DKH->BTKH", h, lp["wv"])
+        if cfg.qkv_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+        q = rope(q, positions, theta)
+        k = rope(k, positions, theta)
+        if ck is not None:
+            ck = kv.write(ck, k, idx, starts)
+            cv = kv.write(cv, v, idx, starts)
+            keys, values = ck[idx], cv[idx]
+        else:
+            keys, values = k, v
+        if window is None:
+            mask = attention_mask(positions, k_pos, None)
+        else:
+            mask = jnp.where(local, attention_mask(positions, k_pos, window),
+                             attention_mask(positions, k_pos, None))
+        out, probs = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, cfg.attn_scale)
+        attn = linear("BTNH,NHD->BTD", out, lp["wo"])
+        if cfg.post_norms:
+            attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
+        x = x + attn
+        h = mlp(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
+        if cfg.post_norms:
+            h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
+        x = x + h
+        return (x, ck, cv), (probs if return_attention else None)
+
+    ck = cache.k if cache is not None else None
+    cv = cache.v if cache is not None else None
+    (x, ck, cv), probs = jax.lax.scan(block, (x, ck, cv), (params["layers"], *_layer_meta(cfg)))
+
+    if logit_index is not None:
+        x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        logits = linear("BTD,VD->BTV", x, params["embed"])
+    else:
+        logits = linear("BTD,DV->BTV", x, params["lm_head"])
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+
+    new_cache = None
+    if cache is not None:
+        new_cache = KVCache(k=ck, v=cv, lengths=(positions[:, -1] + 1).astype(jnp.int32))
+    if return_attention:
+        return logits, new_cache, probs
+    return logits, new_cache

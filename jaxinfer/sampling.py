@@ -1,0 +1,95 @@
+"""Logits -> one token per row, as a pure function of (logits, keys, params).
+
+Each row has its own PRNG key, so a row's sample never depends on its neighbours in the batch:
+the key of row b at step t is `fold_in(key_b, t)`, where key_b comes from that request's seed.
+There is no default key anywhere.
+
+Order of the filters: temperature, then top-k, then top-p (nucleus), then min-p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to turn logits into a token. Hashable: a static argument of jitted steps."""
+
+    temperature: float = 1.0  # 0 means greedy (argmax); > 1 flattens, < 1 sharpens
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set whose probability mass reaches p; 1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1):
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def row_keys(seeds: jax.Array) -> jax.Array:
+    """One PRNG key per request from its integer seed. seeds [B] -> keys [B]."""
+    return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
+
+
+def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
+    """Keys for one decode step: fold the step into each row's key. keys [B] -> [B]."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+
+
+def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Scaled logits with everything outside the allowed set at -inf. [B, V] -> [B, V] float32."""
+    x = logits.astype(jnp.float32) / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, params.top_k)[0][:, -1:]
+        x = jnp.where(x < kth, _NEG_INF, x)
+    if params.top_p < 1.0:
+        sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # descending
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < params.top_p  # the first token is always kept
+        threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < threshold, _NEG_INF, x)
+    if params.min_p > 0.0:
+        probs = jax.nn.softmax(x, axis=-1)
+        cutoff = params.min_p * jnp.max(probs, axis=-1, keepdims=True)
+        x = jnp.where(probs < cutoff, _NEG_INF, x)
+    return x
+
+
+def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams):
+    """Sample one token per row.
+
+    Args:
+      logits: [B, V] next-token logits.
+      keys: [B] PRNG keys, one per row (already folded with the step).
+      params: SamplingParams (static).
+    Returns:
+      tokens [B] int32 and their log-probabilities [B] under the model's own distribution
+      (log_softmax of the raw logits, before temperature and filtering).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if params.greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        x = filter_logits(logits, params)
+        tokens = jax.vmap(jax.random.categorical)(keys, x)
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
