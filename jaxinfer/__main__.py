@@ -1,0 +1,7 @@
+"""`python -m jaxinfer ...` runs the command line."""
+
+import sys
+
+from jaxinfer.cli import main
+
+sys.exit(main())

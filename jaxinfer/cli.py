@@ -1,0 +1,114 @@
+"""Command line: `jaxinfer generate "prompt"` (also `python -m jaxinfer generate ...`).
+
+A thin layer over the library: parse flags, load, call `jaxinfer.generate` with a streaming
+callback that prints text as each decode chunk arrives, then print a one-line summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+
+def _add_generate(sub) -> None:
+    from jaxinfer.hub import DEFAULT_MODEL, KNOWN_MODELS
+
+    p = sub.add_parser("generate", help="generate a continuation of a prompt")
+    p.add_argument("prompt", nargs="+", help="prompt text (several prompts are run as one batch)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"known model ({', '.join(sorted(KNOWN_MODELS))}) or path to a .gguf file")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed of every row (samples are reproducible)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--chunk-size", type=int, default=8, help="decode steps per streamed chunk")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _generate(args) -> int:
+    import jaxinfer
+    from jaxinfer.sampling import SamplingParams
+
+    # Validate cheap things before the (slow) load.
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    model = jaxinfer.load(args.model, dtype=args.dtype)
+    prompts = list(args.prompt)
+    if args.chat:
+        prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+
+    streaming = not args.json and len(prompts) == 1
+    stop = set() if args.no_stop else set(model.tokenizer.stop_ids)
+    kept: list[int] = []  # tokens of row 0 so far, up to the first stop token
+    shown = ""  # text already written
+
+    def on_tokens(rows: list[list[int]]) -> None:
+        nonlocal shown
+        for t in rows[0]:
+            if len(kept) >= args.max_new_tokens or (kept and kept[-1] in stop):
+                break
+            kept.append(t)
+        text = model.tokenizer.decode([t for t in kept if t not in stop])
+        # Hold back a trailing partial UTF-8 character until the next chunk completes it.
+        if not text.endswith("\ufffd") and text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+
+    if streaming:
+        sys.stdout.write(prompts[0] if not args.chat else "")
+        sys.stdout.flush()
+    out = jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                            sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
+                            on_tokens=on_tokens if streaming else None)
+    t = out.timings
+    if args.json:
+        print(json.dumps({
+            "model": args.model,
+            "completions": [{"prompt": p, "text": c.text, "token_ids": c.token_ids,
+                             "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                            for p, c in zip(prompts, out.completions)],
+            "timings": t.__dict__,
+        }, indent=1))
+        return 0
+    if streaming:
+        # Flush anything held back (e.g. an incomplete multi-byte sequence at the very end).
+        final = out.completions[0].text
+        if final.startswith(shown):
+            sys.stdout.write(final[len(shown):])
+        sys.stdout.write("\n")
+    else:
+        for p, c in zip(prompts, out.completions):
+            print(f"--- {p!r}\n{p}{c.text}")
+    per_row = max(1, len(prompts))
+    print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s | "
+          f"decode {t.decode_tokens_per_s:.1f} tokens/s | total {t.total_s:.2f} s | "
+          f"{t.n_compilations} compilations]", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
