@@ -1,0 +1,61 @@
+"""jaxinfer vs the independent reference: Hugging Face transformers on the same GGUF (fp32).
+
+Golden data: tests/golden/make_reference.py (regenerate with torch + transformers installed).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import jaxinfer
+
+ATOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def golden(golden_dir):
+    data = np.load(os.path.join(golden_dir, "smollm2_logits.npz"))
+    with open(os.path.join(golden_dir, "smollm2_reference.json")) as f:
+        meta = json.load(f)
+    return data, meta
+
+
+def _n_prompts(data):
+    return len([k for k in data.files if k.startswith("ids_")])
+
+
+def test_logits_match_transformers(smollm2, golden):
+    data, _ = golden
+    worst = 0.0
+    for i in range(_n_prompts(data)):
+        ids = data[f"ids_{i}"]
+        ours = np.asarray(jaxinfer.logits(smollm2, ids.tolist()))  # [T, V]
+        sel = np.take_along_axis(ours, data[f"vocab_idx_{i}"], axis=1)
+        diff = np.abs(sel - data[f"logits_{i}"]).max(axis=1)  # per position
+        lse = np.log(np.exp(ours - ours.max(1, keepdims=True)).sum(1)) + ours.max(1)
+        lse_diff = np.abs(lse - data[f"lse_{i}"]).max()
+        print(f"prompt {i}: T={len(ids)} max |logit diff| {diff.max():.2e}  max |logsumexp diff| {lse_diff:.2e}")
+        worst = max(worst, float(diff.max()), float(lse_diff))
+        assert (diff <= ATOL).all(), f"prompt {i}: positions {np.nonzero(diff > ATOL)[0]} differ by {diff.max()}"
+        assert lse_diff <= ATOL
+        np.testing.assert_array_equal(ours.argmax(-1), data[f"argmax_{i}"], err_msg=f"prompt {i} argmax")
+    print(f"max |logit diff| vs transformers over all prompts and positions: {worst:.2e}")
+
+
+def test_greedy_continuation_matches_transformers(smollm2, golden):
+    data, meta = golden
+    prompts = [data[f"ids_{i}"].tolist() for i in range(_n_prompts(data))]
+    out = jaxinfer.generate(smollm2, prompts, max_new_tokens=32, stop_at_eos=False)
+    for i, c in enumerate(out.completions):
+        ref = data[f"greedy_{i}"].tolist()
+        assert c.token_ids == ref, f"prompt {i}: first difference at {next(j for j, (a, b) in enumerate(zip(c.token_ids, ref)) if a != b)}"
+    assert out.completions[0].text.startswith(" Paris")
+
+
+def test_reference_file_matches_model(smollm2_path, golden):
+    from jaxinfer.hub import sha256_file
+
+    _, meta = golden
+    assert meta["gguf_sha256"] == sha256_file(smollm2_path)
