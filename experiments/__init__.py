@@ -1,0 +1,1 @@
+"""Runnable walkthrough experiments (see WALKTHROUGH.md)."""

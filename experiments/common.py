@@ -1,0 +1,146 @@
+"""Shared plumbing for the walkthrough experiments: arguments, model loading, output files, timers.
+
+Each experiment is `main(argv=None, model=None) -> dict`: it parses its arguments, loads the model
+(or takes one already loaded, as the smoke test does), runs, prints a short summary, and writes
+`<out>/<name>.json` (its numbers) and `<out>/<name>.png` (its picture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "experiments" / "out"
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or .gguf path (default %(default)s)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder for the JSON and PNG (default experiments/out)")
+    p.add_argument("--figures", default=None,
+                   help="also copy the PNG here (the README's pictures: --figures experiments/figures)")
+    p.add_argument("--smoke", action="store_true", help="tiny settings for a fast CI check")
+    return p
+
+
+def load_model(args, model=None):
+    """The model of `args.model`, or `model` if one was passed in (tests share one)."""
+    if model is not None:
+        return model
+    import jaxinfer
+
+    t0 = time.perf_counter()
+    m = jaxinfer.load(args.model)
+    print(f"loaded {args.model} ({m.config.n_params / 1e6:.1f}M parameters, {m.config.dtype}) "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return m
+
+
+def environment() -> dict:
+    import jax
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+            "machine": platform.machine()}
+
+
+def save(name: str, fig, data: dict, args) -> tuple[Path, Path]:
+    """Write `<out>/<name>.json` and `<out>/<name>.png` (and a copy of the PNG into --figures)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png, js = out / f"{name}.png", out / f"{name}.json"
+    fig.savefig(png, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    data = {"experiment": name, "args": {k: v for k, v in vars(args).items()}, "environment": environment(), **data}
+    js.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    if args.figures:
+        Path(args.figures).mkdir(parents=True, exist_ok=True)
+        shutil.copy(png, Path(args.figures) / png.name)
+    print(f"wrote {js} and {png}")
+    return js, png
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, bytes):
+        return x.decode("utf-8", errors="replace")
+    return str(x)
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls (call it once before to compile)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(n_bytes: int, repeats: int) -> dict:
+    """Memory bandwidth of this machine from large array copies, in bytes/s.
+
+    A copy reads n bytes and writes n bytes, so it moves 2n. Measured with numpy (one thread)
+    and with a jitted JAX copy (XLA may use several threads); the larger is the machine's figure.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = n_bytes // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t_np = median_time(lambda: np.copyto(dst, src), repeats)
+    x = jnp.ones(n, jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)  # reads a, writes a new array: 2n bytes
+    copy(x).block_until_ready()
+    t_jax = median_time(lambda: copy(x).block_until_ready(), repeats)
+    res = {"bytes_copied": n * 4, "numpy_copy_Bps": 2 * n * 4 / t_np, "jax_copy_Bps": 2 * n * 4 / t_jax}
+    res["bandwidth_Bps"] = max(res["numpy_copy_Bps"], res["jax_copy_Bps"])
+    del src, dst, x
+    return res
+
+
+def measure_matmul_flops(n: int, repeats: int) -> float:
+    """FLOP/s of a jitted n x n float32 matmul on the default JAX device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    return 2 * n ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def run(main: Callable, argv: Optional[list] = None) -> None:
+    """Entry point for `python experiments/<name>.py`."""
+    main(argv if argv is not None else sys.argv[1:])
