@@ -12,11 +12,9 @@ import json
 import os
 import platform
 import shutil
-import statistics
-import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import matplotlib
 
@@ -88,18 +86,18 @@ def _jsonable(x):
     return str(x)
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `fn()` over `repeats` calls (call it once before to compile)."""
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Shortest wall time of `fn()` over `repeats` calls: what the hardware can do (as STREAM reports)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_bandwidth(n_bytes: int, repeats: int) -> dict:
-    """Memory bandwidth of this machine from large array copies, in bytes/s.
+    """Memory bandwidth of this machine from large array copies, in bytes/s (best of `repeats`).
 
     A copy reads n bytes and writes n bytes, so it moves 2n. Measured with numpy (one thread)
     and with a jitted JAX copy (XLA may use several threads); the larger is the machine's figure.
@@ -111,11 +109,11 @@ def measure_bandwidth(n_bytes: int, repeats: int) -> dict:
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
-    t_np = median_time(lambda: np.copyto(dst, src), repeats)
+    t_np = best_time(lambda: np.copyto(dst, src), repeats)
     x = jnp.ones(n, jnp.float32)
     copy = jax.jit(lambda a: a + 0.0)  # reads a, writes a new array: 2n bytes
     copy(x).block_until_ready()
-    t_jax = median_time(lambda: copy(x).block_until_ready(), repeats)
+    t_jax = best_time(lambda: copy(x).block_until_ready(), repeats)
     res = {"bytes_copied": n * 4, "numpy_copy_Bps": 2 * n * 4 / t_np, "jax_copy_Bps": 2 * n * 4 / t_jax}
     res["bandwidth_Bps"] = max(res["numpy_copy_Bps"], res["jax_copy_Bps"])
     del src, dst, x
@@ -123,14 +121,14 @@ def measure_bandwidth(n_bytes: int, repeats: int) -> dict:
 
 
 def measure_matmul_flops(n: int, repeats: int) -> float:
-    """FLOP/s of a jitted n x n float32 matmul on the default JAX device."""
+    """FLOP/s of a jitted n x n float32 matmul on the default JAX device (best of `repeats`)."""
     import jax
     import jax.numpy as jnp
 
     a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
-    return 2 * n ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
+    return 2 * n ** 3 / best_time(lambda: mm(a).block_until_ready(), repeats)
 
 
 def fmt_bytes(n: float) -> str:
@@ -139,8 +137,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
     return str(n)
-
-
-def run(main: Callable, argv: Optional[list] = None) -> None:
-    """Entry point for `python experiments/<name>.py`."""
-    main(argv if argv is not None else sys.argv[1:])

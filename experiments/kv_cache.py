@@ -126,7 +126,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--chunk", type=int, default=8, help="decode steps per streamed chunk = timing resolution (default %(default)s)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.max_new_tokens, args.chunk = min(args.max_new_tokens, 8), min(args.chunk, 4)
+        args.max_new_tokens, args.chunk = min(args.max_new_tokens, 7), min(args.chunk, 3)  # shapes of the counting run
     if args.max_new_tokens < 2 or args.chunk < 1:
         p.error("--max-new-tokens must be >= 2 and --chunk >= 1")
     m = common.load_model(args, model)

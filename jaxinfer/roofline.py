@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
@@ -23,11 +22,6 @@ from jaxinfer.config import ModelConfig
 def weight_bytes(cfg: ModelConfig, dtype: Optional[str] = None) -> int:
     """Bytes of all weights of `cfg` stored in `dtype` (default `cfg.dtype`): parameters x itemsize."""
     return cfg.n_params * jnp.dtype(dtype or cfg.dtype).itemsize
-
-
-def params_nbytes(params) -> int:
-    """Bytes actually held by a params pytree (sum of every array's nbytes)."""
-    return int(sum(int(x.nbytes) for x in jax.tree.leaves(params)))
 
 
 def decode_ceiling(bandwidth: float, weight_bytes: float, *, batch: int = 1,
