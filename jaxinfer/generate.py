@@ -179,6 +179,9 @@ def _prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
             if not p:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
             ids = model.tokenizer.encode(p)
+            bos = model.tokenizer.bos_id
+            if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
+                ids = [bos] + ids  # Gemma: the model expects <bos> first
         else:
             ids = [int(t) for t in p]
             if not ids:

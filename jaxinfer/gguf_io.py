@@ -189,7 +189,7 @@ def read_params(reader, cfg: ModelConfig, arch: str,
         add("wk", wk.T.reshape(D, K, H))
         add("wv", wv.T.reshape(D, K, H))
         add("wo", wo.T.reshape(N, H, D))
-        add("ffn_norm", get(p + ("pre_ffw_norm.weight" if cfg.post_norms else "ffn_norm.weight")))
+        add("ffn_norm", get(p + "ffn_norm.weight"))  # Gemma 3: pre_feedforward_layernorm
         add("w_gate", expect(p + "ffn_gate.weight", get(p + "ffn_gate.weight"), (cfg.ffn_dim, D)).T)
         add("w_up", expect(p + "ffn_up.weight", get(p + "ffn_up.weight"), (cfg.ffn_dim, D)).T)
         add("w_down", expect(p + "ffn_down.weight", get(p + "ffn_down.weight"), (D, cfg.ffn_dim)).T)

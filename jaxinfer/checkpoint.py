@@ -1,0 +1,342 @@
+"""Checkpoints: a model's params, config and tokenizer data in one folder, saved with orbax.
+
+Layout of a checkpoint folder (e.g. `checkpoints/gemma3-270m/`):
+  params/                  orbax PyTree checkpoint of the params (layers stacked on L)
+  tokenizer.json           the tokenizer data (`gguf_io.TokenizerData`), if the model has one
+  jaxinfer_checkpoint.json the marker, written last: format version, config, dtype, source, the
+                           shape of every tensor and the size of every file in the folder
+
+Safety. `save` writes everything into a hidden sibling folder `.NAME.partial-<random>` and renames
+it to NAME only once the marker is written, so a save killed half-way never leaves a folder named
+NAME; `restore` also refuses any folder without the marker. Re-running a save removes stale partial
+folders of the same name. On restore every file is checked against the size the marker recorded
+(a truncated file is named), every tensor against the shape the config implies (a missing or
+misshapen tensor is named) and the config itself is validated.
+
+Restore builds its target from `params.abstract_params(cfg, dtype)` -- shapes and dtypes only --
+so the same call can later restore straight into a sharded layout (pass `shardings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import params as P
+from jaxinfer.config import DTYPES, ModelConfig
+from jaxinfer.gguf_io import TokenizerData
+
+FORMAT = "jaxinfer-checkpoint"
+VERSION = 1
+MARKER = "jaxinfer_checkpoint.json"
+TOKENIZER_FILE = "tokenizer.json"
+PARAMS_DIR = "params"
+PARTIAL = ".partial-"  # infix of the temporary folder a save writes into
+
+
+class CheckpointError(ValueError):
+    """A folder is not a complete, consistent jaxinfer checkpoint."""
+
+
+def is_checkpoint(path: os.PathLike) -> bool:
+    """Whether `path` is a folder holding a finished checkpoint (the marker file exists)."""
+    return (Path(path) / MARKER).is_file()
+
+
+def _tree_paths(tree) -> dict[str, Any]:
+    """{"layers/wq": leaf, ...} for a nested dict."""
+    flat = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        flat["/".join(str(k.key) for k in kp)] = leaf
+    return flat
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MARKER}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[TokenizerData] = None, *,
+         dtype: Optional[str] = None, source: Optional[str] = None, overwrite: bool = False,
+         checksums: bool = True) -> Path:
+    """Write a checkpoint atomically: the folder `path` appears only when it is complete.
+
+    Args:
+      path: destination folder (must not exist unless `overwrite`).
+      cfg: the model config (stored in the marker; its dtype field is set to the stored dtype).
+      params: params pytree (numpy or jax arrays) matching `params.param_specs(cfg)`.
+      tokenizer: tokenizer data to store beside the weights, or None.
+      dtype: stored dtype ("float32", "bfloat16", "float16"); default `cfg.dtype`.
+      source: where the weights came from (recorded in the marker).
+      overwrite: replace an existing checkpoint at `path`.
+      checksums: also record the sha256 of every file (checked by `restore(verify=True)`).
+    Returns:
+      The checkpoint folder.
+    """
+    import orbax.checkpoint as ocp
+
+    dtype = dtype or cfg.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    dest = Path(path).absolute()
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest} already exists; pass overwrite=True (CLI: --force) to replace it")
+    cfg = cfg.replace(dtype=dtype)
+    _check_tree(params, cfg, where="params to save")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}{PARTIAL}*"):  # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        dt = jnp.dtype(dtype)
+        arrays = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / PARAMS_DIR, arrays)
+            ckptr.wait_until_finished()
+        del arrays
+        if tokenizer is not None:
+            (tmp / TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(tokenizer), ensure_ascii=False))
+        sizes = _file_sizes(tmp)
+        marker = {
+            "format": FORMAT,
+            "version": VERSION,
+            "config": dataclasses.asdict(cfg),
+            "dtype": dtype,
+            "source": source,
+            "tensors": {k: list(v.shape) for k, v in _tree_paths(params).items()},
+            "files": sizes,
+            "sha256": {f: _sha256(tmp / f) for f in sizes} if checksums else None,
+        }
+        _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
+        if dest.exists():  # overwrite: move the old one aside first so `dest` is never half-new
+            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_marker(path: os.PathLike) -> dict:
+    """The marker of a finished checkpoint (raises CheckpointError if absent or unreadable)."""
+    folder = Path(path)
+    marker = folder / MARKER
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder")
+    if not marker.is_file():
+        partial = ", ".join(p.name for p in folder.parent.glob(f".{folder.name}{PARTIAL}*"))
+        hint = f" (an unfinished save left {partial}; run the conversion again)" if partial else ""
+        raise CheckpointError(f"{folder} is not a finished jaxinfer checkpoint: {MARKER} is missing{hint}")
+    try:
+        meta = json.loads(marker.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{marker} is not valid JSON (truncated?): {e}") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{marker}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                              f"expected {FORMAT!r} version {VERSION}")
+    return meta
+
+
+def read_config(path: os.PathLike) -> ModelConfig:
+    """The ModelConfig stored in a checkpoint, validated."""
+    meta = read_marker(path)
+    raw = meta.get("config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{Path(path) / MARKER}: 'config' is missing or not an object")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise CheckpointError(f"{Path(path) / MARKER}: config has unknown fields {unknown}")
+    try:
+        return ModelConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{Path(path) / MARKER}: invalid config: {e}") from e
+
+
+def read_tokenizer(path: os.PathLike) -> Optional[TokenizerData]:
+    """The tokenizer data stored in a checkpoint, or None if it has none."""
+    f = Path(path) / TOKENIZER_FILE
+    if not f.exists():
+        return None
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+        raw["extra_eos_ids"] = tuple(raw.get("extra_eos_ids", ()))
+        return TokenizerData(**raw)
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid tokenizer data: {e}") from e
+
+
+def _check_files(folder: Path, meta: dict, verify: bool) -> None:
+    recorded = meta.get("files") or {}
+    for name, size in recorded.items():
+        f = folder / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        actual = f.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"checkpoint file {f} has {actual} bytes, expected {size} (truncated or replaced)")
+    if verify:
+        sums = meta.get("sha256")
+        if not sums:
+            raise CheckpointError(f"{folder / MARKER} records no checksums; cannot verify")
+        for name, digest in sums.items():
+            if _sha256(folder / name) != digest:
+                raise CheckpointError(f"checkpoint file {folder / name} does not match its recorded sha256 (corrupt)")
+
+
+def _check_tree(tree_shapes, cfg: ModelConfig, where: str) -> None:
+    """Every tensor the config needs is present with its shape, and nothing else."""
+    want = {k: tuple(s.shape) for k, s in _tree_paths(P.abstract_params(cfg)).items()}
+    have = {k: tuple(getattr(v, "shape", v)) for k, v in _tree_paths(tree_shapes).items()}
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor(s) {missing}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor(s) {extra} for this config")
+    for k, shape in want.items():
+        if have[k] != shape:
+            raise CheckpointError(f"{where}: tensor {k!r} has shape {have[k]}, expected {shape}")
+
+
+def restore(path: os.PathLike, dtype: Optional[str] = None, *, shardings=None, verify: bool = False):
+    """Read a checkpoint into device arrays of `dtype`.
+
+    Args:
+      path: checkpoint folder written by `save`.
+      dtype: parameter dtype to restore into; default the stored dtype.
+      shardings: optional pytree of `jax.sharding.Sharding` (same structure as the params); default
+        every array on the first device.
+      verify: also check every file's sha256 (slower; sizes are always checked).
+    Returns:
+      (config with `dtype` set, params pytree, tokenizer data or None).
+    Raises:
+      CheckpointError naming the bad file or tensor.
+    """
+    import orbax.checkpoint as ocp
+
+    folder = Path(path).absolute()
+    meta = read_marker(folder)
+    cfg = read_config(folder)
+    dtype = dtype or meta.get("dtype") or cfg.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    cfg = cfg.replace(dtype=dtype)
+    _check_files(folder, meta, verify)
+    tokenizer = read_tokenizer(folder)
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            stored = ckptr.metadata(folder / PARAMS_DIR).item_metadata.tree
+        except Exception as e:  # orbax raises many types for unreadable metadata
+            raise CheckpointError(f"{folder / PARAMS_DIR}: cannot read orbax metadata: {e}") from e
+        _check_tree(stored, cfg, where=f"checkpoint {folder}")
+        target = P.abstract_params(cfg, dtype)
+        if shardings is None:
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: one, target)
+        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
+        try:
+            params = ckptr.restore(folder / PARAMS_DIR, target)
+        except Exception as e:
+            raise CheckpointError(f"cannot restore the arrays in {folder / PARAMS_DIR}: {e}") from e
+    return cfg, params, tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Converted:
+    """What `convert` did."""
+
+    path: Path
+    config: ModelConfig
+    source_kind: str  # "gguf", "known", "huggingface" or "checkpoint"
+    n_params: int
+    bytes_on_disk: int
+
+
+def read_source(source: str, *, cache: Optional[str] = None, progress=None):
+    """Read any model source into numpy params.
+
+    Args:
+      source: a .gguf file, a known model name, a Hugging Face folder or a jaxinfer checkpoint.
+      cache: model cache folder for known names.
+      progress: optional callback(done, total) per tensor read.
+    Returns:
+      (config, params as float32 numpy, tokenizer data or None, kind of source).
+    """
+    from jaxinfer import gguf_io, hf_io, hub
+
+    p = Path(source)
+    if p.is_dir():
+        if is_checkpoint(p):
+            cfg, params, tok = restore(p, "float32")
+            return cfg, jax.tree.map(np.asarray, params), tok, "checkpoint"
+        if hf_io.is_hf_folder(p):
+            cfg = hf_io.read_config(p)
+            return cfg, hf_io.read_params(p, cfg, progress), None, "huggingface"
+        raise ValueError(f"{p} is neither a jaxinfer checkpoint nor a Hugging Face folder "
+                         "(config.json + model.safetensors or model.safetensors.index.json)")
+    if p.is_file():
+        g = gguf_io.read_gguf(str(p), name=p.stem, progress=progress)
+        return g.config, g.params, g.tokenizer, "gguf"
+    if source.endswith(".gguf") or os.sep in source:
+        raise FileNotFoundError(f"no such model file or folder: {source}")
+    path = hub.fetch(source, cache)  # ValueError listing the known names if unknown
+    g = gguf_io.read_gguf(str(path), name=source, progress=progress)
+    return g.config, g.params, g.tokenizer, "known"
+
+
+def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite: bool = False,
+            cache: Optional[str] = None, progress=None) -> Converted:
+    """Convert a GGUF file, known model name, Hugging Face folder or checkpoint into a checkpoint.
+
+    Args:
+      source: see `read_source`.
+      out: destination folder (written atomically, see `save`).
+      dtype: stored dtype, "bfloat16", "float32" or "float16".
+      overwrite: replace an existing checkpoint at `out`.
+      cache: model cache folder for known names.
+      progress: optional callback(done, total) per tensor read.
+    Returns:
+      A `Converted` record.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out = Path(out)
+    if out.exists() and not overwrite:  # check before the (slow) read
+        raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
+    cfg, params, tok, kind = read_source(source, cache=cache, progress=progress)
+    cfg = cfg.replace(name=out.name)
+    path = save(out, cfg, params, tok, dtype=dtype, source=str(source), overwrite=overwrite)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return Converted(path=path, config=cfg.replace(dtype=dtype), source_kind=kind,
+                     n_params=P.count(params), bytes_on_disk=size)

@@ -1,0 +1,183 @@
+"""SentencePiece-style BPE (Gemma) expressed as a tiktoken.Encoding.
+
+A Gemma GGUF stores a SentencePiece BPE vocabulary: tokens with scores, `<0xNN>` byte-fallback
+tokens, no merges list, "▁" for a space, and no pre-tokenizer (the whole text is one word). Its
+merge priority is the token's position in the file (transformers rebuilds the merges that way,
+and the scores agree for all but a handful of tokens). SentencePiece merges *characters*;
+tiktoken merges *bytes*. To make the two agree we give tiktoken ranks in three bands:
+
+  1. the 256 single bytes;
+  2. every multi-byte character in the vocabulary, preceded by its byte prefixes (synthetic
+     ranks): characters form before any other merge, as if the text had been split into
+     characters first -- a byte can only ever merge with the rest of its own character, so
+     nothing else changes;
+  3. every longer token, in file (= merge priority) order.
+
+tiktoken's output is ranks, so a table maps each rank back to the Gemma id; leftover single bytes
+and synthetic prefixes (a character the vocabulary lacks) become `<0xNN>` byte-fallback ids,
+exactly as SentencePiece's byte fallback does. "▁" stands for a space, so tokens are stored with
+real spaces and a literal "▁" in the input is read as a space (the Hugging Face normalizer does
+the same). Control tokens (`<bos>`, `<start_of_turn>` ...) are tiktoken special tokens;
+user-defined tokens (newline and tab runs, a few HTML tags) are matched whole, longest first, by
+the split pattern, as Hugging Face's added-token matching does.
+
+Known difference: when one token can be formed from two different splits at two places at once,
+Hugging Face prefers the split with the longer left part, tiktoken the leftmost place. The rate
+is measured in experiments/tokenizer_gemma.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
+
+import regex
+import tiktoken
+
+from jaxinfer.gguf_io import TokenizerData
+from jaxinfer.tokenizer import Tokenizer, TokenizerError
+
+SPACE = "\u2581"  # ▁, SentencePiece's space
+_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+
+
+def _token_bytes(tok: str, ttype: int) -> bytes:
+    if ttype == _BYTE:
+        return bytes([int(tok[3:5], 16)])  # "<0x41>"
+    return tok.replace(SPACE, " ").encode("utf-8")
+
+
+@dataclasses.dataclass(frozen=True)
+class SentencePieceTokenizer(Tokenizer):
+    """A Tokenizer whose tiktoken ranks map to model ids through a table (see module doc)."""
+
+    ids_of_rank: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), repr=False, compare=False)
+    bytes_of_id: tuple[bytes, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    special_of_id: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    add_bos: bool = True  # Gemma expects <bos> first; `generate` prepends it to text prompts
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.bytes_of_id)
+
+    def encode(self, text: str, *, allowed_special: Union[Literal["all"], AbstractSet[str]] = "all",
+               disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> list[int]:
+        """Token ids of `text` (no BOS; generate adds it when the model wants one)."""
+        ranks = self.encoding.encode(text.replace(SPACE, " "), allowed_special=allowed_special,
+                                     disallowed_special=disallowed_special)
+        out: list[int] = []
+        for r in ranks:
+            out.extend(self.ids_of_rank[r])
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; invalid UTF-8 (a lone byte-fallback token) becomes U+FFFD."""
+        return b"".join(self.pieces(ids)).decode("utf-8", errors="replace")
+
+    def pieces(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes each token stands for (special tokens: their text)."""
+        n = len(self.bytes_of_id)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside [0, {n})")
+        return [self.bytes_of_id[i] for i in ids]
+
+    def _special_text(self, i: Optional[int]) -> str:
+        return "" if i is None else self.bytes_of_id[i].decode("utf-8", errors="replace")
+
+
+def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer:
+    """The tiktoken-backed tokenizer of a SentencePiece BPE GGUF vocabulary (Gemma).
+
+    Args:
+      data: `tokenizer.ggml.*` data with model "llama" and byte-fallback tokens.
+      name: the encoding's name.
+    """
+    if data.model != "llama":
+        raise TokenizerError(f"tokenizer model {data.model!r} is not SentencePiece ('llama')")
+    toks, types = data.tokens, data.token_types
+    if sum(t == _BYTE for t in types) != 256:
+        raise TokenizerError("a SentencePiece vocabulary needs all 256 <0xNN> byte-fallback tokens")
+    byte_id = {}
+    specials: dict[str, int] = {}
+    added: dict[bytes, int] = {}  # user-defined tokens, matched whole
+    normal: dict[bytes, int] = {}
+    for i, (t, ty) in enumerate(zip(toks, types)):
+        if ty == _BYTE:
+            byte_id[_token_bytes(t, ty)[0]] = i
+        elif ty == _CONTROL:
+            specials[t] = i
+        elif ty == _USER_DEFINED and t.strip(" "):  # runs of spaces are ordinary merges (▁▁...)
+            added[t.encode("utf-8")] = i
+        elif ty in (_NORMAL, _USER_DEFINED):
+            b = _token_bytes(t, ty)
+            normal.setdefault(b, i)  # first (highest-priority) id wins on a duplicate spelling
+        # unknown / unused types are never produced by the encoder
+    bytes_of_id = tuple(_token_bytes(t, ty) if ty != _CONTROL else t.encode("utf-8")
+                        for t, ty in zip(toks, types))
+
+    ranks: dict[bytes, int] = {}
+    ids_of_rank: list[tuple[int, ...]] = []
+
+    def fallback(b: bytes) -> tuple[int, ...]:
+        return tuple(byte_id[x] for x in b)
+
+    def add(b: bytes, ids: tuple[int, ...]) -> None:
+        ranks[b] = len(ids_of_rank)
+        ids_of_rank.append(ids)
+
+    # Band 1: single bytes (a one-byte token if the vocab has it, else its byte-fallback token).
+    for x in range(256):
+        b = bytes([x])
+        i = added.get(b, normal.get(b))
+        add(b, (i,) if i is not None else fallback(b))
+    # Band 2: multi-byte characters and their byte prefixes.
+    chars = sorted((i, b) for b, i in normal.items() if len(b) > 1 and len(b.decode("utf-8")) == 1)
+    for i, b in chars:
+        for k in range(2, len(b)):
+            if b[:k] not in ranks:
+                add(b[:k], fallback(b[:k]))  # only survives when the character is not in the vocab
+        if b in ranks:  # was a synthetic prefix of another character
+            ids_of_rank[ranks[b]] = (i,)
+        else:
+            add(b, (i,))
+    # Band 3: longer tokens in merge-priority (file) order, then user-defined tokens.
+    for b, i in sorted(((b, i) for b, i in normal.items() if b not in ranks), key=lambda bi: bi[1]):
+        add(b, (i,))
+    for b, i in added.items():
+        if b in ranks:
+            ids_of_rank[ranks[b]] = (i,)
+        else:
+            add(b, (i,))
+    special_ranks = {}
+    for t, i in specials.items():
+        special_ranks[t] = len(ids_of_rank)
+        ids_of_rank.append((i,))
+
+    # Split: user-defined tokens whole (longest first, as leftmost-longest matching does), and
+    # everything between them as one piece -- SentencePiece has no pre-tokenizer.
+    alts = sorted((b.decode("utf-8") for b in added), key=len, reverse=True)
+    alt = "|".join(regex.escape(a) for a in alts)
+    pat = f"(?:{alt})|(?:(?!{alt})[\\s\\S])+" if alts else r"[\s\S]+"
+    enc = tiktoken.Encoding(name=name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special_ranks)
+    eos = data.eos_id
+    stop = tuple(sorted({i for i in (eos, specials.get("<end_of_turn>"), *data.extra_eos_ids) if i is not None}))
+    return SentencePieceTokenizer(encoding=enc, bos_id=data.bos_id, eos_id=eos, stop_ids=stop,
+                                  chat_template=data.chat_template or GEMMA_CHAT_TEMPLATE,
+                                  vocab_size=len(toks), ids_of_rank=tuple(ids_of_rank),
+                                  bytes_of_id=bytes_of_id, special_of_id={i: t for t, i in specials.items()})
+
+
+# Gemma's chat format (the GGUF carries no template): turns in <start_of_turn>role ... <end_of_turn>,
+# the assistant role is called "model", a system message is prepended to the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{% set ns = namespace(sys='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.sys = m['content'] + '\n\n' %}{% endif %}{% endfor %}"
+    "{% set first = namespace(done=false) %}"
+    "{% for m in messages if m['role'] != 'system' %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if not first.done %}{{ ns.sys }}{% set first.done = true %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)

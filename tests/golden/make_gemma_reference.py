@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Independent reference ("golden") data for Gemma 3 270M, made with Hugging Face transformers.
+
+Uses nothing from jaxinfer: transformers' own GGUF loader reads gemma-3-270m-q4_k_m.gguf
+(dequantised to fp32 on CPU; it subtracts the 1 that llama.cpp folded into every norm weight and
+builds the config from the GGUF metadata plus Gemma3TextConfig defaults) and records
+
+  gemma3_logits.npz        per prompt: ids (BOS first), a 512-wide slice of the fp32 logits
+                           (top-64 + a fixed random fill), full-vocab argmax and logsumexp, and a
+                           32-token greedy continuation.
+  gemma3_reference.json    prompts, greedy text, versions, GGUF sha256, the HF model config.
+  gemma3_tokenizer.json    [{"text", "ids"}]: HF tokenizer ids (no BOS) on a varied corpus.
+
+Run:  python tests/golden/make_gemma_reference.py [--gguf PATH] [--out DIR]
+Needs: torch (CPU), transformers (GGUF support), gguf, numpy. About a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+DEFAULT_GGUF = "/tmp/setup/gemma-3-270m-q4_k_m.gguf"
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from make_reference import TOKENIZER_TEXTS as SMOLLM_TEXTS  # noqa: E402  (the varied corpus)
+
+TOP_K, M, SEED, N_NEW = 64, 512, 0, 32
+
+PROMPTS = [
+    "The capital of France is",
+    "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
+
+GEMMA_TEXTS = [
+    "<start_of_turn>user\nHi there!<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>text<eos>",
+    "\u2581literal lower one eighth block\u2581\u2581",
+    "<table><tr><td>cell</td></tr></table>",
+    "<h1>Title</h1>\n<p>para</p>",
+    "     five spaces and\t\t\ttabs\n\n\n\nnewlines",
+    "ÅÆØ ŁŃŚŹ ĳ ﬁ ℌ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ™ © ® ° ± × ÷",
+    "Unusual: \u0000 \u0001 \u007f \ufffd \U0010ffff \ue000",
+    "Mathematical: ∀x∈ℝ, ∃y: x² + y² ≤ 1 ⇒ |x| ≤ 1; ∑ᵢ aᵢ = ∫₀¹ f(t) dt",
+    "Thai ภาษาไทย Hindi हिन्दी Tamil தமிழ் Georgian ქართული Amharic አማርኛ",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    "================================================",
+    "1111111111 2222222222 3.14159265358979323846264338327950288",
+]
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def version(pkg: str):
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def select_columns(logits: torch.Tensor, fill: np.ndarray) -> np.ndarray:
+    """[T, V] -> [T, M] sorted vocab indices: top-64 of each row, then `fill` until M columns."""
+    top = torch.topk(logits, TOP_K, dim=-1).indices.numpy()
+    rows = []
+    for t in range(logits.shape[0]):
+        chosen = list(top[t])
+        seen = set(int(c) for c in chosen)
+        for v in fill:
+            if len(chosen) == M:
+                break
+            if int(v) not in seen:
+                chosen.append(int(v))
+                seen.add(int(v))
+        rows.append(np.sort(np.asarray(chosen, dtype=np.int64)))
+    return np.stack(rows).astype(np.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default=DEFAULT_GGUF)
+    ap.add_argument("--out", default=HERE)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    torch.manual_seed(SEED)
+    gdir, gname = os.path.split(os.path.abspath(args.gguf))
+    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+    model.eval()
+    cfg = model.config
+    V = cfg.vocab_size
+    t_loaded = time.time()
+
+    rows = [{"text": t, "ids": tok.encode(t, add_special_tokens=False)} for t in SMOLLM_TEXTS + GEMMA_TEXTS]
+    with open(os.path.join(args.out, "gemma3_tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(rows, f, ensure_ascii=False, indent=0)
+        f.write("\n")
+
+    fill = np.random.default_rng(SEED).permutation(V)
+    arrays, meta = {}, []
+    with torch.no_grad():
+        for i, text in enumerate(PROMPTS):
+            ids = [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
+            x = torch.tensor([ids])
+            logits = model(input_ids=x).logits[0].float()
+            cols = select_columns(logits, fill)
+            arrays[f"ids_{i}"] = np.asarray(ids, np.int32)
+            arrays[f"vocab_idx_{i}"] = cols
+            arrays[f"logits_{i}"] = np.take_along_axis(logits.numpy(), cols.astype(np.int64), 1).astype(np.float32)
+            arrays[f"argmax_{i}"] = logits.argmax(-1).numpy().astype(np.int32)
+            arrays[f"lse_{i}"] = torch.logsumexp(logits.double(), -1).float().numpy()
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=N_NEW, min_new_tokens=N_NEW, eos_token_id=None,
+                                 pad_token_id=cfg.pad_token_id)
+            greedy = gen[0, len(ids):].tolist()
+            # generate (HF cache) vs a cache-free teacher-forced forward
+            full = torch.tensor([ids + greedy[:-1]])
+            tf = model(input_ids=full).logits[0, len(ids) - 1:].argmax(-1).tolist()
+            arrays[f"greedy_{i}"] = np.asarray(greedy, np.int32)
+            meta.append({"text": text, "ids": ids, "greedy_ids": greedy, "greedy_text": tok.decode(greedy),
+                         "greedy_matches_teacher_forced_argmax": tf == greedy})
+    np.savez_compressed(os.path.join(args.out, "gemma3_logits.npz"), **arrays)
+    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_activation", "rms_norm_eps",
+            "rope_parameters", "rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window",
+            "layer_types", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+            "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    ref = {
+        "model_file": os.path.basename(args.gguf),
+        "gguf_sha256": sha256(args.gguf),
+        "versions": {"python": platform.python_version(), "transformers": version("transformers"),
+                     "torch": torch.__version__, "gguf": version("gguf"), "tokenizers": version("tokenizers")},
+        "npz_keys": "ids_i (BOS first), vocab_idx_i [T,512], logits_i [T,512], argmax_i [T], lse_i [T], greedy_i [32]",
+        "prompts": meta,
+        "model_config": {k: getattr(cfg, k, None) for k in keep},
+        "attn_implementation": getattr(cfg, "_attn_implementation", None),
+        "tokenizer_class": type(tok).__name__,
+        "seconds": {"load": round(t_loaded - t0, 1), "total": round(time.time() - t0, 1)},
+    }
+    with open(os.path.join(args.out, "gemma3_reference.json"), "w", encoding="utf-8") as f:
+        json.dump(ref, f, ensure_ascii=False, indent=1, default=str)
+        f.write("\n")
+    for m in meta:
+        print(repr(m["greedy_text"]), m["greedy_matches_teacher_forced_argmax"])
+    print(ref["model_config"], ref["seconds"], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

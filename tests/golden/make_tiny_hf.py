@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Tiny randomly initialised Hugging Face models + their reference logits, made with transformers.
+
+Uses nothing from jaxinfer. For each family it builds a 2-layer, d=64, GQA model (4 query heads,
+2 kv heads), perturbs every weight (norm weights and biases too, so the Gemma "1 + w" fold and the
+Qwen2 biases are really exercised), saves it with `save_pretrained` (config.json + safetensors;
+qwen2 sharded into several files with an index) and records, in fp32 with eager attention:
+
+  tiny_hf/<family>/reference.npz   ids [T], logits [T, V] (full vocab), greedy [32] (pure argmax)
+  tiny_hf/<family>/meta.json       prompt length, smallest top-1/top-2 logit gap, versions
+
+Families: llama (Llama 3 style: rope theta 5e5, untied head), mistral (sliding window 8 on every
+layer), qwen2 (q/k/v biases, untied head, sharded), gemma3 (sliding window 8 on layer 0, global
+layer 1, QK-norm, post-norms, scaled embeddings, GeGLU, query_pre_attn_scalar 24, tied).
+The prompt has 24 tokens, so every sliding window really hides keys.
+
+Run:  python tests/golden/make_tiny_hf.py      (a few seconds; needs torch + transformers)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_hf")
+V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 128
+T_PROMPT, N_NEW, SEED = 24, 32, 0
+
+
+def configs():
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+                  num_attention_heads=N, num_key_value_heads=K, head_dim=H, max_position_embeddings=512,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return {
+        "llama": LlamaConfig(**common, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+        "mistral": MistralConfig(**common, rope_theta=10_000.0, rms_norm_eps=1e-5, sliding_window=8,
+                                 tie_word_embeddings=False),
+        "qwen2": Qwen2Config(**common, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                             use_sliding_window=False),
+        "gemma3": Gemma3TextConfig(**common, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                   rms_norm_eps=1e-6, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+                                   final_logit_softcapping=None, attn_logit_softcapping=None,
+                                   tie_word_embeddings=True),
+    }
+
+
+def perturb(model, family: str, g: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 1 and "norm" in name:
+                base = 0.0 if family == "gemma3" else 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+                p.copy_(base + 0.3 * noise)
+            elif p.ndim == 1:  # biases
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise / np.sqrt(p.shape[-1]))
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    rng = np.random.default_rng(SEED)
+    ids = rng.integers(3, V, size=T_PROMPT).tolist()
+    for family, cfg in configs().items():
+        g = torch.Generator().manual_seed(SEED + len(family))
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+        perturb(model, family, g)
+        model.eval()
+        out = os.path.join(HERE, family)
+        shutil.rmtree(out, ignore_errors=True)
+        shard = "40KB" if family == "qwen2" else "50MB"
+        model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            logits = model(input_ids=x).logits[0].float()
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=N_NEW, min_new_tokens=N_NEW, eos_token_id=None, pad_token_id=0)
+            greedy = gen[0, T_PROMPT:].tolist()
+            full = torch.tensor([ids + greedy[:-1]])
+            tf = model(input_ids=full).logits[0, T_PROMPT - 1:].float()
+        top2 = torch.topk(tf, 2, -1).values
+        np.savez_compressed(os.path.join(out, "reference.npz"), ids=np.asarray(ids, np.int32),
+                            logits=logits.numpy().astype(np.float32), greedy=np.asarray(greedy, np.int32))
+        meta = {"family": family, "model_type": cfg.model_type, "prompt_tokens": T_PROMPT,
+                "greedy_matches_teacher_forced_argmax": tf.argmax(-1).tolist() == greedy,
+                "min_top2_gap_along_greedy": float((top2[:, 0] - top2[:, 1]).min()),
+                "files": sorted(os.listdir(out)),
+                "versions": {p: md.version(p) for p in ("transformers", "torch", "safetensors")}}
+        with open(os.path.join(out, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        print(family, meta["min_top2_gap_along_greedy"], meta["greedy_matches_teacher_forced_argmax"], meta["files"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Llama 3, Mistral, Qwen2 and Gemma 3 vs Hugging Face transformers, through the safetensors path.
+
+The tiny models and their reference logits / greedy tokens were made by
+tests/golden/make_tiny_hf.py (transformers, fp32, eager attention); no torch is needed here.
+Each family: max |logit diff| <= 1e-2 at every position, identical argmax, identical 32-token
+greedy continuation (cached decode), and the same through a converted checkpoint.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer import checkpoint, hf_io
+from jaxinfer.sampling import GREEDY
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma3")
+
+
+def _ref(family):
+    return np.load(os.path.join(GOLDEN, family, "reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return {f: jaxinfer.load(os.path.join(GOLDEN, f)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tiny_models, family):
+    ref = _ref(family)
+    logits = np.asarray(jaxinfer.logits(tiny_models[family], ref["ids"].tolist()))
+    diff = float(np.abs(logits - ref["logits"]).max())
+    print(f"{family}: max |logit diff| vs transformers = {diff:.2e}")
+    assert diff <= 1e-2, diff
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_continuation_matches_transformers(tiny_models, family):
+    ref = _ref(family)
+    out = jaxinfer.generate(tiny_models[family], [ref["ids"].tolist()], seed=0, max_new_tokens=32,
+                            sampling=GREEDY, stop_at_eos=False)
+    assert out.completions[0].token_ids == ref["greedy"].tolist()
+
+
+def test_config_mapping(tiny_models):
+    g = tiny_models["gemma3"].config
+    assert (g.sliding_window, g.global_every, g.rope_theta, g.rope_local_theta) == (8, 2, 1e6, 1e4)
+    assert g.qk_norm and g.post_norms and g.scale_embeddings and g.activation == "gelu_tanh"
+    assert g.query_pre_attn_scalar == 24 and g.tie_embeddings
+    q = tiny_models["qwen2"].config
+    assert q.qkv_bias and not q.tie_embeddings and q.sliding_window is None
+    assert tiny_models["mistral"].config.sliding_window == 8
+    assert tiny_models["mistral"].config.global_every == 0  # every layer local
+    assert tiny_models["llama"].config.rope_theta == 500_000.0
+
+
+@pytest.mark.parametrize("family", ("mistral", "gemma3"))
+def test_sliding_window_matters(tiny_models, family):
+    """The 24-token prompt is longer than the window (8): without the window, logits change."""
+    m = tiny_models[family]
+    ref = _ref(family)
+    # a window longer than the prompt: same layer types and RoPE bases, nothing hidden
+    no_window = jaxinfer.Model(m.config.replace(sliding_window=10_000), m.params, m.tokenizer)
+    logits = np.asarray(jaxinfer.logits(no_window, ref["ids"].tolist()))
+    early = np.abs(logits[:8] - ref["logits"][:8]).max()  # positions < window see every key anyway
+    late = np.abs(logits[8:] - ref["logits"][8:]).max()
+    assert early < 1e-4 and late > 0.1, (early, late)
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2", "gemma3"))
+def test_checkpoint_roundtrip_equals_source(tiny_models, family, tmp_path):
+    res = checkpoint.convert(os.path.join(GOLDEN, family), tmp_path / family, dtype="float32")
+    assert res.source_kind == "huggingface"
+    m = jaxinfer.load(str(tmp_path / family))
+    assert m.config.replace(name="x") == tiny_models[family].config.replace(name="x")
+    ids = _ref(family)["ids"].tolist()
+    np.testing.assert_array_equal(np.asarray(jaxinfer.logits(m, ids)),
+                                  np.asarray(jaxinfer.logits(tiny_models[family], ids)))
+
+
+def test_bf16_checkpoint_restores_in_requested_dtype(tmp_path):
+    checkpoint.convert(os.path.join(GOLDEN, "qwen2"), tmp_path / "q", dtype="bfloat16")
+    assert checkpoint.read_marker(tmp_path / "q")["dtype"] == "bfloat16"
+    m32 = jaxinfer.load(str(tmp_path / "q"), dtype="float32")
+    m16 = jaxinfer.load(str(tmp_path / "q"), dtype="bfloat16")
+    assert m32.params["layers"]["wq"].dtype == np.float32
+    assert m16.params["layers"]["wq"].dtype.name == "bfloat16"
+    # bf16 storage then fp32: values are exactly the bf16 values
+    np.testing.assert_array_equal(np.asarray(m32.params["embed"]), np.asarray(m16.params["embed"], np.float32))
+    ref = _ref("qwen2")
+    diff = np.abs(np.asarray(jaxinfer.logits(m32, ref["ids"].tolist())) - ref["logits"]).max()
+    assert diff < 0.5, diff  # bf16 weights: close to, not equal to, the fp32 reference
+
+
+# Safetensors errors -----------------------------------------------------------------------------
+
+def _copy(family, tmp_path):
+    dst = tmp_path / family
+    shutil.copytree(os.path.join(GOLDEN, family), dst)
+    return dst
+
+
+def _rewrite(path, fn):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path))
+
+
+def test_safetensors_wrong_shape_names_tensor(tmp_path):
+    d = _copy("llama", tmp_path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite(d / "model.safetensors", lambda t: t.__setitem__(name, t[name][:-1]))
+    with pytest.raises(hf_io.HFError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape \(31, 64\), expected \(32, 64\)"):
+        jaxinfer.load(str(d))
+
+
+def test_safetensors_missing_tensor_names_it(tmp_path):
+    d = _copy("llama", tmp_path)
+    _rewrite(d / "model.safetensors", lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(hf_io.HFError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' is missing"):
+        jaxinfer.load(str(d))
+
+
+def test_sharded_missing_or_truncated_shard_names_file(tmp_path):
+    d = _copy("qwen2", tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.1.self_attn.q_proj.bias"]
+    raw = (d / shard).read_bytes()
+    (d / shard).write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(hf_io.HFError, match=shard):
+        jaxinfer.load(str(d))
+    (d / shard).unlink()
+    with pytest.raises(hf_io.HFError, match=shard):
+        jaxinfer.load(str(d))
+
+
+def test_unsupported_config_is_named(tmp_path):
+    d = _copy("llama", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf_io.HFError, match="llama3"):
+        jaxinfer.load(str(d))
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf_io.HFError, match="gpt2"):
+        jaxinfer.load(str(d))
