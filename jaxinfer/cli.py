@@ -1,4 +1,5 @@
-"""Command line: `jaxinfer generate "prompt"` (also `python -m jaxinfer generate ...`).
+"""Command line: `jaxinfer generate "prompt"` (also `python -m jaxinfer generate ...`) and
+`jaxinfer convert SOURCE --out checkpoints/NAME`.
 
 A thin layer over the library: parse flags, load, call `jaxinfer.generate` with a streaming
 callback that prints text as each decode chunk arrives, then print a one-line summary.
@@ -18,7 +19,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of a prompt")
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts are run as one batch)")
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"known model ({', '.join(sorted(KNOWN_MODELS))}) or path to a .gguf file")
+                   help=f"known model ({', '.join(sorted(KNOWN_MODELS))}), a .gguf file or a checkpoint / "
+                   "Hugging Face folder")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -96,15 +98,52 @@ def _generate(args) -> int:
     return 0
 
 
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a GGUF, known model or Hugging Face folder to a checkpoint")
+    p.add_argument("source", help="a .gguf file, a known model name or a Hugging Face folder "
+                   "(config.json + *.safetensors)")
+    p.add_argument("--out", required=True, help="checkpoint folder to write, e.g. checkpoints/NAME")
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_FLAGS), help="stored dtype (default bf16)")
+    p.add_argument("--force", action="store_true", help="replace an existing checkpoint at --out")
+
+
+_DTYPE_FLAGS = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def _convert(args) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from jaxinfer import checkpoint
+
+    t0 = time.perf_counter()
+    with tqdm(desc="reading tensors", unit="tensor", file=sys.stderr, delay=0.5) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            if done == total:
+                bar.set_description("writing checkpoint")
+
+        res = checkpoint.convert(args.source, args.out, dtype=_DTYPE_FLAGS[args.dtype], overwrite=args.force,
+                                 progress=progress)
+    print(f"{res.path}: {res.config.name} ({res.source_kind}), {res.n_params / 1e6:.1f} M params, "
+          f"{res.config.dtype}, {res.bytes_on_disk / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_convert(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if args.command == "convert":
+            return _convert(args)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2
     return 1

@@ -169,3 +169,18 @@ def test_existing_destination_needs_overwrite(ckpt):
     checkpoint.convert(SOURCE, ckpt, dtype="bfloat16", overwrite=True)
     assert checkpoint.read_marker(ckpt)["dtype"] == "bfloat16"
     assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_cli_convert(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "checkpoints" / "tiny-qwen2"
+    cmd = [sys.executable, "-m", "jaxinfer", "convert", os.path.join(GOLDEN, "qwen2"), "--out", str(out),
+           "--dtype", "fp32"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "huggingface" in p.stderr and "float32" in p.stderr
+    ref = np.load(os.path.join(GOLDEN, "qwen2", "reference.npz"))
+    m = jaxinfer.load(str(out))
+    assert np.abs(np.asarray(jaxinfer.logits(m, ref["ids"].tolist())) - ref["logits"]).max() < 1e-2
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert p.returncode == 2 and "already exists" in p.stderr
