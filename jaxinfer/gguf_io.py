@@ -99,9 +99,16 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
     if arch == "qwen2":
         common["qkv_bias"] = True
     if arch == "gemma3":
-        # Values a Gemma 3 GGUF does not carry come from the published Gemma 3 config
-        # (transformers' Gemma3TextConfig): query_pre_attn_scalar = head_dim (256 for 270M),
-        # local RoPE base 10,000, a global layer every 6th, GeGLU with tanh GELU.
+        # From the GGUF: layers, widths, heads, head_dim (key_length 256), eps 1e-6, global RoPE
+        # base (freq_base 1e6), sliding_window (512). Not in the GGUF, from the published Gemma 3
+        # config (transformers' Gemma3TextConfig defaults, which its GGUF loader uses; checked in
+        # tests/golden/gemma3_reference.json): query_pre_attn_scalar 256 (= head_dim for 270M --
+        # the 27B model uses 168), local RoPE base 10,000 (rope_local_base_freq), layer_types with
+        # every 6th layer global (sliding_window_pattern 6), GeGLU with tanh GELU
+        # (gelu_pytorch_tanh), QK-norm, pre+post norms, embeddings times sqrt(d_model), no logit
+        # soft-capping. Weights: llama.cpp's converter adds 1 to every Gemma norm weight (the
+        # transformers GGUF loader subtracts it again), so the file already holds the multiplier we
+        # apply; it does not permute Q/K rows for gemma3 (only for "llama").
         common.update(activation="gelu_tanh", qk_norm=True, post_norms=True, scale_embeddings=True,
                       query_pre_attn_scalar=float(head_dim),
                       sliding_window=int(a("attention.sliding_window", 512)),
