@@ -184,3 +184,42 @@ def test_cli_convert(tmp_path):
     assert np.abs(np.asarray(jaxinfer.logits(m, ref["ids"].tolist())) - ref["logits"]).max() < 1e-2
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert p.returncode == 2 and "already exists" in p.stderr
+
+
+def _replace_arrays(ckpt, fn):
+    """Rewrite params/ with orbax directly (bypassing save's checks), keeping the marker's config."""
+    import shutil as sh
+
+    import orbax.checkpoint as ocp
+
+    cfg, params, _ = checkpoint.restore(ckpt)
+    params = fn(jax_tree_to_dict(params))
+    sh.rmtree(ckpt / "params")
+    with ocp.StandardCheckpointer() as c:
+        c.save(ckpt / "params", params)
+        c.wait_until_finished()
+    _edit_marker(ckpt, lambda m: m.update(files=checkpoint._file_sizes(ckpt), sha256=None))
+
+
+def jax_tree_to_dict(params):
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in params.items()}
+
+
+def test_stored_array_missing_is_named(ckpt):
+    def drop(p):
+        del p["layers"]["w_up"]
+        return p
+
+    _replace_arrays(ckpt, drop)
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['layers/w_up'\]"):
+        checkpoint.restore(ckpt)
+
+
+def test_stored_array_misshapen_is_named(ckpt):
+    def cut(p):
+        p["layers"]["wv"] = p["layers"]["wv"][:, :, :1]
+        return p
+
+    _replace_arrays(ckpt, cut)
+    with pytest.raises(CheckpointError, match=r"'layers/wv' has shape \(2, 64, 1, 16\), expected \(2, 64, 2, 16\)"):
+        jaxinfer.load(str(ckpt))

@@ -113,3 +113,18 @@ def jax_leaves(tree):
     import jax
 
     return jax.tree.leaves(tree)
+
+
+def test_tokenizer_roundtrip_fuzz(gemma):
+    from hypothesis import given, settings, strategies as st
+
+    tok = gemma.tokenizer
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(st.text(st.characters(blacklist_characters="\u2581", blacklist_categories=("Cs",)), max_size=40))
+    def roundtrip(s):
+        ids = tok.encode(s, allowed_special=set(), disallowed_special=())
+        assert tok.decode(ids) == s
+        assert all(0 <= i < tok.vocab_size for i in ids)
+
+    roundtrip()
