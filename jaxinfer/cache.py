@@ -7,9 +7,16 @@ decoding) is just a smaller length: stale slots are overwritten before anything 
 
   k, v     [L, B, S, K, H]
   lengths  [B] int32
+  k_scale, v_scale  [L, B, S, K, 1] float32, only in an int8 cache (None otherwise)
+
+int8 cache: each token's key (and value) of each kv head is stored as int8 with its own scale
+(absmax / 127 over H), so a token's scale never changes when later tokens arrive and writes stay
+per-slot. Attention reads the layer back as q * scale in the compute dtype.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +30,8 @@ class KVCache:
     k: jax.Array  # [L, B, S, K, H]
     v: jax.Array  # [L, B, S, K, H]
     lengths: jax.Array  # [B] int32: filled slots per row
+    k_scale: Optional[jax.Array] = None  # [L, B, S, K, 1] float32: int8 cache only
+    v_scale: Optional[jax.Array] = None  # [L, B, S, K, 1] float32: int8 cache only
 
     @property
     def batch_size(self) -> int:
@@ -34,15 +43,36 @@ class KVCache:
         return self.k.shape[2]
 
     @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held by the k and v arrays (the lengths vector is negligible and excluded)."""
-        return int(self.k.nbytes) + int(self.v.nbytes)
+        """Bytes held by the k and v arrays and their scales (the lengths vector is excluded)."""
+        scales = int(self.k_scale.nbytes) + int(self.v_scale.nbytes) if self.quantized else 0
+        return int(self.k.nbytes) + int(self.v.nbytes) + scales
+
+
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+_SCALE_DTYPE = jnp.float32  # per token per kv head, for the int8 cache
+
+
+def _kv_dtype(cfg: ModelConfig, dtype) -> str:
+    name = jnp.dtype(dtype).name if dtype is not None else (cfg.kv_dtype or cfg.dtype)
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV-cache dtype must be one of {KV_DTYPES}, got {name!r}")
+    return name
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: str | jnp.dtype | None = None) -> int:
-    """KV-cache bytes one token occupies: 2 (k and v) x L x K x H x bytes per element."""
-    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+    """KV-cache bytes one token occupies: 2 (k and v) x L x K x (H x bytes per element + scale bytes).
+
+    The scale term is 0 for float caches and one float32 per token per kv head for int8.
+    `dtype` defaults to the config's KV dtype (`cfg.kv_dtype`, else `cfg.dtype`).
+    """
+    name = _kv_dtype(cfg, dtype)
+    scale_bytes = jnp.dtype(_SCALE_DTYPE).itemsize if name == "int8" else 0
+    return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim * jnp.dtype(name).itemsize + scale_bytes)
 
 
 def cache_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> int:
@@ -57,14 +87,19 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> K
       cfg: model config (L, K, H).
       batch_size: B.
       max_len: S, slots per row (prompt plus generated tokens must fit).
-      dtype: element dtype, default `cfg.dtype`.
+      dtype: element dtype (one of KV_DTYPES), default `cfg.kv_dtype` or else `cfg.dtype`;
+        "int8" adds per-token-per-head scales.
     """
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"batch_size and max_len must be positive, got {batch_size}, {max_len}")
     shape = (cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
-    dt = jnp.dtype(dtype or cfg.dtype)
+    dt = jnp.dtype(_kv_dtype(cfg, dtype))
+    scales = {}
+    if dt == jnp.int8:
+        scales = dict(k_scale=jnp.zeros(shape[:-1] + (1,), _SCALE_DTYPE),
+                      v_scale=jnp.zeros(shape[:-1] + (1,), _SCALE_DTYPE))
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+                   lengths=jnp.zeros((batch_size,), jnp.int32), **scales)
 
 
 def abstract_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
@@ -89,3 +124,36 @@ def write(cache_kv: jax.Array, new: jax.Array, layer: jax.Array, starts: jax.Arr
         return jax.lax.dynamic_update_slice(c, n[None], (layer, s, 0, 0))
 
     return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(cache_kv, new, starts)
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8 codes and scales per token per head. x [B, T, K, H] -> ([B, T, K, H] int8, [B, T, K, 1])."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(_SCALE_DTYPE)
+    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
+
+
+def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer: jax.Array, starts: jax.Array) -> KVCache:
+    """Write one layer's new keys and values (quantizing them for an int8 cache).
+
+    Args:
+      cache: the cache (lengths are not changed here).
+      k, v: [B, T, K, H] new entries for slots starts[b] .. starts[b] + T - 1.
+      layer: scalar layer index.
+      starts: [B] first slot per row.
+    """
+    if not cache.quantized:
+        return cache.replace(k=write(cache.k, k, layer, starts), v=write(cache.v, v, layer, starts))
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    return cache.replace(k=write(cache.k, kq, layer, starts), v=write(cache.v, vq, layer, starts),
+                         k_scale=write(cache.k_scale, ks, layer, starts),
+                         v_scale=write(cache.v_scale, vs, layer, starts))
+
+
+def read_layer(cache: KVCache, layer: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """One layer's keys and values [B, S, K, H] in `dtype` (dequantized for an int8 cache)."""
+    if not cache.quantized:
+        return cache.k[layer].astype(dtype), cache.v[layer].astype(dtype)
+    return ((cache.k[layer].astype(dtype) * cache.k_scale[layer].astype(dtype)),
+            (cache.v[layer].astype(dtype) * cache.v_scale[layer].astype(dtype)))

