@@ -28,6 +28,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of every row (samples are reproducible)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization (default: none)")
+    p.add_argument("--kv-cache", choices=["int8"], help="KV-cache dtype (default: the param dtype)")
+    p.add_argument("--speculative", choices=["lookup", "draft"],
+                   help="speculative decoding: prompt n-gram lookup, or the target's first --draft-layers as draft")
+    p.add_argument("--spec-k", type=int, default=4, help="tokens proposed per speculative round")
+    p.add_argument("--draft-layers", type=int, default=4, help="layers of the truncated-target draft")
+    p.add_argument("--draft", help="draft checkpoint folder (experiments/distill_draft.py) instead of the "
+                                   "truncated target")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-stop", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--chunk-size", type=int, default=8, help="decode steps per streamed chunk")
@@ -43,7 +51,7 @@ def _generate(args) -> int:
                               min_p=args.min_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model = jaxinfer.load(args.model, dtype=args.dtype)
+    model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache)
     prompts = list(args.prompt)
     if args.chat:
         prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -69,9 +77,20 @@ def _generate(args) -> int:
     if streaming:
         sys.stdout.write(prompts[0] if not args.chat else "")
         sys.stdout.flush()
-    out = jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
-                            on_tokens=on_tokens if streaming else None)
+    if args.speculative:
+        from jaxinfer import speculative
+
+        draft = None
+        if args.speculative == "draft":
+            draft = (speculative.load_draft(args.draft) if args.draft
+                     else speculative.truncated_draft(model, args.draft_layers))
+        out = speculative.generate(model, prompts, method=args.speculative, draft=draft, k=args.spec_k,
+                                   seed=args.seed, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                   stop_at_eos=not args.no_stop, on_tokens=on_tokens if streaming else None)
+    else:
+        out = jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
+                                on_tokens=on_tokens if streaming else None)
     t = out.timings
     if args.json:
         print(json.dumps({
@@ -95,6 +114,10 @@ def _generate(args) -> int:
     print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s | "
           f"decode {t.decode_tokens_per_s:.1f} tokens/s | total {t.total_s:.2f} s | "
           f"{t.n_compilations} compilations]", file=sys.stderr)
+    stats = getattr(out, "stats", None)
+    if stats is not None:
+        print(f"[speculative {stats.method}, k={stats.k}: acceptance {stats.acceptance_rate:.2f}, "
+              f"{stats.tokens_per_call:.2f} tokens per target call]", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,431 @@
+"""Speculative decoding: propose k tokens cheaply, verify them in one target forward.
+
+Each round, per row (shape letters as in `jaxinfer.config`; k proposals per round):
+  1. propose d_1..d_k, either from a draft model (`Draft`: a smaller model sharing the
+     tokenizer, run k times at T=1) or by prompt lookup (the tokens that followed the most
+     recent earlier occurrence of the last n-gram in the prompt + text so far; no model);
+  2. run the target once on [cur, d_1..d_k] (T = k + 1), giving k + 1 next-token distributions;
+  3. accept d_i with probability min(1, p_i(d_i) / q_i(d_i)) until the first rejection, then
+     sample the corrected token from norm(max(p - q, 0)); if all k are accepted, sample a bonus
+     token from p_{k+1}. This is the rejection rule of Leviathan et al. / Chen et al. (2023): the
+     emitted tokens are distributed exactly as the target's (q is one-hot for lookup). Under
+     greedy sampling the rule reduces to "accept while d_i == argmax p_i", so the output is the
+     target's greedy output token for token;
+  4. roll the caches back by setting lengths: slots of rejected tokens are simply overwritten
+     later (attention masks by position, so they are never read first).
+
+The rounds run on device under `lax.while_loop` (in chunks of rounds, so the host can stream
+text between chunks); nothing goes back to the host inside a chunk.
+
+State per row: `hist[b, :]` holds the row's tokens by position (prompt, then generated tokens);
+`cache.lengths[b]` = n tokens are in the target cache and `hist[b, n]` is the pending token
+`cur` (sampled, not yet fed to the target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer import cache as kv
+from jaxinfer.generate import (Completion, Output, Prompts, Timings, _is_stop, _prompt_ids, _row_keys, bucket,
+                               prefill_jit)
+from jaxinfer.generate import compilation_count as _generate_compilations
+from jaxinfer import model as mdl
+from jaxinfer import sampling as smp
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import Model
+from jaxinfer.params import Params
+from jaxinfer.sampling import SamplingParams
+
+METHODS = ("lookup", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A draft model: its params and config (same vocabulary as the target)."""
+
+    config: ModelConfig
+    params: Params
+
+
+def truncated_draft(model: Model, n_layers: int) -> Draft:
+    """The target's first `n_layers` blocks plus its embedding, final norm and head, as a draft."""
+    if not 1 <= n_layers <= model.config.n_layers:
+        raise ValueError(f"n_layers must be in [1, {model.config.n_layers}], got {n_layers}")
+    layers = jax.tree.map(lambda w: w[:n_layers], model.params["layers"])
+    return Draft(config=model.config.replace(n_layers=n_layers, name=f"{model.config.name}-first{n_layers}"),
+                 params={**model.params, "layers": layers})
+
+
+def load_draft(path: str, dtype: Optional[str] = "float32") -> Draft:
+    """A draft saved as a jaxinfer (orbax) checkpoint, e.g. by experiments/distill_draft.py."""
+    from jaxinfer import checkpoint
+
+    cfg, params, _ = checkpoint.restore(path, dtype)
+    return Draft(config=cfg, params=params)
+
+
+@struct.dataclass
+class SpecState:
+    cache: kv.KVCache  # target cache; lengths[b] = n: tokens of row b already in it
+    draft_cache: Optional[kv.KVCache]  # draft model's cache (None for prompt lookup)
+    hist: jax.Array  # [B, M] int32: row's tokens by position; hist[b, n] is the pending token
+    logprobs: jax.Array  # [B, M] float32: target log p of the token at each position
+    n_new: jax.Array  # [B] int32: tokens generated so far (the pending one included)
+    finished: jax.Array  # [B] bool: a stop token was emitted
+    keys: jax.Array  # [B] PRNG keys (the round is folded in)
+    round: jax.Array  # [] int32: rounds run so far
+    proposed: jax.Array  # [B] int32: draft tokens proposed to the target
+    accepted: jax.Array  # [B] int32: of those, accepted
+    target_calls: jax.Array  # [B] int32: verification forwards in which the row was active
+
+
+# Proposals ----------------------------------------------------------------------------------
+
+def lookup_proposals(hist: jax.Array, n: jax.Array, k: int, max_ngram: int) -> jax.Array:
+    """Prompt lookup: continue the most recent earlier occurrence of the last n-gram.
+
+    Tries n-gram sizes max_ngram .. 1 and uses the longest that matches.
+    Args:
+      hist: [B, M] tokens by position; positions 0..n[b] are known (n[b] is the pending token).
+      n: [B] position of the pending token.
+      k: proposals per row.
+      max_ngram: longest suffix to match.
+    Returns:
+      [B, k] int32 proposed tokens (repeats of the pending token where nothing matches).
+    """
+    B, M = hist.shape
+    idx = jnp.arange(M)
+
+    def one_row(h, n):
+        best = jnp.full((), -1, jnp.int32)  # start of the continuation
+        for g in range(1, max_ngram + 1):  # longer n-grams override shorter ones
+            suffix = jax.lax.dynamic_slice(h, (jnp.maximum(n + 1 - g, 0),), (g,))
+            match = idx <= n - g  # an occurrence starting at i ends before the suffix starts...
+            match &= idx + g <= n  # ...and is followed by at least one known token
+            for j in range(g):
+                match &= jnp.roll(h, -j) == suffix[j]
+            start = jnp.max(jnp.where(match, idx, -1))
+            best = jnp.where((start >= 0) & (n + 1 >= g), start + g, best)
+        # Copy k tokens from the continuation start; where the copy runs past the known tokens it
+        # continues with its own output (an overlapping copy, as in LZ77), so a sequence with a
+        # period shorter than k is extended periodically. No match: repeat the pending token.
+        c = jnp.where(best >= 0, best, n)
+        out = []
+        for j in range(k):
+            src = c + j
+            tok = h[jnp.clip(src, 0, M - 1)]
+            if j:
+                tok = jnp.where(src <= n, tok, jnp.stack(out)[jnp.clip(src - n - 1, 0, j - 1)])
+            out.append(tok)
+        return jnp.stack(out).astype(jnp.int32)
+
+    return jax.vmap(one_row)(hist, n)
+
+
+def _probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """The distribution actually sampled from: softmax of the filtered logits. [..., V] float32."""
+    shape = logits.shape
+    x = smp.filter_logits(logits.reshape(-1, shape[-1]), sampling)
+    return jax.nn.softmax(x, axis=-1).reshape(shape)
+
+
+def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: jax.Array, n: jax.Array,
+                    keys: jax.Array, k: int, sampling: SamplingParams):
+    """k tokens from the draft model, fed [hist[n-1], hist[n]] first, then its own proposals.
+
+    Re-feeding position n-1 costs nothing extra in a T=2 forward and covers the case where the
+    previous round accepted everything (the draft never saw its own last proposal).
+    Args:
+      params, cfg: the draft model.
+      cache: draft cache holding positions < n - 1 (or more; later slots are overwritten).
+      hist: [B, M]; n: [B] pending position; keys: [B] this round's keys.
+    Returns:
+      (proposals [B, k] int32, draft probabilities [B, k, V] (None under greedy), cache).
+    """
+    B = hist.shape[0]
+    rows = jnp.arange(B)
+    first = jnp.stack([hist[rows, n - 1], hist[rows, n]], axis=1)  # [B, 2]
+    pos = jnp.stack([n - 1, n], axis=1)
+    logits, cache = mdl.forward(params, first, pos, cache, cfg, logit_index=jnp.ones((B,), jnp.int32))
+
+    def pick(lg, i):  # lg [B, V] -> token [B], probs [B, V] or None
+        if sampling.greedy:
+            return jnp.argmax(lg, -1).astype(jnp.int32), None
+        q = _probs(lg, sampling)
+        sub = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
+        return jax.vmap(jax.random.categorical)(sub, jnp.log(q)).astype(jnp.int32), q
+
+    tok, q = pick(logits[:, 0], 0)
+    toks, qs = [tok], [q]
+    for i in range(1, k):  # k is small and static: unrolled T=1 steps
+        logits, cache = mdl.forward(params, tok[:, None], (n + i)[:, None], cache, cfg)
+        tok, q = pick(logits[:, 0], i)
+        toks.append(tok)
+        qs.append(q)
+    probs = None if sampling.greedy else jnp.stack(qs, axis=1)
+    return jnp.stack(toks, axis=1), probs, cache
+
+
+# Verification -------------------------------------------------------------------------------
+
+def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Array], keys: jax.Array,
+           sampling: SamplingParams):
+    """The rejection rule: how many proposals to keep and the token that follows them.
+
+    Args:
+      logits: [B, k+1, V] target logits after cur, d_1, .., d_k.
+      proposals: [B, k] d_1..d_k.
+      draft_probs: [B, k, V] the draft's q_i, or None for deterministic (one-hot) proposals.
+      keys: [B] keys for this round.
+      sampling: SamplingParams (static); greedy means exact-match acceptance.
+    Returns:
+      (n_accepted [B] int32 in 0..k, next token [B] int32: the corrected or bonus token).
+    """
+    B, k1, V = logits.shape
+    k = k1 - 1
+    if sampling.greedy:
+        target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
+        ok = proposals == target[:, :k]
+        n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+        return n_acc, jnp.take_along_axis(target, n_acc[:, None], 1)[:, 0]
+    p = _probs(logits, sampling)  # [B, k+1, V]
+    q = draft_probs if draft_probs is not None else jax.nn.one_hot(proposals, V, dtype=p.dtype)
+    p_d = jnp.take_along_axis(p[:, :k], proposals[..., None], -1)[..., 0]  # [B, k]
+    q_d = jnp.take_along_axis(q, proposals[..., None], -1)[..., 0]
+    u_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 1_000))(keys)
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(u_keys)
+    ok = u * q_d < p_d  # u < p/q without dividing by a zero q
+    n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    # Distribution of the token after the accepted prefix: residual at a rejection, p at the end.
+    residual = jnp.maximum(p[:, :k] - q, 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p[:, :k])
+    dists = jnp.concatenate([residual, p[:, k:]], axis=1)  # [B, k+1, V]
+    dist = jnp.take_along_axis(dists, n_acc[:, None, None], 1)[:, 0]
+    r_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 2_000))(keys)
+    nxt = jax.vmap(jax.random.categorical)(r_keys, jnp.log(dist))
+    return n_acc, nxt.astype(jnp.int32)
+
+
+def spec_round(params: Params, draft_params: Optional[Params], state: SpecState, max_new: jax.Array, *,
+               cfg: ModelConfig, draft_cfg: Optional[ModelConfig], sampling: SamplingParams,
+               stop_ids: tuple[int, ...], method: str, k: int, max_ngram: int) -> SpecState:
+    """One propose-verify-accept round for every row (rows that are done stay unchanged)."""
+    B, M = state.hist.shape
+    rows = jnp.arange(B)
+    n = state.cache.lengths  # [B]
+    cur = state.hist[rows, n]
+    round_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, state.round + 1))(state.keys)
+    draft_cache = state.draft_cache
+    if method == "lookup":
+        proposals, q = lookup_proposals(state.hist, n, k, max_ngram), None
+    else:
+        proposals, q, draft_cache = draft_proposals(draft_params, draft_cfg, draft_cache, state.hist, n,
+                                                    round_keys, k, sampling)
+    tokens = jnp.concatenate([cur[:, None], proposals], axis=1)  # [B, k+1]
+    positions = n[:, None] + jnp.arange(k + 1)[None]
+    logits, cache = mdl.forward(params, tokens, positions, state.cache, cfg)  # [B, k+1, V]
+    n_acc, nxt = accept(logits, proposals, q, round_keys, sampling)
+
+    # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a.
+    i = jnp.arange(k + 1)[None]
+    emitted = jnp.where(i < n_acc[:, None], jnp.pad(proposals, ((0, 0), (0, 1))), nxt[:, None])
+    logp = jax.nn.log_softmax(logits, -1)
+    # log p of emitted token i comes from the target logits at step i (which predicted it)
+    emitted_lp = jnp.take_along_axis(logp, emitted[..., None], -1)[..., 0]  # [B, k+1]
+    kept = i <= n_acc[:, None]
+    stop = _is_stop(emitted, stop_ids) & kept
+
+    active = ~state.finished & (state.n_new < max_new)
+    write = jax.vmap(lambda h, e, s: jax.lax.dynamic_update_slice(h, e, (s,)))
+    hist = jnp.where(active[:, None], write(state.hist, emitted, n + 1), state.hist)
+    logprobs = jnp.where(active[:, None], write(state.logprobs, emitted_lp, n + 1), state.logprobs)
+    new_len = jnp.where(active, n + 1 + n_acc, n).astype(jnp.int32)
+    return SpecState(cache=cache.replace(lengths=new_len), draft_cache=draft_cache, hist=hist,
+                     logprobs=logprobs, n_new=state.n_new + jnp.where(active, n_acc + 1, 0),
+                     finished=state.finished | (active & stop.any(1)), keys=state.keys,
+                     round=state.round + 1, proposed=state.proposed + jnp.where(active, k, 0),
+                     accepted=state.accepted + jnp.where(active, n_acc, 0),
+                     target_calls=state.target_calls + active.astype(jnp.int32))
+
+
+def spec_chunk(params, draft_params, state: SpecState, max_new: jax.Array, max_rounds: jax.Array, **static):
+    """Up to `max_rounds` rounds under `lax.while_loop`, stopping early once every row is done."""
+    start = state.round
+
+    def cond(s):
+        active = ~s.finished & (s.n_new < max_new)
+        return (s.round - start < max_rounds) & jnp.any(active)
+
+    with jax.named_scope("speculative"):
+        return jax.lax.while_loop(cond, lambda s: spec_round(params, draft_params, s, max_new, **static), state)
+
+
+_STATIC = ("cfg", "draft_cfg", "sampling", "stop_ids", "method", "k", "max_ngram")
+spec_chunk_jit = jax.jit(spec_chunk, static_argnames=_STATIC, donate_argnames=("state",))
+
+
+def _draft_prefill(params, tokens, cache, cfg):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return mdl.forward(params, tokens, positions, cache, cfg, logit_index=jnp.zeros((B,), jnp.int32))[1]
+
+
+draft_prefill_jit = jax.jit(_draft_prefill, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+# Public API ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    method: str
+    k: int  # proposals per round
+    rounds: int  # verification forwards of the target (all rows together)
+    proposed: int  # draft tokens proposed, summed over rows
+    accepted: int  # of those, accepted
+    tokens_per_call: float  # tokens emitted per target verification per row (the +1 included)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOutput(Output):
+    stats: Optional[SpecStats] = None
+
+
+def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: Optional[Draft] = None,
+             k: int = 4, max_ngram: int = 3, key: Optional[jax.Array] = None,
+             seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
+             sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
+             rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> SpecOutput:
+    """Generate with speculative decoding; same arguments and output as `jaxinfer.generate`, plus:
+
+    Args:
+      method: "lookup" (prompt n-gram lookup) or "draft" (a draft model; pass `draft`).
+      draft: a `Draft` sharing the target's vocabulary (e.g. `truncated_draft(model, 4)`).
+      k: tokens proposed per round (verified in one target forward of k + 1 tokens).
+      max_ngram: longest suffix n-gram prompt lookup tries to match.
+      rounds_per_chunk: rounds per jitted while-loop call (streaming granularity).
+      (model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, on_tokens:
+      as in `jaxinfer.generate`; on_tokens receives each row's newly emitted tokens.)
+    Returns:
+      SpecOutput: completions and timings as `generate`, plus `stats` (acceptance rate, tokens per
+      target call).
+    """
+    t0 = time.perf_counter()
+    cfg = model.config
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "draft":
+        if draft is None:
+            raise ValueError("method='draft' needs draft=Draft(...) (e.g. speculative.truncated_draft(model, 4))")
+        if draft.config.vocab_size != cfg.vocab_size:
+            raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {cfg.vocab_size}")
+    if not isinstance(k, int) or not 1 <= k <= 16:
+        raise ValueError(f"k must be an int in [1, 16], got {k!r}")
+    if not isinstance(max_ngram, int) or max_ngram < 1:
+        raise ValueError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(rounds_per_chunk, int) or rounds_per_chunk < 1:
+        raise ValueError(f"rounds_per_chunk must be an int >= 1, got {rounds_per_chunk!r}")
+    ids = _prompt_ids(model, prompts)
+    limit = cfg.max_seq_len - 2 * k - 1
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} and k={k} "
+                             f"speculative decoding needs {len(p) + max_new_tokens + 2 * k + 1} slots, beyond the "
+                             f"context length {cfg.max_seq_len}")
+    stop_ids: tuple[int, ...] = ()
+    if stop_at_eos:
+        base = model.tokenizer.stop_ids if model.tokenizer is not None else (cfg.eos_token_id,)
+        stop_ids = tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
+    keys = _row_keys(len(ids), key, seed, sampling)
+
+    B = len(ids)
+    lengths = np.array([len(p) for p in ids], np.int32)
+    Tb = bucket(int(lengths.max()))
+    S = bucket(max(Tb, int(lengths.max()) + max_new_tokens + 2 * k + 2), 64)
+    tokens = np.zeros((B, Tb), np.int32)
+    hist = np.zeros((B, S), np.int32)
+    for b, p in enumerate(ids):
+        tokens[b, : len(p)] = p
+        hist[b, : len(p)] = p
+
+    compiled_before = compilation_count()
+    dstate, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                              kv.init_cache(cfg, B, S), keys, cfg, sampling, stop_ids)
+    draft_cache = None
+    if method == "draft":
+        draft_cache = draft_prefill_jit(draft.params, jnp.asarray(tokens), kv.init_cache(draft.config, B, S),
+                                        draft.config)
+    rows = jnp.arange(B)
+    lens = jnp.asarray(lengths)
+    zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the state is donated
+    state = SpecState(cache=dstate.cache, draft_cache=draft_cache,
+                      hist=jnp.asarray(hist).at[rows, lens].set(first),
+                      logprobs=jnp.zeros((B, S), jnp.float32).at[rows, lens].set(first_lp),
+                      n_new=jnp.ones((B,), jnp.int32), finished=dstate.finished, keys=keys,
+                      round=jnp.zeros((), jnp.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
+    t_first = time.perf_counter()
+    shown = np.ones(B, np.int64)  # tokens already passed to on_tokens
+    if on_tokens:
+        on_tokens([[int(t)] for t in np.asarray(first)])
+    static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, sampling=sampling,
+                  stop_ids=stop_ids, method=method, k=k, max_ngram=max_ngram)
+    max_new = jnp.asarray(max_new_tokens, jnp.int32)
+    while True:
+        done = np.asarray(state.finished) | (np.asarray(state.n_new) >= max_new_tokens)
+        if done.all():
+            break
+        state = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, max_new,
+                               jnp.asarray(rounds_per_chunk, jnp.int32), **static)
+        if on_tokens:
+            n_new, h = np.asarray(state.n_new), np.asarray(state.hist)
+            on_tokens([list(map(int, h[b, lengths[b] + shown[b]: lengths[b] + n_new[b]])) for b in range(B)])
+            shown = n_new.astype(np.int64)
+    t_end = time.perf_counter()
+
+    h, lp, n_new = np.asarray(state.hist), np.asarray(state.logprobs), np.asarray(state.n_new)
+    stop_set = set(stop_ids)
+    completions = []
+    for b in range(B):
+        m = min(int(n_new[b]), max_new_tokens)
+        row = [int(t) for t in h[b, lengths[b]: lengths[b] + m]]
+        n, reason = len(row), "length"
+        for j, t in enumerate(row):
+            if t in stop_set:
+                n, reason = j + 1, "stop"
+                break
+        text_ids = row[: n - 1] if reason == "stop" else row[:n]
+        text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
+        completions.append(Completion(prompt_ids=ids[b], token_ids=row[:n], text=text,
+                                          logprobs=[float(x) for x in lp[b, lengths[b]: lengths[b] + n]],
+                                          finish_reason=reason))
+    decode_s = t_end - t_first
+    decode_tokens = int(np.sum(n_new - 1))
+    calls = np.asarray(state.target_calls)
+    stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(state.proposed)),
+                      accepted=int(np.sum(state.accepted)),
+                      tokens_per_call=decode_tokens / max(int(calls.sum()), 1))
+    timings = Timings(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
+                          prompt_tokens=int(lengths.sum()), new_tokens=sum(len(c.token_ids) for c in completions),
+                          decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
+                          n_compilations=compilation_count() - compiled_before)
+    return SpecOutput(completions=completions, timings=timings, stats=stats)
+
+
+def compilation_count() -> int:
+    """Executables compiled so far by the jitted steps speculative decoding uses."""
+    return _generate_compilations() + spec_chunk_jit._cache_size() + draft_prefill_jit._cache_size()
