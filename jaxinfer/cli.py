@@ -40,6 +40,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-stop", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--chunk-size", type=int, default=8, help="decode steps per streamed chunk")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="shard over a (data, model) device mesh, e.g. data=2,model=4; D x M must equal the "
+                        "device count (on CPU fake devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
 
 
 def _generate(args) -> int:
@@ -51,7 +55,14 @@ def _generate(args) -> int:
                               min_p=args.min_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache)
+    mesh = None
+    if args.mesh is not None:  # a bad spec fails here, before the load and any compile
+        from jaxinfer import sharding
+
+        mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
+    model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
+    if mesh is not None:
+        print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
     prompts = list(args.prompt)
     if args.chat:
         prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -367,7 +367,10 @@ def memory_report(cfg: ModelConfig, data: int, model: int, *, batch_size: int = 
     w_dev = sum(jax.tree.leaves(jax.tree.map(_shard_bytes, weights, shard)))
     cache = kv.abstract_cache(cfg, batch_size, max_len, dt)
     cs = cache_sharding(cfg, p, batch_size)
+    reasons = dict(p.reasons)
+    if batch_axis(batch_size, mesh) is None:
+        reasons["batch"] = f"batch={batch_size} is not divisible by data={data}: cache rows are replicated"
     return MemoryReport(mesh=(data, model), weights_total=int(w_total), weights_per_device=int(w_dev),
                         cache_total=int(cache.k.size * 2 * jnp.dtype(cache.k.dtype).itemsize),
                         cache_per_device=_shard_bytes(cache.k, cs.k) + _shard_bytes(cache.v, cs.v),
-                        cache_tokens=batch_size * max_len, reasons=dict(p.reasons))
+                        cache_tokens=batch_size * max_len, reasons=reasons)

@@ -189,3 +189,13 @@ def test_memory_report_llama3_70b_on_8_devices():
           f"(of {r.weights_total / 2**30:.1f}), 8,192-token cache {r.cache_per_device / 2**20:.0f} MiB/device")
     r24 = shd.memory_report(cfg, 2, 4, batch_size=2, max_len=8192)
     assert r24.cache_per_device == 2 * r.cache_total // 8  # 2 rows over data=2, 8 kv heads over model=4
+
+
+def test_cli_rejects_a_bad_mesh_before_loading(capsys):
+    from jaxinfer import cli
+
+    assert cli.main(["generate", "--mesh", "data=3,model=4", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"data=3 x model=4 = 12 devices, but there are {len(jax.devices())}" in err
+    assert cli.main(["generate", "--mesh", "tensor=8", "hi"]) == 2
+    assert "bad mesh spec 'tensor=8'" in capsys.readouterr().err
