@@ -54,31 +54,36 @@ def main() -> None:
         models[f"{data}x{model}"] = Model(cfg, shd.shard_params(host, cfg, shd.make_mesh(data, model)), tokenizer)
 
     steps = args.new_tokens - 1
+    chunk = max(1, steps // 2)  # two decode chunks: the second reuses the first's executable
+
     def run(model):
         out = jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False,
-                                chunk_size=steps)
-        return out.timings.decode_s / steps, [c.token_ids for c in out.completions]
+                                chunk_size=chunk)
+        return out.timings.decode_s / steps, [c.token_ids for c in out.completions], out.timings.n_compilations
 
-    ref = None
+    ref, compiles = None, {}
     for name, model in models.items():  # compile everything first
-        _, toks = run(model)
+        _, toks, compiles[name] = run(model)
         ref = ref or toks
         assert toks == ref, f"{name}: tokens differ from the single-device run"
     times = {name: [] for name in models}
     for _ in range(args.repeats):
         for name, model in models.items():
-            times[name].append(run(model)[0])
+            t, _, n = run(model)
+            assert n == 0, f"{name}: a timed run compiled {n} times"
+            times[name].append(t)
     base = statistics.median(times["1 device"])
     print(f"{args.model}, batch {args.batch}, {steps} decode steps, {args.repeats} repeats, "
           f"8 fake CPU devices on {os.cpu_count()} cores")
-    print(f"{'mesh':>9} {'ms/step':>9} {'tokens/s':>9} {'vs 1 device':>12}  replicated")
+    print(f"{'mesh':>9} {'ms/step':>9} {'tokens/s':>9} {'time vs 1 device':>12}  replicated")
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
         reasons = {} if name == "1 device" else shd.plan(cfg, models[name].params["embed"].sharding.mesh).reasons
         rows.append(dict(mesh=name, ms_per_step=med * 1e3, tokens_per_s=args.batch / med, slowdown=med / base,
-                         all_ms=[t * 1e3 for t in ts], replicated=list(reasons)))
-        print(f"{name:>9} {med * 1e3:>9.1f} {args.batch / med:>9.1f} {med / base:>11.2f}x  {', '.join(reasons) or '-'}")
+                         all_ms=[t * 1e3 for t in ts], replicated=list(reasons), first_call_compiles=compiles[name]))
+        print(f"{name:>9} {med * 1e3:>9.1f} {args.batch / med:>9.1f} {med / base:>11.2f}x  {', '.join(reasons) or '-'}"
+              f"  ({compiles[name]} compiles on the first call)")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_mesh.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
