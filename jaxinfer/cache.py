@@ -119,11 +119,11 @@ def write(cache_kv: jax.Array, new: jax.Array, layer: jax.Array, starts: jax.Arr
       The updated [L, B, S, K, H] array.
     """
     new = new.astype(cache_kv.dtype)
-
-    def one_row(c, n, s):  # c [L, S, K, H], n [T, K, H]
-        return jax.lax.dynamic_update_slice(c, n[None], (layer, s, 0, 0))
-
-    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(cache_kv, new, starts)
+    # One in-place dynamic_update_slice per row. A vmapped update lowers to a scatter whose
+    # batched layout makes XLA copy the whole [L, B, S, K, H] array in every layer of the scan.
+    for b in range(new.shape[0]):
+        cache_kv = jax.lax.dynamic_update_slice(cache_kv, new[b][None, None], (layer, b, starts[b], 0, 0))
+    return cache_kv
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
