@@ -80,6 +80,18 @@ def to_out_in(params: Params) -> Params:
     return out
 
 
+def unstack_layers(params: Params) -> Params:
+    """A params tree whose "layers" is a tuple of L per-layer dicts (one copy of the weights).
+
+    `model.forward` runs such a tree as an unrolled Python loop instead of `lax.scan`.
+    """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return dict(params, layers=tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n)))
+
+
 def for_cpu_decode(model: Model) -> Model:
     """The same model with weights in the layout XLA's CPU matvecs read fastest (see module doc).
 

@@ -177,7 +177,18 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         x = x + h
         return (x, c), (probs if return_attention else None)
 
-    (x, cache), probs = jax.lax.scan(block, (x, cache), (params["layers"], *_layer_meta(cfg)))
+    meta = _layer_meta(cfg)
+    if isinstance(params["layers"], (list, tuple)):
+        # Unstacked layers (see `jaxinfer.layout`): an unrolled loop reads each weight in place;
+        # XLA's CPU backend copies a layer's slice out of a stacked array before a matmul.
+        carry, probs = (x, cache), []
+        for i, lp in enumerate(params["layers"]):
+            carry, p = block(carry, (lp, i, meta[1][i], meta[2][i]))
+            probs.append(p)
+        (x, cache) = carry
+        probs = jnp.stack(probs) if return_attention else None
+    else:
+        (x, cache), probs = jax.lax.scan(block, (x, cache), (params["layers"], *meta))
 
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]

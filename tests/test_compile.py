@@ -1,0 +1,59 @@
+"""Compilation counts: a new prompt length inside a bucket, or a new max_new_tokens inside the
+cache bucket, reuses the compiled prefill and decode programs; the persistent cache is set up.
+"""
+
+import importlib
+
+import jax
+import pytest
+
+import jaxinfer
+from jaxinfer import compile_cache
+from jaxinfer import config as C
+from jaxinfer import layout
+from jaxinfer.models import Model
+from jaxinfer.params import init_params
+
+gen = importlib.import_module("jaxinfer.generate")  # the module (jaxinfer.generate is the function)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = C.tiny(name="tiny-compile-test")  # own config: no executables shared with other tests
+    return Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["canonical", "cpu-layout"])
+def test_no_recompile_inside_a_bucket(tiny_model, fast):
+    model = layout.for_cpu_decode(tiny_model) if fast else tiny_model
+    run = lambda lengths, n: jaxinfer.generate(model, [[3] * k for k in lengths], max_new_tokens=n,
+                                              stop_at_eos=False, chunk_size=4)
+    first = run([5, 9], 9)
+    assert first.timings.n_compilations >= 2  # prefill and decode chunk
+    for lengths, n in (([12, 7], 9), ([16, 1], 9), ([2, 3], 5)):  # same buckets: Tb=16, S=64
+        out = run(lengths, n)
+        assert out.timings.n_compilations == 0, f"prompt lengths {lengths}, max_new_tokens {n} recompiled"
+    assert run([17, 3], 9).timings.n_compilations >= 1  # next prompt bucket (32): compiles prefill
+
+
+def test_compilation_count_sees_every_jitted_step(tiny_model):
+    before = gen.compilation_count()
+    jaxinfer.generate(tiny_model, [[1, 2, 3]] * 3, max_new_tokens=3, stop_at_eos=False, chunk_size=2)
+    assert gen.compilation_count() - before >= 1  # batch 3 is a new shape
+
+
+def test_persistent_cache_dir(tmp_path, monkeypatch):
+    old = jax.config.jax_compilation_cache_dir
+    try:
+        path = compile_cache.enable_persistent_cache(tmp_path / "xla")
+        assert path.is_dir() and jax.config.jax_compilation_cache_dir == str(path)
+        monkeypatch.setenv("JAXINFER_COMPILE_CACHE", str(tmp_path / "env"))
+        assert compile_cache.default_dir() == tmp_path / "env"
+        monkeypatch.delenv("JAXINFER_COMPILE_CACHE")
+        monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "c"))
+        assert compile_cache.default_dir() == tmp_path / "c" / "xla"
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(ValueError, match="not a folder"):
+            compile_cache.enable_persistent_cache(tmp_path / "file")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)

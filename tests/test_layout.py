@@ -1,0 +1,106 @@
+"""The CPU decode layout (jaxinfer.layout) computes the same function as the canonical params.
+
+Transposed (`OutIn`) and unstacked (unrolled layer loop) weights must give the canonical
+logits, through the cache and through `generate`, and keep parity with the reference.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer import cache as kv
+from jaxinfer import config as C
+from jaxinfer import layout
+from jaxinfer import model as mdl
+from jaxinfer.models import Model
+from jaxinfer.params import init_params
+
+CONFIGS = {
+    "llama": C.tiny(),
+    "all-switches": C.tiny(qkv_bias=True, tie_embeddings=True, qk_norm=True, post_norms=True,
+                           activation="gelu_tanh", scale_embeddings=True, sliding_window=4,
+                           global_every=2, rope_local_theta=100.0),
+}
+LAYOUTS = {
+    "out_in": layout.to_out_in,
+    "unstacked": layout.unstack_layers,
+    "both": lambda p: layout.unstack_layers(layout.to_out_in(p)),
+}
+
+
+def _bias(params, cfg):
+    """Non-zero biases, so a transposed bias would show."""
+    if not cfg.qkv_bias:
+        return params
+    lay = dict(params["layers"])
+    for i, n in enumerate(("bq", "bk", "bv")):
+        lay[n] = jax.random.normal(jax.random.key(10 + i), lay[n].shape) * 0.1
+    return dict(params, layers=lay)
+
+
+@pytest.mark.parametrize("lay", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_same_logits_uncached_and_cached(name, lay):
+    cfg = CONFIGS[name]
+    params = _bias(init_params(cfg, jax.random.key(0)), cfg)
+    fast = LAYOUTS[lay](params)
+    fwd = jax.jit(lambda p, t, pos, c: mdl.forward(p, t, pos, c, cfg))
+    ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [8, 1, 2, 250, 9, 31]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    ref, _ = fwd(params, ids, pos, None)
+    got, _ = fwd(fast, ids, pos, None)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+    # Rows at different lengths write different cache slots (the per-row cache write).
+    lengths = jnp.asarray([4, 2])
+    caches = []
+    for p in (params, fast):
+        cache = kv.init_cache(cfg, 2, 16)
+        _, cache = fwd(p, ids[:, :4], pos[:, :4], cache)
+        step_pos = lengths[:, None]
+        lg, cache = fwd(p, ids[:, 4:5], step_pos, cache)
+        caches.append((lg, cache))
+    np.testing.assert_allclose(caches[1][0], caches[0][0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(caches[1][1].k, caches[0][1].k, atol=1e-6)
+    np.testing.assert_array_equal(caches[1][1].lengths, [5, 3])
+
+
+def test_generate_tokens_identical_tiny():
+    cfg = C.tiny()
+    model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+    prompts = [[5, 17, 99, 3], [8, 1, 2, 250, 9, 31, 4], [7]]
+    a = jaxinfer.generate(model, prompts, max_new_tokens=12, stop_at_eos=False, chunk_size=4)
+    b = jaxinfer.generate(layout.for_cpu_decode(model), prompts, max_new_tokens=12, stop_at_eos=False,
+                          chunk_size=4)
+    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+    np.testing.assert_allclose([c.logprobs for c in b.completions], [c.logprobs for c in a.completions],
+                               atol=1e-5)
+
+
+def test_real_model_keeps_reference_parity(smollm2, golden_dir):
+    """SmolLM2 in the CPU decode layout vs the transformers golden logits (same bar as the core)."""
+    fast = layout.for_cpu_decode(smollm2)
+    data = np.load(os.path.join(golden_dir, "smollm2_logits.npz"))
+    ids = data["ids_0"]
+    ours = np.asarray(jaxinfer.logits(fast, ids.tolist()))
+    sel = np.take_along_axis(ours, data["vocab_idx_0"], axis=1)
+    diff = np.abs(sel - data["logits_0"]).max()
+    print(f"CPU decode layout: max |logit diff| vs transformers {diff:.2e}")
+    assert diff <= 1e-2
+    np.testing.assert_array_equal(ours.argmax(-1), data["argmax_0"])
+    out = jaxinfer.generate(fast, [ids.tolist()], max_new_tokens=16, stop_at_eos=False)
+    assert out.completions[0].token_ids == data["greedy_0"].tolist()[:16]
+
+
+def test_leaves_canonical_params_alone():
+    cfg = C.tiny()
+    params = init_params(cfg, jax.random.key(0))
+    fast = layout.to_out_in(params)
+    assert params["layers"]["wq"].shape == (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim)
+    assert fast["layers"]["wq"].w.shape == (cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model)
+    assert fast["lm_head"].w.shape == (cfg.vocab_size, cfg.d_model)
+    assert layout.to_out_in(fast)["layers"]["wq"] is fast["layers"]["wq"]  # idempotent
+    assert len(layout.unstack_layers(params)["layers"]) == cfg.n_layers
