@@ -116,7 +116,8 @@ class TransformersEngine:
         self.torch = torch
         d, f = os.path.split(gguf_path)
         self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-        self.pad = self.model.config.eos_token_id or 0
+        eos = self.model.config.eos_token_id
+        self.pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
 
     def _gen(self, batch, n_new):
         ids = self.torch.tensor(batch)
@@ -144,8 +145,10 @@ class TransformersEngine:
 class LlamaCppEngine:
     name = "llama.cpp"
 
-    def __init__(self, gguf_path, threads, n_ctx):
+    def __init__(self, gguf_path, threads, n_ctx, cfg):
         from llama_cpp import Llama
+
+        self.kv_tok = kv.bytes_per_token(cfg, "float16")  # llama.cpp's default f16 KV cache
 
         self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
         self.file_bytes = os.path.getsize(gguf_path)
@@ -169,10 +172,8 @@ class LlamaCppEngine:
         return (n_new - 1) / (time.perf_counter() - t0)
 
     def bytes_per_step(self, batch, filled):
-        # Quantized weights as stored in the file (tokenizer metadata is negligible) + fp16 KV cache.
-        n_layer = self.llm.metadata.get("llama.block_count")
-        kv_tok = 2 * int(n_layer or 30) * 192 * 2 if n_layer else 0
-        return self.file_bytes + batch * filled * kv_tok
+        # Quantized weights as stored in the file (tokenizer metadata is negligible) + f16 KV cache.
+        return self.file_bytes + batch * filled * self.kv_tok
 
 
 # Time to first token, cold and warm (new processes) -------------------------------------------
@@ -214,6 +215,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peers", default="transformers,llama.cpp", help="comma list; empty for none")
+    ap.add_argument("--no-canonical", action="store_true", help="skip jaxinfer with canonical params")
     ap.add_argument("--no-ttft", action="store_true", help="skip the cold/warm start subprocesses")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 32 new tokens, batch 1,8")
     ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "out"))
@@ -232,8 +234,9 @@ def main(argv=None):
           f"{bw['numpy_copy_GBps']:.1f} GB/s", flush=True)
 
     base = jaxinfer.load(args.model, dtype=args.dtype)
-    engines = [JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer"),
-               JaxinferEngine(base, "jaxinfer-canonical")]
+    engines = [JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer")]
+    if not args.no_canonical:  # the canonical layout, to show what the CPU decode layout buys
+        engines.append(JaxinferEngine(base, "jaxinfer-canonical"))
     gguf = str(hub.fetch(args.model)) if not os.path.exists(args.model) else args.model
     mem = {"jaxinfer": rss_mb()}
     for peer in filter(None, args.peers.split(",")):
@@ -241,7 +244,7 @@ def main(argv=None):
             if peer == "transformers":
                 engines.append(TransformersEngine(gguf, threads))
             elif peer == "llama.cpp":
-                engines.append(LlamaCppEngine(gguf, threads, n_ctx=1024))
+                engines.append(LlamaCppEngine(gguf, threads, n_ctx=1024, cfg=base.config))
             else:
                 raise ValueError(f"unknown peer {peer!r}; known: transformers, llama.cpp")
             mem[peer] = rss_mb()
