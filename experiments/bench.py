@@ -249,7 +249,7 @@ def main(argv=None):
                 raise ValueError(f"unknown peer {peer!r}; known: transformers, llama.cpp")
             mem[peer] = rss_mb()
         except ImportError as e:
-            msg = f"{peer}: skipped, not installed ({e.name}). See experiments/BENCH.md to install it."
+            msg = f"{peer}: skipped, not installed ({e.name}). README.md (section 'Speed') says how to install it."
             print(msg, flush=True)
             notes.append(msg)
 
