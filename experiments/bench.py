@@ -215,7 +215,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peers", default="transformers,llama.cpp", help="comma list; empty for none")
-    ap.add_argument("--no-canonical", action="store_true", help="skip jaxinfer with canonical params")
+    ap.add_argument("--unstacked", action="store_true", help="also run jaxinfer with unstacked layers")
     ap.add_argument("--no-ttft", action="store_true", help="skip the cold/warm start subprocesses")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 32 new tokens, batch 1,8")
     ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "out"))
@@ -234,9 +234,9 @@ def main(argv=None):
           f"{bw['numpy_copy_GBps']:.1f} GB/s", flush=True)
 
     base = jaxinfer.load(args.model, dtype=args.dtype)
-    engines = [JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer")]
-    if not args.no_canonical:  # the canonical layout, to show what the CPU decode layout buys
-        engines.append(JaxinferEngine(base, "jaxinfer-canonical"))
+    engines = [JaxinferEngine(base, "jaxinfer")]
+    if args.unstacked:  # one array per layer (jaxinfer.layout): faster decode, slower compile
+        engines.append(JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer-unstacked"))
     gguf = str(hub.fetch(args.model)) if not os.path.exists(args.model) else args.model
     mem = {"jaxinfer": rss_mb()}
     for peer in filter(None, args.peers.split(",")):
@@ -292,10 +292,10 @@ def main(argv=None):
         ttft["in_process_warm_s"] = med([jaxinfer.generate(engines[0].model, [ids], max_new_tokens=1,
                                                             stop_at_eos=False).timings.ttft_s
                                          for _ in range(args.repeats)])
-        ttft["cold"] = ttft_subprocess(args.model, args.dtype, True, ids, "")
+        ttft["cold"] = ttft_subprocess(args.model, args.dtype, False, ids, "")
         with tempfile.TemporaryDirectory() as d:
-            ttft["persistent_cache_first"] = ttft_subprocess(args.model, args.dtype, True, ids, d)
-            ttft["persistent_cache_second"] = ttft_subprocess(args.model, args.dtype, True, ids, d)
+            ttft["persistent_cache_first"] = ttft_subprocess(args.model, args.dtype, False, ids, d)
+            ttft["persistent_cache_second"] = ttft_subprocess(args.model, args.dtype, False, ids, d)
 
     report = {"model": args.model, "dtype": args.dtype, "bandwidth": bw, "threads": threads,
               "new_tokens": args.new_tokens, "decode_prompt": args.decode_prompt, "repeats": args.repeats,
