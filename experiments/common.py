@@ -55,7 +55,8 @@ def environment() -> dict:
 
     return {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
-            "machine": platform.machine()}
+            "machine": platform.machine(),
+            "load_average_1m": os.getloadavg()[0]}  # other work on the machine skews timings
 
 
 def save(name: str, fig, data: dict, args) -> tuple[Path, Path]:

@@ -54,7 +54,9 @@ def main(argv=None, model=None) -> dict:
     name = lambda t: m.tokenizer.decode([int(t)]).replace(" ", "·").replace("\n", "⏎")  # noqa: E731
     seeds = list(range(args.darts))
 
-    result = {"prompt": args.prompt, "n_darts": args.darts, "presets": {}}
+    raw = probes.distribution(logits, presets()["Default (T=1)"])
+    shown = [int(t) for t in np.argsort(raw)[::-1][:6]]  # the same tokens in every panel
+    result = {"prompt": args.prompt, "n_darts": args.darts, "shown_tokens": [name(t) for t in shown], "presets": {}}
     print(f"prompt: {args.prompt!r} ({len(ids)} tokens); {args.darts} darts per preset, seeds 0..{args.darts - 1}")
     for label, sp in presets().items():
         probs = probes.distribution(logits, sp)
@@ -63,10 +65,11 @@ def main(argv=None, model=None) -> dict:
         shifted = probes.throw_darts(logits, sp, [s + args.darts for s in seeds])
         counts = np.bincount(darts, minlength=probs.shape[0])
         freq = counts / len(darts)
-        top = np.argsort(probs)[::-1][: args.show]
+        top = [t for t in np.argsort(probs)[::-1][: args.show] if probs[t] > 0]
         r = {"sampling": {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p},
              "tokens_allowed": int((probs > 0).sum()),
              "top": [{"id": int(t), "token": name(t), "p": float(probs[t]), "dart_share": float(freq[t])} for t in top],
+             "shown": [{"token": name(t), "p": float(probs[t]), "dart_share": float(freq[t])} for t in shown],
              "darts_outside_allowed": int(counts[probs == 0].sum()),
              "distinct_tokens_hit": int((counts > 0).sum()),
              "max_abs_share_minus_p": float(np.abs(freq - probs).max()),
@@ -75,7 +78,7 @@ def main(argv=None, model=None) -> dict:
              "first_darts": [name(t) for t in darts[:10]]}
         result["presets"][label] = r
         best = r["top"][0]
-        print(f"\n{label}: {r['tokens_allowed']} tokens allowed; top {best['token']!r} p={best['p']:.3f}; "
+        print(f"\n{label}: {r['tokens_allowed']} token{'s' if r['tokens_allowed'] > 1 else ''} allowed; top {best['token']!r} p={best['p']:.3f}; "
               f"{r['distinct_tokens_hit']} distinct tokens hit")
         print("  " + ", ".join(f"{t['token']} {t['p']:.3f}/{t['dart_share']:.3f}" for t in r["top"][:5])
               + "   (p / share of darts)")
@@ -87,14 +90,14 @@ def main(argv=None, model=None) -> dict:
     fig, axes = plt.subplots(1, len(labels), figsize=(3.0 * len(labels), 3.6), sharey=True)
     for ax, label in zip(axes, labels):
         r = result["presets"][label]
-        toks = r["top"][:6]
+        toks = r["shown"]
         x = np.arange(len(toks) + 1)
         ps = [t["p"] for t in toks] + [max(0.0, 1 - sum(t["p"] for t in toks))]
         fs = [t["dart_share"] for t in toks] + [max(0.0, 1 - sum(t["dart_share"] for t in toks))]
         ax.bar(x - 0.2, ps, 0.4, label="probability", color="#4c78a8")
         ax.bar(x + 0.2, fs, 0.4, label=f"{args.darts} darts", color="#f58518")
         ax.set_xticks(x, [t["token"] for t in toks] + ["other"], rotation=60, ha="right", fontsize=8)
-        ax.set_title(f"{label}\n{r['tokens_allowed']} tokens allowed", fontsize=9)
+        ax.set_title(f"{label}\n{r['tokens_allowed']} token{'s' if r['tokens_allowed'] > 1 else ''} allowed", fontsize=9)
         ax.set_ylim(0, 1)
     axes[0].set_ylabel("probability / share of darts")
     axes[0].legend(fontsize=8)
