@@ -42,6 +42,49 @@ def measure_decode(m, batch: int, new_tokens: int, repeats: int) -> dict:
             "prompt_tokens_per_row": runs[0].prompt_tokens // batch}
 
 
+def figure(result: dict):
+    """The two panels (ceilings; this machine's roofline with the measured points) from the numbers."""
+    from jaxinfer import roofline as rl
+
+    md, ceilings, points = result["model"], result["ceilings_llama3_8b_fp16"], result["measured"]
+    here, wb, comp = result["bandwidth"]["bandwidth_Bps"], md["weight_nbytes"], md["compute_ceiling"]
+    own, kvrow, n_params = md["batch1_memory_ceiling"], md["kv_bytes_per_token"] * md["mean_context"], md["n_params"]
+    batches = [q["batch"] for q in points]
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.4))
+    labels = [c["where"].replace(" (", "\n(") for c in ceilings] + [f"this machine\n{md['name']} {md['dtype']}"]
+    vals = [c["tokens_per_s"] for c in ceilings] + [own]
+    colors = ["#9ecae9"] * len(VENDOR_BANDWIDTH) + ["#4c78a8", "#f58518"]
+    a0.bar(range(len(vals)), vals, color=colors)
+    for i, v in enumerate(vals):
+        a0.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    a0.scatter([len(vals) - 1], [points[0]["decode_tokens_per_s"]], marker="D", color="black", zorder=3,
+               label=f"measured batch {points[0]['batch']}: {points[0]['decode_tokens_per_s']:.1f}")
+    a0.set_xticks(range(len(vals)), labels, fontsize=7)
+    a0.set_yscale("log")
+    a0.set_ylabel("batch-1 decode ceiling, tokens/s (log)")
+    a0.set_title("bandwidth / weight bytes (first three: Llama 3 8B fp16)", fontsize=9)
+    a0.legend(fontsize=8)
+    bs = np.unique(np.geomspace(1, max(64, batches[-1] * 4), 60).round().astype(int))
+    mem = np.array([rl.decode_ceiling(here, wb, batch=int(b), cache_bytes_per_row=kvrow) for b in bs])
+    a1.plot(bs, np.minimum(mem, comp), color="#4c78a8", lw=2, label=f"roofline {md['dtype']} (measured bandwidth, FLOP/s)")
+    for (name, bits), ls in zip([("int8", 8), ("int4", 4)], ["--", ":"]):
+        q = [rl.decode_ceiling(here, n_params * bits / 8, batch=int(b), cache_bytes_per_row=kvrow) for b in bs]
+        a1.plot(bs, np.minimum(q, comp), color="#4c78a8", ls=ls, lw=1, label=f"{name} weights (formula)")
+    a1.scatter([q["batch"] for q in points], [q["decode_tokens_per_s"] for q in points], color="#f58518", zorder=3,
+               label="measured jaxinfer decode")
+    for q in points:
+        a1.annotate(f"{q['percent_of_roofline']:.0f}%", (q["batch"], q["decode_tokens_per_s"]), textcoords="offset points",
+                    xytext=(4, -10), fontsize=8)
+    a1.set_xscale("log")
+    a1.set_yscale("log")
+    a1.set_xlabel("batch size (rows decoded together)")
+    a1.set_ylabel("decode tokens/s, all rows (log)")
+    a1.set_title(f"{md['name']} on this machine: batching climbs the memory line", fontsize=9)
+    a1.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
 def main(argv=None, model=None) -> dict:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,4,16", help="batch sizes to measure (default %(default)s)")
@@ -105,43 +148,12 @@ def main(argv=None, model=None) -> dict:
     print("  smaller weights raise the batch-1 ceiling here: "
           + ", ".join(f"{k} {v:.0f} tokens/s" for k, v in quant.items()) + " (formula, ideal weight bytes)")
 
-    fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.4))
-    labels = [c["where"].replace(" (", "\n(") for c in ceilings] + [f"this machine\n{cfg.name} {cfg.dtype}"]
-    vals = [c["tokens_per_s"] for c in ceilings] + [own]
-    colors = ["#9ecae9"] * len(VENDOR_BANDWIDTH) + ["#4c78a8", "#f58518"]
-    a0.bar(range(len(vals)), vals, color=colors)
-    for i, v in enumerate(vals):
-        a0.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-    a0.scatter([len(vals) - 1], [points[0]["decode_tokens_per_s"]], marker="D", color="black", zorder=3,
-               label=f"measured batch {points[0]['batch']}: {points[0]['decode_tokens_per_s']:.1f}")
-    a0.set_xticks(range(len(vals)), labels, fontsize=7)
-    a0.set_yscale("log")
-    a0.set_ylabel("batch-1 decode ceiling, tokens/s (log)")
-    a0.set_title("bandwidth / weight bytes (first three: Llama 3 8B fp16)", fontsize=9)
-    a0.legend(fontsize=8)
-    bs = np.unique(np.geomspace(1, max(64, batches[-1] * 4), 60).round().astype(int))
-    mem = np.array([rl.decode_ceiling(here, wb, batch=int(b), cache_bytes_per_row=bpt * ctx) for b in bs])
-    a1.plot(bs, np.minimum(mem, comp), color="#4c78a8", lw=2, label=f"roofline {cfg.dtype} (measured bandwidth, FLOP/s)")
-    for (name, bits), ls in zip([("int8", 8), ("int4", 4)], ["--", ":"]):
-        q = [rl.decode_ceiling(here, cfg.n_params * bits / 8, batch=int(b), cache_bytes_per_row=bpt * ctx) for b in bs]
-        a1.plot(bs, np.minimum(q, comp), color="#4c78a8", ls=ls, lw=1, label=f"{name} weights (formula)")
-    a1.scatter([q["batch"] for q in points], [q["decode_tokens_per_s"] for q in points], color="#f58518", zorder=3,
-               label="measured jaxinfer decode")
-    for q in points:
-        a1.annotate(f"{q['percent_of_roofline']:.0f}%", (q["batch"], q["decode_tokens_per_s"]), textcoords="offset points",
-                    xytext=(4, -10), fontsize=8)
-    a1.set_xscale("log")
-    a1.set_yscale("log")
-    a1.set_xlabel("batch size (rows decoded together)")
-    a1.set_ylabel("decode tokens/s, all rows (log)")
-    a1.set_title(f"{cfg.name} on this machine: batching climbs the memory line", fontsize=9)
-    a1.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     result = {"bandwidth": bw, "matmul_flops_per_s": flops, "ceilings_llama3_8b_fp16": ceilings,
               "model": {"name": cfg.name, "dtype": cfg.dtype, "n_params": cfg.n_params, "weight_nbytes": wb,
                         "weight_bytes_formula": rl.weight_bytes(cfg), "kv_bytes_per_token": bpt, "mean_context": ctx,
                         "batch1_memory_ceiling": own, "compute_ceiling": comp},
               "measured": points, "quantized_batch1_ceilings": quant}
+    fig = figure(result)
     common.save("roofline", fig, result, args)
     return result
 
