@@ -49,7 +49,7 @@ def _add_generate(sub) -> None:
                         "(default $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla)")
     p.add_argument("--no-compile-cache", action="store_true", help="do not read or write the compile cache")
     p.add_argument("--unstack-layers", action="store_true",
-                   help="one weight array per layer: ~2x faster decode on CPU, several times longer compile")
+                   help="one weight array per layer (CPU decode experiment; several times longer compile)")
 
 
 def _generate(args) -> int:
