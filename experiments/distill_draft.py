@@ -85,21 +85,22 @@ def main(argv=None, model=None) -> dict:
 
     teacher = jax.jit(lambda p, t: _logp(p, t, cfg))
 
-    def loss_fn(tr, t_logp, tokens):
-        return kl_and_top1(t_logp, _logp({**frozen, **tr}, tokens, dcfg))[0]
+    # The frozen weights are arguments, not closed-over constants (XLA would constant-fold them).
+    def loss_fn(tr, fr, t_logp, tokens):
+        return kl_and_top1(t_logp, _logp({**fr, **tr}, tokens, dcfg))[0]
 
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.0))
     opt_state = opt.init(trainable)
 
     @jax.jit
-    def train_step(tr, opt_state, t_logp, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(tr, t_logp, tokens)
+    def train_step(tr, fr, opt_state, t_logp, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(tr, fr, t_logp, tokens)
         updates, opt_state = opt.update(grads, opt_state, tr)
         return optax.apply_updates(tr, updates), opt_state, loss
 
-    evaluate = jax.jit(lambda tr, t_logp: kl_and_top1(t_logp, _logp({**frozen, **tr}, held, dcfg)))
+    evaluate = jax.jit(lambda tr, fr, t_logp, tokens: kl_and_top1(t_logp, _logp({**fr, **tr}, tokens, dcfg)))
     held_t = teacher(m.params, held)
-    kl0, top0 = map(float, evaluate(trainable, held_t))
+    kl0, top0 = map(float, evaluate(trainable, frozen, held_t, held))
     print(f"held-out before: KL {kl0:.3f} nats, top-1 agreement {top0:.3f}", flush=True)
 
     rng = np.random.default_rng(args.seed)
@@ -107,14 +108,14 @@ def main(argv=None, model=None) -> dict:
     for step in range(args.steps):
         starts = rng.integers(0, len(ids) - args.seq, args.batch)
         tokens = jnp.asarray(np.stack([ids[s: s + args.seq] for s in starts]))
-        trainable, opt_state, loss = train_step(trainable, opt_state, teacher(m.params, tokens), tokens)
+        trainable, opt_state, loss = train_step(trainable, frozen, opt_state, teacher(m.params, tokens), tokens)
         losses.append(float(loss))
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:4d}  KL {np.mean(losses[-10:]):.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
         if time.perf_counter() - t0 > 60 * args.minutes:
             print(f"stopping at step {step}: --minutes {args.minutes} reached")
             break
-    kl1, top1 = map(float, evaluate(trainable, held_t))
+    kl1, top1 = map(float, evaluate(trainable, frozen, held_t, held))
     print(f"held-out after:  KL {kl1:.3f} nats, top-1 agreement {top1:.3f}")
 
     out = Path(args.out or ROOT / "checkpoints" / f"{args.model}-draft-{args.layers}l")
