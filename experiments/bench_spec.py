@@ -69,9 +69,13 @@ def _median_tps(fns: dict, repeats: int) -> dict:
 
 
 def bench_spec(m, args) -> dict:
-    drafts = {f"draft-first{args.draft_layers}": spec.truncated_draft(m, args.draft_layers)}
+    drafts = {}
+    if "first" in args.drafts:
+        drafts[f"draft-first{args.draft_layers}"] = spec.truncated_draft(m, args.draft_layers)
     distilled = Path(args.draft)
-    if distilled.exists():
+    if "distilled" not in args.drafts:
+        pass
+    elif distilled.exists():
         drafts[f"draft-distilled{spec.load_draft(str(distilled)).config.n_layers}"] = spec.load_draft(str(distilled))
     else:
         print(f"no distilled draft at {distilled} (run experiments/distill_draft.py); skipping it")
@@ -105,6 +109,7 @@ def bench_quant(m, args) -> dict:
               "int8": dataclasses.replace(m, params=Q.quantize(m.params, cfg, "int8")),
               "int4": dataclasses.replace(m, params=Q.quantize(m.params, cfg, "int4"))}
     models["int8+kv-int8"] = dataclasses.replace(models["int8"], config=cfg.replace(kv_dtype="int8"))
+    models = {k: v for k, v in models.items() if k in args.quant_modes.split(",")}
     prompt = "The history of the printing press"
     fns = {name: (lambda mm=mm: jaxinfer.generate(mm, prompt, max_new_tokens=args.tokens, stop_at_eos=False,
                                                   chunk_size=args.tokens)) for name, mm in models.items()}
@@ -131,6 +136,8 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--draft", default=str(ROOT / "checkpoints" / "smollm2-135m-draft-4l"),
                    help="distilled draft checkpoint (experiments/distill_draft.py)")
     p.add_argument("--part", default="spec,quant")
+    p.add_argument("--drafts", default="first,distilled", help="draft models to include (comma list)")
+    p.add_argument("--quant-modes", default="float32,int8,int4,int8+kv-int8")
     p.add_argument("--out", default=str(ROOT / "experiments" / "out"))
     args = p.parse_args(argv)
     m = model or jaxinfer.load(args.model)
