@@ -194,6 +194,14 @@ def _prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
     return out
 
 
+def stop_ids_for(model: Model, stop_at_eos: bool, stop_tokens: Sequence[int]) -> tuple[int, ...]:
+    """The token ids that end a row: the tokenizer's stop ids (or the config's eos) plus stop_tokens."""
+    if not stop_at_eos:
+        return ()
+    base = model.tokenizer.stop_ids if model.tokenizer is not None else (model.config.eos_token_id,)
+    return tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
+
+
 def _row_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParams) -> jax.Array:
     if key is not None and seed is not None:
         raise ValueError("pass either key or seed, not both")
@@ -247,10 +255,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if len(p) + max_new_tokens > cfg.max_seq_len:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that is "
                              f"{len(p) + max_new_tokens}, beyond the context length {cfg.max_seq_len}")
-    stop_ids: tuple[int, ...] = ()
-    if stop_at_eos:
-        base = model.tokenizer.stop_ids if model.tokenizer is not None else (cfg.eos_token_id,)
-        stop_ids = tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
+    stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = _row_keys(len(ids), key, seed, sampling)
 
     B = len(ids)

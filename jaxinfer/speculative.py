@@ -36,7 +36,7 @@ from flax import struct
 
 from jaxinfer import cache as kv
 from jaxinfer.generate import (Completion, Output, Prompts, Timings, _is_stop, _prompt_ids, _row_keys, bucket,
-                               prefill_jit)
+                               prefill_jit, stop_ids_for)
 from jaxinfer.generate import compilation_count as _generate_compilations
 from jaxinfer import model as mdl
 from jaxinfer import sampling as smp
@@ -347,10 +347,7 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} and k={k} "
                              f"speculative decoding needs {len(p) + max_new_tokens + 2 * k + 1} slots, beyond the "
                              f"context length {cfg.max_seq_len}")
-    stop_ids: tuple[int, ...] = ()
-    if stop_at_eos:
-        base = model.tokenizer.stop_ids if model.tokenizer is not None else (cfg.eos_token_id,)
-        stop_ids = tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
+    stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = _row_keys(len(ids), key, seed, sampling)
 
     B = len(ids)
