@@ -61,15 +61,15 @@ def _generate(args) -> int:
                               min_p=args.min_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.no_compile_cache:
-        from jaxinfer.compile_cache import enable_persistent_cache
-
-        enable_persistent_cache(args.compile_cache)
     mesh = None
     if args.mesh is not None:  # a bad spec fails here, before the load and any compile
         from jaxinfer import sharding
 
         mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
+    if not args.no_compile_cache:  # process-wide JAX setting: only once the input is known good
+        from jaxinfer.compile_cache import enable_persistent_cache
+
+        enable_persistent_cache(args.compile_cache)
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)

@@ -44,6 +44,8 @@ def test_compilation_count_sees_every_jitted_step(tiny_model):
 
 def test_persistent_cache_dir(tmp_path, monkeypatch):
     old = jax.config.jax_compilation_cache_dir
+    old_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    old_size = jax.config.jax_persistent_cache_min_entry_size_bytes
     try:
         path = compile_cache.enable_persistent_cache(tmp_path / "xla")
         assert path.is_dir() and jax.config.jax_compilation_cache_dir == str(path)
@@ -55,5 +57,10 @@ def test_persistent_cache_dir(tmp_path, monkeypatch):
         (tmp_path / "file").write_text("x")
         with pytest.raises(ValueError, match="not a folder"):
             compile_cache.enable_persistent_cache(tmp_path / "file")
-    finally:
+    finally:  # leave no process-wide persistent cache behind for the other tests
+        from jax._src import compilation_cache as _cc
+
         jax.config.update("jax_compilation_cache_dir", old)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", old_time)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", old_size)
+        _cc.reset_cache()
