@@ -55,6 +55,7 @@ class KVCache:
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
 _SCALE_DTYPE = jnp.float32  # per token per kv head, for the int8 cache
+UNROLL_ROWS = 32  # batches up to this size write their rows with an unrolled loop
 
 
 def _kv_dtype(cfg: ModelConfig, dtype) -> str:
@@ -121,9 +122,17 @@ def write(cache_kv: jax.Array, new: jax.Array, layer: jax.Array, starts: jax.Arr
     new = new.astype(cache_kv.dtype)
     # One in-place dynamic_update_slice per row. A vmapped update lowers to a scatter whose
     # batched layout makes XLA copy the whole [L, B, S, K, H] array in every layer of the scan.
-    for b in range(new.shape[0]):
-        cache_kv = jax.lax.dynamic_update_slice(cache_kv, new[b][None, None], (layer, b, starts[b], 0, 0))
-    return cache_kv
+    # Small batches unroll the rows (fastest to run); large ones loop over them, so the program
+    # (and its compile time and memory) does not grow with B.
+    def put(b, c):
+        row = jax.lax.dynamic_index_in_dim(new, b, keepdims=False)
+        return jax.lax.dynamic_update_slice(c, row[None, None], (layer, b, starts[b], 0, 0))
+
+    if new.shape[0] <= UNROLL_ROWS:
+        for b in range(new.shape[0]):
+            cache_kv = put(b, cache_kv)
+        return cache_kv
+    return jax.lax.fori_loop(0, new.shape[0], put, cache_kv)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
