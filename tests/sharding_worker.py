@@ -78,6 +78,30 @@ def _logits(model, ids):
     return np.asarray(jaxinfer.logits(model, ids))
 
 
+def _logits64(host, cfg, plan, ids):
+    """Logits [T, V] of one uncached forward with float64 weights and matmuls (x64 on for this call).
+
+    In float32 a sharded reduction (the FFN's down projection summed over the model axis by an
+    all-reduce) adds its partial sums in another order than one device does; through 30 layers
+    that rounding alone moves the real model's logits by ~1e-4. In float64 the rounding is ~1e-12,
+    so what remains is any real difference between the sharded and the single-device program.
+    """
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import sharding as shd
+
+    gen = importlib.import_module("jaxinfer.generate")  # the module (jaxinfer.generate is the function)
+    with jax.enable_x64(True):
+        wide = jax.tree.map(lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a, host)
+        params = jax.tree.map(jnp.asarray, wide) if plan is None else shd.shard_params(wide, cfg, plan)
+        assert jax.tree.leaves(params)[0].dtype == jnp.float64
+        tokens = jnp.asarray(np.asarray(ids, np.int32)[None])
+        return np.asarray(gen.uncached_logits_jit(params, tokens, cfg)[0], np.float64)
+
+
 # Which rows each mesh runs. The tiny preset runs all 8 rows (greedy and sampled) everywhere. The
 # real model on 8 fake CPU devices is slow (2 cores emulating 8 devices and their collectives),
 # so it runs 8 rows where `data` splits them 8 ways and 2 rows on the tensor-parallel meshes,
@@ -104,7 +128,7 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
         cfg, host, tokenizer, prompts = (_tiny if name == "tiny" else _real)()
         t0 = time.perf_counter()
         base = Model(cfg, jax.tree.map(jnp.asarray, host), tokenizer)
-        single: dict = {"logits": _logits(base, prompts[0])}
+        single: dict = {"logits": _logits(base, prompts[0]), "logits64": _logits64(host, cfg, None, prompts[0])}
         res = {"prompts": prompts, "single": {}, "meshes": {}}
         for key, todo in PLAN[name].items():
             rows = prompts[: todo["rows"]]
@@ -125,7 +149,9 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
             if todo["sampled"]:
                 got["sampled"] = _sampled(sharded, rows, SEEDS[: len(rows)])
             wq, w_up = sharded.params["layers"]["wq"], sharded.params["layers"]["w_up"]
+            diff64 = np.abs(_logits64(host, cfg, plan, prompts[0]) - single["logits64"]).max()
             got.update(logits_max_diff=float(np.abs(_logits(sharded, prompts[0]) - single["logits"]).max()),
+                       logits64_max_diff=float(diff64),
                        logits_max_abs=float(np.abs(single["logits"]).max()),
                        reasons=dict(plan.reasons), seconds=time.perf_counter() - t0,
                        wq_shard_shape=list(wq.addressable_shards[0].data.shape),
