@@ -22,7 +22,6 @@ Writes experiments/out/bench-<time>.json and a PNG (tokens/s vs batch, with the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -43,9 +42,9 @@ import jax.numpy as jnp  # noqa: E402
 import jaxinfer  # noqa: E402
 from jaxinfer import cache as kv  # noqa: E402
 from jaxinfer import hub, layout  # noqa: E402
+from jaxinfer.compile_cache import CompileCounter  # noqa: E402
 from jaxinfer import params as P  # noqa: E402
-
-gen = importlib.import_module("jaxinfer.generate")
+from experiments import common  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith from "
           "Mainz combined movable metal type, oil-based ink and a wooden screw press. Within fifty "
@@ -55,29 +54,6 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 def rss_mb() -> float:
     """Peak resident memory of this process so far (MB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def measure_bandwidth(repeats: int, gib: float = 1.0) -> dict:
-    """Read bandwidth (GB/s) of a jitted sum over a large float32 array, and numpy copy bandwidth."""
-    n = int(gib * 2**30) // 4
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: jnp.sum(a))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    read = x.nbytes / np.median(ts) / 1e9
-    a = np.ones(n // 2, np.float32)
-    ts = []
-    for _ in range(max(2, repeats // 2)):
-        t0 = time.perf_counter()
-        b = a.copy()
-        ts.append(time.perf_counter() - t0)
-    del b, x
-    return {"read_GBps": read,
-            "numpy_copy_GBps": 2 * a.nbytes / np.median(ts) / 1e9, "array_GiB": gib}
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -229,9 +205,10 @@ def main(argv=None):
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {threads} CPU cores; "
           f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
-    bw = measure_bandwidth(args.repeats)
-    print(f"memory bandwidth (jitted 1 GiB read): {bw['read_GBps']:.1f} GB/s; numpy copy "
-          f"{bw['numpy_copy_GBps']:.1f} GB/s", flush=True)
+    bw = common.measure_bandwidth(2**30, args.repeats)
+    bw["read_GBps"] = bw["bandwidth_Bps"] / 1e9  # the roofline's bandwidth: decode reads its weights
+    print(f"memory bandwidth (jitted 1 GiB read): {bw['read_GBps']:.1f} GB/s; copies: jax "
+          f"{bw['jax_copy_Bps'] / 1e9:.1f}, numpy {bw['numpy_copy_Bps'] / 1e9:.1f} GB/s", flush=True)
 
     base = jaxinfer.load(args.model, dtype=args.dtype)
     engines = [JaxinferEngine(base, "jaxinfer")]
@@ -254,14 +231,14 @@ def main(argv=None):
             notes.append(msg)
 
     tok = base.tokenizer
-    compiles0 = gen.compilation_count()
-    # Warm-up: compile every shape once (not timed).
-    for e in engines:
-        for n in prompt_lens:
-            e.prefill(prompt_ids(tok, n))
-        for b in batches:
-            e.decode([prompt_ids(tok, args.decode_prompt)] * b, min(args.new_tokens, 8) if "jax" not in e.name else args.new_tokens)
-    n_compiles = gen.compilation_count() - compiles0
+    with CompileCounter() as compiles:
+        # Warm-up: compile every shape once (not timed).
+        for e in engines:
+            for n in prompt_lens:
+                e.prefill(prompt_ids(tok, n))
+            for b in batches:
+                e.decode([prompt_ids(tok, args.decode_prompt)] * b, min(args.new_tokens, 8) if "jax" not in e.name else args.new_tokens)
+    n_compiles = compiles.count
 
     prefill = {e.name: {n: [] for n in prompt_lens} for e in engines}
     decode = {e.name: {b: [] for b in batches} for e in engines}

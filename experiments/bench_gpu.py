@@ -30,23 +30,11 @@ import jax.numpy as jnp  # noqa: E402
 import jaxinfer  # noqa: E402
 from jaxinfer import cache as kv  # noqa: E402
 from jaxinfer import config as C  # noqa: E402
+from experiments import common  # noqa: E402
 from jaxinfer import params as P  # noqa: E402
 from jaxinfer.models import Model  # noqa: E402
 
 PRESETS = {"llama3_8b": C.llama3_8b, "tiny": C.tiny, "smollm2_135m": C.smollm2_135m}
-
-
-def copy_bandwidth(n_bytes: int, repeats: int, dtype=jnp.bfloat16) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write) of an `n_bytes` array."""
-    x = jnp.ones((n_bytes // jnp.dtype(dtype).itemsize,), dtype)
-    f = jax.jit(lambda a: a + jnp.asarray(1, dtype))  # one read and one write per element
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / float(np.median(ts))
 
 
 def main(argv=None) -> dict:
@@ -75,8 +63,11 @@ def main(argv=None) -> dict:
     dev = jax.devices()[0]
     print(f"{dev.platform} {dev.device_kind}: {cfg.name} {args.dtype}, {cfg.n_params / 1e9:.2f} B params",
           flush=True)
-    bw = copy_bandwidth(int(args.copy_gib * 2**30), args.repeats)
-    print(f"device copy bandwidth: {bw / 1e9:.1f} GB/s", flush=True)
+    measured = common.measure_bandwidth(int(args.copy_gib * 2**30), args.repeats, dtype="bfloat16",
+                                        host_copy=False)
+    bw = measured["jax_copy_Bps"]  # read + write, as vendors quote their bandwidth
+    print(f"device copy bandwidth: {bw / 1e9:.1f} GB/s (read only: {measured['jax_read_Bps'] / 1e9:.1f})",
+          flush=True)
     params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), args.dtype)
     jax.block_until_ready(params)
     model = Model(config=cfg, params=params)

@@ -97,27 +97,43 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def measure_bandwidth(n_bytes: int, repeats: int) -> dict:
-    """Memory bandwidth of this machine from large array copies, in bytes/s (best of `repeats`).
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls (after one untimed warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
-    A copy reads n bytes and writes n bytes, so it moves 2n. Measured with numpy (one thread)
-    and with a jitted JAX copy (XLA may use several threads); the larger is the machine's figure.
+
+def measure_bandwidth(n_bytes: int, repeats: int, *, dtype: str = "float32", host_copy: bool = True) -> dict:
+    """Memory bandwidth of the default JAX device in bytes/s, medians of `repeats` timings.
+
+    On an array of `n_bytes` (pick it larger than the last-level cache):
+      jax_read_Bps   a jitted sum: reads n bytes -- what decode does with its weights, so this
+                     is the roofline's bandwidth (`bandwidth_Bps`);
+      jax_copy_Bps   a jitted a + 1: reads n and writes n bytes (counted as 2n);
+      numpy_copy_Bps np.copyto on the host, 2n bytes (only with `host_copy`).
     """
     import jax
     import jax.numpy as jnp
 
-    n = n_bytes // 4
-    src = np.ones(n, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    t_np = best_time(lambda: np.copyto(dst, src), repeats)
-    x = jnp.ones(n, jnp.float32)
-    copy = jax.jit(lambda a: a + 0.0)  # reads a, writes a new array: 2n bytes
-    copy(x).block_until_ready()
-    t_jax = best_time(lambda: copy(x).block_until_ready(), repeats)
-    res = {"bytes_copied": n * 4, "numpy_copy_Bps": 2 * n * 4 / t_np, "jax_copy_Bps": 2 * n * 4 / t_jax}
-    res["bandwidth_Bps"] = max(res["numpy_copy_Bps"], res["jax_copy_Bps"])
-    del src, dst, x
+    dt = jnp.dtype(dtype)
+    x = jnp.ones((n_bytes // dt.itemsize,), dt)
+    nbytes = int(x.nbytes)
+    read, copy = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), jax.jit(lambda a: a + jnp.asarray(1, dt))
+    res = {"bytes": nbytes, "dtype": dt.name,
+           "jax_read_Bps": nbytes / median_time(lambda: read(x).block_until_ready(), repeats),
+           "jax_copy_Bps": 2 * nbytes / median_time(lambda: copy(x).block_until_ready(), repeats)}
+    del x
+    if host_copy:
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        res["numpy_copy_Bps"] = 2 * src.nbytes / median_time(lambda: np.copyto(dst, src), repeats)
+        del src, dst
+    res["bandwidth_Bps"] = res["jax_read_Bps"]
     return res
 
 

@@ -90,7 +90,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--batches", default="1,4,16", help="batch sizes to measure (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per decode measurement (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (default %(default)s)")
-    p.add_argument("--copy-mib", type=int, default=256, help="array size for the bandwidth copy (default %(default)s)")
+    p.add_argument("--copy-mib", type=int, default=256, help="array size for the bandwidth measurement (default %(default)s)")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.new_tokens, args.repeats, args.copy_mib = "1,2", 4, 1, 32
@@ -107,8 +107,8 @@ def main(argv=None, model=None) -> dict:
     bw = common.measure_bandwidth(args.copy_mib * 2 ** 20, repeats=max(3, args.repeats))
     flops = common.measure_matmul_flops(512 if args.smoke else 2048, repeats=max(3, args.repeats))
     here = bw["bandwidth_Bps"]
-    print(f"this machine: copy bandwidth {here / 1e9:.1f} GB/s (numpy {bw['numpy_copy_Bps'] / 1e9:.1f}, "
-          f"jax {bw['jax_copy_Bps'] / 1e9:.1f}; {fmt_bytes(bw['bytes_copied'])} arrays), "
+    print(f"this machine: read bandwidth {here / 1e9:.1f} GB/s (copies: numpy {bw['numpy_copy_Bps'] / 1e9:.1f}, "
+          f"jax {bw['jax_copy_Bps'] / 1e9:.1f}; {fmt_bytes(bw['bytes'])} arrays), "
           f"matmul {flops / 1e9:.0f} GFLOP/s")
 
     # Batch-1 ceilings for Llama 3 8B in fp16.

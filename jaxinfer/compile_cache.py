@@ -1,8 +1,12 @@
-"""JAX's persistent compilation cache: compiled programs saved to disk, so a second run starts warm.
+"""XLA compilation: counting the programs JAX builds, and the persistent cache that saves them.
 
 Compiling the prefill and decode programs takes seconds on a CPU; with the cache on, a new
 process with the same model shapes, dtype and jax version loads them from disk instead.
 The CLI turns this on by default (`--compile-cache DIR`, `--no-compile-cache`).
+
+`CompileCounter` counts the executables built while it listens (JAX's monitoring events), which
+is what a user waits for. A jitted function's dispatch-cache size is not: it can gain an entry
+for an argument signature that maps to an executable already built.
 """
 
 from __future__ import annotations
@@ -12,6 +16,35 @@ from pathlib import Path
 from typing import Optional, Union
 
 import jax
+
+# The event JAX records each time it builds an executable (jax._src.dispatch.BACKEND_COMPILE_EVENT).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA executables built in this process while active: compiled, or loaded from the
+    persistent cache.
+
+        with CompileCounter() as compiles:
+            ...
+        compiles.count
+
+    Every thread's compilations count (JAX's listeners are process-wide).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration_s: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def default_dir() -> Path:

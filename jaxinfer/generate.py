@@ -27,6 +27,7 @@ from jaxinfer import cache as kv
 from jaxinfer import model as mdl
 from jaxinfer import sampling as smp
 from jaxinfer import sharding as shd
+from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import Model
 from jaxinfer.params import Params
@@ -126,11 +127,6 @@ def _uncached_logits(params, tokens, cfg):
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
-def compilation_count() -> int:
-    """Executables compiled so far by the jitted steps of this module."""
-    return sum(f._cache_size() for f in (prefill_jit, decode_chunk_jit, uncached_logits_jit))
-
-
 # Public API ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +138,22 @@ class Completion:
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
 
 
+def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], logprobs: Sequence[float],
+                   stop_ids: Sequence[int]) -> "Completion":
+    """One row's Completion: its generated tokens [N] and their logprobs [N], cut after the first stop.
+
+    The stop token stays in `token_ids` (and its logprob in `logprobs`) but not in `text`.
+    """
+    row = [int(t) for t in tokens]
+    stops = set(stop_ids)
+    n = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+    reason = "stop" if n and row[n - 1] in stops else "length"
+    text_ids = row[: n - 1] if reason == "stop" else row[:n]
+    text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
+    return Completion(prompt_ids=list(prompt_ids), token_ids=row[:n], text=text,
+                      logprobs=[float(x) for x in logprobs[:n]], finish_reason=reason)
+
+
 @dataclasses.dataclass(frozen=True)
 class Timings:
     prefill_s: float  # prefill incl. first sample (and any compile it triggered)
@@ -151,7 +163,7 @@ class Timings:
     prompt_tokens: int  # real (unpadded) prompt tokens across the batch
     new_tokens: int  # generated tokens across the batch
     decode_tokens_per_s: float  # tokens produced by the decode loop across the batch / decode_s
-    n_compilations: int  # XLA compilations triggered by this call
+    n_compilations: int  # XLA executables built (compiled or loaded from disk) for prefill and decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,54 +279,42 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     for b, p in enumerate(ids):
         tokens[b, : len(p)] = p
 
-    compiled_before = compilation_count()
-    mesh = shd.params_mesh(model.params)
-    if mesh is None:
-        cache, tokens_in, lengths_in = kv.init_cache(cfg, B, S), jnp.asarray(tokens), jnp.asarray(lengths)
-    else:  # a sharded model: cache and rows go on its mesh; the jitted steps stay the same
-        cache, tokens_in, lengths_in, keys = shd.place_batch(mesh, cfg, B, S, tokens, lengths, keys)
-    state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
-                                         keys, cfg, sampling, stop_ids)
-    out_tokens = [shd.to_host(first)[None]]
-    out_lps = [shd.to_host(first_lp)[None]]
-    t_first = time.perf_counter()
-    done = shd.to_host(state.finished)
-    if on_tokens:
-        on_tokens([[int(t)] for t in out_tokens[0][0]])
-
-    produced = 1
-    while produced < max_new_tokens and not done.all():
-        state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size)
-        toks, lps = shd.to_host(toks), shd.to_host(lps)
-        out_tokens.append(toks)
-        out_lps.append(lps)
+    with CompileCounter() as compiles:
+        mesh = shd.params_mesh(model.params)
+        if mesh is None:
+            cache, tokens_in, lengths_in = kv.init_cache(cfg, B, S), jnp.asarray(tokens), jnp.asarray(lengths)
+        else:  # a sharded model: cache and rows go on its mesh; the jitted steps stay the same
+            cache, tokens_in, lengths_in, keys = shd.place_batch(mesh, cfg, B, S, tokens, lengths, keys)
+        state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
+                                             keys, cfg, sampling, stop_ids)
+        out_tokens = [shd.to_host(first)[None]]
+        out_lps = [shd.to_host(first_lp)[None]]
+        t_first = time.perf_counter()
         done = shd.to_host(state.finished)
         if on_tokens:
-            on_tokens([list(map(int, toks[:, b])) for b in range(B)])
-        produced += chunk_size
-    t_end = time.perf_counter()
+            on_tokens([[int(t)] for t in out_tokens[0][0]])
+
+        produced = 1
+        while produced < max_new_tokens and not done.all():
+            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size)
+            toks, lps = shd.to_host(toks), shd.to_host(lps)
+            out_tokens.append(toks)
+            out_lps.append(lps)
+            done = shd.to_host(state.finished)
+            if on_tokens:
+                on_tokens([list(map(int, toks[:, b])) for b in range(B)])
+            produced += chunk_size
+        t_end = time.perf_counter()
 
     all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]
     all_lps = np.concatenate(out_lps)[:max_new_tokens].T
-    completions = []
-    stop_set = set(stop_ids)
-    for b in range(B):
-        row = [int(t) for t in all_toks[b]]
-        n, reason = len(row), "length"
-        for j, t in enumerate(row):
-            if t in stop_set:
-                n, reason = j + 1, "stop"
-                break
-        text_ids = row[: n - 1] if reason == "stop" else row[:n]
-        text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
-        completions.append(Completion(prompt_ids=ids[b], token_ids=row[:n], text=text,
-                                      logprobs=[float(x) for x in all_lps[b, :n]], finish_reason=reason))
+    completions = [completion_for(model, ids[b], all_toks[b], all_lps[b], stop_ids) for b in range(B)]
     decode_s = t_end - t_first
     decode_tokens = (np.concatenate(out_tokens).shape[0] - 1) * B
     timings = Timings(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
                       prompt_tokens=int(lengths.sum()), new_tokens=sum(len(c.token_ids) for c in completions),
                       decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                      n_compilations=compilation_count() - compiled_before)
+                      n_compilations=compiles.count)
     return Output(completions=completions, timings=timings)
 
 

@@ -35,11 +35,11 @@ import numpy as np
 from flax import struct
 
 from jaxinfer import cache as kv
-from jaxinfer.generate import (Completion, Output, Prompts, Timings, _is_stop, _prompt_ids, _row_keys, bucket,
-                               prefill_jit, stop_ids_for)
-from jaxinfer.generate import compilation_count as _generate_compilations
+from jaxinfer.generate import (Output, Prompts, Timings, _is_stop, _prompt_ids, _row_keys, bucket,
+                               completion_for, prefill_jit, stop_ids_for)
 from jaxinfer import model as mdl
 from jaxinfer import sampling as smp
+from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import Model
 from jaxinfer.params import Params
@@ -360,56 +360,45 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
         tokens[b, : len(p)] = p
         hist[b, : len(p)] = p
 
-    compiled_before = compilation_count()
-    dstate, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                              kv.init_cache(cfg, B, S), keys, cfg, sampling, stop_ids)
-    draft_cache = None
-    if method == "draft":
-        draft_cache = draft_prefill_jit(draft.params, jnp.asarray(tokens), kv.init_cache(draft.config, B, S),
-                                        draft.config)
-    rows = jnp.arange(B)
-    lens = jnp.asarray(lengths)
-    zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the state is donated
-    state = SpecState(cache=dstate.cache, draft_cache=draft_cache,
-                      hist=jnp.asarray(hist).at[rows, lens].set(first),
-                      logprobs=jnp.zeros((B, S), jnp.float32).at[rows, lens].set(first_lp),
-                      n_new=jnp.ones((B,), jnp.int32), finished=dstate.finished, keys=keys,
-                      round=jnp.zeros((), jnp.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
-    t_first = time.perf_counter()
-    shown = np.ones(B, np.int64)  # tokens already passed to on_tokens
-    if on_tokens:
-        on_tokens([[int(t)] for t in np.asarray(first)])
-    static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, sampling=sampling,
-                  stop_ids=stop_ids, method=method, k=k, max_ngram=max_ngram)
-    max_new = jnp.asarray(max_new_tokens, jnp.int32)
-    while True:
-        done = np.asarray(state.finished) | (np.asarray(state.n_new) >= max_new_tokens)
-        if done.all():
-            break
-        state = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, max_new,
-                               jnp.asarray(rounds_per_chunk, jnp.int32), **static)
+    with CompileCounter() as compiles:
+        dstate, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                  kv.init_cache(cfg, B, S), keys, cfg, sampling, stop_ids)
+        draft_cache = None
+        if method == "draft":
+            draft_cache = draft_prefill_jit(draft.params, jnp.asarray(tokens), kv.init_cache(draft.config, B, S),
+                                            draft.config)
+        rows = jnp.arange(B)
+        lens = jnp.asarray(lengths)
+        zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the state is donated
+        state = SpecState(cache=dstate.cache, draft_cache=draft_cache,
+                          hist=jnp.asarray(hist).at[rows, lens].set(first),
+                          logprobs=jnp.zeros((B, S), jnp.float32).at[rows, lens].set(first_lp),
+                          n_new=jnp.ones((B,), jnp.int32), finished=dstate.finished, keys=keys,
+                          round=jnp.zeros((), jnp.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
+        t_first = time.perf_counter()
+        shown = np.ones(B, np.int64)  # tokens already passed to on_tokens
         if on_tokens:
-            n_new, h = np.asarray(state.n_new), np.asarray(state.hist)
-            on_tokens([list(map(int, h[b, lengths[b] + shown[b]: lengths[b] + n_new[b]])) for b in range(B)])
-            shown = n_new.astype(np.int64)
-    t_end = time.perf_counter()
+            on_tokens([[int(t)] for t in np.asarray(first)])
+        static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, sampling=sampling,
+                      stop_ids=stop_ids, method=method, k=k, max_ngram=max_ngram)
+        max_new = jnp.asarray(max_new_tokens, jnp.int32)
+        while True:
+            done = np.asarray(state.finished) | (np.asarray(state.n_new) >= max_new_tokens)
+            if done.all():
+                break
+            state = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, max_new,
+                                   jnp.asarray(rounds_per_chunk, jnp.int32), **static)
+            if on_tokens:
+                n_new, h = np.asarray(state.n_new), np.asarray(state.hist)
+                on_tokens([list(map(int, h[b, lengths[b] + shown[b]: lengths[b] + n_new[b]])) for b in range(B)])
+                shown = n_new.astype(np.int64)
+        t_end = time.perf_counter()
 
     h, lp, n_new = np.asarray(state.hist), np.asarray(state.logprobs), np.asarray(state.n_new)
-    stop_set = set(stop_ids)
     completions = []
     for b in range(B):
-        m = min(int(n_new[b]), max_new_tokens)
-        row = [int(t) for t in h[b, lengths[b]: lengths[b] + m]]
-        n, reason = len(row), "length"
-        for j, t in enumerate(row):
-            if t in stop_set:
-                n, reason = j + 1, "stop"
-                break
-        text_ids = row[: n - 1] if reason == "stop" else row[:n]
-        text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
-        completions.append(Completion(prompt_ids=ids[b], token_ids=row[:n], text=text,
-                                          logprobs=[float(x) for x in lp[b, lengths[b]: lengths[b] + n]],
-                                          finish_reason=reason))
+        span = slice(lengths[b], lengths[b] + min(int(n_new[b]), max_new_tokens))
+        completions.append(completion_for(model, ids[b], h[b, span], lp[b, span], stop_ids))
     decode_s = t_end - t_first
     decode_tokens = int(np.sum(n_new - 1))
     calls = np.asarray(state.target_calls)
@@ -419,10 +408,7 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     timings = Timings(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
                           prompt_tokens=int(lengths.sum()), new_tokens=sum(len(c.token_ids) for c in completions),
                           decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                          n_compilations=compilation_count() - compiled_before)
+                          n_compilations=compiles.count)
     return SpecOutput(completions=completions, timings=timings, stats=stats)
 
 
-def compilation_count() -> int:
-    """Executables compiled so far by the jitted steps speculative decoding uses."""
-    return _generate_compilations() + spec_chunk_jit._cache_size() + draft_prefill_jit._cache_size()

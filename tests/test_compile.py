@@ -36,10 +36,21 @@ def test_no_recompile_inside_a_bucket(tiny_model, fast):
     assert run([17, 3], 9).timings.n_compilations >= 1  # next prompt bucket (32): compiles prefill
 
 
-def test_compilation_count_sees_every_jitted_step(tiny_model):
-    before = gen.compilation_count()
-    jaxinfer.generate(tiny_model, [[1, 2, 3]] * 3, max_new_tokens=3, stop_at_eos=False, chunk_size=2)
-    assert gen.compilation_count() - before >= 1  # batch 3 is a new shape
+def test_compile_counter_counts_built_executables(tiny_model):
+    with compile_cache.CompileCounter() as outside:
+        out = jaxinfer.generate(tiny_model, [[1, 2, 3]] * 3, max_new_tokens=3, stop_at_eos=False, chunk_size=2)
+    assert out.timings.n_compilations >= 2  # batch 3 is a new shape: prefill and decode compile
+    assert outside.count >= out.timings.n_compilations  # outside also sees the PRNG-key setup
+    f = jax.jit(lambda x: x * 3)
+    with compile_cache.CompileCounter() as c:
+        f(jax.numpy.ones(5)).block_until_ready()
+        f(jax.numpy.ones(5)).block_until_ready()  # cached: no new executable
+    assert c.count >= 1
+    with compile_cache.CompileCounter() as c2:
+        f(jax.numpy.ones(5)).block_until_ready()
+    assert c2.count == 0
+    f(jax.numpy.ones(6)).block_until_ready()  # a compile after the block is not counted
+    assert c2.count == 0
 
 
 def test_persistent_cache_dir(tmp_path, monkeypatch):

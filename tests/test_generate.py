@@ -13,6 +13,7 @@ import pytest
 
 import jaxinfer
 from jaxinfer import hub
+from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.gguf_io import GGUFError
 from jaxinfer.sampling import SamplingParams
 
@@ -120,11 +121,10 @@ def test_timings_reported(smollm2):
     (dict(prompts=["a", "b"], seed=[1]), "seeds for 2 prompts"),
 ])
 def test_bad_generate_input(smollm2, kwargs, match):
-    before = gen.compilation_count()
     prompts = kwargs.pop("prompts")
-    with pytest.raises(ValueError, match=match):
+    with CompileCounter() as compiles, pytest.raises(ValueError, match=match):
         jaxinfer.generate(smollm2, prompts, **kwargs)
-    assert gen.compilation_count() == before
+    assert compiles.count == 0
 
 
 def test_unknown_model_lists_known():
