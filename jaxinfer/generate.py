@@ -138,6 +138,25 @@ class Completion:
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
 
 
+def check_context(ids: list[list[int]], max_new_tokens: int, working_slots: int, cfg: ModelConfig) -> None:
+    """Raise ValueError if a prompt plus `max_new_tokens` plus `working_slots` exceeds the context."""
+    for i, p in enumerate(ids):
+        need = len(p) + max_new_tokens + working_slots
+        if need > cfg.max_seq_len:
+            extra = f" and {working_slots} working slots" if working_slots else ""
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}{extra} that "
+                             f"needs {need} positions, beyond the context length {cfg.max_seq_len}")
+
+
+def pack_prompts(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts of mixed lengths -> (tokens [B, Tb] int32, zero-padded to a bucket; lengths [B] int32)."""
+    lengths = np.array([len(p) for p in ids], np.int32)
+    tokens = np.zeros((len(ids), bucket(int(lengths.max()))), np.int32)
+    for b, p in enumerate(ids):
+        tokens[b, : len(p)] = p
+    return tokens, lengths
+
+
 def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], logprobs: Sequence[float],
                    stop_ids: Sequence[int]) -> "Completion":
     """One row's Completion: its generated tokens [N] and their logprobs [N], cut after the first stop.
@@ -263,21 +282,14 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     ids = _prompt_ids(model, prompts)
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > cfg.max_seq_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that is "
-                             f"{len(p) + max_new_tokens}, beyond the context length {cfg.max_seq_len}")
+    check_context(ids, max_new_tokens, 0, cfg)
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = _row_keys(len(ids), key, seed, sampling)
 
     B = len(ids)
-    lengths = np.array([len(p) for p in ids], np.int32)
-    Tb = bucket(int(lengths.max()))
+    tokens, lengths = pack_prompts(ids)
     n_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
-    S = bucket(max(Tb, int(lengths.max()) + n_chunks * chunk_size + 1), 64)
-    tokens = np.zeros((B, Tb), np.int32)
-    for b, p in enumerate(ids):
-        tokens[b, : len(p)] = p
+    S = bucket(max(tokens.shape[1], int(lengths.max()) + n_chunks * chunk_size + 1), 64)
 
     with CompileCounter() as compiles:
         mesh = shd.params_mesh(model.params)

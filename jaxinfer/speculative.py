@@ -36,7 +36,7 @@ from flax import struct
 
 from jaxinfer import cache as kv
 from jaxinfer.generate import (Output, Prompts, Timings, _is_stop, _prompt_ids, _row_keys, bucket,
-                               completion_for, prefill_jit, stop_ids_for)
+                               check_context, completion_for, pack_prompts, prefill_jit, stop_ids_for)
 from jaxinfer import model as mdl
 from jaxinfer import sampling as smp
 from jaxinfer.compile_cache import CompileCounter
@@ -341,24 +341,15 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     if not isinstance(rounds_per_chunk, int) or rounds_per_chunk < 1:
         raise ValueError(f"rounds_per_chunk must be an int >= 1, got {rounds_per_chunk!r}")
     ids = _prompt_ids(model, prompts)
-    limit = cfg.max_seq_len - 2 * k - 1
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > limit:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} and k={k} "
-                             f"speculative decoding needs {len(p) + max_new_tokens + 2 * k + 1} slots, beyond the "
-                             f"context length {cfg.max_seq_len}")
+    check_context(ids, max_new_tokens, 2 * k + 1, cfg)  # a round may run k + 1 slots past the end
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = _row_keys(len(ids), key, seed, sampling)
 
     B = len(ids)
-    lengths = np.array([len(p) for p in ids], np.int32)
-    Tb = bucket(int(lengths.max()))
-    S = bucket(max(Tb, int(lengths.max()) + max_new_tokens + 2 * k + 2), 64)
-    tokens = np.zeros((B, Tb), np.int32)
+    tokens, lengths = pack_prompts(ids)
+    S = bucket(max(tokens.shape[1], int(lengths.max()) + max_new_tokens + 2 * k + 2), 64)
     hist = np.zeros((B, S), np.int32)
-    for b, p in enumerate(ids):
-        tokens[b, : len(p)] = p
-        hist[b, : len(p)] = p
+    hist[:, : tokens.shape[1]] = tokens
 
     with CompileCounter() as compiles:
         dstate, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths),

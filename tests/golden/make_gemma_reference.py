@@ -18,8 +18,6 @@ Needs: torch (CPU), transformers (GGUF support), gguf, numpy. About a minute.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.metadata as md
 import json
 import os
 import platform
@@ -33,8 +31,9 @@ DEFAULT_GGUF = "/tmp/setup/gemma-3-270m-q4_k_m.gguf"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_reference import TOKENIZER_TEXTS as SMOLLM_TEXTS  # noqa: E402  (the varied corpus)
+from make_reference import select_columns, sha256, version  # noqa: E402  (same golden format)
 
-TOP_K, M, SEED, N_NEW = 64, 512, 0, 32
+SEED, N_NEW = 0, 32  # columns per position: make_reference.TOP_K and .M
 
 PROMPTS = [
     "The capital of France is",
@@ -57,38 +56,6 @@ GEMMA_TEXTS = [
     "================================================",
     "1111111111 2222222222 3.14159265358979323846264338327950288",
 ]
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def version(pkg: str):
-    try:
-        return md.version(pkg)
-    except md.PackageNotFoundError:
-        return None
-
-
-def select_columns(logits: torch.Tensor, fill: np.ndarray) -> np.ndarray:
-    """[T, V] -> [T, M] sorted vocab indices: top-64 of each row, then `fill` until M columns."""
-    top = torch.topk(logits, TOP_K, dim=-1).indices.numpy()
-    rows = []
-    for t in range(logits.shape[0]):
-        chosen = list(top[t])
-        seen = set(int(c) for c in chosen)
-        for v in fill:
-            if len(chosen) == M:
-                break
-            if int(v) not in seen:
-                chosen.append(int(v))
-                seen.add(int(v))
-        rows.append(np.sort(np.asarray(chosen, dtype=np.int64)))
-    return np.stack(rows).astype(np.int32)
 
 
 def main() -> None:
