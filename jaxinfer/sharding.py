@@ -32,6 +32,7 @@ ValueError before anything compiles, when:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -276,8 +277,13 @@ def init_cache(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh], batch_size
                dtype=None) -> kv.KVCache:
     """An empty KV cache created directly in its sharded layout (never whole on one device)."""
     shardings = cache_sharding(cfg, where, batch_size)
-    make = jax.jit(lambda: kv.init_cache(cfg, batch_size, max_len, dtype), out_shardings=shardings)
-    return make()
+    return _cache_maker(cfg, batch_size, max_len, None if dtype is None else jnp.dtype(dtype).name, shardings)()
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_maker(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str], shardings: kv.KVCache):
+    """One jitted cache constructor per shape and layout, so a repeated `generate` compiles nothing."""
+    return jax.jit(lambda: kv.init_cache(cfg, batch_size, max_len, dtype), out_shardings=shardings)
 
 
 def params_mesh(params: prm.Params) -> Optional[Mesh]:

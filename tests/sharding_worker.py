@@ -119,6 +119,7 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
     import jax
     import jax.numpy as jnp
 
+    import jaxinfer
     from jaxinfer import sharding as shd
     from jaxinfer.models import Model
 
@@ -148,6 +149,10 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
             got = {"rows": len(rows), "greedy": _greedy(sharded, rows)}
             if todo["sampled"]:
                 got["sampled"] = _sampled(sharded, rows, SEEDS[: len(rows)])
+            if name == "tiny":  # the same call again must build no executable
+                again = jaxinfer.generate(sharded, rows, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
+                                          chunk_size=CHUNK)
+                got["repeat_compilations"] = again.timings.n_compilations
             wq, w_up = sharded.params["layers"]["wq"], sharded.params["layers"]["w_up"]
             diff64 = np.abs(_logits64(host, cfg, plan, prompts[0]) - single["logits64"]).max()
             got.update(logits_max_diff=float(np.abs(_logits(sharded, prompts[0]) - single["logits"]).max()),

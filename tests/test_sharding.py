@@ -83,6 +83,11 @@ def test_logits_close_to_single_device(mesh_results, name, mesh):
     assert got["logits_max_diff"] <= LOGITS_ATOL_FP32[name]
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_repeated_sharded_generate_compiles_nothing(mesh_results, mesh):
+    assert mesh_results["tiny"]["meshes"][mesh]["repeat_compilations"] == 0
+
+
 def test_sampling_with_seeds_is_identical_across_meshes(mesh_results):
     checked = 0
     for name in ("tiny", "real"):
