@@ -6,9 +6,11 @@ how fast the weights stream from memory. The canonical params stack each weight 
 copies each layer's slice out of the stacked array before calling its matrix-vector routine
 (a `dynamic-slice` fusion in the compiled HLO): every weight byte is read twice and written once
 per token. With the layers as separate arrays, `model.forward` runs an unrolled Python loop
-and each matmul reads its weight in place. On a shared, overloaded 2-core Xeon this measured
-2.05x faster batch-1 decode of SmolLM2-135M in one interleaved A/B and 0.95x in a later bench
-run: not settled; re-measure on a quiet machine (experiments/bench.py --unstacked). The price is compile time (the loop body is traced L times)
+and each matmul reads its weight in place. On a quiet 2-core Xeon VM, batch-1 decode of
+SmolLM2-135M fp32 measured 1.18x (bench.py --unstacked, interleaved with the stacked layout) and
+1.29x (back to back), but batch 8 0.86x. Cutting each matrix into 2-3 independent parts (so
+that XLA's CPU runtime could spread one matrix-vector product over both cores) was measured as
+well and was slower (0.82x and 0.71x of unstacked). The price is compile time (the loop body is traced L times)
 and one copy of the weights when converting; the persistent compilation cache
 (`jaxinfer.compile_cache`) pays the first back from the second run on.
 
