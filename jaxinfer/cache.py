@@ -160,9 +160,17 @@ def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer: jax.Array, s
                          v_scale=write(cache.v_scale, vs, layer, starts))
 
 
-def read_layer(cache: KVCache, layer: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """One layer's keys and values [B, S, K, H] in `dtype` (dequantized for an int8 cache)."""
+def read_layer(cache: KVCache, layer: jax.Array, dtype, n_slots: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+    """One layer's keys and values [B, n, K, H] in `dtype` (dequantized for an int8 cache).
+
+    n = n_slots (static), the first slots only, or all S slots when None.
+    """
+    n = cache.max_len if n_slots is None else n_slots
+
+    def get(a):
+        return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)[:, :n]
+
     if not cache.quantized:
-        return cache.k[layer].astype(dtype), cache.v[layer].astype(dtype)
-    return ((cache.k[layer].astype(dtype) * cache.k_scale[layer].astype(dtype)),
-            (cache.v[layer].astype(dtype) * cache.v_scale[layer].astype(dtype)))
+        return get(cache.k).astype(dtype), get(cache.v).astype(dtype)
+    return (get(cache.k).astype(dtype) * get(cache.k_scale).astype(dtype),
+            get(cache.v).astype(dtype) * get(cache.v_scale).astype(dtype))

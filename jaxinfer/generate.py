@@ -73,7 +73,8 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     with jax.named_scope("prefill"):
-        logits, cache = mdl.forward(params, tokens, positions, cache, cfg, logit_index=lengths - 1)
+        # The cache is empty and the prompts fill slots 0..T-1: attend to those only.
+        logits, cache = mdl.forward(params, tokens, positions, cache, cfg, logit_index=lengths - 1, kv_len=T)
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     step = jnp.zeros((), jnp.int32)
     first, logprob = smp.sample(logits[:, 0], smp.step_keys(keys, step), sampling)

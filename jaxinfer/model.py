@@ -118,7 +118,7 @@ def _layer_meta(cfg: ModelConfig):
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
             cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
-            return_attention: bool = False):
+            return_attention: bool = False, kv_len: Optional[int] = None):
     """Run the model on new tokens, reading and extending the KV cache.
 
     Args:
@@ -130,6 +130,9 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
       cfg: model config (static).
       logit_index: optional [B] index into T; logits are computed only there ([B, 1, V]).
       return_attention: also return attention probabilities [L, B, N, T, S].
+      kv_len: with a cache, attend to its first kv_len slots only (static int): every filled slot
+        and every new token's slot must lie below it. A prefill into an empty cache passes T, so
+        its attention costs T x T, not T x S.
     Returns:
       (logits [B, T, V] float32, cache) -- cache is the updated cache (None if none was given);
       with return_attention, a third item, the attention probabilities.
@@ -137,7 +140,10 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     x = params["embed"][tokens] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)  # [B, T, D]
     if cache is not None:
         starts = positions[:, 0]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=positions.dtype), (tokens.shape[0], cache.max_len))
+        if kv_len is not None and not 0 < kv_len <= cache.max_len:
+            raise ValueError(f"kv_len must be in [1, {cache.max_len}] (the cache's slots), got {kv_len}")
+        n_keys = cache.max_len if kv_len is None else kv_len
+        k_pos = jnp.broadcast_to(jnp.arange(n_keys, dtype=positions.dtype), (tokens.shape[0], n_keys))
     else:
         k_pos = positions
     window = cfg.sliding_window
@@ -158,7 +164,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         k = rope(k, positions, theta)
         if c is not None:
             c = kv.update_layer(c, k, v, idx, starts)
-            keys, values = kv.read_layer(c, idx, q.dtype)
+            keys, values = kv.read_layer(c, idx, q.dtype, kv_len)
         else:
             keys, values = k, v
         if window is None:

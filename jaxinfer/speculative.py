@@ -277,7 +277,7 @@ spec_chunk_jit = jax.jit(spec_chunk, static_argnames=_STATIC, donate_argnames=("
 def _draft_prefill(params, tokens, cache, cfg):
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return mdl.forward(params, tokens, positions, cache, cfg, logit_index=jnp.zeros((B,), jnp.int32))[1]
+    return mdl.forward(params, tokens, positions, cache, cfg, logit_index=jnp.zeros((B,), jnp.int32), kv_len=T)[1]
 
 
 draft_prefill_jit = jax.jit(_draft_prefill, static_argnames=("cfg",), donate_argnames=("cache",))

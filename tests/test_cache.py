@@ -70,3 +70,22 @@ def test_cached_equals_uncached_real_model(smollm2):
     print(f"cached vs uncached max |logit diff| {diff:.2e}")
     assert diff < 1e-3
     np.testing.assert_array_equal(cached.argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_prefill_attending_to_filled_slots_only_is_the_same(kv_dtype):
+    """kv_len=T (what prefill passes) reads T of S slots and gives the same logits and cache."""
+    cfg = C.tiny(sliding_window=4, global_every=2)
+    params = init_params(cfg, jax.random.key(0))
+    ids = jnp.asarray([[5, 17, 99, 3, 42, 7, 8, 1], [8, 1, 2, 250, 9, 31, 4, 4]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    fwd = jax.jit(lambda c, n: mdl.forward(params, ids, pos, c, cfg, kv_len=n), static_argnums=1)
+    full_logits, full = fwd(kv.init_cache(cfg, 2, 64, kv_dtype), None)
+    part_logits, part = fwd(kv.init_cache(cfg, 2, 64, kv_dtype), 8)
+    np.testing.assert_allclose(part_logits, full_logits, atol=1e-5, rtol=1e-5)  # summation order only
+    np.testing.assert_allclose(part.k, full.k, atol=1e-5)
+    # Decoding on from either cache gives the same next logits.
+    step = lambda c: mdl.forward(params, ids[:, :1], jnp.full((2, 1), 8), c, cfg)[0]
+    np.testing.assert_allclose(step(part), step(full), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"kv_len must be in \[1, 64\]"):
+        mdl.forward(params, ids, pos, kv.init_cache(cfg, 2, 64), cfg, kv_len=65)
