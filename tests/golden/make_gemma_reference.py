@@ -27,11 +27,11 @@ import time
 import numpy as np
 import torch
 
-DEFAULT_GGUF = "/tmp/setup/gemma-3-270m-q4_k_m.gguf"
+DEFAULT_GGUF = os.path.expanduser("~/.cache/jaxinfer/gemma-3-270m-q4_k_m.gguf")  # where jaxinfer.load("gemma3-270m") keeps it
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_reference import TOKENIZER_TEXTS as SMOLLM_TEXTS  # noqa: E402  (the varied corpus)
-from make_reference import select_columns, sha256, version  # noqa: E402  (same golden format)
+from make_reference import load_hf_gguf, select_columns, sha256, version  # noqa: E402  (same golden format)
 
 SEED, N_NEW = 0, 32  # columns per position: make_reference.TOP_K and .M
 
@@ -63,14 +63,9 @@ def main() -> None:
     ap.add_argument("--gguf", default=DEFAULT_GGUF)
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.time()
     torch.manual_seed(SEED)
-    gdir, gname = os.path.split(os.path.abspath(args.gguf))
-    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
-    model.eval()
+    tok, model = load_hf_gguf(args.gguf)
     cfg = model.config
     V = cfg.vocab_size
     t_loaded = time.time()

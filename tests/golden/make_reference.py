@@ -169,6 +169,16 @@ def smollm_pre_tokenizer(hf_tok):
     return t
 
 
+def load_hf_gguf(path: str):
+    """transformers' own reading of a GGUF: (tokenizer, float32 model in eval mode)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gdir, gname = os.path.split(os.path.abspath(path))
+    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+    return tok, model.eval()
+
+
 def select_columns(logits: torch.Tensor, fill: np.ndarray) -> np.ndarray:
     """[T, V] -> [T, M] int32 sorted indices: top-64 of each row, then `fill` in order (skipping
     duplicates) until M columns."""
@@ -194,17 +204,12 @@ def main() -> None:
     ap.add_argument("--out", default=HERE, help="output directory (default: this script's folder)")
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t_start = time.time()
     torch.manual_seed(SEED)
-    gdir, gname = os.path.split(os.path.abspath(args.gguf))
     os.makedirs(args.out, exist_ok=True)
     digest = sha256(args.gguf)
 
-    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
-    model.eval()
+    tok, model = load_hf_gguf(args.gguf)
     cfg = model.config
     V = cfg.vocab_size
     t_loaded = time.time()
