@@ -140,7 +140,7 @@ def _generate(args) -> int:
     per_row = max(1, len(prompts))
     print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s | "
           f"decode {t.decode_tokens_per_s:.1f} tokens/s | total {t.total_s:.2f} s | "
-          f"{t.n_compilations} compilations]", file=sys.stderr)
+          f"{t.n_compilations} XLA programs compiled or loaded from the cache]", file=sys.stderr)
     stats = getattr(out, "stats", None)
     if stats is not None:
         print(f"[speculative {stats.method}, k={stats.k}: acceptance {stats.acceptance_rate:.2f}, "
