@@ -87,25 +87,25 @@ def _jsonable(x):
     return str(x)
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Shortest wall time of `fn()` over `repeats` calls: what the hardware can do (as STREAM reports)."""
+def wall_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall time of each of `repeats` calls of `fn()`."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Shortest wall time of `fn()` over `repeats` calls: what the hardware can do (as STREAM reports)."""
+    return min(wall_times(fn, repeats))
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of `fn()` over `repeats` calls (after one untimed warm-up call)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(wall_times(fn, repeats)))
 
 
 def measure_bandwidth(n_bytes: int, repeats: int, *, dtype: str = "float32", host_copy: bool = True) -> dict:

@@ -185,6 +185,16 @@ class Timings:
     decode_tokens_per_s: float  # tokens produced by the decode loop across the batch / decode_s
     n_compilations: int  # XLA executables built (compiled or loaded from disk) for prefill and decode
 
+    @classmethod
+    def of_run(cls, t0: float, t_first: float, t_end: float, prompt_tokens: int,
+               completions: Sequence[Completion], decode_tokens: int, n_compilations: int) -> "Timings":
+        """From the clock at the call's start, at the first token on host and at the end."""
+        decode_s = t_end - t_first
+        return cls(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
+                   prompt_tokens=prompt_tokens, new_tokens=sum(len(c.token_ids) for c in completions),
+                   decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
+                   n_compilations=n_compilations)
+
 
 @dataclasses.dataclass(frozen=True)
 class Output:
@@ -322,12 +332,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]
     all_lps = np.concatenate(out_lps)[:max_new_tokens].T
     completions = [completion_for(model, ids[b], all_toks[b], all_lps[b], stop_ids) for b in range(B)]
-    decode_s = t_end - t_first
     decode_tokens = (np.concatenate(out_tokens).shape[0] - 1) * B
-    timings = Timings(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
-                      prompt_tokens=int(lengths.sum()), new_tokens=sum(len(c.token_ids) for c in completions),
-                      decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                      n_compilations=compiles.count)
+    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, decode_tokens, compiles.count)
     return Output(completions=completions, timings=timings)
 
 

@@ -352,14 +352,13 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     hist[:, : tokens.shape[1]] = tokens
 
     with CompileCounter() as compiles:
-        dstate, first, first_lp = prefill_jit(model.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                  kv.init_cache(cfg, B, S), keys, cfg, sampling, stop_ids)
+        tokens_in, lens = jnp.asarray(tokens), jnp.asarray(lengths)
+        dstate, first, first_lp = prefill_jit(model.params, tokens_in, lens, kv.init_cache(cfg, B, S), keys, cfg,
+                                              sampling, stop_ids)
         draft_cache = None
         if method == "draft":
-            draft_cache = draft_prefill_jit(draft.params, jnp.asarray(tokens), kv.init_cache(draft.config, B, S),
-                                            draft.config)
+            draft_cache = draft_prefill_jit(draft.params, tokens_in, kv.init_cache(draft.config, B, S), draft.config)
         rows = jnp.arange(B)
-        lens = jnp.asarray(lengths)
         zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the state is donated
         state = SpecState(cache=dstate.cache, draft_cache=draft_cache,
                           hist=jnp.asarray(hist).at[rows, lens].set(first),
@@ -390,16 +389,12 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     for b in range(B):
         span = slice(lengths[b], lengths[b] + min(int(n_new[b]), max_new_tokens))
         completions.append(completion_for(model, ids[b], h[b, span], lp[b, span], stop_ids))
-    decode_s = t_end - t_first
     decode_tokens = int(np.sum(n_new - 1))
     calls = np.asarray(state.target_calls)
     stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(state.proposed)),
                       accepted=int(np.sum(state.accepted)),
                       tokens_per_call=decode_tokens / max(int(calls.sum()), 1))
-    timings = Timings(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
-                          prompt_tokens=int(lengths.sum()), new_tokens=sum(len(c.token_ids) for c in completions),
-                          decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                          n_compilations=compiles.count)
+    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, decode_tokens, compiles.count)
     return SpecOutput(completions=completions, timings=timings, stats=stats)
 
 
