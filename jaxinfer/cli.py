@@ -48,8 +48,9 @@ def _add_generate(sub) -> None:
                    help="persistent XLA compilation cache, so a second run starts warm "
                         "(default $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla)")
     p.add_argument("--no-compile-cache", action="store_true", help="do not read or write the compile cache")
-    p.add_argument("--unstack-layers", action="store_true",
-                   help="one weight array per layer (CPU decode experiment; several times longer compile)")
+    p.add_argument("--cpu-layout", "--unstack-layers", dest="cpu_layout", action="store_true",
+                   help="CPU decode layout: one weight array per layer, fused q/k/v and gate/up "
+                        "projections (faster batch-1 decode on CPU; longer first compile)")
 
 
 def _generate(args) -> int:
@@ -61,6 +62,9 @@ def _generate(args) -> int:
                               min_p=args.min_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.cpu_layout and (args.quant or args.speculative or args.mesh is not None):
+        raise ValueError("--cpu-layout works with plain float weights on one device, without --quant, "
+                         "--speculative or --mesh")
     mesh = None
     if args.mesh is not None:  # a bad spec fails here, before the load and any compile
         from jaxinfer import sharding
@@ -73,12 +77,10 @@ def _generate(args) -> int:
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
-    if args.unstack_layers:
-        if args.quant or args.speculative or mesh is not None:
-            raise ValueError("--unstack-layers works with plain float weights on one device, without --speculative")
+    if args.cpu_layout:
         from jaxinfer.layout import for_cpu_decode
 
-        model = for_cpu_decode(model)  # one array per layer: XLA's CPU matmuls read them in place
+        model = for_cpu_decode(model)  # see jaxinfer/layout.py: per-layer arrays, fused projections
     prompts = list(args.prompt)
     if args.chat:
         prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -96,16 +96,51 @@ def attend(q, k, v, mask, scale):
     return out.reshape(B, T, N, H), probs.reshape(B, N, T, -1)
 
 
+def _out_projection(out: jax.Array, wo) -> jax.Array:
+    """Attention output projection: out [B, T, N, H] x wo [N, H, D] -> [B, T, D].
+
+    Plain weights are contracted as one [N*H] axis (both reshapes are free): contracting the two
+    axes N, H lets XLA's CPU backend pick a layout where it transposes (copies) all of wo on every
+    call, which measured as costly as the matmul itself.
+    """
+    if hasattr(wo, "einsum"):
+        return linear("BTNH,NHD->BTD", out, wo)
+    B, T, N, H = out.shape
+    return jnp.einsum("BTE,ED->BTD", out.reshape(B, T, N * H), wo.reshape(N * H, wo.shape[-1]))
+
+
 def _activation(cfg: ModelConfig):
     if cfg.activation == "gelu_tanh":
         return lambda x: jax.nn.gelu(x, approximate=True)
     return jax.nn.silu
 
 
+def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
+    """Queries [B, T, N, H], keys and values [B, T, K, H] from normed inputs h [B, T, D].
+
+    A layer holds wq [D, N, H], wk and wv [D, K, H], or (the CPU decode layout, see
+    `jaxinfer.layout`) one fused w_qkv [D, (N + 2K) * H]: one matmul instead of three.
+    """
+    if "w_qkv" not in lp:
+        return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
+                linear("BTD,DKH->BTKH", h, lp["wv"]))
+    B, T, _ = h.shape
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = linear("BTD,DE->BTE", h, lp["w_qkv"])
+    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+    return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+
+
 def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
-    """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D]."""
-    gate = linear("BTD,DF->BTF", x, lp["w_gate"])
-    up = linear("BTD,DF->BTF", x, lp["w_up"])
+    """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D].
+
+    The layer holds w_gate and w_up [D, F], or one fused w_gate_up [D, 2F] (gate first).
+    """
+    if "w_gate_up" in lp:
+        gate, up = jnp.split(linear("BTD,DF->BTF", x, lp["w_gate_up"]), 2, axis=-1)
+    else:
+        gate = linear("BTD,DF->BTF", x, lp["w_gate"])
+        up = linear("BTD,DF->BTF", x, lp["w_up"])
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
 
 
@@ -152,9 +187,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         x, c = carry  # c: the KVCache (its arrays still stacked over L), or None
         lp, idx, theta, local = xs
         h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-        q = linear("BTD,DNH->BTNH", h, lp["wq"])
-        k = linear("BTD,DKH->BTKH", h, lp["wk"])
-        v = linear("BTD,DKH->BTKH", h, lp["wv"])
+        q, k, v = qkv_projection(h, lp, cfg)
         if cfg.qkv_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         if cfg.qk_norm:
@@ -173,7 +206,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
             mask = jnp.where(local, attention_mask(positions, k_pos, window),
                              attention_mask(positions, k_pos, None))
         out, probs = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, cfg.attn_scale)
-        attn = linear("BTNH,NHD->BTD", out, lp["wo"])
+        attn = _out_projection(out, lp["wo"])
         if cfg.post_norms:
             attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
         x = x + attn

@@ -177,3 +177,15 @@ def test_cli_bad_input_is_a_clear_error():
     res = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "x", "--top-p", "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and "top_p must be in (0, 1]" in res.stderr
+
+
+def test_cli_cpu_layout_with_quant_is_refused_before_loading(monkeypatch):
+    import jaxinfer
+    from jaxinfer import cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the bad flags were refused")
+
+    monkeypatch.setattr(jaxinfer, "load", no_load)
+    assert cli.main(["generate", "--cpu-layout", "--quant", "int8", "hi"]) == 2
+    assert cli.main(["generate", "--cpu-layout", "--speculative", "lookup", "hi"]) == 2

@@ -1,7 +1,8 @@
 """The CPU decode layout (jaxinfer.layout) computes the same function as the canonical params.
 
-Unstacked layers (an unrolled layer loop) must give the canonical logits, through the cache and
-through `generate`, and keep parity with the reference.
+Unstacked layers (an unrolled layer loop) and fused projections (w_qkv, w_gate_up) must give
+the canonical logits, through the cache and through `generate`, and keep parity with the
+reference.
 """
 
 import os
@@ -25,7 +26,12 @@ CONFIGS = {
                            activation="gelu_tanh", scale_embeddings=True, sliding_window=4,
                            global_every=2, rope_local_theta=100.0),
 }
-LAYOUTS = {"unstacked": layout.unstack_layers}
+def _cpu_decode(params):
+    p = layout.unstack_layers(params)
+    return dict(p, layers=tuple(layout.fuse_projections(lp) for lp in p["layers"]))
+
+
+LAYOUTS = {"unstacked": layout.unstack_layers, "unstacked+fused": _cpu_decode}
 
 
 def _bias(params, cfg):
@@ -102,3 +108,27 @@ def test_leaves_canonical_params_alone():
     back = layout.stack_layers(fast)
     for k, v in params["layers"].items():
         np.testing.assert_array_equal(back["layers"][k], v)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_layout_round_trips_to_canonical(name):
+    cfg = CONFIGS[name]
+    params = _bias(init_params(cfg, jax.random.key(3)), cfg)
+    fast = _cpu_decode(params)
+    lp = fast["layers"][0]
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    assert lp["w_qkv"].shape == (cfg.d_model, (N + 2 * K) * H)
+    assert lp["w_gate_up"].shape == (cfg.d_model, 2 * cfg.ffn_dim)
+    assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(lp)
+    back = layout.to_canonical(fast, cfg)
+    assert set(back["layers"]) == set(params["layers"])
+    for k, v in params["layers"].items():
+        np.testing.assert_array_equal(back["layers"][k], v)
+
+
+def test_fusing_quantized_weights_is_refused_clearly():
+    from jaxinfer.quantize import quantize
+    cfg = C.tiny()
+    q = layout.unstack_layers(quantize(init_params(cfg, jax.random.key(0)), cfg, "int8"))
+    with pytest.raises(ValueError, match="per-layer float wq"):
+        layout.fuse_projections(q["layers"][0])
