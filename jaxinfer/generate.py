@@ -84,10 +84,14 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
 
 
 def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
-                stop_ids: tuple[int, ...]):
-    """One token per row: forward the last token, sample the next. Returns (state, tokens, logprobs)."""
+                stop_ids: tuple[int, ...], kv_len: Optional[int] = None):
+    """One token per row: forward the last token, sample the next. Returns (state, tokens, logprobs).
+
+    kv_len (static): attend to the cache's first kv_len slots only; every row's new token must
+    land below it (see `decode_kv_len`).
+    """
     positions = state.cache.lengths[:, None]  # [B, 1]: the next free slot is the token's position
-    logits, cache = mdl.forward(params, state.tokens[:, None], positions, state.cache, cfg)
+    logits, cache = mdl.forward(params, state.tokens[:, None], positions, state.cache, cfg, kv_len=kv_len)
     nxt, logprob = smp.sample(logits[:, 0], smp.step_keys(state.keys, state.step), sampling)
     finished = state.finished | _is_stop(nxt, stop_ids)
     return DecodeState(cache=cache, tokens=nxt, keys=state.keys, step=state.step + 1,
@@ -109,15 +113,30 @@ def decode_loop(step_fn: Callable, state, n_steps: int):
 
 
 def decode_chunk(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
-                 stop_ids: tuple[int, ...], n_steps: int):
+                 stop_ids: tuple[int, ...], n_steps: int, kv_len: Optional[int] = None):
     """`n_steps` decode steps on device. Returns (state, tokens [n_steps, B], logprobs [n_steps, B])."""
     with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, sampling, stop_ids), state, n_steps)
+        return decode_loop(lambda s: decode_step(params, s, cfg, sampling, stop_ids, kv_len), state, n_steps)
 
 
+def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) -> Optional[int]:
+    """Cache slots that decode chunk `chunk` (0-based) must attend to, rounded up to a bucket.
+
+    After prefill every row holds at most `prompt_slots` (the padded prompt width) tokens, and
+    each decode step writes one more, so during chunk c no row writes beyond slot
+    prompt_slots + (c + 1) * chunk_size - 1. Attention reads only that prefix, rounded up to a
+    power of two (>= MIN_KV_BUCKET) so that few programs are compiled; the schedule depends on
+    the prompt bucket, not the prompt length, so any prompt inside a bucket reuses the same
+    programs. None (attend to all max_len slots) once the prefix would be the whole cache.
+    """
+    n = bucket(prompt_slots + (chunk + 1) * chunk_size, MIN_KV_BUCKET)
+    return n if n < max_len else None
+
+
+MIN_KV_BUCKET = 64  # smallest attended prefix of the cache during decode
 _STATIC = ("cfg", "sampling", "stop_ids")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
-decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps",), donate_argnames=("state",))
+decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "kv_len"), donate_argnames=("state",))
 
 
 def _uncached_logits(params, tokens, cfg):
@@ -317,9 +336,10 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if on_tokens:
             on_tokens([[int(t)] for t in out_tokens[0][0]])
 
-        produced = 1
+        produced, chunk = 1, 0
         while produced < max_new_tokens and not done.all():
-            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size)
+            kv_len = decode_kv_len(tokens.shape[1], chunk, chunk_size, S)
+            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size, kv_len)
             toks, lps = shd.to_host(toks), shd.to_host(lps)
             out_tokens.append(toks)
             out_lps.append(lps)
@@ -327,6 +347,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
             if on_tokens:
                 on_tokens([list(map(int, toks[:, b])) for b in range(B)])
             produced += chunk_size
+            chunk += 1
         t_end = time.perf_counter()
 
     all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]

@@ -75,3 +75,23 @@ def test_persistent_cache_dir(tmp_path, monkeypatch):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", old_time)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", old_size)
         _cc.reset_cache()
+
+
+def test_decode_kv_len_schedule():
+    # Prompt bucket 16, chunks of 32, cache of 256 slots: attend to 64, 128, 128, then all slots.
+    assert [gen.decode_kv_len(16, c, 32, 256) for c in range(5)] == [64, 128, 128, None, None]
+    assert gen.decode_kv_len(16, 0, 32, 64) is None  # the prefix would be the whole cache
+
+
+def test_decode_over_filled_slots_matches_full_attention(tiny_model, monkeypatch):
+    """Decode chunks attend to a bucketed prefix of the cache; tokens and logprobs must equal
+    attending to every slot, and a second prompt length in the bucket compiles nothing."""
+    run = lambda lengths: jaxinfer.generate(tiny_model, [[(7 * k + i) % 200 + 3 for i in range(k)] for k in lengths],
+                                            max_new_tokens=150, stop_at_eos=False, chunk_size=32)
+    short = run([5, 11])
+    assert run([9, 2]).timings.n_compilations == 0  # same prompt bucket: same kv_len schedule
+    monkeypatch.setattr(gen, "decode_kv_len", lambda *a: None)
+    full = run([5, 11])
+    for a, b in zip(short.completions, full.completions):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
