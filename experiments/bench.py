@@ -22,6 +22,7 @@ Writes experiments/out/bench-<time>.json and a PNG (tokens/s vs batch, with the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from jaxinfer import cache as kv  # noqa: E402
 from jaxinfer import hub, layout  # noqa: E402
 from jaxinfer.compile_cache import CompileCounter  # noqa: E402
 from jaxinfer import params as P  # noqa: E402
+from jaxinfer import quantize as Q  # noqa: E402
 from experiments import common  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith from "
@@ -191,7 +193,10 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peers", default="transformers,llama.cpp", help="comma list; empty for none")
-    ap.add_argument("--unstacked", action="store_true", help="also run jaxinfer with unstacked layers")
+    ap.add_argument("--no-cpu-layout", action="store_true",
+                    help="skip jaxinfer in the CPU decode layout (jaxinfer.layout.for_cpu_decode)")
+    ap.add_argument("--quant-modes", default="int8,int4",
+                    help="comma list of jaxinfer weight quantizations to add as rows; empty for none")
     ap.add_argument("--no-ttft", action="store_true", help="skip the cold/warm start subprocesses")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 32 new tokens, batch 1,8")
     ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "out"))
@@ -212,8 +217,11 @@ def main(argv=None):
 
     base = jaxinfer.load(args.model, dtype=args.dtype)
     engines = [JaxinferEngine(base, "jaxinfer")]
-    if args.unstacked:  # one array per layer (jaxinfer.layout): faster decode, slower compile
-        engines.append(JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer-unstacked"))
+    if not args.no_cpu_layout:  # per-layer arrays, fused projections: faster batch-1 decode
+        engines.append(JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer-cpu-layout"))
+    for mode in filter(None, args.quant_modes.split(",")):  # weight-only quantization, canonical layout
+        engines.append(JaxinferEngine(dataclasses.replace(base, params=Q.quantize(base.params, base.config, mode)),
+                                      f"jaxinfer-{mode}"))
     gguf = str(hub.fetch(args.model)) if not os.path.exists(args.model) else args.model
     mem = {"jaxinfer": rss_mb()}
     for peer in filter(None, args.peers.split(",")):
@@ -270,6 +278,8 @@ def main(argv=None):
                                                             stop_at_eos=False).timings.ttft_s
                                          for _ in range(args.repeats)])
         ttft["cold"] = ttft_subprocess(args.model, args.dtype, False, ids, "")
+        if not args.no_cpu_layout:  # its unrolled layer loop compiles longer
+            ttft["cold_cpu_layout"] = ttft_subprocess(args.model, args.dtype, True, ids, "")
         with tempfile.TemporaryDirectory() as d:
             ttft["persistent_cache_first"] = ttft_subprocess(args.model, args.dtype, False, ids, d)
             ttft["persistent_cache_second"] = ttft_subprocess(args.model, args.dtype, False, ids, d)
@@ -308,24 +318,39 @@ def print_table(rep, batches, prompt_lens):
         vals = [r["prefill_tok_s"][p] for p in prompt_lens] + [r["decode_tok_s"][b] for b in batches]
         pcts = [r["pct_roofline"][b] for b in batches]
         print(f"{n:20s}" + "".join(f"{_fmt(v):>14s}" for v in vals) + "".join(f"{_fmt(v):>13s}%" for v in pcts))
-    print("ratios jaxinfer / peer (same run):")
-    ours = res["jaxinfer"]
-    for n in names[1:]:
-        r = res[n]
-        pairs = [(ours["prefill_tok_s"][p], r["prefill_tok_s"][p]) for p in prompt_lens] + \
-                [(ours["decode_tok_s"][b], r["decode_tok_s"][b]) for b in batches]
-        print(f"  vs {n:16s}" + "".join(f"{_fmt(a / b if a and b else None, '.2f') + 'x':>14s}" for a, b in pairs))
-    b1 = ours["decode_tok_s"].get(1)
-    for b in batches[1:]:
-        if b1 and ours["decode_tok_s"][b]:
-            print(f"jaxinfer batch {b} aggregate / batch 1: {ours['decode_tok_s'][b] / b1:.2f}x")
+    ours_names = [n for n in ("jaxinfer", "jaxinfer-cpu-layout") if n in res]
+    for mine in ours_names:
+        print(f"ratios {mine} / other (same run):")
+        ours = res[mine]
+        for n in names:
+            if n == mine or (n.startswith("jaxinfer") and n not in ("jaxinfer",)):
+                continue
+            r = res[n]
+            pairs = [(ours["prefill_tok_s"][p], r["prefill_tok_s"][p]) for p in prompt_lens] + \
+                    [(ours["decode_tok_s"][b], r["decode_tok_s"][b]) for b in batches]
+            print(f"  vs {n:16s}" + "".join(f"{_fmt(a / b if a and b else None, '.2f') + 'x':>14s}" for a, b in pairs))
+    for mine in [n for n in names if n.startswith("jaxinfer-int")]:
+        ref = res.get("jaxinfer")
+        if ref and ref["decode_tok_s"].get(1) and res[mine]["decode_tok_s"].get(1):
+            print(f"{mine} / jaxinfer float decode at batch 1: "
+                  f"{res[mine]['decode_tok_s'][1] / ref['decode_tok_s'][1]:.2f}x")
+    for mine in ours_names:
+        b1 = res[mine]["decode_tok_s"].get(1)
+        for b in batches[1:]:
+            if b1 and res[mine]["decode_tok_s"][b]:
+                print(f"{mine} batch {b} aggregate / batch 1: {res[mine]['decode_tok_s'][b] / b1:.2f}x")
+    if len(ours_names) == 2 and 1 in batches:  # one library, both layouts: the best per batch size
+        best = {b: max(res[n]["decode_tok_s"][b] or 0 for n in ours_names) for b in batches}
+        for b in batches[1:]:
+            print(f"jaxinfer (faster layout per batch) batch {b} / batch 1: {best[b] / best[1]:.2f}x")
     t = rep["ttft"]
     if t:
         get = lambda k: t.get(k, {}).get("ttft_s")
         print(f"time to first token: cold {_fmt(get('cold'), '.2f')} s (new process, compile included; load "
               f"{_fmt(t.get('cold', {}).get('load_s'), '.1f')} s not counted) | warm in-process "
               f"{_fmt(t.get('in_process_warm_s'), '.3f')} s | persistent cache, second process "
-              f"{_fmt(get('persistent_cache_second'), '.2f')} s")
+              f"{_fmt(get('persistent_cache_second'), '.2f')} s"
+              + (f" | cold in the CPU layout {_fmt(get('cold_cpu_layout'), '.2f')} s" if "cold_cpu_layout" in t else ""))
     print(f"jaxinfer XLA compilations (all shapes above): {rep['jaxinfer_compilations']}; "
           f"peak RSS {rep['peak_rss_mb']:.0f} MB (after loads: {rep['peak_rss_mb_after_load']})")
     for n in rep["notes"]:
