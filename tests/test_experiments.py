@@ -65,3 +65,14 @@ def test_roofline(run):
     assert r["bandwidth"]["bandwidth_Bps"] > 0
     assert r["model"]["weight_nbytes"] == r["model"]["weight_bytes_formula"]
     assert [p["batch"] for p in r["measured"]] == [1, 2]
+
+
+def test_matvec_benchmark_runs(tmp_path):
+    """The matmul-kernel benchmark behind jaxinfer/layout.py runs and writes its JSON (no timing asserted)."""
+    from experiments import matvec
+
+    rows = matvec.main(["--quick", "--mb", "4", "--out", str(tmp_path)])
+    cases = [r["case"] for r in rows]
+    assert sum(c.startswith("size") for c in cases) == 6 and sum(c.startswith("dtype") for c in cases) == 3
+    assert all(r["GBps"] > 0 and r["n_matmuls"] >= 2 for r in rows)
+    assert json.loads(next(tmp_path.glob("matvec-*.json")).read_text())["rows"] == rows
