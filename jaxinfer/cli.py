@@ -48,9 +48,13 @@ def _add_generate(sub) -> None:
                    help="persistent XLA compilation cache, so a second run starts warm "
                         "(default $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla)")
     p.add_argument("--no-compile-cache", action="store_true", help="do not read or write the compile cache")
-    p.add_argument("--cpu-layout", "--unstack-layers", dest="cpu_layout", action="store_true",
-                   help="CPU decode layout: one weight array per layer, fused q/k/v and gate/up "
-                        "projections (faster batch-1 decode on CPU; longer first compile)")
+    p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
+                   help="weight layout: cpu = one array per layer with fused q/k/v and gate/up projections "
+                        "(jaxinfer.layout; 1.5x batch-1 decode on CPU, longer first compile); auto (default) "
+                        "picks cpu on a CPU backend for float weights on one device, without --speculative, "
+                        "for fewer than 8 prompts, else canonical")
+    p.add_argument("--cpu-layout", "--unstack-layers", dest="layout", action="store_const", const="cpu",
+                   help="same as --layout cpu")
 
 
 def _generate(args) -> int:
@@ -62,8 +66,9 @@ def _generate(args) -> int:
                               min_p=args.min_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.cpu_layout and (args.quant or args.speculative or args.mesh is not None):
-        raise ValueError("--cpu-layout works with plain float weights on one device, without --quant, "
+    plain = not (args.quant or args.speculative or args.mesh is not None)
+    if args.layout == "cpu" and not plain:
+        raise ValueError("--layout cpu works with plain float weights on one device, without --quant, "
                          "--speculative or --mesh")
     mesh = None
     if args.mesh is not None:  # a bad spec fails here, before the load and any compile
@@ -77,7 +82,10 @@ def _generate(args) -> int:
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
-    if args.cpu_layout:
+    import jax
+
+    if args.layout == "cpu" or (args.layout == "auto" and plain and jax.default_backend() == "cpu"
+                                and len(args.prompt) < 8):
         from jaxinfer.layout import for_cpu_decode
 
         model = for_cpu_decode(model)  # see jaxinfer/layout.py: per-layer arrays, fused projections

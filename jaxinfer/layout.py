@@ -18,10 +18,12 @@ canonical layout loses bandwidth, and this module removes two of them:
 3. (fixed in `model`, for every layout) contracting wo's two axes N, H let XLA transpose all of
    wo on each call.
 
-Measured side by side (decode tok/s, batch 1, medians of 5): canonical 23 -> unstacked 27 ->
-+ wo fix 28.4 -> + fused projections 30.9. At batch 8 the canonical layout is faster (113.7 vs
-93.6 tok/s): there XLA's CPU matmul (8 rows) is compute-bound and a layer's copied slice is
-already in cache. Use this layout for batch-1 latency; `experiments/bench.py` reports both.
+Measured back to back (decode tok/s, batch 1, medians of 5): canonical 21.5 -> unstacked 26.9 ->
++ wo fix 28.9 -> + fused projections 30.9-34.0; in one interleaved `experiments/bench.py` run
+24.1 vs 15.9 (1.52x). At batch 8 the canonical layout is faster (88.8 vs 69.8 tok/s in that run):
+XLA's CPU matmul of 8 rows is compute-bound (`experiments/matvec.py`: 2.7x the time of one row
+for the same bytes), and a layer's copied slice is then already in cache. Use this layout for
+batch-1 latency (the CLI does, on CPU, for fewer than 8 prompts).
 
 Cutting matrices into independent parts so XLA's runtime could run them on both cores was
 measured too and was slower (12-13 GB/s instead of 20). The price of this layout is compile
