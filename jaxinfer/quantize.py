@@ -14,6 +14,14 @@ in every leaf, so the layer `lax.scan` slices them like plain arrays.
         share one byte: the low nibble holds the first half of a group, the high nibble the
         second half, so unpacking is a concatenate, not an interleave.
 
+Speed on CPU: XLA's CPU backend has no matmul kernel that reads int8/int4 (or bf16) weights; it
+converts each weight to the compute dtype and then runs the fp32 dot (`experiments/matvec.py`:
+2-4x slower per matmul than fp32 on the same shape). So the bytes read from memory shrink, but the
+time does not follow: measured in `experiments/bench.py`, int8 is 1.55x the canonical fp32 layout at
+batch 1 (whose stacked slice copies move 4 bytes per weight) and even with the CPU decode layout;
+int4 (unpacking on top) is 0.76x. (XLA's GPU backend can fuse the conversion into the matmul;
+not measured here, no GPU was lent.)
+
 Embedding and LM head: with tied embeddings the table [V, D] is read in full every decode step
 (it is the LM head), so at 135M parameters it is 21% of all weight bytes and must be quantized
 for the bytes per token to shrink. It is quantized to int8 with one scale per vocabulary row:
