@@ -323,7 +323,7 @@ def print_table(rep, batches, prompt_lens):
         print(f"ratios {mine} / other (same run):")
         ours = res[mine]
         for n in names:
-            if n == mine or (n.startswith("jaxinfer") and n not in ("jaxinfer",)):
+            if n == mine or n.startswith("jaxinfer-"):  # peers, and the canonical layout for the CPU layout
                 continue
             r = res[n]
             pairs = [(ours["prefill_tok_s"][p], r["prefill_tok_s"][p]) for p in prompt_lens] + \

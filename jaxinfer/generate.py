@@ -119,6 +119,9 @@ def decode_chunk(params: Params, state: DecodeState, cfg: ModelConfig, sampling:
         return decode_loop(lambda s: decode_step(params, s, cfg, sampling, stop_ids, kv_len), state, n_steps)
 
 
+MIN_KV_BUCKET = 64  # smallest attended prefix of the cache during decode
+
+
 def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) -> Optional[int]:
     """Cache slots that decode chunk `chunk` (0-based) must attend to, rounded up to a bucket.
 
@@ -133,7 +136,6 @@ def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) 
     return n if n < max_len else None
 
 
-MIN_KV_BUCKET = 64  # smallest attended prefix of the cache during decode
 _STATIC = ("cfg", "sampling", "stop_ids")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
 decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "kv_len"), donate_argnames=("state",))

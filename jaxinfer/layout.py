@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import split_qkv
 from jaxinfer.models import Model
 from jaxinfer.params import Params
 
@@ -101,11 +102,8 @@ def unfuse_projections(layer: Params, cfg: ModelConfig) -> Params:
     """Inverse of `fuse_projections` (the canonical per-layer weights again)."""
     if "w_qkv" not in layer:
         return layer
-    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up")}
-    D = layer["w_qkv"].shape[0]
-    q, k, v = jnp.split(layer["w_qkv"], [N * H, (N + K) * H], axis=-1)
-    out["wq"], out["wk"], out["wv"] = q.reshape(D, N, H), k.reshape(D, K, H), v.reshape(D, K, H)
+    out["wq"], out["wk"], out["wv"] = split_qkv(layer["w_qkv"], cfg)  # the columns as the model splits them
     out["w_gate"], out["w_up"] = jnp.split(layer["w_gate_up"], 2, axis=-1)
     return out
 
@@ -118,9 +116,13 @@ def for_cpu_decode(model: Model) -> Model:
     Returns:
       A new `Model` sharing config and tokenizer; the layer weights are copied once.
     """
-    params = unstack_layers(model.params)
-    layers = tuple(fuse_projections(lp) for lp in params["layers"])
-    return dataclasses.replace(model, params=dict(params, layers=layers))
+    return dataclasses.replace(model, params=cpu_decode_params(model.params))
+
+
+def cpu_decode_params(params: Params) -> Params:
+    """The params-tree transform behind `for_cpu_decode`: unstack the layers, fuse each one's projections."""
+    params = unstack_layers(params)
+    return dict(params, layers=tuple(fuse_projections(lp) for lp in params["layers"]))
 
 
 def to_canonical(params: Params, cfg: ModelConfig) -> Params:

@@ -124,11 +124,19 @@ def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
     if "w_qkv" not in lp:
         return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
                 linear("BTD,DKH->BTKH", h, lp["wv"]))
-    B, T, _ = h.shape
+    return split_qkv(linear("BTD,DE->BTE", h, lp["w_qkv"]), cfg)
+
+
+def split_qkv(x: jax.Array, cfg: ModelConfig):
+    """[..., (N + 2K) * H] (q heads, then k, then v) -> ([..., N, H], [..., K, H], [..., K, H]).
+
+    The one place that knows the fused column order: the fused projection's outputs and the fused
+    weight itself (`jaxinfer.layout.unfuse_projections`) are split by it.
+    """
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = linear("BTD,DE->BTE", h, lp["w_qkv"])
-    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
-    return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+    q, k, v = jnp.split(x, [N * H, (N + K) * H], axis=-1)
+    lead = x.shape[:-1]
+    return q.reshape(*lead, N, H), k.reshape(*lead, K, H), v.reshape(*lead, K, H)
 
 
 def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:

@@ -26,12 +26,7 @@ CONFIGS = {
                            activation="gelu_tanh", scale_embeddings=True, sliding_window=4,
                            global_every=2, rope_local_theta=100.0),
 }
-def _cpu_decode(params):
-    p = layout.unstack_layers(params)
-    return dict(p, layers=tuple(layout.fuse_projections(lp) for lp in p["layers"]))
-
-
-LAYOUTS = {"unstacked": layout.unstack_layers, "unstacked+fused": _cpu_decode}
+LAYOUTS = {"unstacked": layout.unstack_layers, "unstacked+fused": layout.cpu_decode_params}
 
 
 def _bias(params, cfg):
@@ -114,7 +109,7 @@ def test_leaves_canonical_params_alone():
 def test_fused_layout_round_trips_to_canonical(name):
     cfg = CONFIGS[name]
     params = _bias(init_params(cfg, jax.random.key(3)), cfg)
-    fast = _cpu_decode(params)
+    fast = layout.cpu_decode_params(params)
     lp = fast["layers"][0]
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     assert lp["w_qkv"].shape == (cfg.d_model, (N + 2 * K) * H)
