@@ -41,11 +41,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from jaxinfer import cache as kv  # noqa: E402
-from jaxinfer import hub, layout  # noqa: E402
+from jaxinfer.model import cache as kv  # noqa: E402
+from jaxinfer.weights import hub  # noqa: E402
+from jaxinfer.model import layout  # noqa: E402
 from jaxinfer.compile_cache import CompileCounter  # noqa: E402
-from jaxinfer import params as P  # noqa: E402
-from jaxinfer import quantize as Q  # noqa: E402
+from jaxinfer.model import params as P  # noqa: E402
+from jaxinfer.model import quantize as Q  # noqa: E402
 from experiments import common  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith from "
@@ -161,7 +162,8 @@ import sys, time, json
 t0 = time.perf_counter()
 sys.path.insert(0, {root!r})
 import jaxinfer
-from jaxinfer import compile_cache, layout
+from jaxinfer import compile_cache
+from jaxinfer.model import layout
 if {cache_dir!r}:
     compile_cache.enable_persistent_cache({cache_dir!r})
 m = jaxinfer.load({model!r}, dtype={dtype!r})

@@ -26,8 +26,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from jaxinfer import config, params as prm, sharding as shd  # noqa: E402
-from jaxinfer.models import Model  # noqa: E402
+from jaxinfer import sharding as shd  # noqa: E402
+from jaxinfer.model import config  # noqa: E402
+from jaxinfer.model import params as prm  # noqa: E402
+from jaxinfer.model.forward import Model  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 

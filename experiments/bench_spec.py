@@ -27,9 +27,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxinfer  # noqa: E402
-from jaxinfer import cache as kv  # noqa: E402
-from jaxinfer import quantize as Q  # noqa: E402
-from jaxinfer import speculative as spec  # noqa: E402
+from jaxinfer.model import cache as kv  # noqa: E402
+from jaxinfer.model import quantize as Q  # noqa: E402
+from jaxinfer.decode import speculative as spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

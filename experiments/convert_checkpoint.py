@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 import jaxinfer
-from jaxinfer import checkpoint, hub
+from jaxinfer.weights import checkpoint
+from jaxinfer.weights import hub
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -32,9 +32,9 @@ import optax  # noqa: E402
 import pydoc_data.topics  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from jaxinfer import checkpoint  # noqa: E402
-from jaxinfer import model as mdl  # noqa: E402
-from jaxinfer import speculative as spec  # noqa: E402
+from jaxinfer.weights import checkpoint  # noqa: E402
+from jaxinfer.model import forward as mdl  # noqa: E402
+from jaxinfer.decode import speculative as spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments" / "data"))

@@ -32,7 +32,7 @@ TIME_PROMPT = "The capital of France is"
 def count_both_ways(m, prompt: str, new_tokens: int) -> dict:
     """Generate `new_tokens` greedily with and without the cache; count the tokens each reads."""
     import jaxinfer
-    from jaxinfer import probes
+    from jaxinfer.inspect import probes
 
     ids = m.tokenizer.encode(prompt)
     uncached, read_uncached = probes.greedy_uncached(m, ids, new_tokens)
@@ -53,8 +53,8 @@ def count_both_ways(m, prompt: str, new_tokens: int) -> dict:
 def time_both_ways(m, prompt: str, new_tokens: int, chunk: int) -> dict:
     """Cumulative wall time to produce each token, uncached vs cached, after a warm-up of both."""
     import jaxinfer
-    from jaxinfer import probes
-    from jaxinfer.generate import bucket
+    from jaxinfer.inspect import probes
+    from jaxinfer.decode.generate import bucket
 
     ids = m.tokenizer.encode(prompt)
     kw = dict(max_new_tokens=new_tokens, stop_at_eos=False, chunk_size=chunk)
@@ -92,8 +92,8 @@ def memory_table(m) -> dict:
     import jax.numpy as jnp
 
     import jaxinfer
-    from jaxinfer import config as C
-    from jaxinfer import model as mdl
+    from jaxinfer.model import config as C
+    from jaxinfer.model import forward as mdl
 
     rows = []
     for cfg, dt in [(C.smollm2_135m(), "float16"), (C.llama3_8b(), "float16"), (C.llama3_70b(), "float16"),

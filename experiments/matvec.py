@@ -1,6 +1,6 @@
 """How fast XLA's CPU backend streams weights through one decode-sized matmul, by shape and dtype.
 
-The numbers behind `jaxinfer/layout.py` and the quantization speed notes:
+The numbers behind `jaxinfer/model/layout.py` and the quantization speed notes:
 
     python experiments/matvec.py            # ~2 minutes on 2 cores; --quick for a smoke run
 

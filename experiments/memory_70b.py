@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxinfer import config  # noqa: E402
+from jaxinfer.model import config  # noqa: E402
 from jaxinfer import sharding as shd  # noqa: E402
 
 GIB = 2**30

@@ -28,9 +28,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from jaxinfer import cache as kv  # noqa: E402
-from jaxinfer import model as mdl  # noqa: E402
-from jaxinfer import quantize as Q  # noqa: E402
+from jaxinfer.model import cache as kv  # noqa: E402
+from jaxinfer.model import forward as mdl  # noqa: E402
+from jaxinfer.model import quantize as Q  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "experiments" / "data" / "pydoc_heldout.txt"

@@ -44,7 +44,7 @@ def measure_decode(m, batch: int, new_tokens: int, repeats: int) -> dict:
 
 def figure(result: dict):
     """The two panels (ceilings; this machine's roofline with the measured points) from the numbers."""
-    from jaxinfer import roofline as rl
+    from jaxinfer.inspect import roofline as rl
 
     md, ceilings, points = result["model"], result["ceilings_llama3_8b_fp16"], result["measured"]
     here, wb, comp = result["bandwidth"]["bandwidth_Bps"], md["weight_nbytes"], md["compute_ceiling"]
@@ -98,9 +98,9 @@ def main(argv=None, model=None) -> dict:
     if not batches or batches[0] < 1 or args.new_tokens < 2 or args.repeats < 1 or args.copy_mib < 1:
         p.error("need batches >= 1, --new-tokens >= 2, --repeats >= 1, --copy-mib >= 1")
     import jaxinfer
-    from jaxinfer import config as C
-    from jaxinfer import params as prm
-    from jaxinfer import roofline as rl
+    from jaxinfer.model import config as C
+    from jaxinfer.model import params as prm
+    from jaxinfer.inspect import roofline as rl
 
     m = common.load_model(args, model)
     cfg = m.config

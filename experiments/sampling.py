@@ -46,7 +46,7 @@ def main(argv=None, model=None) -> dict:
     if args.darts < 1:
         p.error(f"--darts must be >= 1, got {args.darts}")
     import jaxinfer
-    from jaxinfer import probes
+    from jaxinfer.inspect import probes
 
     m = common.load_model(args, model)
     ids = m.tokenizer.encode(args.prompt)

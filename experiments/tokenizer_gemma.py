@@ -17,7 +17,9 @@ import random
 import sysconfig
 import time
 
-from jaxinfer import gguf_io, hub, spm
+from jaxinfer.weights import gguf as gguf_io
+from jaxinfer.weights import hub
+from jaxinfer.text import spm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -56,7 +56,7 @@ def main(argv=None, model=None) -> dict:
     args = p.parse_args(argv)
     if not args.text:
         p.error("text is empty")
-    from jaxinfer.tokenizer import openai_encoding
+    from jaxinfer.text.tokenizer import openai_encoding
 
     m = common.load_model(args, model)
     encodings = {"cl100k_base": openai_encoding("cl100k_base"), m.config.name: m.tokenizer.encoding}

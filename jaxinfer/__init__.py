@@ -1,22 +1,28 @@
 """jaxinfer: LLM inference in JAX, readable like a textbook.
 
-The data path, one module per step:
-  text -> tokens          tokenizer.py  (tiktoken)
-  weights                 hub.py (fetch), gguf_io.py (read), params.py (layout), models.py (load)
-  tokens -> logits        model.py      (embedding, attention blocks under lax.scan, LM head)
-  KV cache                cache.py
-  logits -> token         sampling.py
-  the loop                generate.py   (jitted prefill, lax.scan decode)
-  looking inside          probes.py (attention, darts, token counts), roofline.py (decode ceilings)
+The folders follow the data path a prompt takes:
+  text/      text -> tokens             tokenizer.py (tiktoken), spm.py, the chat template
+  weights/   files -> a Model           hub.py (fetch), gguf.py, hf.py, checkpoint.py, load.py
+  model/     tokens -> logits           config.py, params.py, forward.py, cache.py (KV cache),
+                                        layout.py (CPU decode layout), quantize.py
+  decode/    logits -> tokens, looped   sampling.py, requests.py, generate.py, speculative.py
+  inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings)
+  sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
 
-from jaxinfer.cache import KVCache, bytes_per_token, init_cache
-from jaxinfer.config import ModelConfig
-from jaxinfer.generate import Completion, Output, Timings, generate, logits
-from jaxinfer.models import Model, load
-from jaxinfer.probes import attention
-from jaxinfer.sampling import GREEDY, SamplingParams, sample
+from jaxinfer.decode import speculative
+from jaxinfer.decode.generate import generate, logits
+from jaxinfer.decode.requests import Completion, Output, Timings
+from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
+from jaxinfer.inspect.probes import attention
+from jaxinfer.model import layout, quantize
+from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.forward import Model
+from jaxinfer.weights.load import load
+from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "Model", "load", "attention", "GREEDY", "SamplingParams", "sample"]
+           "generate", "logits", "Model", "load", "attention", "GREEDY", "SamplingParams", "sample",
+           "speculative", "sharding", "quantize", "layout"]
 __version__ = "0.1.0"

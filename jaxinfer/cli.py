@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 
 def _add_generate(sub) -> None:
-    from jaxinfer.hub import DEFAULT_MODEL, KNOWN_MODELS
+    from jaxinfer.weights.hub import DEFAULT_MODEL, KNOWN_MODELS
 
     p = sub.add_parser("generate", help="generate a continuation of a prompt")
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts are run as one batch)")
@@ -59,7 +59,7 @@ def _add_generate(sub) -> None:
 
 def _generate(args) -> int:
     import jaxinfer
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.decode.sampling import SamplingParams
 
     # Validate cheap things before the (slow) load.
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -86,9 +86,9 @@ def _generate(args) -> int:
 
     if args.layout == "cpu" or (args.layout == "auto" and plain and jax.default_backend() == "cpu"
                                 and len(args.prompt) < 8):
-        from jaxinfer.layout import for_cpu_decode
+        from jaxinfer.model.layout import for_cpu_decode
 
-        model = for_cpu_decode(model)  # see jaxinfer/layout.py: per-layer arrays, fused projections
+        model = for_cpu_decode(model)  # see jaxinfer/model/layout.py: per-layer arrays, fused projections
     prompts = list(args.prompt)
     if args.chat:
         prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -115,7 +115,7 @@ def _generate(args) -> int:
         sys.stdout.write(prompts[0] if not args.chat else "")
         sys.stdout.flush()
     if args.speculative:
-        from jaxinfer import speculative
+        from jaxinfer.decode import speculative
 
         draft = None
         if args.speculative == "draft":
@@ -175,7 +175,7 @@ def _convert(args) -> int:
 
     from tqdm import tqdm
 
-    from jaxinfer import checkpoint
+    from jaxinfer.weights import checkpoint
 
     t0 = time.perf_counter()
     with tqdm(desc="reading tensors", unit="tensor", file=sys.stderr, delay=0.5) as bar:

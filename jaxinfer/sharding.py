@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxinfer import cache as kv
-from jaxinfer import params as prm
-from jaxinfer.config import ModelConfig
+from jaxinfer.model import cache as kv
+from jaxinfer.model import params as prm
+from jaxinfer.model.config import ModelConfig
 
 DATA = "data"
 MODEL = "model"

@@ -18,7 +18,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Path of the verified SmolLM2 GGUF file."""
-    from jaxinfer import hub
+    from jaxinfer.weights import hub
 
     return str(hub.fetch(SMOLLM2_GGUF_NAME))
 

@@ -32,8 +32,8 @@ TINY_PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3] * 7, [100, 101], [40, 41, 42], [2
 def _tiny():
     import jax
 
-    from jaxinfer import config
-    from jaxinfer import params as prm
+    from jaxinfer.model import config
+    from jaxinfer.model import params as prm
 
     cfg = config.tiny()
     host = jax.tree.map(np.asarray, prm.init_params(cfg, jax.random.key(0)))
@@ -65,7 +65,7 @@ def _greedy(model, prompts):
 
 def _sampled(model, prompts, seeds):
     import jaxinfer
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.decode.sampling import SamplingParams
 
     out = jaxinfer.generate(model, prompts, seed=seeds, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
                             chunk_size=CHUNK, sampling=SamplingParams(temperature=0.8, top_p=0.95))
@@ -86,14 +86,13 @@ def _logits64(host, cfg, plan, ids):
     that rounding alone moves the real model's logits by ~1e-4. In float64 the rounding is ~1e-12,
     so what remains is any real difference between the sharded and the single-device program.
     """
-    import importlib
 
     import jax
     import jax.numpy as jnp
 
     from jaxinfer import sharding as shd
 
-    gen = importlib.import_module("jaxinfer.generate")  # the module (jaxinfer.generate is the function)
+    from jaxinfer.decode import generate as gen  # the module (jaxinfer.generate is the function)
     with jax.enable_x64(True):
         wide = jax.tree.map(lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a, host)
         params = jax.tree.map(jnp.asarray, wide) if plan is None else shd.shard_params(wide, cfg, plan)
@@ -121,7 +120,7 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
 
     import jaxinfer
     from jaxinfer import sharding as shd
-    from jaxinfer.models import Model
+    from jaxinfer.model.forward import Model
 
     assert len(jax.devices()) == 8, jax.devices()
     results = {}
@@ -171,7 +170,7 @@ def single(out_path: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.models import Model
+    from jaxinfer.model.forward import Model
 
     cfg, host, _, prompts = _tiny()
     model = Model(cfg, jax.tree.map(jnp.asarray, host))
@@ -187,7 +186,7 @@ def dist(out_path: str, process_id: int, num_processes: int, port: int) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
                                process_id=process_id, initialization_timeout=120)
     from jaxinfer import sharding as shd
-    from jaxinfer.models import Model
+    from jaxinfer.model.forward import Model
 
     assert jax.process_count() == num_processes and len(jax.devices()) == 4 * num_processes
     cfg, host, _, prompts = _tiny()  # same key on every process: identical host weights

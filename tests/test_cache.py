@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import cache as kv
-from jaxinfer import config as C
-from jaxinfer import model as mdl
-from jaxinfer.params import init_params
+from jaxinfer.model import cache as kv
+from jaxinfer.model import config as C
+from jaxinfer.model import forward as mdl
+from jaxinfer.model.params import init_params
 
 
 def test_llama3_8b_fp16_bytes_per_token():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import checkpoint
-from jaxinfer.checkpoint import CheckpointError
+from jaxinfer.weights import checkpoint
+from jaxinfer.weights.checkpoint import CheckpointError
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
 SOURCE = os.path.join(GOLDEN, "llama")
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the marker and the rename (the most dangerous moment).
 _CHILD = r"""
 import sys, time, pathlib
-from jaxinfer import checkpoint
+from jaxinfer.weights import checkpoint
 src, out, flag, where = sys.argv[1:5]
 
 def pause():

@@ -2,19 +2,18 @@
 cache bucket, reuses the compiled prefill and decode programs; the persistent cache is set up.
 """
 
-import importlib
 
 import jax
 import pytest
 
 import jaxinfer
 from jaxinfer import compile_cache
-from jaxinfer import config as C
-from jaxinfer import layout
-from jaxinfer.models import Model
-from jaxinfer.params import init_params
+from jaxinfer.model import config as C
+from jaxinfer.model import layout
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import init_params
 
-gen = importlib.import_module("jaxinfer.generate")  # the module (jaxinfer.generate is the function)
+from jaxinfer.decode import generate as gen  # the module (jaxinfer.generate is the function)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import dataclasses
 import jax
 import pytest
 
-from jaxinfer import config as C
-from jaxinfer import params as P
-from jaxinfer.model import forward
+from jaxinfer.model import config as C
+from jaxinfer.model import params as P
+from jaxinfer.model.forward import forward
 
 
 @pytest.mark.parametrize("preset,billions", [(C.llama3_8b, 8.03), (C.llama3_70b, 70.55),

@@ -68,7 +68,7 @@ def test_roofline(run):
 
 
 def test_matvec_benchmark_runs(tmp_path):
-    """The matmul-kernel benchmark behind jaxinfer/layout.py runs and writes its JSON (no timing asserted)."""
+    """The matmul-kernel benchmark behind jaxinfer/model/layout.py runs and writes its JSON (no timing asserted)."""
     from experiments import matvec
 
     rows = matvec.main(["--quick", "--mb", "4", "--out", str(tmp_path)])

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import checkpoint, hf_io
-from jaxinfer.sampling import GREEDY
+from jaxinfer.weights import checkpoint
+from jaxinfer.weights import hf as hf_io
+from jaxinfer.decode.sampling import GREEDY
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3")

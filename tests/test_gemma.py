@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import checkpoint, gguf_io, hub, spm
-from jaxinfer.sampling import GREEDY
+from jaxinfer.weights import checkpoint
+from jaxinfer.weights import gguf as gguf_io
+from jaxinfer.weights import hub
+from jaxinfer.text import spm
+from jaxinfer.decode.sampling import GREEDY
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 

@@ -1,6 +1,5 @@
 """The generation loop: fake-model loop, batching, stopping, reproducibility, bad input."""
 
-import importlib
 import json
 import os
 import subprocess
@@ -12,12 +11,12 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import hub
+from jaxinfer.weights import hub
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.gguf_io import GGUFError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.weights.gguf import GGUFError
+from jaxinfer.decode.sampling import SamplingParams
 
-gen = importlib.import_module("jaxinfer.generate")  # the module (jaxinfer.generate is the function)
+from jaxinfer.decode import generate as gen, requests  # the module (jaxinfer.generate is the function)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
          "Water boils at a temperature of", "My favourite colour is", "1, 2, 3, 4,",
@@ -37,7 +36,7 @@ def test_decode_loop_with_fake_model():
 
 
 def test_bucket():
-    assert [gen.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
+    assert [requests.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
 
 
 def test_batch_of_mixed_lengths_equals_alone(smollm2):
@@ -72,7 +71,7 @@ def test_same_seed_same_tokens_across_processes(smollm2):
                              stop_at_eos=False).completions[0].token_ids
     other = jaxinfer.generate(smollm2, "Once upon a time", seed=1235, max_new_tokens=10, sampling=sp,
                               stop_at_eos=False).completions[0].token_ids
-    code = ("import jaxinfer, json; from jaxinfer.sampling import SamplingParams; "
+    code = ("import jaxinfer, json; from jaxinfer import SamplingParams; "
             "m = jaxinfer.load('smollm2-135m'); "
             "o = jaxinfer.generate(m, 'Once upon a time', seed=1234, max_new_tokens=10, "
             "sampling=SamplingParams(temperature=0.9, top_k=50), stop_at_eos=False); "

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import cache as kv
-from jaxinfer import config as C
-from jaxinfer import layout
-from jaxinfer import model as mdl
-from jaxinfer.models import Model
-from jaxinfer.params import init_params
+from jaxinfer.model import cache as kv
+from jaxinfer.model import config as C
+from jaxinfer.model import layout
+from jaxinfer.model import forward as mdl
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import init_params
 
 CONFIGS = {
     "llama": C.tiny(),
@@ -122,7 +122,7 @@ def test_fused_layout_round_trips_to_canonical(name):
 
 
 def test_fusing_quantized_weights_is_refused_clearly():
-    from jaxinfer.quantize import quantize
+    from jaxinfer.model.quantize import quantize
     cfg = C.tiny()
     q = layout.unstack_layers(quantize(init_params(cfg, jax.random.key(0)), cfg, "int8"))
     with pytest.raises(ValueError, match="per-layer float wq"):

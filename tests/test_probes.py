@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import config as C
-from jaxinfer import model as mdl
-from jaxinfer import params as prm
-from jaxinfer import probes
-from jaxinfer import roofline as rl
-from jaxinfer import sampling as smp
-from jaxinfer.models import Model
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model import config as C
+from jaxinfer.model import forward as mdl
+from jaxinfer.model import params as prm
+from jaxinfer.inspect import probes
+from jaxinfer.inspect import roofline as rl
+from jaxinfer.decode import sampling as smp
+from jaxinfer.model.forward import Model
+from jaxinfer.decode.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import cache as kv
-from jaxinfer import config as C
-from jaxinfer import model as mdl
-from jaxinfer import quantize as Q
-from jaxinfer.params import init_params
+from jaxinfer.model import cache as kv
+from jaxinfer.model import config as C
+from jaxinfer.model import forward as mdl
+from jaxinfer.model import quantize as Q
+from jaxinfer.model.params import init_params
 
 HELDOUT = os.path.join(os.path.dirname(__file__), "..", "experiments", "data", "pydoc_heldout.txt")
 

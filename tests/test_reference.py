@@ -55,7 +55,7 @@ def test_greedy_continuation_matches_transformers(smollm2, golden):
 
 
 def test_reference_file_matches_model(smollm2_path, golden):
-    from jaxinfer.hub import sha256_file
+    from jaxinfer.weights.hub import sha256_file
 
     _, meta = golden
     assert meta["gguf_sha256"] == sha256_file(smollm2_path)

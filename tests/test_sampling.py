@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import sampling as smp
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.decode import sampling as smp
+from jaxinfer.decode.sampling import SamplingParams
 
 
 def _logits(B=4, V=50, seed=0):

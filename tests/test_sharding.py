@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import config
+from jaxinfer.model import config
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import config as C
-from jaxinfer import quantize as Q
-from jaxinfer import speculative as spec
-from jaxinfer.params import init_params
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model import forward as fwd
+from jaxinfer.model import config as C
+from jaxinfer.model import quantize as Q
+from jaxinfer.decode import speculative as spec
+from jaxinfer.model.params import init_params
+from jaxinfer.decode.sampling import SamplingParams
 
 # 0.1% critical values of chi-squared (scipy.stats.chi2.ppf(0.999, df)); the tests are seeded,
 # so they are deterministic, and a correct sampler fails them with probability ~1e-3 per seed.
@@ -121,7 +122,7 @@ def test_sampled_tokens_follow_the_target_distribution_on_a_small_model(method):
     # Exact target distribution of x2 given each row's x1, summed over rows.
     seqs = jnp.asarray([prompt + [int(a)] for a in x1])
     pos = jnp.broadcast_to(jnp.arange(len(prompt) + 1), seqs.shape)
-    logits = jaxinfer.model.forward(params, seqs, pos, None, cfg)[0][:, -1]
+    logits = fwd.forward(params, seqs, pos, None, cfg)[0][:, -1]
     expected = np.asarray(jax.nn.softmax(logits, -1)).sum(0)
     observed = np.bincount(x2, minlength=cfg.vocab_size).astype(float)
     stat, df = _chi2(observed, expected)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer import tokenizer as tk
+from jaxinfer.text import tokenizer as tk
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 
 
 @struct.dataclass

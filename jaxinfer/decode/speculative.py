@@ -34,16 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer import cache as kv
-from jaxinfer.generate import (Output, Prompts, Timings, _is_stop, _prompt_ids, _row_keys, bucket,
-                               check_context, completion_for, pack_prompts, prefill_jit, stop_ids_for)
-from jaxinfer import model as mdl
-from jaxinfer import sampling as smp
+from jaxinfer.model import cache as kv
+from jaxinfer.decode.generate import MIN_KV_BUCKET, is_stop, prefill_jit
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, completion_for, pack_prompts,
+                                      prompt_ids, request_keys, stop_ids_for)
+from jaxinfer.model import forward as mdl
+from jaxinfer.decode import sampling as smp
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.config import ModelConfig
-from jaxinfer.models import Model
-from jaxinfer.params import Params
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import Params
+from jaxinfer.decode.sampling import SamplingParams
 
 METHODS = ("lookup", "draft")
 
@@ -67,7 +68,7 @@ def truncated_draft(model: Model, n_layers: int) -> Draft:
 
 def load_draft(path: str, dtype: Optional[str] = "float32") -> Draft:
     """A draft saved as a jaxinfer (orbax) checkpoint, e.g. by experiments/distill_draft.py."""
-    from jaxinfer import checkpoint
+    from jaxinfer.weights import checkpoint
 
     cfg, params, _ = checkpoint.restore(path, dtype)
     return Draft(config=cfg, params=params)
@@ -243,7 +244,7 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
     # log p of emitted token i comes from the target logits at step i (which predicted it)
     emitted_lp = jnp.take_along_axis(logp, emitted[..., None], -1)[..., 0]  # [B, k+1]
     kept = i <= n_acc[:, None]
-    stop = _is_stop(emitted, stop_ids) & kept
+    stop = is_stop(emitted, stop_ids) & kept
 
     active = ~state.finished & (state.n_new < max_new)
     write = jax.vmap(lambda h, e, s: jax.lax.dynamic_update_slice(h, e, (s,)))
@@ -340,14 +341,14 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not isinstance(rounds_per_chunk, int) or rounds_per_chunk < 1:
         raise ValueError(f"rounds_per_chunk must be an int >= 1, got {rounds_per_chunk!r}")
-    ids = _prompt_ids(model, prompts)
+    ids = prompt_ids(model, prompts)
     check_context(ids, max_new_tokens, 2 * k + 1, cfg)  # a round may run k + 1 slots past the end
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
-    keys = _row_keys(len(ids), key, seed, sampling)
+    keys = request_keys(len(ids), key, seed, sampling)
 
     B = len(ids)
     tokens, lengths = pack_prompts(ids)
-    S = bucket(max(tokens.shape[1], int(lengths.max()) + max_new_tokens + 2 * k + 2), 64)
+    S = bucket(max(tokens.shape[1], int(lengths.max()) + max_new_tokens + 2 * k + 2), MIN_KV_BUCKET)
     hist = np.zeros((B, S), np.int32)
     hist[:, : tokens.shape[1]] = tokens
 

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 
 Params = dict[str, Any]
 

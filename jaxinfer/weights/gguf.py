@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.text.tokenizer import TokenizerData
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
@@ -24,22 +25,6 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
 class GGUFError(ValueError):
     """A file is not a readable GGUF model (bad magic, truncated, missing tensors)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerData:
-    """The tokenizer as a GGUF stores it (`tokenizer.ggml.*`)."""
-
-    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
-    pre: Optional[str]  # pre-tokenizer name, e.g. "smollm"
-    tokens: list[str]
-    token_types: list[int]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    merges: list[str]
-    scores: Optional[list[float]]
-    bos_id: Optional[int]
-    eos_id: Optional[int]
-    chat_template: Optional[str]
-    extra_eos_ids: tuple[int, ...] = ()
 
 
 def _open(path: str):

@@ -34,8 +34,8 @@ from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
 import regex
 import tiktoken
 
-from jaxinfer.gguf_io import TokenizerData
-from jaxinfer.tokenizer import Tokenizer, TokenizerError
+from jaxinfer.text.tokenizer import TokenizerData
+from jaxinfer.text.tokenizer import Tokenizer, TokenizerError
 
 SPACE = "\u2581"  # ▁, SentencePiece's space
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import params as P
-from jaxinfer.config import DTYPES, ModelConfig
-from jaxinfer.gguf_io import TokenizerData
+from jaxinfer.model import params as P
+from jaxinfer.model.config import DTYPES, ModelConfig
+from jaxinfer.text.tokenizer import TokenizerData
 
 FORMAT = "jaxinfer-checkpoint"
 VERSION = 1
@@ -293,7 +293,9 @@ def read_source(source: str, *, cache: Optional[str] = None, progress=None):
     Returns:
       (config, params as float32 numpy, tokenizer data or None, kind of source).
     """
-    from jaxinfer import gguf_io, hf_io, hub
+    from jaxinfer.weights import gguf as gguf_io
+    from jaxinfer.weights import hf as hf_io
+    from jaxinfer.weights import hub
 
     p = Path(source)
     if p.is_dir():

@@ -11,15 +11,28 @@ RoPE base) are switches on `ModelConfig`.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cache as kv
-from jaxinfer.cache import KVCache
-from jaxinfer.config import ModelConfig
-from jaxinfer.params import Params
+from jaxinfer.model import cache as kv
+from jaxinfer.model.cache import KVCache
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.params import Params
+
+if TYPE_CHECKING:  # the model runs on token ids; only its holder refers to a tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Everything needed to run a model. Params live on device; config is static."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Optional["Tokenizer"] = None
+
 
 _NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 

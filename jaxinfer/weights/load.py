@@ -10,19 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import gguf_io, hub, quantize, sharding
-from jaxinfer import tokenizer as tok
-from jaxinfer.config import DTYPES, ModelConfig
-from jaxinfer.params import Params
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """Everything needed to run a model. Params live on device; config is static."""
-
-    config: ModelConfig
-    params: Params
-    tokenizer: Optional[tok.Tokenizer] = None
+from jaxinfer import sharding
+from jaxinfer.weights import gguf as gguf_io
+from jaxinfer.weights import hub
+from jaxinfer.model import quantize
+from jaxinfer.text import tokenizer as tok
+from jaxinfer.model.config import DTYPES, ModelConfig
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import Params
 
 
 def to_device(params_np: dict, dtype: str) -> Params:
@@ -84,7 +79,8 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
 
 def _load_folder(path: str, dtype: str, progress) -> Model:
     """A jaxinfer checkpoint folder or a Hugging Face safetensors folder."""
-    from jaxinfer import checkpoint, hf_io
+    from jaxinfer.weights import checkpoint
+    from jaxinfer.weights import hf as hf_io
 
     if checkpoint.is_checkpoint(path):
         cfg, params, tdata = checkpoint.restore(path, dtype)
@@ -99,10 +95,10 @@ def _load_folder(path: str, dtype: str, progress) -> Model:
     return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, name))
 
 
-def tokenizer_for(data: gguf_io.TokenizerData, name: str) -> tok.Tokenizer:
+def tokenizer_for(data: tok.TokenizerData, name: str) -> tok.Tokenizer:
     """The tiktoken tokenizer for a GGUF's tokenizer data (byte-level BPE or SentencePiece BPE)."""
     if data.model == "llama":  # SentencePiece (Gemma)
-        from jaxinfer import spm
+        from jaxinfer.text import spm
 
         return spm.from_gguf(data, name=name)
     t = tok.from_gguf(data, name=name)

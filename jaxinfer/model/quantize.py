@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.params import Params
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.params import Params
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32

@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.model import split_qkv
-from jaxinfer.models import Model
-from jaxinfer.params import Params
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.forward import split_qkv
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import Params
 
 
 def unstack_layers(params: Params) -> Params:

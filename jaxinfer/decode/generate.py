@@ -23,18 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer import cache as kv
-from jaxinfer import model as mdl
-from jaxinfer import sampling as smp
+from jaxinfer.model import cache as kv
+from jaxinfer.model import forward as mdl
+from jaxinfer.decode import sampling as smp
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.config import ModelConfig
-from jaxinfer.models import Model
-from jaxinfer.params import Params
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import Params
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_token_ids,
+                                      completion_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
+from jaxinfer.decode.sampling import SamplingParams
 
-MIN_BUCKET = 16
-
+MIN_KV_BUCKET = 64  # smallest attended prefix of the cache during decode (and smallest cache)
 
 @struct.dataclass
 class DecodeState:
@@ -45,12 +46,7 @@ class DecodeState:
     finished: jax.Array  # [B] bool: row has produced a stop token
 
 
-def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
-    """Smallest power of two >= n (and >= minimum)."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
-def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     if not stop_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
@@ -79,7 +75,7 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
     step = jnp.zeros((), jnp.int32)
     first, logprob = smp.sample(logits[:, 0], smp.step_keys(keys, step), sampling)
     state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1,
-                        finished=_is_stop(first, stop_ids))
+                        finished=is_stop(first, stop_ids))
     return state, first, logprob
 
 
@@ -93,7 +89,7 @@ def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, sampling: 
     positions = state.cache.lengths[:, None]  # [B, 1]: the next free slot is the token's position
     logits, cache = mdl.forward(params, state.tokens[:, None], positions, state.cache, cfg, kv_len=kv_len)
     nxt, logprob = smp.sample(logits[:, 0], smp.step_keys(state.keys, state.step), sampling)
-    finished = state.finished | _is_stop(nxt, stop_ids)
+    finished = state.finished | is_stop(nxt, stop_ids)
     return DecodeState(cache=cache, tokens=nxt, keys=state.keys, step=state.step + 1,
                        finished=finished), nxt, logprob
 
@@ -117,9 +113,6 @@ def decode_chunk(params: Params, state: DecodeState, cfg: ModelConfig, sampling:
     """`n_steps` decode steps on device. Returns (state, tokens [n_steps, B], logprobs [n_steps, B])."""
     with jax.named_scope("decode"):
         return decode_loop(lambda s: decode_step(params, s, cfg, sampling, stop_ids, kv_len), state, n_steps)
-
-
-MIN_KV_BUCKET = 64  # smallest attended prefix of the cache during decode
 
 
 def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) -> Optional[int]:
@@ -147,141 +140,6 @@ def _uncached_logits(params, tokens, cfg):
 
 
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
-
-
-# Public API ----------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]  # new tokens (a final stop token included)
-    text: str  # decoded new tokens, without the stop token
-    logprobs: list[float]  # log p(token) under the model, per new token
-    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
-
-
-def check_context(ids: list[list[int]], max_new_tokens: int, working_slots: int, cfg: ModelConfig) -> None:
-    """Raise ValueError if a prompt plus `max_new_tokens` plus `working_slots` exceeds the context."""
-    for i, p in enumerate(ids):
-        need = len(p) + max_new_tokens + working_slots
-        if need > cfg.max_seq_len:
-            extra = f" and {working_slots} working slots" if working_slots else ""
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}{extra} that "
-                             f"needs {need} positions, beyond the context length {cfg.max_seq_len}")
-
-
-def pack_prompts(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts of mixed lengths -> (tokens [B, Tb] int32, zero-padded to a bucket; lengths [B] int32)."""
-    lengths = np.array([len(p) for p in ids], np.int32)
-    tokens = np.zeros((len(ids), bucket(int(lengths.max()))), np.int32)
-    for b, p in enumerate(ids):
-        tokens[b, : len(p)] = p
-    return tokens, lengths
-
-
-def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], logprobs: Sequence[float],
-                   stop_ids: Sequence[int]) -> "Completion":
-    """One row's Completion: its generated tokens [N] and their logprobs [N], cut after the first stop.
-
-    The stop token stays in `token_ids` (and its logprob in `logprobs`) but not in `text`.
-    """
-    row = [int(t) for t in tokens]
-    stops = set(stop_ids)
-    n = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
-    reason = "stop" if n and row[n - 1] in stops else "length"
-    text_ids = row[: n - 1] if reason == "stop" else row[:n]
-    text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
-    return Completion(prompt_ids=list(prompt_ids), token_ids=row[:n], text=text,
-                      logprobs=[float(x) for x in logprobs[:n]], finish_reason=reason)
-
-
-@dataclasses.dataclass(frozen=True)
-class Timings:
-    prefill_s: float  # prefill incl. first sample (and any compile it triggered)
-    decode_s: float  # all decode chunks
-    ttft_s: float  # call start -> first token on host
-    total_s: float
-    prompt_tokens: int  # real (unpadded) prompt tokens across the batch
-    new_tokens: int  # generated tokens across the batch
-    decode_tokens_per_s: float  # tokens produced by the decode loop across the batch / decode_s
-    n_compilations: int  # XLA executables built (compiled or loaded from disk) for prefill and decode
-
-    @classmethod
-    def of_run(cls, t0: float, t_first: float, t_end: float, prompt_tokens: int,
-               completions: Sequence[Completion], decode_tokens: int, n_compilations: int) -> "Timings":
-        """From the clock at the call's start, at the first token on host and at the end."""
-        decode_s = t_end - t_first
-        return cls(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
-                   prompt_tokens=prompt_tokens, new_tokens=sum(len(c.token_ids) for c in completions),
-                   decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                   n_compilations=n_compilations)
-
-
-@dataclasses.dataclass(frozen=True)
-class Output:
-    completions: list[Completion]
-    timings: Timings
-
-    @property
-    def texts(self) -> list[str]:
-        return [c.text for c in self.completions]
-
-
-Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
-
-
-def _prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty; pass a string, a list of strings or a list of token-id lists")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if model.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids")
-            if not p:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            ids = model.tokenizer.encode(p)
-            bos = model.tokenizer.bos_id
-            if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
-                ids = [bos] + ids  # Gemma: the model expects <bos> first
-        else:
-            ids = [int(t) for t in p]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {model.config.vocab_size})")
-        out.append(ids)
-    return out
-
-
-def stop_ids_for(model: Model, stop_at_eos: bool, stop_tokens: Sequence[int]) -> tuple[int, ...]:
-    """The token ids that end a row: the tokenizer's stop ids (or the config's eos) plus stop_tokens."""
-    if not stop_at_eos:
-        return ()
-    base = model.tokenizer.stop_ids if model.tokenizer is not None else (model.config.eos_token_id,)
-    return tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
-
-
-def _row_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParams) -> jax.Array:
-    if key is not None and seed is not None:
-        raise ValueError("pass either key or seed, not both")
-    if key is not None:
-        key = jnp.asarray(key) if not jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key) else key
-        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n, dtype=jnp.uint32))
-    if seed is None:
-        if not sampling.greedy:
-            raise ValueError("sampling with temperature > 0 needs a key or a seed (there is no default "
-                             "PRNG key); pass seed=0 for reproducible samples")
-        seed = 0  # greedy decoding draws no random numbers; the keys are never used
-    seeds = [seed] * n if isinstance(seed, (int, np.integer)) else list(seed)
-    if len(seeds) != n:
-        raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one int or one per prompt")
-    return smp.row_keys(np.asarray(seeds, np.uint32))
 
 
 def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
@@ -313,15 +171,15 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    ids = _prompt_ids(model, prompts)
+    ids = prompt_ids(model, prompts)
     check_context(ids, max_new_tokens, 0, cfg)
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
-    keys = _row_keys(len(ids), key, seed, sampling)
+    keys = request_keys(len(ids), key, seed, sampling)
 
     B = len(ids)
     tokens, lengths = pack_prompts(ids)
     n_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
-    S = bucket(max(tokens.shape[1], int(lengths.max()) + n_chunks * chunk_size + 1), 64)
+    S = bucket(max(tokens.shape[1], int(lengths.max()) + n_chunks * chunk_size + 1), MIN_KV_BUCKET)
 
     with CompileCounter() as compiles:
         mesh = shd.params_mesh(model.params)
@@ -366,12 +224,7 @@ def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
     The sequence is padded to a bucket (causal attention: padding after the last token cannot
     change the logits before it), so scoring many lengths compiles few times.
     """
-    ids = [int(t) for t in token_ids]
-    if not ids:
-        raise ValueError("token_ids is empty")
-    V = model.config.vocab_size
-    if any(not 0 <= t < V for t in ids):
-        raise ValueError(f"token ids must be in [0, {V})")
+    ids = check_token_ids(token_ids, model.config.vocab_size)
     if len(ids) > model.config.max_seq_len:
         raise ValueError(f"{len(ids)} tokens exceed the context length {model.config.max_seq_len}")
     T = len(ids)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 
 
 def weight_bytes(cfg: ModelConfig, dtype: Optional[str] = None) -> int:

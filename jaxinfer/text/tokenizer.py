@@ -21,7 +21,22 @@ from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
 
 import tiktoken
 
-from jaxinfer.gguf_io import TokenizerData
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerData:
+    """The tokenizer as a GGUF stores it (`tokenizer.ggml.*`)."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    pre: Optional[str]  # pre-tokenizer name, e.g. "smollm"
+    tokens: list[str]
+    token_types: list[int]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    merges: list[str]
+    scores: Optional[list[float]]
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    chat_template: Optional[str]
+    extra_eos_ids: tuple[int, ...] = ()
 
 
 class TokenizerError(ValueError):

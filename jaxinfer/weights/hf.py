@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
 CONFIG_FILE = "config.json"

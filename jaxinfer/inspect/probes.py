@@ -12,23 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import model as mdl
-from jaxinfer import sampling as smp
-from jaxinfer.config import ModelConfig
-from jaxinfer.generate import bucket, logits
-from jaxinfer.models import Model
-from jaxinfer.params import Params
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model import forward as mdl
+from jaxinfer.decode import sampling as smp
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.decode.generate import logits
+from jaxinfer.decode.requests import bucket, check_token_ids
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import Params
+from jaxinfer.decode.sampling import SamplingParams
 
 
 def _check_ids(model: Model, token_ids: Sequence[int]) -> list[int]:
-    ids = [int(t) for t in token_ids]
-    if not ids:
-        raise ValueError("token_ids is empty; pass at least one token id")
-    V = model.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside [0, {V})")
+    ids = check_token_ids(token_ids, model.config.vocab_size)
     if len(ids) > model.config.max_seq_len:
         raise ValueError(f"{len(ids)} tokens exceed the context length {model.config.max_seq_len}")
     return ids
