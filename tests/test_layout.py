@@ -45,7 +45,7 @@ def test_same_logits_uncached_and_cached(name, lay):
     cfg = CONFIGS[name]
     params = _bias(init_params(cfg, jax.random.key(0)), cfg)
     fast = LAYOUTS[lay](params)
-    fwd = jax.jit(lambda p, t, pos, c: mdl.forward(p, t, pos, c, cfg))
+    fwd = jax.jit(lambda p, t, pos, c, n=None: mdl.forward(p, t, pos, c, cfg, n_new=n))
     ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [8, 1, 2, 250, 9, 31]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
     ref, _ = fwd(params, ids, pos, None)
@@ -56,7 +56,7 @@ def test_same_logits_uncached_and_cached(name, lay):
     caches = []
     for p in (params, fast):
         cache = kv.init_cache(cfg, 2, 16)
-        _, cache = fwd(p, ids[:, :4], pos[:, :4], cache)
+        _, cache = fwd(p, ids[:, :4], pos[:, :4], cache, lengths)  # row 1 keeps 2 of its 4 tokens
         step_pos = lengths[:, None]
         lg, cache = fwd(p, ids[:, 4:5], step_pos, cache)
         caches.append((lg, cache))

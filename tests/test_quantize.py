@@ -14,6 +14,7 @@ import jaxinfer
 from jaxinfer.model import cache as kv
 from jaxinfer.model import config as C
 from jaxinfer.model import forward as mdl
+from jaxinfer.model import params as P
 from jaxinfer.model import quantize as Q
 from jaxinfer.model.params import init_params
 
@@ -86,7 +87,7 @@ def test_quantized_forward_equals_forward_on_dequantized_weights(mode, head):
     print(f"{mode}/{head}: max |quantized - dequantized-float| = {diff:.2e}")
     assert diff < 1e-4
     # and the quantized tree is smaller and still one pytree the layer scan slices on L
-    assert Q.weight_bytes(qp) < 0.3 * Q.weight_bytes(p)
+    assert P.nbytes(qp) < 0.3 * P.nbytes(p)
     for leaf in jax.tree.leaves(qp["layers"]):
         assert leaf.shape[0] == cfg.n_layers
 
@@ -125,7 +126,7 @@ def test_quantized_real_model_agrees_with_float32(smollm2, heldout_ids, mode, mi
     qm = dataclasses.replace(smollm2, params=Q.quantize(smollm2.params, smollm2.config, mode))
     got = np.asarray(jaxinfer.logits(qm, heldout_ids))
     top1, kl = _agreement_and_kl(ref, got)
-    ratio = Q.weight_bytes(qm.params) / Q.weight_bytes(smollm2.params)
+    ratio = P.nbytes(qm.params) / P.nbytes(smollm2.params)
     print(f"{mode}: top-1 agreement {top1:.3f}, mean KL {kl:.4f} nats over {len(heldout_ids)} positions, "
           f"weights {ratio:.3f} x float32")
     assert top1 >= min_top1 and kl <= max_kl

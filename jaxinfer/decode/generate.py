@@ -67,11 +67,11 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
       (DecodeState, first tokens [B], their logprobs [B]).
     """
     B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     with jax.named_scope("prefill"):
-        # The cache is empty and the prompts fill slots 0..T-1: attend to those only.
-        logits, cache = mdl.forward(params, tokens, positions, cache, cfg, logit_index=lengths - 1, kv_len=T)
-    cache = cache.replace(lengths=lengths.astype(jnp.int32))
+        # The cache is empty and the prompts fill slots 0..T-1: attend to those only. Each row
+        # keeps its own length of tokens; its padding slots are overwritten by decode.
+        logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, T), cache, cfg,
+                                    logit_index=lengths - 1, kv_len=T, n_new=lengths)
     step = jnp.zeros((), jnp.int32)
     first, logprob = smp.sample(logits[:, 0], smp.step_keys(keys, step), sampling)
     state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1,
@@ -135,8 +135,7 @@ decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "
 
 
 def _uncached_logits(params, tokens, cfg):
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return mdl.forward(params, tokens, positions, None, cfg)[0]
+    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[0]
 
 
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))

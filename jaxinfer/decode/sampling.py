@@ -74,6 +74,20 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return x
 
 
+def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The distribution `sample` draws from: softmax of the filtered logits. [..., V] -> [..., V] float32.
+
+    Greedy puts all mass on the argmax.
+    """
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1])
+    if params.greedy:
+        p = jax.nn.one_hot(jnp.argmax(flat, axis=-1), shape[-1], dtype=jnp.float32)
+    else:
+        p = jax.nn.softmax(filter_logits(flat, params), axis=-1)
+    return p.reshape(shape)
+
+
 def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams):
     """Sample one token per row.
 

@@ -43,10 +43,13 @@ from jaxinfer.decode import sampling as smp
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import Params, is_canonical
 from jaxinfer.decode.sampling import SamplingParams
 
 METHODS = ("lookup", "draft")
+# A round's key is folded with these for the acceptance uniforms and the corrected token, so they
+# never coincide with the draft's per-proposal keys (folded with 0..k-1).
+_ACCEPT_SALT, _RESAMPLE_SALT = 1_000, 2_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,9 @@ def truncated_draft(model: Model, n_layers: int) -> Draft:
     """The target's first `n_layers` blocks plus its embedding, final norm and head, as a draft."""
     if not 1 <= n_layers <= model.config.n_layers:
         raise ValueError(f"n_layers must be in [1, {model.config.n_layers}], got {n_layers}")
-    layers = jax.tree.map(lambda w: w[:n_layers], model.params["layers"])
+    layers = model.params["layers"]
+    # Stacked layers are sliced on their L axis; the CPU layout's tuple is cut after n_layers.
+    layers = jax.tree.map(lambda w: w[:n_layers], layers) if is_canonical(model.params) else layers[:n_layers]
     return Draft(config=model.config.replace(n_layers=n_layers, name=f"{model.config.name}-first{n_layers}"),
                  params={**model.params, "layers": layers})
 
@@ -132,13 +137,6 @@ def lookup_proposals(hist: jax.Array, n: jax.Array, k: int, max_ngram: int) -> j
     return jax.vmap(one_row)(hist, n)
 
 
-def _probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """The distribution actually sampled from: softmax of the filtered logits. [..., V] float32."""
-    shape = logits.shape
-    x = smp.filter_logits(logits.reshape(-1, shape[-1]), sampling)
-    return jax.nn.softmax(x, axis=-1).reshape(shape)
-
-
 def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: jax.Array, n: jax.Array,
                     keys: jax.Array, k: int, sampling: SamplingParams):
     """k tokens from the draft model, fed [hist[n-1], hist[n]] first, then its own proposals.
@@ -155,20 +153,18 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
     B = hist.shape[0]
     rows = jnp.arange(B)
     first = jnp.stack([hist[rows, n - 1], hist[rows, n]], axis=1)  # [B, 2]
-    pos = jnp.stack([n - 1, n], axis=1)
-    logits, cache = mdl.forward(params, first, pos, cache, cfg, logit_index=jnp.ones((B,), jnp.int32))
+    cache = kv.rewind(cache, n - 1)  # the draft re-reads position n - 1 (see above)
+    logits, cache = mdl.forward(params, first, mdl.default_positions(B, 2, n - 1), cache, cfg,
+                                logit_index=jnp.ones((B,), jnp.int32))
 
-    def pick(lg, i):  # lg [B, V] -> token [B], probs [B, V] or None
-        if sampling.greedy:
-            return jnp.argmax(lg, -1).astype(jnp.int32), None
-        q = _probs(lg, sampling)
-        sub = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
-        return jax.vmap(jax.random.categorical)(sub, jnp.log(q)).astype(jnp.int32), q
+    def pick(lg, i):  # lg [B, V] -> token [B], probs q [B, V] (None under greedy)
+        tok, _ = smp.sample(lg, smp.step_keys(keys, i), sampling)  # a draw from q
+        return tok, (None if sampling.greedy else smp.probs(lg, sampling))
 
     tok, q = pick(logits[:, 0], 0)
     toks, qs = [tok], [q]
     for i in range(1, k):  # k is small and static: unrolled T=1 steps
-        logits, cache = mdl.forward(params, tok[:, None], (n + i)[:, None], cache, cfg)
+        logits, cache = mdl.forward(params, tok[:, None], mdl.default_positions(B, 1, n + i), cache, cfg)
         tok, q = pick(logits[:, 0], i)
         toks.append(tok)
         qs.append(q)
@@ -198,11 +194,11 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
         ok = proposals == target[:, :k]
         n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
         return n_acc, jnp.take_along_axis(target, n_acc[:, None], 1)[:, 0]
-    p = _probs(logits, sampling)  # [B, k+1, V]
+    p = smp.probs(logits, sampling)  # [B, k+1, V]
     q = draft_probs if draft_probs is not None else jax.nn.one_hot(proposals, V, dtype=p.dtype)
     p_d = jnp.take_along_axis(p[:, :k], proposals[..., None], -1)[..., 0]  # [B, k]
     q_d = jnp.take_along_axis(q, proposals[..., None], -1)[..., 0]
-    u_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 1_000))(keys)
+    u_keys = smp.step_keys(keys, _ACCEPT_SALT)
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(u_keys)
     ok = u * q_d < p_d  # u < p/q without dividing by a zero q
     n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
@@ -212,7 +208,7 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p[:, :k])
     dists = jnp.concatenate([residual, p[:, k:]], axis=1)  # [B, k+1, V]
     dist = jnp.take_along_axis(dists, n_acc[:, None, None], 1)[:, 0]
-    r_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 2_000))(keys)
+    r_keys = smp.step_keys(keys, _RESAMPLE_SALT)
     nxt = jax.vmap(jax.random.categorical)(r_keys, jnp.log(dist))
     return n_acc, nxt.astype(jnp.int32)
 
@@ -225,7 +221,7 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
     rows = jnp.arange(B)
     n = state.cache.lengths  # [B]
     cur = state.hist[rows, n]
-    round_keys = jax.vmap(lambda kk: jax.random.fold_in(kk, state.round + 1))(state.keys)
+    round_keys = smp.step_keys(state.keys, state.round + 1)
     draft_cache = state.draft_cache
     if method == "lookup":
         proposals, q = lookup_proposals(state.hist, n, k, max_ngram), None
@@ -233,8 +229,7 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
         proposals, q, draft_cache = draft_proposals(draft_params, draft_cfg, draft_cache, state.hist, n,
                                                     round_keys, k, sampling)
     tokens = jnp.concatenate([cur[:, None], proposals], axis=1)  # [B, k+1]
-    positions = n[:, None] + jnp.arange(k + 1)[None]
-    logits, cache = mdl.forward(params, tokens, positions, state.cache, cfg)  # [B, k+1, V]
+    logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, k + 1, n), state.cache, cfg)  # [B, k+1, V]
     n_acc, nxt = accept(logits, proposals, q, round_keys, sampling)
 
     # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a.
@@ -251,7 +246,7 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
     hist = jnp.where(active[:, None], write(state.hist, emitted, n + 1), state.hist)
     logprobs = jnp.where(active[:, None], write(state.logprobs, emitted_lp, n + 1), state.logprobs)
     new_len = jnp.where(active, n + 1 + n_acc, n).astype(jnp.int32)
-    return SpecState(cache=cache.replace(lengths=new_len), draft_cache=draft_cache, hist=hist,
+    return SpecState(cache=kv.rewind(cache, new_len), draft_cache=draft_cache, hist=hist,
                      logprobs=logprobs, n_new=state.n_new + jnp.where(active, n_acc + 1, 0),
                      finished=state.finished | (active & stop.any(1)), keys=state.keys,
                      round=state.round + 1, proposed=state.proposed + jnp.where(active, k, 0),
@@ -277,8 +272,8 @@ spec_chunk_jit = jax.jit(spec_chunk, static_argnames=_STATIC, donate_argnames=("
 
 def _draft_prefill(params, tokens, cache, cfg):
     B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return mdl.forward(params, tokens, positions, cache, cfg, logit_index=jnp.zeros((B,), jnp.int32), kv_len=T)[1]
+    return mdl.forward(params, tokens, mdl.default_positions(B, T), cache, cfg,
+                       logit_index=jnp.zeros((B,), jnp.int32), kv_len=T)[1]
 
 
 draft_prefill_jit = jax.jit(_draft_prefill, static_argnames=("cfg",), donate_argnames=("cache",))

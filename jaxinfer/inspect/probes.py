@@ -30,8 +30,7 @@ def _check_ids(model: Model, token_ids: Sequence[int]) -> list[int]:
 
 
 def _attention_probs(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return mdl.forward(params, tokens, positions, None, cfg, return_attention=True)[2]
+    return mdl.forward_attention(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[2]
 
 
 _attention_jit = jax.jit(_attention_probs, static_argnames=("cfg",))
@@ -40,7 +39,7 @@ _attention_jit = jax.jit(_attention_probs, static_argnames=("cfg",))
 def attention(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     """Attention probabilities of one uncached forward pass over `token_ids`.
 
-    The same `model.forward` that generation runs, with `return_attention=True`. The sequence is
+    The same blocks that generation runs (`model.forward.forward_attention`). The sequence is
     padded to a bucket (padding after the last token cannot change earlier rows: attention is
     causal) and the padding is cut off again.
 
@@ -71,11 +70,7 @@ def distribution(logits: jax.Array, sampling: SamplingParams) -> np.ndarray:
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 1:
         raise ValueError(f"logits must have shape [V], got {logits.shape}")
-    if sampling.greedy:
-        p = np.zeros(logits.shape[0])
-        p[int(jnp.argmax(logits))] = 1.0
-        return p
-    p = np.asarray(jax.nn.softmax(smp.filter_logits(logits[None], sampling), axis=-1)[0], np.float64)
+    p = np.asarray(smp.probs(logits, sampling), np.float64)
     return p / p.sum()
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.quantize import absmax_int8
 
 
 @struct.dataclass
@@ -45,6 +46,14 @@ class KVCache:
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
+
+    def update_layer(self, k: jax.Array, v: jax.Array, layer: jax.Array, starts: jax.Array) -> "KVCache":
+        """See `update_layer` (the module function): write one layer's new keys and values."""
+        return update_layer(self, k, v, layer, starts)
+
+    def read_layer(self, layer: jax.Array, dtype, n_slots: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+        """See `read_layer` (the module function): one layer's keys and values [B, n, K, H]."""
+        return read_layer(self, layer, dtype, n_slots)
 
     @property
     def nbytes(self) -> int:
@@ -108,6 +117,16 @@ def abstract_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) 
     return jax.eval_shape(lambda: init_cache(cfg, batch_size, max_len, dtype))
 
 
+def rewind(cache: KVCache, lengths: jax.Array) -> KVCache:
+    """The cache with row b cut back to its first lengths[b] slots ([B] int32, each <= the current length).
+
+    Speculative decoding's rollback: rejected tokens' slots are simply overwritten later (the
+    mask hides a slot until a token at that position is written again). Besides `forward`, which
+    appends, this is the only change to `lengths`.
+    """
+    return cache.replace(lengths=jnp.minimum(cache.lengths, lengths).astype(jnp.int32))
+
+
 def write(cache_kv: jax.Array, new: jax.Array, layer: jax.Array, starts: jax.Array) -> jax.Array:
     """Write new entries of one layer into the stacked cache array.
 
@@ -137,10 +156,8 @@ def write(cache_kv: jax.Array, new: jax.Array, layer: jax.Array, starts: jax.Arr
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8 codes and scales per token per head. x [B, T, K, H] -> ([B, T, K, H] int8, [B, T, K, 1])."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(_SCALE_DTYPE)
-    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
+    q, scale = absmax_int8(x, (-1,))
+    return q, scale.astype(_SCALE_DTYPE)
 
 
 def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer: jax.Array, starts: jax.Array) -> KVCache:

@@ -12,15 +12,14 @@ RoPE base) are switches on `ModelConfig`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model import cache as kv
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import Params, is_canonical
 
 if TYPE_CHECKING:  # the model runs on token ids; only its holder refers to a tokenizer
     from jaxinfer.text.tokenizer import Tokenizer
@@ -166,40 +165,85 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
 
 
 def _layer_meta(cfg: ModelConfig):
-    """Per-layer constants scanned beside the weights: RoPE base and local (sliding) flag."""
+    """Per-layer constants scanned beside the weights: layer index, RoPE base and local (sliding) flag."""
     theta = jnp.array([cfg.layer_rope_theta(i) for i in range(cfg.n_layers)], jnp.float32)
     local = jnp.array([cfg.is_local_layer(i) for i in range(cfg.n_layers)], bool)
     return jnp.arange(cfg.n_layers, dtype=jnp.int32), theta, local
 
 
+def run_layers(block: Callable, carry, layers, meta):
+    """Apply `block(carry, (layer_params, *meta_i)) -> (carry, out)` for every layer, in order.
+
+    The one place that knows both params layouts: layers stacked on a leading L axis (the
+    canonical layout) run as one `lax.scan`, so compile time does not grow with depth; a tuple of
+    per-layer dicts (the CPU decode layout, `jaxinfer.model.layout`) runs as an unrolled loop
+    that reads each weight in place (XLA's CPU backend copies a layer's slice out of a stacked
+    array before a matmul). Returns (carry, outs stacked over L).
+    """
+    if is_canonical({"layers": layers}):
+        return jax.lax.scan(block, carry, (layers, *meta))
+    outs = []
+    for i, lp in enumerate(layers):
+        carry, out = block(carry, (lp, *(m[i] for m in meta)))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+
+def default_positions(batch: int, length: int, start: jax.Array | int = 0) -> jax.Array:
+    """Positions start[b] + t of T new tokens per row. start: [B] or scalar -> [B, T] int32."""
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,))
+    return start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+
+
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-            cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
-            return_attention: bool = False, kv_len: Optional[int] = None):
+            cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None, kv_len: Optional[int] = None,
+            n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
     """Run the model on new tokens, reading and extending the KV cache.
 
     Args:
-      params: params pytree (see `jaxinfer.params`).
+      params: params pytree (see `jaxinfer.model.params`).
       tokens: [B, T] int token ids.
-      positions: [B, T] int positions of those tokens; with a cache, row b's tokens are written to
-        slots positions[b, 0] .. positions[b, 0] + T - 1 (positions must be consecutive).
+      positions: [B, T] int RoPE positions of those tokens. With a cache, row b's tokens are
+        written to slots cache.lengths[b] .. cache.lengths[b] + T - 1, so positions must be
+        cache.lengths[b] + t (`default_positions(B, T, cache.lengths)`).
       cache: a `KVCache`, or None for one uncached pass (keys are the T tokens themselves).
       cfg: model config (static).
       logit_index: optional [B] index into T; logits are computed only there ([B, 1, V]).
-      return_attention: also return attention probabilities [L, B, N, T, S].
       kv_len: with a cache, attend to its first kv_len slots only (static int): every filled slot
         and every new token's slot must lie below it. A prefill into an empty cache passes T, so
         its attention costs T x T, not T x S.
+      n_new: with a cache, [B] how many of the T tokens each row keeps (right padding after them
+        is written but not counted); default all T. The cache's lengths grow by n_new: `forward`
+        is the one writer of lengths (besides `cache.rewind`, speculative decoding's rollback).
     Returns:
-      (logits [B, T, V] float32, cache) -- cache is the updated cache (None if none was given);
-      with return_attention, a third item, the attention probabilities.
+      (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
     """
+    logits, cache, _ = _forward(params, tokens, positions, cache, cfg, logit_index=logit_index,
+                                kv_len=kv_len, n_new=n_new, collect_attention=False)
+    return logits, cache
+
+
+def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
+                      cfg: ModelConfig, *, kv_len: Optional[int] = None):
+    """`forward` that also returns every layer's attention probabilities, for looking inside.
+
+    The same blocks as `forward` (for `jaxinfer.attention` and the walkthrough), same arguments.
+    Returns (logits [B, T, V], cache or None, probs [L, B, N, T, S]) where S is the T tokens
+    themselves without a cache, else the attended cache slots.
+    """
+    return _forward(params, tokens, positions, cache, cfg, logit_index=None, kv_len=kv_len, n_new=None,
+                    collect_attention=True)
+
+
+def _forward(params, tokens, positions, cache, cfg, *, logit_index, kv_len, n_new, collect_attention):
     x = params["embed"][tokens] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)  # [B, T, D]
+    B, T = tokens.shape
     if cache is not None:
-        starts = positions[:, 0]
+        starts = cache.lengths  # [B]: the next free slot of each row
         if kv_len is not None and not 0 < kv_len <= cache.max_len:
             raise ValueError(f"kv_len must be in [1, {cache.max_len}] (the cache's slots), got {kv_len}")
         n_keys = cache.max_len if kv_len is None else kv_len
-        k_pos = jnp.broadcast_to(jnp.arange(n_keys, dtype=positions.dtype), (tokens.shape[0], n_keys))
+        k_pos = jnp.broadcast_to(jnp.arange(n_keys, dtype=positions.dtype), (B, n_keys))
     else:
         k_pos = positions
     window = cfg.sliding_window
@@ -217,8 +261,10 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         q = rope(q, positions, theta)
         k = rope(k, positions, theta)
         if c is not None:
-            c = kv.update_layer(c, k, v, idx, starts)
-            keys, values = kv.read_layer(c, idx, q.dtype, kv_len)
+            # Any cache type with these two methods and `lengths` works here (the contiguous
+            # KVCache; the serving engine's paged cache).
+            c = c.update_layer(k, v, idx, starts)
+            keys, values = c.read_layer(idx, q.dtype, kv_len)
         else:
             keys, values = k, v
         if window is None:
@@ -235,20 +281,9 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         if cfg.post_norms:
             h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
         x = x + h
-        return (x, c), (probs if return_attention else None)
+        return (x, c), (probs if collect_attention else None)
 
-    meta = _layer_meta(cfg)
-    if isinstance(params["layers"], (list, tuple)):
-        # Unstacked layers (see `jaxinfer.layout`): an unrolled loop reads each weight in place;
-        # XLA's CPU backend copies a layer's slice out of a stacked array before a matmul.
-        carry, probs = (x, cache), []
-        for i, lp in enumerate(params["layers"]):
-            carry, p = block(carry, (lp, i, meta[1][i], meta[2][i]))
-            probs.append(p)
-        (x, cache) = carry
-        probs = jnp.stack(probs) if return_attention else None
-    else:
-        (x, cache), probs = jax.lax.scan(block, (x, cache), (params["layers"], *meta))
+    (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg))
 
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]
@@ -261,9 +296,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
 
-    new_cache = None
     if cache is not None:
-        new_cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
-    if return_attention:
-        return logits, new_cache, probs
-    return logits, new_cache
+        grow = T if n_new is None else n_new
+        cache = cache.replace(lengths=(cache.lengths + grow).astype(jnp.int32))
+    return logits, cache, probs

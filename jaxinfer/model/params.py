@@ -123,11 +123,25 @@ def _fan_in(spec: ParamSpec) -> int:
     return shape[0]
 
 
+def is_canonical(params: Params) -> bool:
+    """True for the canonical layout (layer weights stacked on a leading L axis, one dict), False
+    for the CPU decode layout of `jaxinfer.model.layout` (a tuple of per-layer dicts)."""
+    return not isinstance(params["layers"], tuple)
+
+
+def require_canonical(params: Params, what: str) -> None:
+    """Raise ValueError if `params` are in the CPU decode layout: `what` works on canonical params."""
+    if not is_canonical(params):
+        raise ValueError(f"{what} needs params in the canonical layout (layers stacked on L), but these are in "
+                         "the CPU decode layout; load with layout='canonical' or convert with "
+                         "jaxinfer.layout.to_canonical(params, cfg)")
+
+
 def count(params: Params) -> int:
     """Number of scalars in a params tree (quantized leaves count their stored elements)."""
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
 def nbytes(params: Params) -> int:
-    """Bytes held by a params tree."""
+    """Bytes held by a params tree as stored (quantized leaves: their codes plus scales)."""
     return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

@@ -44,7 +44,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import Params, require_canonical
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -158,12 +158,21 @@ class Int4Weight:
 QuantizedWeight = (Int8Weight, Int4Weight)
 
 
+def absmax_int8(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 codes and float32 scales (absmax / 127 over `axes`, kept as size-1 axes).
+
+    The one int8 rule: weights (one scale per output channel) and the int8 KV cache (one scale
+    per token per head, `jaxinfer.model.cache`) both use it.
+    """
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
+
+
 def quantize_int8(w: jax.Array, input_axes: tuple[int, ...]) -> Int8Weight:
     """Symmetric int8 with one scale per output channel (absmax over `input_axes`, negative indices)."""
-    wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(wf), axis=input_axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
+    q, scale = absmax_int8(w, input_axes)
     return Int8Weight(q=q, scale=scale.astype(w.dtype), input_axes=tuple(input_axes))
 
 
@@ -210,6 +219,7 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
         raise ValueError(f"head must be 'int8', 'int4' or 'none', got {head!r}")
     if isinstance(params.get("embed"), QuantizedWeight):
         raise ValueError("params are already quantized")
+    require_canonical(params, "quantize")
 
     def layer_weight(name, w):
         if name not in _N_INPUT_AXES:
@@ -234,11 +244,6 @@ def dequantize(params: Params) -> Params:
     """Float params from a (partly) quantized tree: the weights the quantized model computes with."""
     return jax.tree.map(lambda w: w.dequantize() if isinstance(w, QuantizedWeight) else w, params,
                         is_leaf=lambda w: isinstance(w, QuantizedWeight))
-
-
-def weight_bytes(params: Params) -> int:
-    """Bytes of all weights as stored (quantized codes plus their scales)."""
-    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
 def describe(params: Params) -> str:

@@ -20,7 +20,6 @@ so the same call can later restore straight into a sharded layout (pass `shardin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import numpy as np
 from jaxinfer.model import params as P
 from jaxinfer.model.config import DTYPES, ModelConfig
 from jaxinfer.text.tokenizer import TokenizerData
+from jaxinfer.weights.hub import sha256_file
 
 FORMAT = "jaxinfer-checkpoint"
 VERSION = 1
@@ -64,14 +64,6 @@ def _tree_paths(tree) -> dict[str, Any]:
 def _file_sizes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MARKER}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[TokenizerData] = None, *,
@@ -124,7 +116,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
             "source": source,
             "tensors": {k: list(v.shape) for k, v in _tree_paths(params).items()},
             "files": sizes,
-            "sha256": {f: _sha256(tmp / f) for f in sizes} if checksums else None,
+            "sha256": {f: sha256_file(tmp / f) for f in sizes} if checksums else None,
         }
         _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
         if dest.exists():  # overwrite: move the old one aside first so `dest` is never half-new
@@ -210,7 +202,7 @@ def _check_files(folder: Path, meta: dict, verify: bool) -> None:
         if not sums:
             raise CheckpointError(f"{folder / MARKER} records no checksums; cannot verify")
         for name, digest in sums.items():
-            if _sha256(folder / name) != digest:
+            if sha256_file(folder / name) != digest:
                 raise CheckpointError(f"checkpoint file {folder / name} does not match its recorded sha256 (corrupt)")
 
 
@@ -295,26 +287,17 @@ def read_source(source: str, *, cache: Optional[str] = None, progress=None):
     """
     from jaxinfer.weights import gguf as gguf_io
     from jaxinfer.weights import hf as hf_io
-    from jaxinfer.weights import hub
+    from jaxinfer.weights.load import resolve_source
 
-    p = Path(source)
-    if p.is_dir():
-        if is_checkpoint(p):
-            cfg, params, tok = restore(p, "float32")
-            return cfg, jax.tree.map(np.asarray, params), tok, "checkpoint"
-        if hf_io.is_hf_folder(p):
-            cfg = hf_io.read_config(p)
-            return cfg, hf_io.read_params(p, cfg, progress), None, "huggingface"
-        raise ValueError(f"{p} is neither a jaxinfer checkpoint nor a Hugging Face folder "
-                         "(config.json + model.safetensors or model.safetensors.index.json)")
-    if p.is_file():
-        g = gguf_io.read_gguf(str(p), name=p.stem, progress=progress)
-        return g.config, g.params, g.tokenizer, "gguf"
-    if source.endswith(".gguf") or os.sep in source:
-        raise FileNotFoundError(f"no such model file or folder: {source}")
-    path = hub.fetch(source, cache)  # ValueError listing the known names if unknown
-    g = gguf_io.read_gguf(str(path), name=source, progress=progress)
-    return g.config, g.params, g.tokenizer, "known"
+    src = resolve_source(source, cache)  # ValueError listing the known names if unknown
+    if src.kind == "checkpoint":
+        cfg, params, tok = restore(src.path, "float32")
+        return cfg, jax.tree.map(np.asarray, params), tok, "checkpoint"
+    if src.kind == "huggingface":
+        cfg = hf_io.read_config(src.path)
+        return cfg, hf_io.read_params(src.path, cfg, progress), None, "huggingface"
+    g = gguf_io.read_gguf(src.path, name=src.name, progress=progress)
+    return g.config, g.params, g.tokenizer, src.kind
 
 
 def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite: bool = False,
