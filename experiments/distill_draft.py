@@ -43,12 +43,8 @@ from make_text import SECTIONS as HELDOUT_SECTIONS  # noqa: E402
 HELDOUT = ROOT / "experiments" / "data" / "pydoc_heldout.txt"
 
 
-def _positions(tokens):
-    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-
-
 def _logp(params, tokens, cfg):
-    return jax.nn.log_softmax(mdl.forward(params, tokens, _positions(tokens), None, cfg)[0], -1)
+    return jax.nn.log_softmax(mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[0], -1)
 
 
 def kl_and_top1(t_logp, d_logp):

@@ -63,7 +63,7 @@ def main(argv=None, model=None) -> dict:
         mcfg = cfg.replace(kv_dtype=kvmode)
         # Whole window through the cache, so an int8 cache's rounding is in the logits.
         fwd = jax.jit(lambda p, t, c, mcfg=mcfg: mdl.forward(
-            p, t, jnp.broadcast_to(jnp.arange(t.shape[1], dtype=jnp.int32), t.shape), c, mcfg)[0])
+            p, t, mdl.default_positions(*t.shape), c, mcfg)[0])
         logps = []
         for w in windows:
             cache = kv.init_cache(mcfg, 1, W)

@@ -89,3 +89,20 @@ def test_prefill_attending_to_filled_slots_only_is_the_same(kv_dtype):
     np.testing.assert_allclose(step(part), step(full), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"kv_len must be in \[1, 64\]"):
         mdl.forward(params, ids, pos, kv.init_cache(cfg, 2, 64), cfg, kv_len=65)
+
+
+def test_forward_is_the_one_writer_of_lengths():
+    """forward appends at cache.lengths and grows it by n_new; rewind is the only other change."""
+    cfg = C.tiny()
+    params = init_params(cfg, jax.random.key(0))
+    ids = jnp.asarray([[5, 17, 99, 3], [8, 1, 2, 250]], jnp.int32)
+    cache = kv.init_cache(cfg, 2, 16)
+    _, cache = mdl.forward(params, ids, mdl.default_positions(2, 4), cache, cfg, n_new=jnp.asarray([4, 2]))
+    np.testing.assert_array_equal(cache.lengths, [4, 2])
+    # The next token of each row lands at its own length (row 1 overwrites its padding slot 2).
+    nxt = jnp.asarray([[7], [7]], jnp.int32)
+    _, after = mdl.forward(params, nxt, mdl.default_positions(2, 1, cache.lengths), cache, cfg)
+    np.testing.assert_array_equal(after.lengths, [5, 3])
+    np.testing.assert_array_equal(after.k[:, 1, 3], cache.k[:, 1, 3])  # row 1's slot 3 untouched
+    assert not np.array_equal(np.asarray(after.k[:, 1, 2]), np.asarray(cache.k[:, 1, 2]))
+    np.testing.assert_array_equal(kv.rewind(after, jnp.asarray([2, 9])).lengths, [2, 3])  # never grows

@@ -127,3 +127,53 @@ def test_fusing_quantized_weights_is_refused_clearly():
     q = layout.unstack_layers(quantize(init_params(cfg, jax.random.key(0)), cfg, "int8"))
     with pytest.raises(ValueError, match="per-layer float wq"):
         layout.fuse_projections(q["layers"][0])
+
+
+# The layout decision lives in the library: load(layout=...) -----------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny random model saved as a jaxinfer checkpoint (no tokenizer)."""
+    from jaxinfer.weights import checkpoint
+
+    cfg = C.tiny()
+    path = tmp_path_factory.mktemp("layout") / "tiny"
+    checkpoint.save(path, cfg, init_params(cfg, jax.random.key(3)), dtype="float32")
+    return str(path)
+
+
+def test_load_picks_the_cpu_layout_on_cpu_and_canonical_when_asked(tiny_ckpt):
+    from jaxinfer.model.params import is_canonical
+
+    assert jax.default_backend() == "cpu"
+    auto = jaxinfer.load(tiny_ckpt)  # layout="auto": the CPU decode layout on a CPU backend
+    canon = jaxinfer.load(tiny_ckpt, layout="canonical")
+    assert not is_canonical(auto.params) and "w_qkv" in auto.params["layers"][0]
+    assert is_canonical(canon.params)
+    assert is_canonical(jaxinfer.load(tiny_ckpt, quant="int8").params)  # quantized weights: canonical
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    a = jaxinfer.generate(auto, prompts, max_new_tokens=8, stop_at_eos=False, chunk_size=4)
+    b = jaxinfer.generate(canon, prompts, max_new_tokens=8, stop_at_eos=False, chunk_size=4)
+    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+
+
+def test_cpu_layout_refused_where_canonical_params_are_needed(tiny_ckpt, tmp_path):
+    from jaxinfer import quantize, sharding
+    from jaxinfer.weights import checkpoint
+
+    m = jaxinfer.load(tiny_ckpt, layout="cpu")
+    with pytest.raises(ValueError, match="quantize needs params in the canonical layout"):
+        quantize.quantize(m.params, m.config, "int8")
+    with pytest.raises(ValueError, match="shard_params needs params in the canonical layout"):
+        sharding.shard_params(m.params, m.config, sharding.make_mesh(data=1, model=1))
+    with pytest.raises(ValueError, match="checkpoint.save needs params in the canonical layout"):
+        checkpoint.save(tmp_path / "x", m.config, m.params)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="layout='cpu' works with float weights on one device"):
+        jaxinfer.load(tiny_ckpt, layout="cpu", quant="int8")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        jaxinfer.load(tiny_ckpt, layout="fast")
+    # The canonical params come back exactly.
+    back = layout.to_canonical(m.params, m.config)
+    ref = jaxinfer.load(tiny_ckpt, layout="canonical").params
+    jax.tree.map(np.testing.assert_array_equal, back, ref)

@@ -73,7 +73,7 @@ OPENAI_ENCODINGS = {
 }
 
 # GGUF token types.
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types (1 normal, 2 unknown, 5 unused, 6 byte)
 
 
 @functools.lru_cache(maxsize=1)

@@ -88,6 +88,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    P.require_canonical(params, "checkpoint.save")
     dest = Path(path).absolute()
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} already exists; pass overwrite=True (CLI: --force) to replace it")

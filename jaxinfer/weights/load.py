@@ -148,7 +148,8 @@ def tokenizer_for(data: tok.TokenizerData, name: str) -> tok.Tokenizer:
     t = tok.from_gguf(data, name=name)
     # Instruct models end a turn with their eos (<|im_end|> for SmolLM2); also stop at
     # <|endoftext|> when the vocab has it, as the document separator.
-    extra = t.encoding._special_tokens.get("<|endoftext|>")
+    extra = (t.encoding.encode_single_token("<|endoftext|>")
+             if "<|endoftext|>" in t.encoding.special_tokens_set else None)
     if extra is not None and extra not in t.stop_ids:
         t = dataclasses.replace(t, stop_ids=tuple(sorted((*t.stop_ids, extra))))
     return t
