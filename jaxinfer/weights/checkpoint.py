@@ -61,6 +61,30 @@ def _tree_paths(tree) -> dict[str, Any]:
     return flat
 
 
+def check_replaceable(dest: Path, overwrite: bool) -> None:
+    """Refuse to write over `dest` unless it is absent, an empty folder, or (with `overwrite`) a
+    finished jaxinfer checkpoint. Anything else -- a file, a folder of other things, an unfinished
+    checkpoint -- is the user's and is never deleted: the error names what is inside."""
+    if not os.path.lexists(dest):
+        return
+    if dest.is_dir() and not dest.is_symlink():
+        entries = sorted(p.name for p in dest.iterdir())
+        if not entries:
+            return  # an empty folder: nothing to lose
+        if is_checkpoint(dest):
+            if not overwrite:
+                raise FileExistsError(f"{dest} already exists; pass overwrite=True (CLI: --force) to replace it")
+            return
+        shown = ", ".join(entries[:8]) + (f", ... ({len(entries)} entries)" if len(entries) > 8 else "")
+        raise FileExistsError(f"{dest} exists and is not a jaxinfer checkpoint (no {MARKER}); it holds: {shown}. "
+                              "Refusing to replace it, even with overwrite/--force (which only replaces "
+                              "checkpoints): choose another --out, or move it away yourself")
+    kind = "a symlink" if dest.is_symlink() else "a file"
+    raise FileExistsError(f"{dest} exists and is {kind}, not a jaxinfer checkpoint folder. Refusing to replace "
+                          "it, even with overwrite/--force (which only replaces checkpoints): choose another "
+                          "--out, or move it away yourself")
+
+
 def _file_sizes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MARKER}
@@ -86,7 +110,8 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
       tokenizer: tokenizer data to store beside the weights, or None.
       dtype: stored dtype ("float32", "bfloat16", "float16"); default `cfg.dtype`.
       source: where the weights came from (recorded in the marker).
-      overwrite: replace an existing checkpoint at `path`.
+      overwrite: replace an existing checkpoint at `path` (never anything else: see
+        `check_replaceable`).
       checksums: also record the sha256 of every file (checked by `restore(verify=True)`).
     Returns:
       The checkpoint folder.
@@ -97,8 +122,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     dest = Path(path).absolute()
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest} already exists; pass overwrite=True (CLI: --force) to replace it")
+    check_replaceable(dest, overwrite)
     cfg = cfg.replace(dtype=dtype)
     _check_tree(params, cfg, where="params to save")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -127,6 +151,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
             "sha256": {f: _sha256(tmp / f) for f in sizes} if checksums else None,
         }
         _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
+        check_replaceable(dest, overwrite)  # again: the folder may have changed during the save
         if dest.exists():  # overwrite: move the old one aside first so `dest` is never half-new
             old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(dest, old)
@@ -334,8 +359,7 @@ def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out = Path(out)
-    if out.exists() and not overwrite:  # check before the (slow) read
-        raise FileExistsError(f"{out} already exists; pass overwrite=True (CLI: --force) to replace it")
+    check_replaceable(out.absolute(), overwrite)  # before the (slow) read
     cfg, params, tok, kind = read_source(source, cache=cache, progress=progress)
     cfg = cfg.replace(name=out.name)
     path = save(out, cfg, params, tok, dtype=dtype, source=str(source), overwrite=overwrite)
