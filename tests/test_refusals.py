@@ -67,3 +67,47 @@ def test_force_replaces_a_checkpoint_and_fills_an_empty_folder(tmp_path):
     checkpoint.convert(SOURCE, out, dtype="float32")  # an empty folder holds nothing to lose
     checkpoint.convert(SOURCE, out, dtype="bfloat16", overwrite=True)
     assert checkpoint.read_marker(out)["dtype"] == "bfloat16"
+
+
+# 2. Bytes changed in place are caught -----------------------------------------------------------
+
+def _flip_inside_a_tensor(ckpt):
+    """Flip bytes in the middle of the largest array data file, keeping its size."""
+    files = [p for p in (ckpt / "params").rglob("*") if p.is_file()]
+    big = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(big.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 8):
+        raw[i] ^= 0x5A
+    big.write_bytes(bytes(raw))
+    return big
+
+
+def test_load_and_convert_refuse_a_corrupted_checkpoint(tmp_path):
+    ckpt = checkpoint.convert(SOURCE, tmp_path / "tiny", dtype="float32").path
+    big = _flip_inside_a_tensor(ckpt)
+    with pytest.raises(CheckpointError, match=f"{big.name} does not match its recorded sha256.*corrupt"):
+        jaxinfer.load(str(ckpt))
+    with pytest.raises(CheckpointError, match="sha256"):  # no fresh checksums stamped on bad bytes
+        checkpoint.convert(str(ckpt), tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    checkpoint.restore(ckpt, verify=False)  # the explicit opt-out still reads it (sizes only)
+
+
+def test_hf_tensor_with_corrupt_values_is_named(tmp_path):
+    import json
+    import shutil
+    import struct
+
+    folder = tmp_path / "hf"
+    shutil.copytree(SOURCE, folder)
+    f = folder / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = "model.layers.0.mlp.down_proj.weight"
+    start = 8 + n + header[name]["data_offsets"][0]
+    assert header[name]["dtype"] == "F32"
+    raw[start:start + 4] = struct.pack("<f", float("nan"))
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"{name}.*NaN/inf"):
+        jaxinfer.load(str(folder))
