@@ -64,8 +64,15 @@ def _generate(args) -> int:
     # Validate cheap things before the (slow) load.
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from jaxinfer.decode.requests import check_int, check_seed, check_text
+
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    check_int("--chunk-size", args.chunk_size, 1)
+    check_int("--spec-k", args.spec_k, 1, 16)
+    check_int("--draft-layers", args.draft_layers, 1)  # its upper bound (the model's depth) needs the config
+    check_seed(args.seed, len(args.prompt))
+    for i, p in enumerate(args.prompt):
+        check_text(p, f"prompt {i}")
     plain = not (args.quant or args.speculative or args.mesh is not None)
     if args.layout == "cpu" and not plain:
         raise ValueError("--layout cpu works with plain float weights on one device, without --quant, "

@@ -111,3 +111,129 @@ def test_hf_tensor_with_corrupt_values_is_named(tmp_path):
     f.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=f"{name}.*NaN/inf"):
         jaxinfer.load(str(folder))
+
+
+# 3-4. Seeds and inputs: checked before anything loads or compiles -------------------------------
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A tiny random model with a byte-level tiktoken tokenizer and ChatML special tokens."""
+    import jax
+    import tiktoken
+
+    from jaxinfer.model.config import tiny
+    from jaxinfer.model.forward import Model
+    from jaxinfer.model.params import init_params
+    from jaxinfer.text.tokenizer import Tokenizer
+
+    enc = tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258})
+    tok = Tokenizer(encoding=enc, eos_id=258, stop_ids=(256, 258), chat_template=CHATML)
+    cfg = tiny(vocab_size=259, max_seq_len=256, eos_token_id=258)
+    return Model(config=cfg, params=init_params(cfg, jax.random.key(0)), tokenizer=tok)
+
+
+def _refused(model, exc, match, **kwargs):
+    from jaxinfer.compile_cache import CompileCounter
+
+    prompts = kwargs.pop("prompts", "Hi")
+    with CompileCounter() as compiles, pytest.raises(exc, match=match):
+        jaxinfer.generate(model, prompts, **kwargs)
+    assert compiles.count == 0, "compiled before refusing"
+
+
+@pytest.mark.parametrize("seed,exc,match", [
+    (-1, ValueError, r"seed -1 is out of range; a seed is an int in \[0, 2\*\*32\)"),
+    (2 ** 32, ValueError, "seed 4294967296 is out of range"),
+    (2 ** 70, ValueError, "out of range"),
+    (np.int64(-5), ValueError, "seed -5 is out of range"),
+    ("abc", TypeError, "seed must be an int.*got str"),
+    (1.5, TypeError, "seed must be an int or a list of ints.*got float 1.5"),
+    (True, TypeError, "seed must be an int, got bool True"),
+    ([1, 2 ** 40], ValueError, r"seed\[1\] 1099511627776 is out of range"),
+])
+def test_bad_seed_is_refused_before_compiling(tiny_model, seed, exc, match):
+    _refused(tiny_model, exc, match, seed=seed, sampling=jaxinfer.SamplingParams(temperature=1.0))
+    from jaxinfer.decode import speculative
+
+    with pytest.raises(exc, match=match):
+        speculative.generate(tiny_model, "Hi", seed=seed, sampling=jaxinfer.SamplingParams(temperature=1.0))
+
+
+def test_seed_and_key_forms_that_are_allowed(tiny_model):
+    import jax
+
+    s = jaxinfer.SamplingParams(temperature=1.0)
+    run = lambda **kw: jaxinfer.generate(tiny_model, ["Hi", "Yo"], max_new_tokens=3, sampling=s, **kw).completions
+    a = run(seed=2 ** 32 - 1)
+    assert run(seed=np.uint32(2 ** 32 - 1)) == a and run(seed=[2 ** 32 - 1] * 2) == a
+    k = run(key=jax.random.key(7))
+    assert run(key=jax.random.PRNGKey(7)) == k  # raw uint32 key data of the default shape
+    with pytest.raises(TypeError, match=r"key must be a PRNG key.*got int 0; for an integer pass seed="):
+        run(key=0)
+    with pytest.raises(TypeError, match="raw uint32 key data of shape"):
+        run(key=np.zeros(3, np.uint32))
+
+
+def test_cli_bad_seed_refused_before_loading(no_load, capsys):
+    for seed in ["-1", str(2 ** 70)]:
+        assert cli.main(["generate", "hi", "--seed", seed]) == 2
+        assert "out of range; a seed is an int in [0, 2**32)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--chunk-size", "0"], "--chunk-size must be an int >= 1, got 0"),
+    (["--spec-k", "0", "--speculative", "lookup"], r"--spec-k must be an int in \[1, 16\], got 0"),
+    (["--spec-k", "99"], r"--spec-k must be an int in \[1, 16\]"),
+    (["--draft-layers", "0", "--speculative", "draft"], "--draft-layers must be an int >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),
+])
+def test_cli_bad_flags_refused_before_loading(no_load, capsys, flags, match):
+    import re
+
+    assert cli.main(["generate", "hi", *flags]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_cli_empty_or_invalid_prompt_refused_before_loading(no_load, capsys):
+    assert cli.main(["generate", ""]) == 2
+    assert "prompt 0 is empty" in capsys.readouterr().err
+    assert cli.main(["generate", "ok", "bad \udcff byte"]) == 2  # how Python decodes invalid UTF-8 argv
+    assert "prompt 1 holds a lone surrogate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(sampling={"temperature": 0.5}), TypeError, "sampling must be a jaxinfer.SamplingParams"),
+    (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an int, got bool"),
+    (dict(chunk_size=2.0), TypeError, "chunk_size must be an int, got float"),
+    (dict(prompts=[b"abc"]), TypeError, "prompt 0 must be a string or a list of token ids, got bytes"),
+    (dict(prompts=b"abc"), TypeError, "got bytes"),
+    (dict(prompts=[[1, True]]), TypeError, "prompt 0 must be a list of int token ids, got an element True"),
+    (dict(prompts=[[1.5, 2]]), TypeError, "got an element 1.5"),
+    (dict(prompts="a\ud800b"), ValueError, "prompt 0 holds a lone surrogate"),
+    (dict(prompts="x" * 300), ValueError, "beyond the context length 256"),
+])
+def test_bad_generate_input_refused_before_compiling(tiny_model, kwargs, exc, match):
+    _refused(tiny_model, exc, match, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), True])
+def test_sampling_params_refuse_non_finite_and_bool(bad):
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        jaxinfer.SamplingParams(temperature=bad)
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        jaxinfer.SamplingParams(top_k=True)
+    with pytest.raises(ValueError, match="top_p"):
+        jaxinfer.SamplingParams(top_p=float("nan"))
+
+
+def test_flat_ids_are_one_prompt_as_in_logits(tiny_model):
+    ids = tiny_model.tokenizer.encode("Hello there")
+    want = jaxinfer.generate(tiny_model, [ids], max_new_tokens=3).completions
+    assert jaxinfer.generate(tiny_model, ids, max_new_tokens=3).completions == want
+    assert jaxinfer.generate(tiny_model, np.asarray(ids), max_new_tokens=3).completions == want
+    assert len(jaxinfer.generate(tiny_model, np.asarray([ids, ids]), max_new_tokens=3).completions) == 2

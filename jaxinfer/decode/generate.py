@@ -31,7 +31,8 @@ from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import Params
-from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_token_ids,
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
+                                      check_token_ids,
                                       completion_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
 from jaxinfer.decode.sampling import SamplingParams
 
@@ -167,10 +168,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     """
     t0 = time.perf_counter()
     cfg = model.config
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
+    check_sampling(sampling)
     ids = prompt_ids(model, prompts)
     check_context(ids, max_new_tokens, 0, cfg)
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)

@@ -109,9 +109,39 @@ class Output:
 Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
 
+def check_text(text: str, what: str) -> str:
+    """A prompt string must be non-empty and valid Unicode: a lone surrogate (what Python makes of
+    invalid UTF-8 bytes in argv) would otherwise be silently replaced when encoding."""
+    if not text:
+        raise ValueError(f"{what} is empty; a prompt needs at least one token")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate {text[e.start]!r} at character {e.start} (invalid "
+                         "UTF-8 in the input?); pass valid Unicode text") from None
+    return text
+
+
+def _is_id_sequence(x) -> bool:
+    """A flat sequence of token ids: a 1-D integer array, or a non-empty list/tuple of ints."""
+    if hasattr(x, "ndim") and hasattr(x, "dtype"):
+        return x.ndim == 1
+    return (isinstance(x, (list, tuple)) and len(x) > 0
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in x))
+
+
 def prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
-    if isinstance(prompts, str):
+    """Prompts -> one id list per prompt. A string, a flat list / 1-D array of ids (one prompt, as
+    `logits` takes), or a list of strings / id lists / 1-D arrays (a batch)."""
+    if isinstance(prompts, (bytes, bytearray)):
+        raise TypeError("prompts must be text (str) or token ids, got bytes; decode it first (b.decode('utf-8'))")
+    if isinstance(prompts, str) or _is_id_sequence(prompts):
         prompts = [prompts]
+    if hasattr(prompts, "ndim") and prompts.ndim == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of strings or a list of token-id lists, got "
+                        f"{type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty; pass a string, a list of strings or a list of token-id lists")
     out = []
@@ -119,14 +149,14 @@ def prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
         if isinstance(p, str):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
-            if not p:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            ids = model.tokenizer.encode(p)
+            ids = model.tokenizer.encode(check_text(p, f"prompt {i}"))
             bos = model.tokenizer.bos_id
             if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
                 ids = [bos] + ids  # Gemma: the model expects <bos> first
-        else:
+        elif isinstance(p, (list, tuple)) or (hasattr(p, "ndim") and p.ndim == 1):
             ids = check_token_ids(p, model.config.vocab_size, f"prompt {i}")
+        else:
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__} {p!r:.40}")
         out.append(ids)
     return out
 
@@ -139,27 +169,95 @@ def stop_ids_for(model: Model, stop_at_eos: bool, stop_tokens: Sequence[int]) ->
     return tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
 
 
+SEED_LIMIT = 2 ** 32  # a seed is an int in [0, 2**32): the uint32 that jax.random.key takes
+_SEED_RULE = "a seed is an int in [0, 2**32), or one such int per prompt"
+
+
+def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+    """`value` as an int in [low, high], or a TypeError / ValueError naming `name`. bool is not an
+    int here (True would silently mean 1); numpy integers are."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return int(value)
+
+
+def check_seed(seed, n: int) -> np.ndarray:
+    """One uint32 seed per prompt from `seed` (an int, or a sequence of n ints), each in [0, 2**32).
+
+    Raises TypeError for anything else (str, float, bool, None, a key) and ValueError for an int
+    out of range or a wrong count, before anything is loaded or compiled.
+    """
+    def one(s, what: str) -> int:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"{what} must be an int, got {type(s).__name__} {s!r}; {_SEED_RULE} "
+                            "(or pass key=jax.random.key(...))")
+        if not 0 <= int(s) < SEED_LIMIT:
+            raise ValueError(f"{what} {int(s)} is out of range; {_SEED_RULE}")
+        return int(s)
+
+    if isinstance(seed, (int, np.integer, bool, np.bool_)):
+        seeds = [one(seed, "seed")] * n
+    elif isinstance(seed, (list, tuple, np.ndarray)) and np.ndim(seed) == 1:
+        seeds = [one(s, f"seed[{i}]") for i, s in enumerate(seed)]
+        if len(seeds) != n:
+            raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one int or one per prompt")
+    else:
+        raise TypeError(f"seed must be an int or a list of ints (one per prompt), got {type(seed).__name__} "
+                        f"{seed!r}; {_SEED_RULE}")
+    return np.asarray(seeds, np.uint32)
+
+
+def check_key(key) -> jax.Array:
+    """A typed PRNG key of shape [] from `key`: a typed key (`jax.random.key(0)`) or raw uint32
+    key data of the default implementation's shape (`jax.random.PRNGKey(0)`, shape [2])."""
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"key must be a single PRNG key (shape ()), got shape {key.shape}; row b "
+                             "samples with fold_in(key, b)")
+        return key
+    if dtype is not None and np.dtype(dtype) == np.uint32 and tuple(key.shape) == raw_shape:
+        return jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    what = f"{type(key).__name__} {key!r}" if dtype is None else f"an array of {dtype} shape {tuple(key.shape)}"
+    raise TypeError(f"key must be a PRNG key (jax.random.key(n)) or raw uint32 key data of shape {raw_shape} "
+                    f"(jax.random.PRNGKey(n)), got {what}; for an integer pass seed= instead")
+
+
+def check_sampling(sampling) -> SamplingParams:
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a jaxinfer.SamplingParams (e.g. SamplingParams(temperature=0.8, "
+                        f"top_p=0.95)), got {type(sampling).__name__}")
+    return sampling
+
+
 def request_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParams) -> jax.Array:
+    """One PRNG key per request [n]: fold_in(key, b) for a key, key(seed_b) for seeds."""
+    check_sampling(sampling)
     if key is not None and seed is not None:
         raise ValueError("pass either key or seed, not both")
     if key is not None:
-        key = jnp.asarray(key) if not jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key) else key
-        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        key = check_key(key)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n, dtype=jnp.uint32))
     if seed is None:
         if not sampling.greedy:
             raise ValueError("sampling with temperature > 0 needs a key or a seed (there is no default "
                              "PRNG key); pass seed=0 for reproducible samples")
         seed = 0  # greedy decoding draws no random numbers; the keys are never used
-    seeds = [seed] * n if isinstance(seed, (int, np.integer)) else list(seed)
-    if len(seeds) != n:
-        raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one int or one per prompt")
-    return smp.row_keys(np.asarray(seeds, np.uint32))
+    return smp.row_keys(check_seed(seed, n))
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str = "token_ids") -> list[int]:
     """token ids -> a non-empty list of ints in [0, vocab_size), or ValueError naming `what`."""
+    if hasattr(token_ids, "dtype") and not np.issubdtype(np.dtype(token_ids.dtype), np.integer):
+        raise TypeError(f"{what} must hold integer token ids, got an array of {token_ids.dtype}")
+    for t in token_ids if not hasattr(token_ids, "dtype") else ():
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{what} must be a list of int token ids, got an element {t!r} "
+                            f"({type(t).__name__})")
     ids = [int(t) for t in token_ids]
     if not ids:
         raise ValueError(f"{what} is empty; a prompt needs at least one token")
