@@ -39,7 +39,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-stop", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--chunk-size", type=int, default=8, help="decode steps per streamed chunk")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--json", action="store_true",
+                   help="print one compact JSON object per prompt, one per line (JSON Lines), instead of "
+                        "streaming text; the last line holds the timings")
+    p.add_argument("--allow-special", action="store_true",
+                   help="encode special-token text in the prompt (e.g. <|im_end|>) as the special token; by "
+                        "default it is plain text, so a prompt cannot forge control tokens")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="shard over a (data, model) device mesh, e.g. data=2,model=4; D x M must equal the "
                         "device count (on CPU fake devices with "
@@ -86,7 +91,11 @@ def _generate(args) -> int:
         from jaxinfer.compile_cache import enable_persistent_cache
 
         enable_persistent_cache(args.compile_cache)
+    import time
+
+    t_load = time.perf_counter()
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
+    load_s = time.perf_counter() - t_load
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
     import jax
@@ -96,9 +105,16 @@ def _generate(args) -> int:
         from jaxinfer.model.layout import for_cpu_decode
 
         model = for_cpu_decode(model)  # see jaxinfer/model/layout.py: per-layer arrays, fused projections
-    prompts = list(args.prompt)
-    if args.chat:
-        prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    from jaxinfer.decode.requests import chat_ids, check_context, prompt_ids
+
+    texts = list(args.prompt)  # what the user typed, for display
+    prompts = texts
+    if args.chat:  # ids: control tokens only where the template puts them, the message as plain text
+        prompts = [chat_ids(model.tokenizer, [{"role": "user", "content": p}]) for p in texts]
+    # An over-long prompt is refused here, before it is echoed or anything compiles. (Before the
+    # load would need the tokenizer, and reading it from a GGUF costs ~8 s, about half the load.)
+    check_context(prompt_ids(model, prompts, args.allow_special), args.max_new_tokens,
+                  2 * args.spec_k + 1 if args.speculative else 0, model.config)
 
     streaming = not args.json and len(prompts) == 1
     stop = set() if args.no_stop else set(model.tokenizer.stop_ids)
@@ -119,8 +135,21 @@ def _generate(args) -> int:
             shown = text
 
     if streaming:
-        sys.stdout.write(prompts[0] if not args.chat else "")
+        sys.stdout.write(texts[0] if not args.chat else "")
         sys.stdout.flush()
+    try:
+        out = _run(args, model, prompts, sampling, on_tokens if streaming else None)
+    except KeyboardInterrupt:  # Ctrl-C: keep the text so far, no traceback, the shell's status 130
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print("[interrupted]", file=sys.stderr)
+        return 130
+    return _report(args, model, texts, out, streaming, shown, load_s)
+
+
+def _run(args, model, prompts, sampling, on_tokens):
+    import jaxinfer
+
     if args.speculative:
         from jaxinfer.decode import speculative
 
@@ -130,20 +159,21 @@ def _generate(args) -> int:
                      else speculative.truncated_draft(model, args.draft_layers))
         out = speculative.generate(model, prompts, method=args.speculative, draft=draft, k=args.spec_k,
                                    seed=args.seed, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                   stop_at_eos=not args.no_stop, on_tokens=on_tokens if streaming else None)
-    else:
-        out = jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
-                                on_tokens=on_tokens if streaming else None)
+                                   stop_at_eos=not args.no_stop, on_tokens=on_tokens,
+                                   allow_special=args.allow_special)
+        return out
+    return jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                             sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
+                             on_tokens=on_tokens, allow_special=args.allow_special)
+
+
+def _report(args, model, prompts, out, streaming: bool, shown: str, load_s: float) -> int:
     t = out.timings
-    if args.json:
-        print(json.dumps({
-            "model": args.model,
-            "completions": [{"prompt": p, "text": c.text, "token_ids": c.token_ids,
-                             "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                            for p, c in zip(prompts, out.completions)],
-            "timings": t.__dict__,
-        }, indent=1))
+    if args.json:  # JSON Lines: one compact object per prompt, then the timings
+        for p, c in zip(prompts, out.completions):
+            print(json.dumps({"model": args.model, "prompt": p, "text": c.text, "token_ids": c.token_ids,
+                              "logprobs": c.logprobs, "finish_reason": c.finish_reason}, ensure_ascii=False))
+        print(json.dumps({"timings": dict(t.__dict__, load_s=load_s)}))
         return 0
     if streaming:
         # Flush anything held back (e.g. an incomplete multi-byte sequence at the very end).

@@ -147,7 +147,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
              sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True,
              stop_tokens: Sequence[int] = (), chunk_size: int = 32,
-             on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> Output:
+             on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
+             allow_special: bool = False) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -163,6 +164,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       chunk_size: decode steps per jitted scan call (streaming granularity).
       on_tokens: optional callback, called with each row's new tokens after prefill and after
         every decode chunk (for streaming).
+      allow_special: encode special-token text in string prompts ("<|im_end|>") as the special
+        token; default False: it is plain text, so user text cannot forge control tokens. For
+        chat, pass `requests.chat_ids(model.tokenizer, messages)` as the prompt.
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
@@ -171,7 +175,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     chunk_size = check_int("chunk_size", chunk_size, 1)
     check_sampling(sampling)
-    ids = prompt_ids(model, prompts)
+    ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, max_new_tokens, 0, cfg)
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = request_keys(len(ids), key, seed, sampling)

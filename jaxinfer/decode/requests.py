@@ -130,9 +130,46 @@ def _is_id_sequence(x) -> bool:
             and all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in x))
 
 
-def prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
+def encode_text(tokenizer, text: str, allow_special: bool = False) -> list[int]:
+    """Ids of user text. Special-token text in it ("<|im_end|>", "<end_of_turn>") is encoded as the
+    plain characters it is, unless `allow_special`: a prompt or a chat message can then never
+    close its own turn or open a system turn. (tiktoken's default is to refuse such text; plain
+    text is chosen here so that documents that merely mention these strings still work.)"""
+    if allow_special:
+        return tokenizer.encode(text, allowed_special="all", disallowed_special=())
+    return tokenizer.encode(text, allowed_special=set(), disallowed_special=())
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Ids of a conversation rendered with the tokenizer's chat template, where the control tokens
+    are only those the template itself writes: each message's content is encoded as plain text.
+
+    The template is rendered with a private-use placeholder per message; the text between
+    placeholders (the template's own) is encoded with special tokens, the contents without.
+    """
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise TypeError(f"message {i} content must be a string, got {type(m.get('content')).__name__}")
+        if "\ue000" in m["content"] or "\ue001" in m["content"]:
+            raise ValueError(f"message {i} holds U+E000/U+E001, which jaxinfer reserves for rendering chats")
+    rendered = tokenizer.apply_chat_template([dict(m, content=mk) for m, mk in zip(messages, marks)],
+                                             add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    rest = rendered
+    for m, mk in zip(messages, marks):
+        before, found, rest = rest.partition(mk)
+        if not found:
+            raise ValueError(f"the chat template dropped or changed a message ({m.get('role')!r}); "
+                             "cannot tell its content from the template's control tokens")
+        ids += encode_text(tokenizer, before, allow_special=True) + encode_text(tokenizer, m["content"])
+    return ids + encode_text(tokenizer, rest, allow_special=True)
+
+
+def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> list[list[int]]:
     """Prompts -> one id list per prompt. A string, a flat list / 1-D array of ids (one prompt, as
-    `logits` takes), or a list of strings / id lists / 1-D arrays (a batch)."""
+    `logits` takes), or a list of strings / id lists / 1-D arrays (a batch). Special-token text in
+    a string is plain text unless `allow_special` (see `encode_text`)."""
     if isinstance(prompts, (bytes, bytearray)):
         raise TypeError("prompts must be text (str) or token ids, got bytes; decode it first (b.decode('utf-8'))")
     if isinstance(prompts, str) or _is_id_sequence(prompts):
@@ -149,7 +186,7 @@ def prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
         if isinstance(p, str):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
-            ids = model.tokenizer.encode(check_text(p, f"prompt {i}"))
+            ids = encode_text(model.tokenizer, check_text(p, f"prompt {i}"), allow_special)
             bos = model.tokenizer.bos_id
             if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
                 ids = [bos] + ids  # Gemma: the model expects <bos> first

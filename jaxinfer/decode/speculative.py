@@ -310,7 +310,8 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
              k: int = 4, max_ngram: int = 3, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
              sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
-             rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> SpecOutput:
+             rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
+             allow_special: bool = False) -> SpecOutput:
     """Generate with speculative decoding; same arguments and output as `jaxinfer.generate`, plus:
 
     Args:
@@ -339,7 +340,7 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     rounds_per_chunk = check_int("rounds_per_chunk", rounds_per_chunk, 1)
     check_sampling(sampling)
-    ids = prompt_ids(model, prompts)
+    ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, max_new_tokens, 2 * k + 1, cfg)  # a round may run k + 1 slots past the end
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = request_keys(len(ids), key, seed, sampling)
