@@ -90,7 +90,11 @@ def _generate(args) -> int:
     if not args.no_compile_cache:  # process-wide JAX setting: only once the input is known good
         from jaxinfer.compile_cache import enable_persistent_cache
 
-        enable_persistent_cache(args.compile_cache)
+        try:
+            enable_persistent_cache(args.compile_cache)
+        except (ValueError, OSError) as e:  # an optimisation: never fatal
+            print(f"jaxinfer: warning: compile cache off ({e}); every program is compiled afresh "
+                  "(pass --compile-cache DIR to use another folder)", file=sys.stderr)
     import time
 
     t_load = time.perf_counter()
@@ -229,6 +233,18 @@ def _convert(args) -> int:
     return 0
 
 
+def _os_error(e: OSError) -> str:
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"cannot write{where}: {e.strerror}. Models are cached in $JAXINFER_CACHE (default "
+                "~/.cache/jaxinfer): set it to a writable folder")
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device{where}: {e.strerror or e}. Free some space, or set $JAXINFER_CACHE / --out elsewhere"
+    return str(e)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +258,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _convert(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # permissions, a full disk: say which file and what to do, no traceback
+        print(f"jaxinfer: error: {_os_error(e)}", file=sys.stderr)
         return 2
     return 1
 

@@ -295,3 +295,72 @@ def test_ctrl_c_while_streaming_keeps_the_text_and_exits_130(tiny_model, monkeyp
     assert cli.main(["generate", "Once", "--layout", "canonical", "--no-compile-cache"]) == 130
     out = capsys.readouterr()
     assert out.out == "Onceso far\n" and "Traceback" not in out.err and "interrupted" in out.err
+
+
+# 6. A broken cache folder or a full disk: warnings and clear errors, nothing left behind ----------
+
+class _Loaded(Exception):
+    pass
+
+
+def test_broken_compile_cache_is_a_warning_not_fatal(tmp_path, monkeypatch, capsys):
+    def reached(*a, **k):
+        raise _Loaded
+
+    monkeypatch.setattr(jaxinfer, "load", reached)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(_Loaded):  # the load is reached despite the unusable cache folder
+        cli.main(["generate", "hi", "--compile-cache", str(blocker / "xla")])
+    assert "warning: compile cache off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("err,match", [
+    (PermissionError(13, "Permission denied", "/home/u/.cache/jaxinfer"),
+     r"cannot write \(/home/u/.cache/jaxinfer\): Permission denied.*JAXINFER_CACHE"),
+    (OSError(28, "No space left on device", "/home/u/.cache/jaxinfer/x.part"), "no space left on the device"),
+])
+def test_os_errors_are_clear_messages(monkeypatch, capsys, err, match):
+    import re
+
+    def fail(*a, **k):
+        raise err
+
+    monkeypatch.setattr(jaxinfer, "load", fail)
+    assert cli.main(["generate", "hi", "--no-compile-cache"]) == 2
+    e = capsys.readouterr().err
+    assert re.search(match, e) and "Traceback" not in e
+
+
+def test_full_disk_while_fetching_says_so(tmp_path, monkeypatch):
+    import subprocess
+
+    from jaxinfer.weights import hub
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"))
+    with pytest.raises(hub.FetchError, match="no space left on the disk") as e:
+        hub.fetch("smollm2-135m", cache=str(tmp_path))
+    assert "network" not in str(e.value)
+
+
+def test_full_disk_while_converting_is_clear_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_synced", full)
+    with pytest.raises(OSError, match="no space left on the disk.*nothing was left behind"):
+        checkpoint.convert(SOURCE, tmp_path / "tiny", dtype="float32")
+    assert os.listdir(tmp_path) == []
+
+
+def test_partials_of_killed_saves_are_removed_by_the_next_save(tmp_path):
+    import socket
+
+    host = socket.gethostname()
+    dead = tmp_path / f".other.partial-{host}-999999999-abcd1234"  # no such pid
+    live = tmp_path / f".other.partial-{host}-{os.getpid()}-abcd1234"  # a save still running
+    for d in (dead, live):
+        (d / "params").mkdir(parents=True)
+    checkpoint.convert(SOURCE, tmp_path / "tiny", dtype="float32")
+    assert not dead.exists() and live.exists()

@@ -8,9 +8,10 @@ Layout of a checkpoint folder (e.g. `checkpoints/gemma3-270m/`):
 
 Safety. `save` writes everything into a hidden sibling folder `.NAME.partial-<random>` and renames
 it to NAME only once the marker is written, so a save killed half-way never leaves a folder named
-NAME; `restore` also refuses any folder without the marker. Re-running a save removes stale partial
-folders of the same name. On restore every file is checked against the size the marker recorded
-(a truncated file is named), every tensor against the shape the config implies (a missing or
+NAME; `restore` also refuses any folder without the marker. The partial folder's name holds the
+host and pid of its writer (`.NAME.partial-<host>-<pid>-<random>`): any later save into the same
+parent folder removes those whose writer is gone (a live save's is never touched). On restore
+every file is checked against the size the marker recorded (a truncated file is named), every tensor against the shape the config implies (a missing or
 misshapen tensor is named) and the config itself is validated.
 
 Restore builds its target from `params.abstract_params(cfg, dtype)` -- shapes and dtypes only --
@@ -20,10 +21,12 @@ so the same call can later restore straight into a sharded layout (pass `shardin
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -126,9 +129,8 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
     cfg = cfg.replace(dtype=dtype)
     _check_tree(params, cfg, where="params to save")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dest.parent.glob(f".{dest.name}{PARTIAL}*"):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
+    remove_stale_partials(dest)
+    tmp = dest.parent / f".{dest.name}{PARTIAL}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         dt = jnp.dtype(dtype)
@@ -159,10 +161,42 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {dest.parent} while writing the checkpoint "
+                                        "(nothing was left behind); free some space or choose another --out") from e
         raise
     return dest
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_partials(dest: Path) -> list[Path]:
+    """Remove the hidden partial folders that killed saves left beside `dest`: those of `dest`
+    or of any other checkpoint in the same folder, whose writer (a process on this host, named in
+    the folder's name) is gone. A live save's partial folder is never touched."""
+    removed = []
+    host = socket.gethostname()
+    for stale in dest.parent.glob(f".*{PARTIAL}*"):
+        name, _, tail = stale.name[1:].partition(PARTIAL)
+        parts = tail.rsplit("-", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            gone = parts[0] == host and not _pid_alive(int(parts[1]))
+        else:  # an older name without host and pid: only a re-run to the same place removes it
+            gone = name == dest.name
+        if stale.is_dir() and gone:
+            shutil.rmtree(stale, ignore_errors=True)
+            removed.append(stale)
+    return removed
 
 
 def _write_synced(path: Path, text: str) -> None:
