@@ -100,6 +100,7 @@ def _generate(args) -> int:
     t_load = time.perf_counter()
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
     load_s = time.perf_counter() - t_load
+    print(f"[loaded {args.model} in {load_s:.1f} s]", file=sys.stderr)
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
     import jax
@@ -189,9 +190,10 @@ def _report(args, model, prompts, out, streaming: bool, shown: str, load_s: floa
         for p, c in zip(prompts, out.completions):
             print(f"--- {p!r}\n{p}{c.text}")
     per_row = max(1, len(prompts))
-    print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s | "
-          f"decode {t.decode_tokens_per_s:.1f} tokens/s | total {t.total_s:.2f} s | "
-          f"{t.n_compilations} XLA programs compiled or loaded from the cache]", file=sys.stderr)
+    print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s (after the load) | "
+          f"decode {t.decode_tokens_per_s:.1f} tokens/s (tokens kept, compile time excluded) | total "
+          f"{t.total_s:.2f} s | compile {t.compile_s:.2f} s: {t.n_compilations - t.n_cache_loads} XLA programs "
+          f"compiled, {t.n_cache_loads} loaded from the cache]", file=sys.stderr)
     stats = getattr(out, "stats", None)
     if stats is not None:
         print(f"[speculative {stats.method}, k={stats.k}: acceptance {stats.acceptance_rate:.2f}, "

@@ -364,3 +364,38 @@ def test_partials_of_killed_saves_are_removed_by_the_next_save(tmp_path):
         (d / "params").mkdir(parents=True)
     checkpoint.convert(SOURCE, tmp_path / "tiny", dtype="float32")
     assert not dead.exists() and live.exists()
+
+
+# 7. Honest timings: no steps scanned past max_new_tokens, kept tokens counted, compile split --------
+
+def test_last_chunk_is_sized_and_only_kept_tokens_count(tiny_model, monkeypatch):
+    from jaxinfer.decode import generate as gen
+
+    steps = []
+    real = gen.decode_chunk_jit
+
+    def spy(params, state, cfg, sampling, stop_ids, n_steps, kv_len):
+        steps.append(n_steps)
+        return real(params, state, cfg, sampling, stop_ids, n_steps, kv_len)
+
+    monkeypatch.setattr(gen, "decode_chunk_jit", spy)
+    out = jaxinfer.generate(tiny_model, [[5, 6], [7]], max_new_tokens=2, chunk_size=32, stop_at_eos=False)
+    assert steps == [1]  # was one chunk of 32 steps for one kept token per row
+    t = out.timings
+    assert t.new_tokens == 4 and t.decode_tokens == 2
+    steps.clear()
+    out = jaxinfer.generate(tiny_model, [[5, 6], [7]], max_new_tokens=12, chunk_size=8, stop_at_eos=False)
+    assert steps == [8, 4]  # 1 + 8 + 3 needed: the last chunk rounded up to a power of two
+    assert out.timings.decode_tokens == 22 and [len(c.token_ids) for c in out.completions] == [12, 12]
+    assert gen.last_chunk_steps(3, 32) == 4 and gen.last_chunk_steps(40, 32) == 32
+
+
+def test_compile_time_and_cache_loads_are_reported(tiny_model):
+    from jaxinfer.compile_cache import CompileCounter
+
+    cfg = tiny_model.config.replace(name="tiny-timings")  # own programs: this call compiles
+    model = type(tiny_model)(config=cfg, params=tiny_model.params, tokenizer=tiny_model.tokenizer)
+    with CompileCounter() as c:
+        t = jaxinfer.generate(model, [[5, 6]], max_new_tokens=3, chunk_size=2).timings
+    assert t.n_compilations >= 2 and t.compile_s > 0 and t.n_cache_loads == 0 and c.compiled == c.count
+    assert t.compile_s < t.total_s

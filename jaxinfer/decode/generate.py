@@ -130,6 +130,15 @@ def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) 
     return n if n < max_len else None
 
 
+def last_chunk_steps(remaining: int, chunk_size: int) -> int:
+    """Scan steps for the next decode chunk: chunk_size, or for the last chunk the remaining steps
+    rounded up to a power of two -- so no more than 2x the needed steps are scanned (none of a
+    full chunk's worth thrown away), and each chunk_size adds at most log2(chunk_size) programs."""
+    if remaining >= chunk_size:
+        return chunk_size
+    return min(chunk_size, bucket(remaining, 1))
+
+
 _STATIC = ("cfg", "sampling", "stop_ids")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
 decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "kv_len"), donate_argnames=("state",))
@@ -196,6 +205,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         out_tokens = [shd.to_host(first)[None]]
         out_lps = [shd.to_host(first_lp)[None]]
         t_first = time.perf_counter()
+        prefill_compile_s = compiles.seconds
         done = shd.to_host(state.finished)
         if on_tokens:
             on_tokens([[int(t)] for t in out_tokens[0][0]])
@@ -203,22 +213,24 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         produced, chunk = 1, 0
         while produced < max_new_tokens and not done.all():
             kv_len = decode_kv_len(tokens.shape[1], chunk, chunk_size, S)
-            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size, kv_len)
+            n_steps = last_chunk_steps(max_new_tokens - produced, chunk_size)
+            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, n_steps, kv_len)
             toks, lps = shd.to_host(toks), shd.to_host(lps)
             out_tokens.append(toks)
             out_lps.append(lps)
             done = shd.to_host(state.finished)
             if on_tokens:
                 on_tokens([list(map(int, toks[:, b])) for b in range(B)])
-            produced += chunk_size
+            produced += n_steps
             chunk += 1
         t_end = time.perf_counter()
 
     all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]
     all_lps = np.concatenate(out_lps)[:max_new_tokens].T
     completions = [completion_for(model, ids[b], all_toks[b], all_lps[b], stop_ids) for b in range(B)]
-    decode_tokens = (np.concatenate(out_tokens).shape[0] - 1) * B
-    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, decode_tokens, compiles.count)
+    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
+                             compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
+                             n_cache_loads=compiles.cache_hits)
     return Output(completions=completions, timings=timings)
 
 

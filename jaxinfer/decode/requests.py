@@ -77,23 +77,37 @@ def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], l
 @dataclasses.dataclass(frozen=True)
 class Timings:
     prefill_s: float  # prefill incl. first sample (and any compile it triggered)
-    decode_s: float  # all decode chunks
+    decode_s: float  # all decode chunks, wall clock (incl. any compile they triggered)
     ttft_s: float  # call start -> first token on host
     total_s: float
     prompt_tokens: int  # real (unpadded) prompt tokens across the batch
-    new_tokens: int  # generated tokens across the batch
-    decode_tokens_per_s: float  # tokens produced by the decode loop across the batch / decode_s
+    new_tokens: int  # generated tokens kept across the batch (up to each row's stop / max_new_tokens)
+    decode_tokens_per_s: float  # kept tokens from the decode loop / decode time excluding compiles
     n_compilations: int  # XLA executables built (compiled or loaded from disk) for prefill and decode
+    compile_s: float = 0.0  # tracing + compiling (or loading from the persistent cache), whole call
+    n_cache_loads: int = 0  # of n_compilations, loaded from the persistent compile cache
+    decode_tokens: int = 0  # kept tokens from the decode loop (new_tokens minus the prefill's first)
 
     @classmethod
     def of_run(cls, t0: float, t_first: float, t_end: float, prompt_tokens: int,
-               completions: Sequence[Completion], decode_tokens: int, n_compilations: int) -> "Timings":
-        """From the clock at the call's start, at the first token on host and at the end."""
+               completions: Sequence[Completion], decode_tokens: Optional[int], n_compilations: int,
+               compile_s: float = 0.0, decode_compile_s: float = 0.0, n_cache_loads: int = 0) -> "Timings":
+        """From the clock at the call's start, at the first token on host and at the end.
+
+        decode_tokens: None counts the kept tokens (each row's tokens after its first, up to its
+        stop); steps scanned past a stop or max_new_tokens are not tokens anyone gets.
+        decode_compile_s: compile time inside the decode chunks, left out of the rate.
+        """
+        new_tokens = sum(len(c.token_ids) for c in completions)
+        if decode_tokens is None:
+            decode_tokens = sum(max(0, len(c.token_ids) - 1) for c in completions)
         decode_s = t_end - t_first
+        run_s = decode_s - decode_compile_s
         return cls(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
-                   prompt_tokens=prompt_tokens, new_tokens=sum(len(c.token_ids) for c in completions),
-                   decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                   n_compilations=n_compilations)
+                   prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                   decode_tokens_per_s=decode_tokens / run_s if run_s > 0 and decode_tokens else float("nan"),
+                   n_compilations=n_compilations, compile_s=compile_s, n_cache_loads=n_cache_loads,
+                   decode_tokens=decode_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -394,7 +394,8 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(state.proposed)),
                       accepted=int(np.sum(state.accepted)),
                       tokens_per_call=decode_tokens / max(int(calls.sum()), 1))
-    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, decode_tokens, compiles.count)
+    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
+                             compile_s=compiles.seconds, n_cache_loads=compiles.cache_hits)
     return SpecOutput(completions=completions, timings=timings, stats=stats)
 
 
