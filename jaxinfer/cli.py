@@ -118,8 +118,9 @@ def _generate(args) -> int:
         prompts = [chat_ids(model.tokenizer, [{"role": "user", "content": p}]) for p in texts]
     # An over-long prompt is refused here, before it is echoed or anything compiles. (Before the
     # load would need the tokenizer, and reading it from a GGUF costs ~8 s, about half the load.)
-    check_context(prompt_ids(model, prompts, args.allow_special), args.max_new_tokens,
-                  2 * args.spec_k + 1 if args.speculative else 0, model.config)
+    ids = prompt_ids(model, prompts, args.allow_special)
+    check_context(ids, args.max_new_tokens, 2 * args.spec_k + 1 if args.speculative else 0, model.config)
+    long_prompt = max(len(i) for i in ids) > 512  # read in chunks (generate's PREFILL_CHUNK): show progress
 
     streaming = not args.json and len(prompts) == 1
     stop = set() if args.no_stop else set(model.tokenizer.stop_ids)
@@ -143,7 +144,7 @@ def _generate(args) -> int:
         sys.stdout.write(texts[0] if not args.chat else "")
         sys.stdout.flush()
     try:
-        out = _run(args, model, prompts, sampling, on_tokens if streaming else None)
+        out = _run(args, model, prompts, sampling, on_tokens if streaming else None, long_prompt)
     except KeyboardInterrupt:  # Ctrl-C: keep the text so far, no traceback, the shell's status 130
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -152,8 +153,9 @@ def _generate(args) -> int:
     return _report(args, model, texts, out, streaming, shown, load_s)
 
 
-def _run(args, model, prompts, sampling, on_tokens):
+def _run(args, model, prompts, sampling, on_tokens, long_prompt: bool = False):
     import jaxinfer
+    from tqdm import tqdm
 
     if args.speculative:
         from jaxinfer.decode import speculative
@@ -167,9 +169,16 @@ def _run(args, model, prompts, sampling, on_tokens):
                                    stop_at_eos=not args.no_stop, on_tokens=on_tokens,
                                    allow_special=args.allow_special)
         return out
-    return jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                             sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
-                             on_tokens=on_tokens, allow_special=args.allow_special)
+    with tqdm(desc="reading the prompt", unit="token", file=sys.stderr, disable=not long_prompt,
+              leave=False) as bar:
+        def on_prefill(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                 sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
+                                 on_tokens=on_tokens, allow_special=args.allow_special,
+                                 on_prefill=on_prefill if long_prompt else None)
 
 
 def _report(args, model, prompts, out, streaming: bool, shown: str, load_s: float) -> int:

@@ -399,3 +399,40 @@ def test_compile_time_and_cache_loads_are_reported(tiny_model):
         t = jaxinfer.generate(model, [[5, 6]], max_new_tokens=3, chunk_size=2).timings
     assert t.n_compilations >= 2 and t.compile_s > 0 and t.n_cache_loads == 0 and c.compiled == c.count
     assert t.compile_s < t.total_s
+
+
+# 9. Long prompts: chunked prefill equals one pass, with progress ------------------------------
+
+def test_chunked_prefill_equals_one_pass_and_reports_progress(tiny_model):
+    prompts = [[(7 * i) % 250 + 3 for i in range(40)], [(5 * i) % 250 + 3 for i in range(23)]]
+    kw = dict(max_new_tokens=6, stop_at_eos=False, chunk_size=4)
+    whole = jaxinfer.generate(tiny_model, prompts, prefill_chunk_size=None, **kw)
+    seen = []
+    chunked = jaxinfer.generate(tiny_model, prompts, prefill_chunk_size=16, on_prefill=lambda d, t: seen.append((d, t)),
+                                **kw)
+    assert seen == [(16, 40), (32, 40), (40, 40)]  # Tb = 64: the 4th chunk is padding only, skipped
+    for a, b in zip(whole.completions, chunked.completions):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a power of two"):
+        jaxinfer.generate(tiny_model, prompts, prefill_chunk_size=24, **kw)
+
+
+def test_cli_shows_prefill_progress_for_a_long_prompt(tiny_model, monkeypatch, capsys):
+    import dataclasses
+
+    model = dataclasses.replace(tiny_model, config=tiny_model.config.replace(max_seq_len=4096))
+    calls = []
+
+    def fake(model, prompts, on_prefill=None, **kw):
+        calls.append(on_prefill)
+        if on_prefill:
+            on_prefill(512, 600)
+            on_prefill(600, 600)
+        raise KeyboardInterrupt
+
+    _cli_with(monkeypatch, model, fake)
+    argv = ["generate", "--layout", "canonical", "--no-compile-cache", "--json"]
+    assert cli.main(argv + ["x" * 600]) == 130 and calls[-1] is not None
+    assert "reading the prompt" in capsys.readouterr().err
+    assert cli.main(argv + ["short"]) == 130 and calls[-1] is None

@@ -80,6 +80,56 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
     return state, first, logprob
 
 
+def prefill_chunk(params: Params, tokens: jax.Array, cache: kv.KVCache, cfg: ModelConfig,
+                  logit_index: jax.Array, kv_len: Optional[int]):
+    """One chunk of a long prompt into the cache: tokens [B, C] go to slots cache.lengths ..
+    cache.lengths + C - 1 (positions[b, t] = cache.lengths[b] + t), attending to the first
+    kv_len slots (every earlier chunk and this one). Returns (logits [B, 1, V] at logit_index, cache).
+    Attention costs C x kv_len, so memory is bounded by the chunk, not the prompt."""
+    C = tokens.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    with jax.named_scope("prefill_chunk"):
+        return mdl.forward(params, tokens, positions, cache, cfg, logit_index=logit_index, kv_len=kv_len)
+
+
+def first_sample(logits: jax.Array, lengths: jax.Array, cache: kv.KVCache, keys: jax.Array,
+                 sampling: SamplingParams, stop_ids: tuple[int, ...]):
+    """After a chunked prefill: set each row's true length, sample its first token from logits [B, V]."""
+    cache = cache.replace(lengths=lengths.astype(jnp.int32))
+    step = jnp.zeros((), jnp.int32)
+    first, logprob = smp.sample(logits, smp.step_keys(keys, step), sampling)
+    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1, finished=is_stop(first, stop_ids))
+    return state, first, logprob
+
+
+def prefill_chunked(params: Params, tokens: jax.Array, lengths: np.ndarray, cache: kv.KVCache, keys: jax.Array,
+                    cfg: ModelConfig, sampling: SamplingParams, stop_ids: tuple[int, ...], chunk: int,
+                    progress: Optional[Callable[[int, int], None]] = None):
+    """`prefill` for a long prompt, `chunk` tokens at a time (Tb must be a multiple of chunk).
+
+    Every chunk attends to the cache prefix it needs, rounded up to a power of two, so a prompt
+    of Tb tokens compiles about log2(Tb / chunk) + 1 programs and holds one chunk's attention
+    scores at a time. progress(done, total) is called after each chunk with prompt tokens read.
+    """
+    B, Tb = tokens.shape
+    total = int(lengths.max())
+    last = jnp.asarray(lengths - 1, jnp.int32)  # [B] index of each row's last prompt token
+    logits = None
+    for c in range(Tb // chunk):
+        lo = c * chunk
+        if lo >= total:
+            break  # only padding left
+        kv_len = min(bucket((c + 1) * chunk, chunk), cache.max_len)
+        idx = jnp.clip(last - lo, 0, chunk - 1)
+        chunk_logits, cache = prefill_chunk_jit(params, tokens[:, lo:lo + chunk], cache, cfg, idx, kv_len)
+        here = ((last >= lo) & (last < lo + chunk))[:, None]
+        logits = chunk_logits[:, 0] if logits is None else jnp.where(here, chunk_logits[:, 0], logits)
+        if progress:
+            jax.block_until_ready(logits)
+            progress(min(lo + chunk, total), total)
+    return first_sample_jit(logits, jnp.asarray(lengths), cache, keys, sampling, stop_ids)
+
+
 def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
                 stop_ids: tuple[int, ...], kv_len: Optional[int] = None):
     """One token per row: forward the last token, sample the next. Returns (state, tokens, logprobs).
@@ -141,6 +191,9 @@ def last_chunk_steps(remaining: int, chunk_size: int) -> int:
 
 _STATIC = ("cfg", "sampling", "stop_ids")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
+prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))
+first_sample_jit = jax.jit(first_sample, static_argnames=("sampling", "stop_ids"), donate_argnames=("cache",))
+PREFILL_CHUNK = 512  # prompts padded beyond this many tokens are prefilled in chunks of it
 decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "kv_len"), donate_argnames=("state",))
 
 
@@ -157,7 +210,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True,
              stop_tokens: Sequence[int] = (), chunk_size: int = 32,
              on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
-             allow_special: bool = False) -> Output:
+             allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
+             on_prefill: Optional[Callable[[int, int], None]] = None) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -176,6 +230,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       allow_special: encode special-token text in string prompts ("<|im_end|>") as the special
         token; default False: it is plain text, so user text cannot forge control tokens. For
         chat, pass `requests.chat_ids(model.tokenizer, messages)` as the prompt.
+      prefill_chunk_size: prompts padded beyond this many tokens are read in chunks of it (a
+        power of two), bounding prefill memory; None reads every prompt in one pass.
+      on_prefill: optional callback(done, total) after each prefill chunk (prompt tokens read).
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
@@ -183,6 +240,10 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     cfg = model.config
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     chunk_size = check_int("chunk_size", chunk_size, 1)
+    if prefill_chunk_size is not None and (check_int("prefill_chunk_size", prefill_chunk_size, 1)
+                                           & (prefill_chunk_size - 1)):
+        raise ValueError(f"prefill_chunk_size must be a power of two (prompts are padded to one), "
+                         f"got {prefill_chunk_size}")
     check_sampling(sampling)
     ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, max_new_tokens, 0, cfg)
@@ -200,8 +261,12 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
             cache, tokens_in, lengths_in = kv.init_cache(cfg, B, S), jnp.asarray(tokens), jnp.asarray(lengths)
         else:  # a sharded model: cache and rows go on its mesh; the jitted steps stay the same
             cache, tokens_in, lengths_in, keys = shd.place_batch(mesh, cfg, B, S, tokens, lengths, keys)
-        state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
-                                             keys, cfg, sampling, stop_ids)
+        if prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size:
+            state, first, first_lp = prefill_chunked(model.params, tokens_in, lengths, cache, keys, cfg, sampling,
+                                                     stop_ids, prefill_chunk_size, on_prefill)
+        else:
+            state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
+                                                 keys, cfg, sampling, stop_ids)
         out_tokens = [shd.to_host(first)[None]]
         out_lps = [shd.to_host(first_lp)[None]]
         t_first = time.perf_counter()
