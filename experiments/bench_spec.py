@@ -82,7 +82,7 @@ def bench_spec(m, args) -> dict:
         print(f"no distilled draft at {distilled} (run experiments/distill_draft.py); skipping it")
     res = {}
     for pname, prompt in (("code-edit", CODE_PROMPT), ("open-text", OPEN_PROMPT)):
-        kw = dict(max_new_tokens=args.tokens, stop_at_eos=False)
+        kw = dict(max_new_tokens=args.tokens, stop_at_eos=False, allow_special=True)  # ChatML prompts
         fns = {"plain": lambda: jaxinfer.generate(m, prompt, chunk_size=args.tokens, **kw),
                "lookup": lambda: spec.generate(m, prompt, method="lookup", k=args.k, rounds_per_chunk=256, **kw)}
         for dname, d in drafts.items():

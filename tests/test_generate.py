@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxinfer
+from jaxinfer.decode.requests import chat_ids
 from jaxinfer.weights import hub
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.weights.gguf import GGUFError
@@ -90,7 +91,7 @@ def test_key_argument_is_reproducible(smollm2):
 
 def test_stops_at_eos_per_row(smollm2):
     tok = smollm2.tokenizer
-    chat = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    chat = chat_ids(tok, [{"role": "user", "content": "Say hello."}])
     out = jaxinfer.generate(smollm2, [chat, "The capital of France is"], max_new_tokens=48)
     c = out.completions[0]
     assert c.finish_reason == "stop" and c.token_ids[-1] in tok.stop_ids

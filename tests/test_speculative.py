@@ -135,7 +135,8 @@ def test_sampled_tokens_follow_the_target_distribution_on_a_small_model(method):
 
 @pytest.fixture(scope="module")
 def plain(smollm2):
-    prompts = {"code": CODE_PROMPT, "open": "The history of the printing press began"}
+    prompts = {"code": smollm2.tokenizer.encode(CODE_PROMPT),  # ids: its ChatML tokens are real control tokens
+               "open": "The history of the printing press began"}
     return prompts, {name: jaxinfer.generate(smollm2, p, max_new_tokens=40).completions[0]
                      for name, p in prompts.items()}
 

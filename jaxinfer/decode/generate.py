@@ -31,7 +31,8 @@ from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import Params
-from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_token_ids,
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
+                                      check_token_ids,
                                       completion_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
 from jaxinfer.decode.sampling import SamplingParams
 
@@ -77,6 +78,57 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
     state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1,
                         finished=is_stop(first, stop_ids))
     return state, first, logprob
+
+
+def prefill_chunk(params: Params, tokens: jax.Array, cache: kv.KVCache, cfg: ModelConfig,
+                  logit_index: jax.Array, kv_len: Optional[int]):
+    """One chunk of a long prompt into the cache: tokens [B, C] go to slots cache.lengths ..
+    cache.lengths + C - 1 (positions[b, t] = cache.lengths[b] + t), attending to the first
+    kv_len slots (every earlier chunk and this one). Returns (logits [B, 1, V] at logit_index, cache).
+    Attention costs C x kv_len, so memory is bounded by the chunk, not the prompt."""
+    C = tokens.shape[1]
+    positions = mdl.default_positions(tokens.shape[0], C, cache.lengths)
+    with jax.named_scope("prefill_chunk"):
+        return mdl.forward(params, tokens, positions, cache, cfg, logit_index=logit_index, kv_len=kv_len)
+
+
+def first_sample(logits: jax.Array, lengths: jax.Array, cache: kv.KVCache, keys: jax.Array,
+                 sampling: SamplingParams, stop_ids: tuple[int, ...]):
+    """After a chunked prefill: cut each row back to its true length (the chunks also wrote its
+    padding), sample its first token from logits [B, V]."""
+    cache = kv.rewind(cache, lengths)
+    step = jnp.zeros((), jnp.int32)
+    first, logprob = smp.sample(logits, smp.step_keys(keys, step), sampling)
+    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1, finished=is_stop(first, stop_ids))
+    return state, first, logprob
+
+
+def prefill_chunked(params: Params, tokens: jax.Array, lengths: np.ndarray, cache: kv.KVCache, keys: jax.Array,
+                    cfg: ModelConfig, sampling: SamplingParams, stop_ids: tuple[int, ...], chunk: int,
+                    progress: Optional[Callable[[int, int], None]] = None):
+    """`prefill` for a long prompt, `chunk` tokens at a time (Tb must be a multiple of chunk).
+
+    Every chunk attends to the cache prefix it needs, rounded up to a power of two, so a prompt
+    of Tb tokens compiles about log2(Tb / chunk) + 1 programs and holds one chunk's attention
+    scores at a time. progress(done, total) is called after each chunk with prompt tokens read.
+    """
+    B, Tb = tokens.shape
+    total = int(lengths.max())
+    last = jnp.asarray(lengths - 1, jnp.int32)  # [B] index of each row's last prompt token
+    logits = None
+    for c in range(Tb // chunk):
+        lo = c * chunk
+        if lo >= total:
+            break  # only padding left
+        kv_len = min(bucket((c + 1) * chunk, chunk), cache.max_len)
+        idx = jnp.clip(last - lo, 0, chunk - 1)
+        chunk_logits, cache = prefill_chunk_jit(params, tokens[:, lo:lo + chunk], cache, cfg, idx, kv_len)
+        here = ((last >= lo) & (last < lo + chunk))[:, None]
+        logits = chunk_logits[:, 0] if logits is None else jnp.where(here, chunk_logits[:, 0], logits)
+        if progress:
+            jax.block_until_ready(logits)
+            progress(min(lo + chunk, total), total)
+    return first_sample_jit(logits, jnp.asarray(lengths), cache, keys, sampling, stop_ids)
 
 
 def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
@@ -129,8 +181,20 @@ def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) 
     return n if n < max_len else None
 
 
+def last_chunk_steps(remaining: int, chunk_size: int) -> int:
+    """Scan steps for the next decode chunk: chunk_size, or for the last chunk the remaining steps
+    rounded up to a power of two -- so no more than 2x the needed steps are scanned (none of a
+    full chunk's worth thrown away), and each chunk_size adds at most log2(chunk_size) programs."""
+    if remaining >= chunk_size:
+        return chunk_size
+    return min(chunk_size, bucket(remaining, 1))
+
+
 _STATIC = ("cfg", "sampling", "stop_ids")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
+prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))
+first_sample_jit = jax.jit(first_sample, static_argnames=("sampling", "stop_ids"), donate_argnames=("cache",))
+PREFILL_CHUNK = 512  # prompts padded beyond this many tokens are prefilled in chunks of it
 decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "kv_len"), donate_argnames=("state",))
 
 
@@ -145,7 +209,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
              sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True,
              stop_tokens: Sequence[int] = (), chunk_size: int = 32,
-             on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> Output:
+             on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
+             allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
+             on_prefill: Optional[Callable[[int, int], None]] = None) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -161,16 +227,25 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       chunk_size: decode steps per jitted scan call (streaming granularity).
       on_tokens: optional callback, called with each row's new tokens after prefill and after
         every decode chunk (for streaming).
+      allow_special: encode special-token text in string prompts ("<|im_end|>") as the special
+        token; default False: it is plain text, so user text cannot forge control tokens. For
+        chat, pass `requests.chat_ids(model.tokenizer, messages)` as the prompt.
+      prefill_chunk_size: prompts padded beyond this many tokens are read in chunks of it (a
+        power of two), bounding prefill memory; None reads every prompt in one pass.
+      on_prefill: optional callback(done, total) after each prefill chunk (prompt tokens read).
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
     t0 = time.perf_counter()
     cfg = model.config
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    ids = prompt_ids(model, prompts)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
+    if prefill_chunk_size is not None and (check_int("prefill_chunk_size", prefill_chunk_size, 1)
+                                           & (prefill_chunk_size - 1)):
+        raise ValueError(f"prefill_chunk_size must be a power of two (prompts are padded to one), "
+                         f"got {prefill_chunk_size}")
+    check_sampling(sampling)
+    ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, max_new_tokens, 0, cfg)
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = request_keys(len(ids), key, seed, sampling)
@@ -186,11 +261,16 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
             cache, tokens_in, lengths_in = kv.init_cache(cfg, B, S), jnp.asarray(tokens), jnp.asarray(lengths)
         else:  # a sharded model: cache and rows go on its mesh; the jitted steps stay the same
             cache, tokens_in, lengths_in, keys = shd.place_batch(mesh, cfg, B, S, tokens, lengths, keys)
-        state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
-                                             keys, cfg, sampling, stop_ids)
+        if prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size:
+            state, first, first_lp = prefill_chunked(model.params, tokens_in, lengths, cache, keys, cfg, sampling,
+                                                     stop_ids, prefill_chunk_size, on_prefill)
+        else:
+            state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
+                                                 keys, cfg, sampling, stop_ids)
         out_tokens = [shd.to_host(first)[None]]
         out_lps = [shd.to_host(first_lp)[None]]
         t_first = time.perf_counter()
+        prefill_compile_s = compiles.seconds
         done = shd.to_host(state.finished)
         if on_tokens:
             on_tokens([[int(t)] for t in out_tokens[0][0]])
@@ -198,22 +278,24 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         produced, chunk = 1, 0
         while produced < max_new_tokens and not done.all():
             kv_len = decode_kv_len(tokens.shape[1], chunk, chunk_size, S)
-            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, chunk_size, kv_len)
+            n_steps = last_chunk_steps(max_new_tokens - produced, chunk_size)
+            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, n_steps, kv_len)
             toks, lps = shd.to_host(toks), shd.to_host(lps)
             out_tokens.append(toks)
             out_lps.append(lps)
             done = shd.to_host(state.finished)
             if on_tokens:
                 on_tokens([list(map(int, toks[:, b])) for b in range(B)])
-            produced += chunk_size
+            produced += n_steps
             chunk += 1
         t_end = time.perf_counter()
 
     all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]
     all_lps = np.concatenate(out_lps)[:max_new_tokens].T
     completions = [completion_for(model, ids[b], all_toks[b], all_lps[b], stop_ids) for b in range(B)]
-    decode_tokens = (np.concatenate(out_tokens).shape[0] - 1) * B
-    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, decode_tokens, compiles.count)
+    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
+                             compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
+                             n_cache_loads=compiles.cache_hits)
     return Output(completions=completions, timings=timings)
 
 

@@ -77,23 +77,37 @@ def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], l
 @dataclasses.dataclass(frozen=True)
 class Timings:
     prefill_s: float  # prefill incl. first sample (and any compile it triggered)
-    decode_s: float  # all decode chunks
+    decode_s: float  # all decode chunks, wall clock (incl. any compile they triggered)
     ttft_s: float  # call start -> first token on host
     total_s: float
     prompt_tokens: int  # real (unpadded) prompt tokens across the batch
-    new_tokens: int  # generated tokens across the batch
-    decode_tokens_per_s: float  # tokens produced by the decode loop across the batch / decode_s
+    new_tokens: int  # generated tokens kept across the batch (up to each row's stop / max_new_tokens)
+    decode_tokens_per_s: float  # kept tokens from the decode loop / decode time excluding compiles
     n_compilations: int  # XLA executables built (compiled or loaded from disk) for prefill and decode
+    compile_s: float = 0.0  # tracing + compiling (or loading from the persistent cache), whole call
+    n_cache_loads: int = 0  # of n_compilations, loaded from the persistent compile cache
+    decode_tokens: int = 0  # kept tokens from the decode loop (new_tokens minus the prefill's first)
 
     @classmethod
     def of_run(cls, t0: float, t_first: float, t_end: float, prompt_tokens: int,
-               completions: Sequence[Completion], decode_tokens: int, n_compilations: int) -> "Timings":
-        """From the clock at the call's start, at the first token on host and at the end."""
+               completions: Sequence[Completion], decode_tokens: Optional[int], n_compilations: int,
+               compile_s: float = 0.0, decode_compile_s: float = 0.0, n_cache_loads: int = 0) -> "Timings":
+        """From the clock at the call's start, at the first token on host and at the end.
+
+        decode_tokens: None counts the kept tokens (each row's tokens after its first, up to its
+        stop); steps scanned past a stop or max_new_tokens are not tokens anyone gets.
+        decode_compile_s: compile time inside the decode chunks, left out of the rate.
+        """
+        new_tokens = sum(len(c.token_ids) for c in completions)
+        if decode_tokens is None:
+            decode_tokens = sum(max(0, len(c.token_ids) - 1) for c in completions)
         decode_s = t_end - t_first
+        run_s = decode_s - decode_compile_s
         return cls(prefill_s=t_first - t0, decode_s=decode_s, ttft_s=t_first - t0, total_s=t_end - t0,
-                   prompt_tokens=prompt_tokens, new_tokens=sum(len(c.token_ids) for c in completions),
-                   decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                   n_compilations=n_compilations)
+                   prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                   decode_tokens_per_s=decode_tokens / run_s if run_s > 0 and decode_tokens else float("nan"),
+                   n_compilations=n_compilations, compile_s=compile_s, n_cache_loads=n_cache_loads,
+                   decode_tokens=decode_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +123,76 @@ class Output:
 Prompts = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
 
-def prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
-    if isinstance(prompts, str):
+def check_text(text: str, what: str) -> str:
+    """A prompt string must be non-empty and valid Unicode: a lone surrogate (what Python makes of
+    invalid UTF-8 bytes in argv) would otherwise be silently replaced when encoding."""
+    if not text:
+        raise ValueError(f"{what} is empty; a prompt needs at least one token")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate {text[e.start]!r} at character {e.start} (invalid "
+                         "UTF-8 in the input?); pass valid Unicode text") from None
+    return text
+
+
+def _is_id_sequence(x) -> bool:
+    """A flat sequence of token ids: a 1-D integer array, or a non-empty list/tuple of ints."""
+    if hasattr(x, "ndim") and hasattr(x, "dtype"):
+        return x.ndim == 1
+    return (isinstance(x, (list, tuple)) and len(x) > 0
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in x))
+
+
+def encode_text(tokenizer, text: str, allow_special: bool = False) -> list[int]:
+    """Ids of user text. Special-token text in it ("<|im_end|>", "<end_of_turn>") is encoded as the
+    plain characters it is, unless `allow_special`: a prompt or a chat message can then never
+    close its own turn or open a system turn. (tiktoken's default is to refuse such text; plain
+    text is chosen here so that documents that merely mention these strings still work.)"""
+    if allow_special:
+        return tokenizer.encode(text, allowed_special="all", disallowed_special=())
+    return tokenizer.encode(text, allowed_special=set(), disallowed_special=())
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Ids of a conversation rendered with the tokenizer's chat template, where the control tokens
+    are only those the template itself writes: each message's content is encoded as plain text.
+
+    The template is rendered with a private-use placeholder per message; the text between
+    placeholders (the template's own) is encoded with special tokens, the contents without.
+    """
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise TypeError(f"message {i} content must be a string, got {type(m.get('content')).__name__}")
+        if "\ue000" in m["content"] or "\ue001" in m["content"]:
+            raise ValueError(f"message {i} holds U+E000/U+E001, which jaxinfer reserves for rendering chats")
+    rendered = tokenizer.apply_chat_template([dict(m, content=mk) for m, mk in zip(messages, marks)],
+                                             add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    rest = rendered
+    for m, mk in zip(messages, marks):
+        before, found, rest = rest.partition(mk)
+        if not found:
+            raise ValueError(f"the chat template dropped or changed a message ({m.get('role')!r}); "
+                             "cannot tell its content from the template's control tokens")
+        ids += encode_text(tokenizer, before, allow_special=True) + encode_text(tokenizer, m["content"])
+    return ids + encode_text(tokenizer, rest, allow_special=True)
+
+
+def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> list[list[int]]:
+    """Prompts -> one id list per prompt. A string, a flat list / 1-D array of ids (one prompt, as
+    `logits` takes), or a list of strings / id lists / 1-D arrays (a batch). Special-token text in
+    a string is plain text unless `allow_special` (see `encode_text`)."""
+    if isinstance(prompts, (bytes, bytearray)):
+        raise TypeError("prompts must be text (str) or token ids, got bytes; decode it first (b.decode('utf-8'))")
+    if isinstance(prompts, str) or _is_id_sequence(prompts):
         prompts = [prompts]
+    if hasattr(prompts, "ndim") and prompts.ndim == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of strings or a list of token-id lists, got "
+                        f"{type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty; pass a string, a list of strings or a list of token-id lists")
     out = []
@@ -119,14 +200,14 @@ def prompt_ids(model: Model, prompts: Prompts) -> list[list[int]]:
         if isinstance(p, str):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
-            if not p:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            ids = model.tokenizer.encode(p)
+            ids = encode_text(model.tokenizer, check_text(p, f"prompt {i}"), allow_special)
             bos = model.tokenizer.bos_id
             if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
                 ids = [bos] + ids  # Gemma: the model expects <bos> first
-        else:
+        elif isinstance(p, (list, tuple)) or (hasattr(p, "ndim") and p.ndim == 1):
             ids = check_token_ids(p, model.config.vocab_size, f"prompt {i}")
+        else:
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__} {p!r:.40}")
         out.append(ids)
     return out
 
@@ -139,27 +220,95 @@ def stop_ids_for(model: Model, stop_at_eos: bool, stop_tokens: Sequence[int]) ->
     return tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
 
 
+SEED_LIMIT = 2 ** 32  # a seed is an int in [0, 2**32): the uint32 that jax.random.key takes
+_SEED_RULE = "a seed is an int in [0, 2**32), or one such int per prompt"
+
+
+def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+    """`value` as an int in [low, high], or a TypeError / ValueError naming `name`. bool is not an
+    int here (True would silently mean 1); numpy integers are."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return int(value)
+
+
+def check_seed(seed, n: int) -> np.ndarray:
+    """One uint32 seed per prompt from `seed` (an int, or a sequence of n ints), each in [0, 2**32).
+
+    Raises TypeError for anything else (str, float, bool, None, a key) and ValueError for an int
+    out of range or a wrong count, before anything is loaded or compiled.
+    """
+    def one(s, what: str) -> int:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"{what} must be an int, got {type(s).__name__} {s!r}; {_SEED_RULE} "
+                            "(or pass key=jax.random.key(...))")
+        if not 0 <= int(s) < SEED_LIMIT:
+            raise ValueError(f"{what} {int(s)} is out of range; {_SEED_RULE}")
+        return int(s)
+
+    if isinstance(seed, (int, np.integer, bool, np.bool_)):
+        seeds = [one(seed, "seed")] * n
+    elif isinstance(seed, (list, tuple, np.ndarray)) and np.ndim(seed) == 1:
+        seeds = [one(s, f"seed[{i}]") for i, s in enumerate(seed)]
+        if len(seeds) != n:
+            raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one int or one per prompt")
+    else:
+        raise TypeError(f"seed must be an int or a list of ints (one per prompt), got {type(seed).__name__} "
+                        f"{seed!r}; {_SEED_RULE}")
+    return np.asarray(seeds, np.uint32)
+
+
+def check_key(key) -> jax.Array:
+    """A typed PRNG key of shape [] from `key`: a typed key (`jax.random.key(0)`) or raw uint32
+    key data of the default implementation's shape (`jax.random.PRNGKey(0)`, shape [2])."""
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"key must be a single PRNG key (shape ()), got shape {key.shape}; row b "
+                             "samples with fold_in(key, b)")
+        return key
+    if dtype is not None and np.dtype(dtype) == np.uint32 and tuple(key.shape) == raw_shape:
+        return jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    what = f"{type(key).__name__} {key!r}" if dtype is None else f"an array of {dtype} shape {tuple(key.shape)}"
+    raise TypeError(f"key must be a PRNG key (jax.random.key(n)) or raw uint32 key data of shape {raw_shape} "
+                    f"(jax.random.PRNGKey(n)), got {what}; for an integer pass seed= instead")
+
+
+def check_sampling(sampling) -> SamplingParams:
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a jaxinfer.SamplingParams (e.g. SamplingParams(temperature=0.8, "
+                        f"top_p=0.95)), got {type(sampling).__name__}")
+    return sampling
+
+
 def request_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParams) -> jax.Array:
+    """One PRNG key per request [n]: fold_in(key, b) for a key, key(seed_b) for seeds."""
+    check_sampling(sampling)
     if key is not None and seed is not None:
         raise ValueError("pass either key or seed, not both")
     if key is not None:
-        key = jnp.asarray(key) if not jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key) else key
-        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        key = check_key(key)
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n, dtype=jnp.uint32))
     if seed is None:
         if not sampling.greedy:
             raise ValueError("sampling with temperature > 0 needs a key or a seed (there is no default "
                              "PRNG key); pass seed=0 for reproducible samples")
         seed = 0  # greedy decoding draws no random numbers; the keys are never used
-    seeds = [seed] * n if isinstance(seed, (int, np.integer)) else list(seed)
-    if len(seeds) != n:
-        raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one int or one per prompt")
-    return smp.row_keys(np.asarray(seeds, np.uint32))
+    return smp.row_keys(check_seed(seed, n))
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str = "token_ids") -> list[int]:
     """token ids -> a non-empty list of ints in [0, vocab_size), or ValueError naming `what`."""
+    if hasattr(token_ids, "dtype") and not np.issubdtype(np.dtype(token_ids.dtype), np.integer):
+        raise TypeError(f"{what} must hold integer token ids, got an array of {token_ids.dtype}")
+    for t in token_ids if not hasattr(token_ids, "dtype") else ():
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{what} must be a list of int token ids, got an element {t!r} "
+                            f"({type(t).__name__})")
     ids = [int(t) for t in token_ids]
     if not ids:
         raise ValueError(f"{what} is empty; a prompt needs at least one token")

@@ -10,6 +10,7 @@ Order of the filters: temperature, then top-k, then top-p (nucleus), then min-p.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +28,16 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        def number(x) -> bool:  # a finite real number; bool is not one here
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not (number(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1):
+        if not (number(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
 
     @property

@@ -36,7 +36,8 @@ from flax import struct
 
 from jaxinfer.model import cache as kv
 from jaxinfer.decode.generate import MIN_KV_BUCKET, is_stop, prefill_jit
-from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, completion_for, pack_prompts,
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
+                                      completion_for, pack_prompts,
                                       prompt_ids, request_keys, stop_ids_for)
 from jaxinfer.model import forward as mdl
 from jaxinfer.decode import sampling as smp
@@ -304,7 +305,8 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
              k: int = 4, max_ngram: int = 3, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
              sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
-             rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> SpecOutput:
+             rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
+             allow_special: bool = False) -> SpecOutput:
     """Generate with speculative decoding; same arguments and output as `jaxinfer.generate`, plus:
 
     Args:
@@ -328,15 +330,12 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
             raise ValueError("method='draft' needs draft=Draft(...) (e.g. speculative.truncated_draft(model, 4))")
         if draft.config.vocab_size != cfg.vocab_size:
             raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {cfg.vocab_size}")
-    if not isinstance(k, int) or not 1 <= k <= 16:
-        raise ValueError(f"k must be an int in [1, 16], got {k!r}")
-    if not isinstance(max_ngram, int) or max_ngram < 1:
-        raise ValueError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(rounds_per_chunk, int) or rounds_per_chunk < 1:
-        raise ValueError(f"rounds_per_chunk must be an int >= 1, got {rounds_per_chunk!r}")
-    ids = prompt_ids(model, prompts)
+    k = check_int("k", k, 1, 16)
+    max_ngram = check_int("max_ngram", max_ngram, 1)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    rounds_per_chunk = check_int("rounds_per_chunk", rounds_per_chunk, 1)
+    check_sampling(sampling)
+    ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, max_new_tokens, 2 * k + 1, cfg)  # a round may run k + 1 slots past the end
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
     keys = request_keys(len(ids), key, seed, sampling)
@@ -390,7 +389,8 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(state.proposed)),
                       accepted=int(np.sum(state.accepted)),
                       tokens_per_call=decode_tokens / max(int(calls.sum()), 1))
-    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, decode_tokens, compiles.count)
+    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
+                             compile_s=compiles.seconds, n_cache_loads=compiles.cache_hits)
     return SpecOutput(completions=completions, timings=timings, stats=stats)
 
 

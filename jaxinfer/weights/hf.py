@@ -194,7 +194,13 @@ class _Reader:
             raise HFError(f"{path}: cannot read tensor {name!r} (missing or truncated file?): {e}") from e
         if tuple(arr.shape) != tuple(shape):
             raise HFError(f"{path}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-        return np.asarray(arr, dtype=np.float32)
+        arr = np.asarray(arr, dtype=np.float32)
+        # safetensors itself checks the header and that it covers the file's size exactly; there is
+        # no checksum, but trained weights are finite, and a NaN/inf is what corrupt bytes often become.
+        if not np.isfinite(arr).all():
+            raise HFError(f"{path}: tensor {name!r} holds {int((~np.isfinite(arr)).sum())} NaN/inf values "
+                          "(corrupt file?)")
+        return arr
 
 
 def read_params(folder: os.PathLike, cfg: ModelConfig,

