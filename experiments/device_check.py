@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import gc
 import importlib.metadata as md
+import importlib.util
 import inspect
 import json
 import os
@@ -44,14 +45,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from experiments import common  # noqa: E402
+from experiments.device_correctness import BF16_TOL, FP32_TOL, correctness  # noqa: E402,F401
 from jaxinfer import compile_cache  # noqa: E402
 from jaxinfer.decode.generate import MIN_KV_BUCKET  # noqa: E402
 from jaxinfer.decode.requests import bucket  # noqa: E402
-from jaxinfer.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from jaxinfer.inspect import roofline  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import config as C  # noqa: E402
@@ -59,14 +59,9 @@ from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
 from jaxinfer.model.forward import Model  # noqa: E402
 
-GOLDEN = ROOT / "tests" / "golden"
 SECTIONS = ("environment", "correctness", "decode", "serving", "compiles")
 WEIGHTS = {"environment": 0.02, "correctness": 0.25, "decode": 0.53, "serving": 0.2, "compiles": 0.0}
-FP32_TOL = 1e-3  # max |logit diff| vs transformers fp32, at matmul precision "highest"
-BF16_TOL = 0.5  # max |logit diff| with bf16 weights and activations (8 mantissa bits; see README)
-REAL_GOLDEN = {"smollm2-135m": "smollm2_logits.npz", "gemma3-270m": "gemma3_logits.npz"}
 SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
-SAMPLED = SamplingParams(temperature=0.8, top_k=50)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +113,15 @@ class CompileClock(compile_cache.CompileCounter):
 class Budget:
     """The run's deadline, shared out between the sections still to run by their weights."""
 
-    def __init__(self, total_s: float):
-        self.total_s, self.t0 = total_s, time.perf_counter()
+    def __init__(self, total_s: float, weights: dict):
+        self.total_s, self.weights, self.t0 = total_s, weights, time.perf_counter()
 
     def left(self) -> float:
         return self.total_s - (time.perf_counter() - self.t0)
 
     def share(self, section: str, remaining: list[str]) -> float:
-        w = sum(WEIGHTS[s] for s in remaining) or 1.0
-        return max(0.0, self.left()) * WEIGHTS[section] / w
+        w = sum(self.weights[s] for s in remaining) or 1.0
+        return max(0.0, self.left()) * self.weights[section] / w
 
 
 def _err(e: BaseException) -> dict:
@@ -166,107 +161,6 @@ def environment(args, preset, ctx, deadline) -> dict:
     except (OSError, subprocess.SubprocessError):
         res["nvidia_smi"] = None
     return res
-
-
-def _cases(name: str) -> list[dict]:
-    """Golden cases of a model: ids, vocab_idx (None = full vocab), ref logits, argmax, lse, greedy."""
-    if name.startswith("tiny_hf/"):
-        r = np.load(GOLDEN / "tiny_hf" / name.split("/", 1)[1] / "reference.npz")
-        lg = r["logits"].astype(np.float64)
-        lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
-        return [dict(ids=r["ids"].tolist(), vocab_idx=None, logits=r["logits"], argmax=r["logits"].argmax(-1),
-                     lse=lse, greedy=r["greedy"].tolist())]
-    r = np.load(GOLDEN / REAL_GOLDEN[name])
-    n = len([k for k in r.files if k.startswith("ids_")])
-    return [dict(ids=r[f"ids_{i}"].tolist(), vocab_idx=r[f"vocab_idx_{i}"].astype(np.int64), logits=r[f"logits_{i}"],
-                 argmax=r[f"argmax_{i}"], lse=r[f"lse_{i}"], greedy=r[f"greedy_{i}"].tolist()) for i in range(n)]
-
-
-def _logit_diffs(model, cases) -> dict:
-    worst = worst_lse = 0.0
-    argmax_ok = positions = 0
-    for c in cases:
-        ours = np.asarray(jaxinfer.logits(model, c["ids"]), np.float64)  # [T, V]
-        sel = ours if c["vocab_idx"] is None else np.take_along_axis(ours, c["vocab_idx"], axis=1)
-        lse = np.log(np.exp(ours - ours.max(1, keepdims=True)).sum(1)) + ours.max(1)
-        worst = max(worst, float(np.abs(sel - c["logits"]).max()))
-        worst_lse = max(worst_lse, float(np.abs(lse - c["lse"]).max()))
-        argmax_ok += int((ours.argmax(-1) == c["argmax"]).sum())
-        positions += len(c["ids"])
-    return {"max_logit_diff": worst, "max_lse_diff": worst_lse, "argmax_agree": argmax_ok / positions,
-            "positions": positions}
-
-
-def _greedy(model, cases) -> tuple[list[list[int]], dict]:
-    out = jaxinfer.generate(model, [c["ids"] for c in cases], max_new_tokens=len(cases[0]["greedy"]),
-                            stop_at_eos=False, sampling=GREEDY)
-    toks = [c.token_ids for c in out.completions]
-    prefix = [next((j for j, (a, b) in enumerate(zip(t, c["greedy"])) if a != b), len(t))
-              for t, c in zip(toks, cases)]
-    return toks, {"greedy_identical": all(t == c["greedy"] for t, c in zip(toks, cases)),
-                  "greedy_matching_prefix": prefix}
-
-
-def check_model(name: str, cache_dir) -> dict:
-    """fp32 ("highest") and bf16 parity with transformers, greedy tokens, batch/seed identities."""
-    path = str(GOLDEN / "tiny_hf" / name.split("/", 1)[1]) if name.startswith("tiny_hf/") else name
-    cases, res = _cases(name), {}
-    with jax.default_matmul_precision("highest"):
-        m32 = jaxinfer.load(path, dtype="float32", cache=cache_dir)
-        fp32 = _logit_diffs(m32, cases)
-        batched, g = _greedy(m32, cases)
-        fp32.update(g, tol=FP32_TOL)
-        fp32["pass"] = bool(fp32["max_logit_diff"] <= FP32_TOL and fp32["max_lse_diff"] <= FP32_TOL
-                            and fp32["argmax_agree"] == 1.0 and g["greedy_identical"])
-        res["fp32"] = fp32
-        ids, n_new = [c["ids"] for c in cases], len(cases[0]["greedy"])
-        alone = [jaxinfer.generate(m32, [i], max_new_tokens=len(cases[0]["greedy"]), stop_at_eos=False)
-                 .completions[0].token_ids for i in ids]
-        seeds = list(range(11, 11 + len(ids)))
-        samp = lambda p, s: [c.token_ids for c in jaxinfer.generate(
-            m32, p, seed=s, sampling=SAMPLED, max_new_tokens=n_new, stop_at_eos=False).completions]
-        s_batch, s_again = samp(ids, seeds), samp(ids, seeds)
-        s_alone = [samp([i], s)[0] for i, s in zip(ids, seeds)]
-        res["batch_vs_alone"] = {"greedy_identical": batched == alone, "sampled_identical": s_batch == s_alone,
-                                 "rows": len(ids)}
-        res["same_seed"] = {"identical": s_batch == s_again}
-    # bf16: the fp32 weights cast on device, as load(dtype="bfloat16") would (without re-reading)
-    m16 = dataclasses.replace(m32, config=m32.config.replace(dtype="bfloat16"),
-                              params=jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(
-                                  x.dtype, jnp.floating) else x, m32.params))
-    del m32
-    bf16 = _logit_diffs(m16, cases)
-    bf16.update(_greedy(m16, cases)[1], tol=BF16_TOL)
-    bf16["pass"] = bool(bf16["max_logit_diff"] <= BF16_TOL)
-    res["bf16"] = bf16
-    return res
-
-
-def correctness(args, preset, ctx, deadline) -> dict:
-    from jaxinfer.weights import hub
-
-    models, res, skipped = (args.models.split(",") if args.models else preset.models), {}, []
-    for name in models:
-        if name not in REAL_GOLDEN and not name.startswith("tiny_hf/"):
-            res[name] = {"error": f"unknown model {name!r}: use {sorted(REAL_GOLDEN)} or tiny_hf/<family>"}
-            continue
-        if name in REAL_GOLDEN and not (hub.cache_dir() / hub.known_model(name).filename).exists():
-            res[name] = {"status": f"not staged: {hub.known_model(name).filename} is not in {hub.cache_dir()}"}
-            continue
-        if time.perf_counter() > deadline:
-            skipped.append(name)
-            continue
-        t0 = time.perf_counter()
-        try:
-            res[name] = check_model(name, None)
-        except Exception as e:  # one model's failure must not hide the others'
-            res[name] = _err(e)
-        res[name]["seconds"] = time.perf_counter() - t0
-    checked = [r for r in res.values() if "fp32" in r]
-    return {"fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL, "models": res, "skipped_for_time": skipped,
-            "all_pass": bool(checked) and all(r["fp32"]["pass"] and r["bf16"]["pass"]
-                                              and r["batch_vs_alone"]["greedy_identical"]
-                                              and r["same_seed"]["identical"] for r in checked)}
 
 
 def matmul_flops(n: int, repeats: int, dtype: str) -> float:
@@ -319,11 +213,10 @@ def decode(args, preset, ctx, deadline) -> dict:
     base = SHORT[preset.dtype]  # "bf16" on the GPU
     variants = {base: lambda: (cfg, params), "int8kv": lambda: (cfg.replace(kv_dtype="int8"), params),
                 "int8": lambda: (cfg, jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8"))}
-    order = ([(base, b) for b in preset.batches[:1]] + [("int8", b) for b in preset.quant_batches]
-             + [(base, b) for b in preset.batches[1:]] + [("prefill", 1)]
-             + [("int8kv", b) for b in preset.quant_batches])
+    order = run_order(preset, base)
     last_s, built = 0.0, {}
-    for label, b in order:
+    last_use = {label: i for i, (label, _) in enumerate(order)}  # an int8 copy lives until then
+    for i, (label, b) in enumerate(order):
         if time.perf_counter() + 1.5 * last_s > deadline:
             res["skipped_for_time"].append(f"{label} batch {b}")
             continue
@@ -333,17 +226,31 @@ def decode(args, preset, ctx, deadline) -> dict:
                 res["prefill"] = prefill(cfg, params, preset, rng, peak)
             else:
                 if label not in built:
-                    built = {label: variants[label]()}  # one quantized copy alive at a time
+                    built[label] = variants[label]()
                 vcfg, vparams = built[label]
                 res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
                                               alive=base_bytes + (Q.weight_bytes(vparams) if label == "int8" else 0)))
         except Exception as e:  # an out-of-memory batch must not hide the others
             res["runs"].append({"label": label, "batch": b, **_err(e)})
+        if last_use[label] == i:
+            built.pop(label, None)
         last_s = time.perf_counter() - t0
     built.clear()
     gc.collect()
     res["ratios"] = _ratios(res["runs"], preset, base)
     return res
+
+
+def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
+    """(label, batch) in order of importance, so that a short budget drops the least useful sizes:
+    batch 1 of base and int8, then the int8 batches with their base peers, prefill, the other base
+    batches, the int8 KV cache."""
+    q = preset.quant_batches
+    first = [(base, preset.batches[0]), ("int8", q[0])]
+    for b in q[1:]:
+        first += [(base, b), ("int8", b)]
+    rest = [(base, b) for b in preset.batches if (base, b) not in first]
+    return first + [("prefill", 1)] + rest + [("int8kv", b) for b in q]
 
 
 def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict:
@@ -466,7 +373,10 @@ def main(argv=None) -> dict:
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         raise SystemExit(f"unknown section(s) {bad}; allowed: {', '.join(SECTIONS)}")
-    preset, out, budget = PRESETS[args.preset], Path(args.out), Budget(args.time_budget)
+    weights = dict(WEIGHTS)
+    if importlib.util.find_spec("jaxinfer.serve") is None:  # no engine: its share goes to the others
+        weights["serving"] = 0.0
+    preset, out, budget = PRESETS[args.preset], Path(args.out), Budget(args.time_budget, weights)
     report = {"preset": args.preset, "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                        time.gmtime()),
               "preset_values": dataclasses.asdict(preset), "sections": {}}
