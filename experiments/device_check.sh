@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The device check on a lent GPU machine (no network there): see experiments/device_check.py
+# for what it measures and experiments/device_stage.py for how the files travel.
+#
+#   experiments/device_check.sh --prepare [--models smollm2-135m,gemma3-270m]
+#       HERE, before the machine starts: the wheels the device image lacks into .device/whl and
+#       the GGUF files cut into chunks .device/parts/NN (one per call, under the 64 MiB a call
+#       carries); prints the calls to make.
+#   experiments/device_check.sh --stage-only
+#       ON THE DEVICE: install the carried wheels, stage the carried chunk, join complete files
+#       into $JAXINFER_CACHE, print jax.devices(). Quick: a call that only carries a chunk.
+#   experiments/device_check.sh [device_check.py arguments]
+#       ON THE DEVICE: the same, then the check; JSON, PNG and log go to $OUT (the device tool's
+#       folder that comes back), else experiments/out.
+# Staged chunks live in /tmp, which lasts only while the machine stays warm (30 s after a call).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--prepare" ]; then
+  shift
+  exec python3 experiments/device_stage.py prepare "$@"
+fi
+
+STAGE=${JAXINFER_STAGE:-/tmp/jaxinfer-stage}
+SITE=${JAXINFER_SITE:-/tmp/jaxinfer-site}
+export JAXINFER_CACHE=${JAXINFER_CACHE:-/tmp/jaxinfer-cache}
+if compgen -G ".device/whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .device/whl/*.whl || { echo "installing the carried wheels failed" >&2; exit 1; }
+fi
+# The repository's own jaxinfer first (it travels with every call), then the carried wheels.
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$STAGE"
+for d in .device/parts/*/; do
+  [ -d "$d" ] && cp -n "$d"* "$STAGE"/
+done
+python3 experiments/device_stage.py assemble --stage "$STAGE" --cache "$JAXINFER_CACHE"
+
+if [ "${1:-}" = "--stage-only" ]; then
+  python3 -c "import jax, gguf; print(jax.devices(), 'jax', jax.__version__)"
+  exit $?
+fi
+
+OUTDIR=${OUT:-experiments/out}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+python3 experiments/device_check.py --out "$OUTDIR/device_check.json" "$@" 2>&1 | tee "$OUTDIR/device_check.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,108 @@
+"""experiments/device_check.py on CPU with --preset tiny (the GPU run uses 8B shapes), so it never rots;
+and experiments/device_stage.py's chunking of model files for the device machine."""
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from experiments import device_check as dc
+from experiments import device_stage as ds
+from jaxinfer.inspect import roofline
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device") / "device_check.json"
+    # a generous budget: on a loaded CI machine the guard must not skip sizes (tested below)
+    report = dc.main(["--preset", "tiny", "--time-budget", "3600", "--out", str(out)])
+    return report, out
+
+
+def test_every_section_runs_and_is_written(tiny_run):
+    report, out = tiny_run
+    assert list(report["sections"]) == list(dc.SECTIONS)
+    for name, sec in report["sections"].items():
+        assert sec["ok"], f"{name}: {sec.get('error')}\n{sec.get('traceback')}"
+        assert sec["seconds"] >= 0
+    saved = json.loads(out.read_text())
+    assert saved["sections"].keys() == report["sections"].keys() and saved["preset"] == "tiny"
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    env = report["sections"]["environment"]
+    assert env["devices"] and env["versions"]["jax"] and env["speed_allowed"]
+
+
+def test_correctness_against_transformers_golden(tiny_run):
+    sec = tiny_run[0]["sections"]["correctness"]
+    r = sec["models"]["tiny_hf/gemma3"]
+    assert r["fp32"]["pass"] and r["fp32"]["max_logit_diff"] <= dc.FP32_TOL
+    assert r["fp32"]["argmax_agree"] == 1.0 and r["fp32"]["greedy_identical"]
+    assert 0 < r["bf16"]["max_logit_diff"] <= dc.BF16_TOL  # bf16 really rounds, within its tolerance
+    assert r["batch_vs_alone"]["greedy_identical"] and r["batch_vs_alone"]["sampled_identical"]
+    assert r["same_seed"]["identical"] and sec["all_pass"]
+
+
+def test_decode_rooflines_are_consistent(tiny_run):
+    d = tiny_run[0]["sections"]["decode"]
+    bw = d["bandwidth"]["roofline_GBps"] * 1e9
+    assert bw == max(d["bandwidth"]["copy_GBps"], d["bandwidth"]["read_GBps"]) * 1e9 > 0
+    runs = {(r["label"], r["batch"]): r for r in d["runs"]}
+    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8kv", 1)}, d["runs"]
+    for r in runs.values():
+        assert r["tok_s"] > 0 and 0 < r["pct_roofline"] <= 100, r
+        expect = roofline.decode_ceiling(bw, r["weight_bytes"], batch=r["batch"],
+                                         cache_bytes_per_row=r["kv_bytes_per_row"])
+        assert np.isclose(r["roofline_tok_s"], expect)
+    fp = runs[("fp32", 1)]
+    assert fp["weight_bytes"] == d["model"]["weight_bytes"]
+    assert runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]  # int8 codes + scales
+    assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
+    assert set(d["ratios"]) == {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "fp32_batch4_vs_batch1"}
+    p = d["prefill"]
+    assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and 0 < p["pct_peak"] <= 100
+    assert d["skipped_for_time"] == []
+
+
+def test_serving_and_compiles(tiny_run):
+    s = tiny_run[0]["sections"]
+    srv = s["serving"]
+    assert srv["status"].startswith("engine not available") if not srv["available"] else srv["runs"]
+    c = s["compiles"]
+    assert c["n_programs"] == sum(v["count"] for v in c["by_section"].values()) > 0
+    assert c["by_section"]["decode"]["count"] > 0 and c["compile_s"] > 0
+    if c["memory"]:  # accelerators report their allocator's peak
+        assert c["peak_over_predicted"] > 0
+
+
+def test_speed_refused_on_cpu_and_budget_skips_sizes(tmp_path):
+    rep = dc.main(["--preset", "h200", "--sections", "environment,decode,serving", "--out", str(tmp_path / "a.json")])
+    assert "GPU" in rep["sections"]["decode"]["skipped"] and "skipped" in rep["sections"]["serving"]
+    rep = dc.main(["--preset", "tiny", "--sections", "correctness,decode", "--time-budget", "0",
+                   "--out", str(tmp_path / "b.json")])
+    assert rep["sections"]["correctness"]["skipped_for_time"] == list(dc.PRESETS["tiny"].models)
+    d = rep["sections"]["decode"]
+    assert d["runs"] == [] and "prefill" not in d and d["skipped_for_time"] == ["everything"]
+
+
+def test_model_files_travel_in_chunks(tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(np.random.default_rng(0).bytes(10_000))
+    folders = ds.write_parts(src, tmp_path / "parts", 1, part_bytes=3_000)
+    assert [f.name for f in folders] == ["01", "02", "03", "04"]  # 4 chunks of 2,500 bytes
+    stage, cache = tmp_path / "stage", tmp_path / "cache"
+    stage.mkdir()
+    for f in folders[:3]:
+        for p in f.iterdir():
+            (stage / p.name).write_bytes(p.read_bytes())
+    assert ds.assemble(stage, cache) == {"m.gguf": "missing parts m.gguf.part03"}
+    (stage / "m.gguf.part03").write_bytes((folders[3] / "m.gguf.part03").read_bytes()[:-1] + b"x")
+    assert ds.assemble(stage, cache) == {"m.gguf": "sha256 mismatch"} and not list(cache.iterdir())
+    (stage / "m.gguf.part03").write_bytes((folders[3] / "m.gguf.part03").read_bytes())
+    assert ds.assemble(stage, cache) == {"m.gguf": "assembled"}
+    assert (cache / "m.gguf").read_bytes() == src.read_bytes()
+    assert ds.assemble(stage, cache) == {"m.gguf": "ready"}
+
+
+def test_wrapper_script_parses():
+    subprocess.run(["bash", "-n", str(dc.ROOT / "experiments" / "device_check.sh")], check=True)
