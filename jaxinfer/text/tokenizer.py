@@ -37,6 +37,7 @@ class TokenizerData:
     eos_id: Optional[int]
     chat_template: Optional[str]
     extra_eos_ids: tuple[int, ...] = ()
+    add_space_prefix: Optional[bool] = None  # `tokenizer.ggml.add_space_prefix`; None: not in the file
 
 
 class TokenizerError(ValueError):
@@ -100,6 +101,7 @@ class Tokenizer:
     stop_ids: tuple[int, ...] = ()  # ids that end a generation (eos and friends)
     chat_template: Optional[str] = None
     vocab_size: Optional[int] = None  # ids the model knows; None = all of the encoding's
+    template_tokens: tuple[tuple[str, str], ...] = ()  # (("bos_token", "<s>"), ...) from tokenizer_config.json
 
     @property
     def n_vocab(self) -> int:
@@ -126,21 +128,24 @@ class Tokenizer:
         """The bytes each token stands for."""
         return [self.encoding.decode_single_token_bytes(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own chat template (ChatML for SmolLM2).
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Render a conversation with the model's own chat template, as transformers'
+        `apply_chat_template(..., tokenize=False)` does (see `jaxinfer.text.chat`).
 
         Args:
           messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
           add_generation_prompt: end with the assistant header so the model answers.
+          **kwargs: `tools`, `documents` or extra template variables (e.g. `date_string`).
         """
+        from jaxinfer.text import chat
+
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_id), eos_token=self._special_text(self.eos_id))
+        special = {"bos_token": self._special_text(self.bos_id), "eos_token": self._special_text(self.eos_id),
+                   **dict(self.template_tokens)}
+        return chat.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=special, **kwargs)
 
     def _special_text(self, i: Optional[int]) -> str:
         if i is None:
