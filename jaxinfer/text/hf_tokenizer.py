@@ -23,14 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import lzma
-import os
 import unicodedata
 from typing import AbstractSet, Collection, Literal, Optional, Union
 
 import regex
 import tiktoken
 
-from jaxinfer.text import chat
 from jaxinfer.text import spm
 from jaxinfer.text.tokenizer import _GPT2, Tokenizer, TokenizerError, _byte_decoder, _check_merge_order
 
@@ -186,8 +184,8 @@ def from_tokenizer_json(tj: dict, *, tokenizer_config: Optional[dict] = None,
     elif any(p.get("type") == "ByteLevel" for p in pre):
         tok = _byte_level(tj, model, pre, norms, cfg, name)
     else:
-        raise TokenizerError("BPE with neither a ByteLevel pre-tokenizer nor SentencePiece-style "
-                             "Metaspace/byte_fallback is not supported")
+        raise TokenizerError(f"BPE with pre-tokenizer {[p.get('type') for p in pre]} is not supported: jaxinfer "
+                             "needs a ByteLevel step (byte-level BPE) or SentencePiece-style Metaspace/byte_fallback")
     stop = set(tok.stop_ids)
     eos = (generation_config or {}).get("eos_token_id")
     stop.update(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int))
@@ -336,20 +334,3 @@ def _sentencepiece(tj, model, pre, norms, cfg, name) -> spm.SentencePieceTokeniz
     bos_id, eos_id, add_bos = _special_ids(tj, cfg, id_of)
     return spm.build(tokens, types, priority, bos_id=bos_id, eos_id=eos_id, prefix=prefix, name=name,
                      add_bos=add_bos)
-
-
-def from_folder(path: str, name: Optional[str] = None) -> Tokenizer:
-    """The tokenizer of a Hugging Face folder: tokenizer.json (+ tokenizer_config.json,
-    chat_template.jinja, generation_config.json when present)."""
-    tj_path = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(tj_path):
-        raise FileNotFoundError(f"{path} has no tokenizer.json (jaxinfer does not read tokenizer.model / vocab.json)")
-
-    def optional(f):
-        p = os.path.join(path, f)
-        return read_json(p) if os.path.exists(p) else None
-
-    return from_tokenizer_json(read_json(tj_path), tokenizer_config=optional("tokenizer_config.json"),
-                               generation_config=optional("generation_config.json"),
-                               chat_template=chat.read_folder_template(path),
-                               name=name or os.path.basename(os.path.normpath(path)))

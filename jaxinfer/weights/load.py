@@ -82,16 +82,23 @@ def _load_folder(path: str, dtype: str, progress) -> Model:
     from jaxinfer.weights import checkpoint
     from jaxinfer.weights import hf as hf_io
 
+    hf_tokenizer = None
     if checkpoint.is_checkpoint(path):
         cfg, params, tdata = checkpoint.restore(path, dtype)
         name = cfg.name
     elif hf_io.is_hf_folder(path):
+        if os.path.exists(os.path.join(path, "tokenizer.json")):  # read first: a refused tokenizer fails fast
+            from jaxinfer.weights.load_tokenizer import hf_file_tokenizer
+
+            hf_tokenizer = hf_file_tokenizer(os.path.join(path, "tokenizer.json"))
         cfg = hf_io.read_config(path).replace(dtype=dtype)
         params, tdata, name = to_device(hf_io.read_params(path, cfg, progress), dtype), None, cfg.name
     else:
         raise checkpoint.CheckpointError(
             f"{path} is neither a finished jaxinfer checkpoint (it has no {checkpoint.MARKER}) nor a "
             "Hugging Face model folder (config.json + *.safetensors)")
+    if hf_tokenizer is not None:
+        return Model(config=cfg, params=params, tokenizer=hf_tokenizer)
     return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, name))
 
 

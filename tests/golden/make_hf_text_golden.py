@@ -123,6 +123,15 @@ BYTE_LEVEL_VARIANTS = {
         {"type": "Split", "pattern": {"Regex": r" ?[^\s\p{L}\p{N}]+|\s+"}, "behavior": "Isolated", "invert": False},
         _BL]}),
 }
+# llama.cpp's multi-step pre-tokenizers (src/llama-vocab.cpp, `regex_exprs`), as the Split steps
+# they stand for: each regex isolates its matches in turn, then bytes are mapped (no regex).
+GPT2_NO_TAIL = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMACPP_STEPS = {
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", GPT2_NO_TAIL, r"[0-9][0-9][0-9]"],
+}
+for _name, _steps in LLAMACPP_STEPS.items():
+    BYTE_LEVEL_VARIANTS["llamacpp_" + _name] = (None, {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in _steps] + [_BL_NOREGEX]})
 
 
 def hf_ids(tokenizer_json: str, texts: list[str]) -> list[list[int]]:
