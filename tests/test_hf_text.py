@@ -83,8 +83,15 @@ def test_pretokenizer_and_normalizer_steps_match_hf(smol_json, golden, variant):
 
 
 @pytest.fixture(scope="module")
-def smol_gguf_data(smollm2_path):
-    return gguf_io.read_tokenizer(gguf_io._open(smollm2_path))
+def smol_gguf_data(smol_json):
+    """SmolLM2's GGUF tokenizer data (`tokenizer.ggml.*`), as transformers copied it into tokenizer.json."""
+    vocab = smol_json["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    control = {t["id"] for t in smol_json["added_tokens"]}
+    return tk.TokenizerData(model="gpt2", pre="smollm", tokens=tokens,
+                            token_types=[3 if i in control else 1 for i in range(len(tokens))],
+                            merges=[" ".join(m) for m in smol_json["model"]["merges"]], scores=None,
+                            bos_id=1, eos_id=2, chat_template=None)
 
 
 @pytest.mark.parametrize("pre,variant,nfc_only", [
