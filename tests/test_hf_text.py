@@ -9,6 +9,7 @@ import dataclasses
 import json
 import lzma
 import os
+import re
 import shutil
 import unicodedata
 
@@ -195,7 +196,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("base,edit,reason", REFUSALS, ids=[r[2] for r in REFUSALS])
 def test_refused_with_the_component_named(smol_json, spm_json, base, edit, reason):
-    with pytest.raises(tk.TokenizerError, match=reason.replace("(", r"\(").replace("'", "'")):
+    with pytest.raises(tk.TokenizerError, match=re.escape(reason)):
         hf_tokenizer.from_tokenizer_json(edit(smol_json if base == "smol" else spm_json))
 
 
@@ -214,7 +215,7 @@ def test_chat_templates_match_transformers():
                           tools=conv.get("tools"), **extra)
             if "error" in row:  # the template's raise_exception: same message, our error type
                 message = row["error"].split(": ", 1)[1]
-                with pytest.raises(chat.ChatTemplateError, match=message[:40].replace("(", r"\(").replace(".", r"\.")):
+                with pytest.raises(chat.ChatTemplateError, match=re.escape(message)):
                     chat.render(t["template"], conv["messages"], **kwargs)
             else:
                 assert chat.render(t["template"], conv["messages"], **kwargs) == row["text"], (name, k)
@@ -272,3 +273,19 @@ def test_load_hf_folder_gets_its_tokenizer(smol_folder, tmp_path):
     m = jaxinfer.load(str(d))
     assert m.tokenizer is not None and m.tokenizer.stop_ids == (0, 2)
     assert m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+
+
+def test_bos_from_the_post_processor_or_tokenizer_config():
+    """Llama 3 style: a Sequence post-processor whose TemplateProcessing puts <|begin_of_text|>
+    first means the model wants BOS; tokenizer_config's add_bos_token, when given, decides."""
+    tj = {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+          "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+          "added_tokens": [{"id": 1, "content": "<|begin_of_text|>", "special": True}],
+          "post_processor": {"type": "Sequence", "processors": [{"type": "ByteLevel"}, {
+              "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                                                       {"Sequence": {"id": "A", "type_id": 0}}]}]}}
+    cfg = {"bos_token": "<|begin_of_text|>"}
+    tok = hf_tokenizer.from_tokenizer_json(tj, tokenizer_config=cfg)
+    assert (tok.add_bos, tok.bos_id) == (True, 1)
+    assert tok.encode("a<|begin_of_text|>a") == [0, 1, 0]  # encode itself never adds BOS
+    assert not hf_tokenizer.from_tokenizer_json(tj, tokenizer_config={**cfg, "add_bos_token": False}).add_bos

@@ -198,9 +198,11 @@ def from_tokenizer_json(tj: dict, *, tokenizer_config: Optional[dict] = None,
 def _special_ids(tj: dict, cfg: dict, id_of: dict[str, int]) -> tuple[Optional[int], Optional[int], bool]:
     bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
     bos_id, eos_id = id_of.get(bos) if bos else None, id_of.get(eos) if eos else None
-    single = ((tj.get("post_processor") or {}).get("single") or [{}])
-    first = single[0].get("SpecialToken", {}).get("id") if single else None
-    add_bos = bool(cfg.get("add_bos_token")) or (first is not None and first == bos)
+    first = None  # the special token the post-processor puts before a single text
+    for proc in _flatten(tj.get("post_processor"), "processors"):
+        if proc.get("type") == "TemplateProcessing" and proc.get("single"):
+            first = proc["single"][0].get("SpecialToken", {}).get("id") or first
+    add_bos = bool(cfg["add_bos_token"]) if "add_bos_token" in cfg else first is not None and first == bos
     if add_bos and bos_id is None and first is not None:
         bos_id = id_of.get(first)
     return bos_id, eos_id, add_bos and bos_id is not None
