@@ -21,6 +21,7 @@ listed above) raises `TokenizerError` naming the component: never an approximate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import lzma
 import unicodedata
@@ -104,10 +105,12 @@ class HFTokenizer(Tokenizer):
         return ids
 
 
+@functools.lru_cache(maxsize=64)
 def _compiled(pattern: str) -> "regex.Pattern":
     return regex.compile(pattern)
 
 
+@functools.lru_cache(maxsize=64)
 def _alternation(contents: tuple[str, ...]) -> "regex.Pattern":
     # Longest first: at the leftmost position the longest added token wins (leftmost-longest).
     return regex.compile("|".join(regex.escape(c) for c in sorted(contents, key=len, reverse=True)))

@@ -32,6 +32,7 @@ is measured in experiments/tokenizer_gemma.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
 
 import regex
@@ -43,6 +44,11 @@ from jaxinfer.text.tokenizer import Tokenizer, TokenizerError
 SPACE = "\u2581"  # ▁, SentencePiece's space
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
 PREFIX_RULES = ("never", "first", "each")
+
+
+@functools.lru_cache(maxsize=16)
+def _alternation(alts: tuple[str, ...]) -> "regex.Pattern":
+    return regex.compile("|".join(regex.escape(a) for a in alts))
 
 
 def _token_bytes(tok: str, ttype: int) -> bytes:
@@ -84,9 +90,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _added_pattern(self, allowed_special) -> Optional["regex.Pattern"]:
         allowed = self.special_of_id.values() if allowed_special == "all" else allowed_special
-        alts = sorted({*self.added_texts, *(t for t in allowed if t in self.encoding._special_tokens)},
-                      key=len, reverse=True)
-        return regex.compile("|".join(regex.escape(a) for a in alts)) if alts else None
+        alts = tuple(sorted({*self.added_texts, *(t for t in allowed if t in self.encoding._special_tokens)},
+                            key=len, reverse=True))
+        return _alternation(alts) if alts else None
 
     def _added_at(self, text: str, allowed_special) -> Optional[int]:
         """Length of the added token `text` starts with, or None."""
