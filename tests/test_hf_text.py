@@ -98,7 +98,8 @@ def smol_gguf_data(smol_json):
 @pytest.mark.parametrize("pre,variant,nfc_only", [
     ("gpt-2", "bytelevel", False), ("mpt", "bytelevel", False), ("starcoder", "digits_bytelevel", False),
     ("refact", "digits_bytelevel", False), ("smollm", "digits_bytelevel", False),
-    ("llama-bpe", "split_llama3", False), ("qwen2", "split_qwen2_nfc", True), ("falcon", "llamacpp_falcon", False),
+    ("llama-bpe", "split_llama3", False), ("qwen2", "split_qwen2_nfc", True), ("tekken", "split_tekken", False),
+    ("falcon", "llamacpp_falcon", False),
 ])
 def test_gguf_pretokenizer_names_match_their_hf_steps(smol_gguf_data, golden, pre, variant, nfc_only):
     """llama.cpp's names map to the splits they stand for (checked on SmolLM2's vocabulary).
@@ -110,8 +111,10 @@ def test_gguf_pretokenizer_names_match_their_hf_steps(smol_gguf_data, golden, pr
 
 
 def test_every_gguf_pretokenizer_name_is_a_checked_pattern():
-    checked = {tk._GPT2, tk._SMOLLM, tk._LLAMA3, tk._QWEN2}
-    assert set(tk.PRETOKENIZER_PATTERNS.values()) - checked == {tk._TEKKEN}  # tekken: HF's own regex, verbatim
+    """Each name maps to one of the patterns checked above (every alias shares a checked pattern)."""
+    checked = {tk._GPT2, tk._SMOLLM, tk._LLAMA3, tk._QWEN2, tk._TEKKEN}
+    assert set(tk.PRETOKENIZER_PATTERNS.values()) == checked
+    assert set(tk.PRETOKENIZER_STEPS) == {"falcon"}
 
 
 def test_gguf_refusals_name_what_exists(smol_gguf_data):

@@ -107,8 +107,10 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, dict):
         return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value) if isinstance(value, tuple) else [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     if isinstance(value, str):  # subclasses (enums, numpy scalars) carry methods: keep the base value
         return str.__str__(value)
     if isinstance(value, (int, float)):

@@ -109,6 +109,9 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _BL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
 _BL_NOREGEX = dict(_BL, use_regex=False)
 BYTE_LEVEL_VARIANTS = {
@@ -118,6 +121,8 @@ BYTE_LEVEL_VARIANTS = {
         {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False}, _BL_NOREGEX]}),
     "split_qwen2_nfc": ({"type": "NFC"}, {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False}, _BL_NOREGEX]}),
+    "split_tekken": (None, {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": TEKKEN_SPLIT}, "behavior": "Isolated", "invert": False}, _BL_NOREGEX]}),
     "digits_grouped_split": (None, {"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": False},
         {"type": "Split", "pattern": {"Regex": r" ?[^\s\p{L}\p{N}]+|\s+"}, "behavior": "Isolated", "invert": False},
