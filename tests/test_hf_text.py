@@ -292,3 +292,16 @@ def test_bos_from_the_post_processor_or_tokenizer_config():
     assert (tok.add_bos, tok.bos_id) == (True, 1)
     assert tok.encode("a<|begin_of_text|>a") == [0, 1, 0]  # encode itself never adds BOS
     assert not hf_tokenizer.from_tokenizer_json(tj, tokenizer_config={**cfg, "add_bos_token": False}).add_bos
+
+
+def test_load_tokenizer_from_a_checkpoint_folder(tmp_path, golden):
+    """A checkpoint's tokenizer.json is jaxinfer's TokenizerData (as checkpoint.save writes it),
+    not Hugging Face's: the marker decides which reader runs."""
+    from jaxinfer.weights import checkpoint
+
+    data = gguf_io.read_tokenizer(gguf_io._open(TINY_GGUF))
+    (tmp_path / checkpoint.TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(data)))
+    (tmp_path / checkpoint.MARKER).write_text("{}")
+    tok = jaxinfer.load_tokenizer(str(tmp_path))
+    rows = list(zip(golden["corpus"], golden["vocabs"]["tinyspm_sentencepiece"]["ids"]))[:200]
+    assert all(tok.encode(s) == ids for s, ids in rows if not any(a in s for a in ADDED_TEXT))
