@@ -56,7 +56,8 @@ def smol_folder(tmp_path_factory):
 def agreement(tok, golden, key, keep=lambda s: True):
     """(identical, compared, first mismatches) of `tok` against the golden ids `key`."""
     rows = [(s, ids) for s, ids in zip(golden["corpus"], golden["vocabs"][key]["ids"]) if keep(s)]
-    bad = [(s, tok.encode(s), ids) for s, ids in rows if tok.encode(s) != ids]
+    ours = [tok.encode(s) for s, _ in rows]
+    bad = [(s, o, ids) for (s, ids), o in zip(rows, ours) if o != ids]
     print(f"{key}: {len(rows) - len(bad)}/{len(rows)} strings identical")
     return len(rows) - len(bad), len(rows), bad[:3]
 

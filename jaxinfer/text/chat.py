@@ -115,7 +115,8 @@ def _plain(value: Any) -> Any:
         return str.__str__(value)
     if isinstance(value, (int, float)):
         return float(value) if isinstance(value, float) else int(value)
-    raise TypeError(f"chat template data must be JSON-like (dict, list, str, number, bool, None), got {type(value).__name__}")
+    raise TypeError("chat template data must be JSON-like (dict, list, str, number, bool, None), "
+                    f"got {type(value).__name__}")
 
 
 def render(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = False,
@@ -154,7 +155,8 @@ def select(template: Union[str, list, dict, None], name: Optional[str] = None) -
     if isinstance(template, list):
         template = {t["name"]: t["template"] for t in template}
     if not isinstance(template, dict):
-        raise ChatTemplateError(f"chat_template must be a string or a list of named templates, got {type(template).__name__}")
+        raise ChatTemplateError("chat_template must be a string or a list of named templates, "
+                                f"got {type(template).__name__}")
     key = name or "default"
     if key not in template:
         raise ChatTemplateError(f"no chat template named {key!r}; this model has {sorted(template)}")
