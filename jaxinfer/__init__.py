@@ -20,9 +20,10 @@ from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
 from jaxinfer.weights.load import load
+from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "Model", "load", "attention", "GREEDY", "SamplingParams", "sample",
+           "generate", "logits", "Model", "load", "load_tokenizer", "attention", "GREEDY", "SamplingParams", "sample",
            "speculative", "sharding", "quantize", "layout"]
 __version__ = "0.1.0"

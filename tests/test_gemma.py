@@ -86,6 +86,18 @@ def test_tokenizer_matches_hf(gemma):
             assert tok.decode(tok.encode(r["text"])) == r["text"]
 
 
+def test_tokenizer_matches_hf_on_the_text_corpus(gemma):
+    """The 2,196-string corpus of tests/golden/make_hf_text_golden.py (HF ids from the GGUF)."""
+    import lzma
+
+    with lzma.open(os.path.join(GOLDEN, "hf_text", "ids.json.xz"), "rt", encoding="utf-8") as f:
+        g = json.load(f)
+    rows = list(zip(g["corpus"], g["vocabs"]["gemma3_gguf"]["ids"]))
+    bad = [s for s, ids in rows if gemma.tokenizer.encode(s) != ids]
+    print(f"gemma3 GGUF tokenizer: {len(rows) - len(bad)}/{len(rows)} corpus strings identical to HF")
+    assert not bad, bad[:3]
+
+
 def test_tokenizer_golden_pieces(gemma):
     tok = gemma.tokenizer
     ids = tok.encode("Hello world!\n\n<start_of_turn>user")

@@ -1,9 +1,12 @@
-"""SentencePiece-style BPE (Gemma) expressed as a tiktoken.Encoding.
+"""SentencePiece-style BPE (Llama 2, Mistral, Gemma) expressed as a tiktoken.Encoding.
 
-A Gemma GGUF stores a SentencePiece BPE vocabulary: tokens with scores, `<0xNN>` byte-fallback
-tokens, no merges list, "▁" for a space, and no pre-tokenizer (the whole text is one word). Its
-merge priority is the token's position in the file (transformers rebuilds the merges that way,
-and the scores agree for all but a handful of tokens). SentencePiece merges *characters*;
+A SentencePiece BPE vocabulary (a `llama` GGUF, or a tokenizer.json with Metaspace / "▁" and
+byte_fallback) has tokens, `<0xNN>` byte-fallback tokens, "▁" for a space and no pre-tokenizer
+(the whole text is one word). Its merge priority comes from the file: a GGUF ranks by score
+(higher first, as SentencePiece and llama.cpp do; Llama 2's whitespace-run pieces have low ids and
+score -1e9), a tokenizer.json by its merges list. The leading space is also the file's: GGUF
+`add_space_prefix`, tokenizer.json's Metaspace prepend_scheme or Prepend normalizer (`build`'s
+`prefix`). SentencePiece merges *characters*;
 tiktoken merges *bytes*. To make the two agree we give tiktoken ranks in three bands:
 
   1. the 256 single bytes;
@@ -11,7 +14,7 @@ tiktoken merges *bytes*. To make the two agree we give tiktoken ranks in three b
      ranks): characters form before any other merge, as if the text had been split into
      characters first -- a byte can only ever merge with the rest of its own character, so
      nothing else changes;
-  3. every longer token, in file (= merge priority) order.
+  3. every longer token, in merge-priority order.
 
 tiktoken's output is ranks, so a table maps each rank back to the Gemma id; leftover single bytes
 and synthetic prefixes (a character the vocabulary lacks) become `<0xNN>` byte-fallback ids,
@@ -29,6 +32,7 @@ is measured in experiments/tokenizer_gemma.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
 
 import regex
@@ -39,6 +43,12 @@ from jaxinfer.text.tokenizer import Tokenizer, TokenizerError
 
 SPACE = "\u2581"  # ▁, SentencePiece's space
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+PREFIX_RULES = ("never", "first", "each")
+
+
+@functools.lru_cache(maxsize=16)
+def _alternation(alts: tuple[str, ...]) -> "regex.Pattern":
+    return regex.compile("|".join(regex.escape(a) for a in alts))
 
 
 def _token_bytes(tok: str, ttype: int) -> bytes:
@@ -55,6 +65,8 @@ class SentencePieceTokenizer(Tokenizer):
     bytes_of_id: tuple[bytes, ...] = dataclasses.field(default=(), repr=False, compare=False)
     special_of_id: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     add_bos: bool = True  # Gemma expects <bos> first; `generate` prepends it to text prompts
+    prefix: str = "never"  # the leading-space rule: "never", "first" or "each" (see `build`)
+    added_texts: tuple[str, ...] = ()  # user-defined tokens, longest first
 
     @property
     def n_vocab(self) -> int:
@@ -63,16 +75,49 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str, *, allowed_special: Union[Literal["all"], AbstractSet[str]] = "all",
                disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> list[int]:
         """Token ids of `text` (no BOS; generate adds it when the model wants one)."""
-        ranks = self.encoding.encode(text.replace(SPACE, " "), allowed_special=allowed_special,
+        text = text.replace(SPACE, " ")
+        if self.prefix == "first" and text and not text.startswith(" "):
+            if self._added_at(text, allowed_special) is None:
+                text = " " + text
+        elif self.prefix == "each":
+            text = self._space_each_stretch(text, allowed_special)
+        ranks = self.encoding.encode(text, allowed_special=allowed_special,
                                      disallowed_special=disallowed_special)
         out: list[int] = []
         for r in ranks:
             out.extend(self.ids_of_rank[r])
         return out
 
+    def _added_pattern(self, allowed_special) -> Optional["regex.Pattern"]:
+        allowed = self.special_of_id.values() if allowed_special == "all" else allowed_special
+        alts = tuple(sorted({*self.added_texts, *(t for t in allowed if t in self.encoding._special_tokens)},
+                            key=len, reverse=True))
+        return _alternation(alts) if alts else None
+
+    def _added_at(self, text: str, allowed_special) -> Optional[int]:
+        """Length of the added token `text` starts with, or None."""
+        pat = self._added_pattern(allowed_special)
+        m = pat.match(text) if pat is not None else None
+        return None if m is None else m.end()
+
+    def _space_each_stretch(self, text: str, allowed_special) -> str:
+        """A space before the text and after each added token, where text follows."""
+        pat = self._added_pattern(allowed_special)
+        parts, pos = [], 0
+        for m in (pat.finditer(text) if pat is not None else ()):
+            if m.start() > pos:
+                parts.append(" " + text[pos:m.start()])
+            parts.append(m.group())
+            pos = m.end()
+        if pos < len(text):
+            parts.append(" " + text[pos:])
+        return "".join(parts)
+
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`; invalid UTF-8 (a lone byte-fallback token) becomes U+FFFD."""
-        return b"".join(self.pieces(ids)).decode("utf-8", errors="replace")
+        """Text of `ids`; invalid UTF-8 (a lone byte-fallback token) becomes U+FFFD. Where the
+        encoder adds a leading space, one leading space is dropped (the Strip/Metaspace decoder)."""
+        text = b"".join(self.pieces(ids)).decode("utf-8", errors="replace")
+        return text[1:] if self.prefix != "never" and text.startswith(" ") else text
 
     def pieces(self, ids: Sequence[int]) -> list[bytes]:
         """The bytes each token stands for (special tokens: their text)."""
@@ -87,7 +132,12 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer:
-    """The tiktoken-backed tokenizer of a SentencePiece BPE GGUF vocabulary (Gemma).
+    """The tiktoken-backed tokenizer of a SentencePiece BPE GGUF vocabulary (Llama 2, Mistral, Gemma).
+
+    As llama.cpp reads these files: merge priority is the token's score (higher first, ties to the
+    lower id; where the file has no scores, the id), and `tokenizer.ggml.add_space_prefix`
+    (default true, Gemma's files say false) puts a space before the text and after every
+    special or user-defined token.
 
     Args:
       data: `tokenizer.ggml.*` data with model "llama" and byte-fallback tokens.
@@ -95,7 +145,36 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer
     """
     if data.model != "llama":
         raise TokenizerError(f"tokenizer model {data.model!r} is not SentencePiece ('llama')")
-    toks, types = data.tokens, data.token_types
+    scores = data.scores or [0.0] * len(data.tokens)
+    # User-defined tokens go first: llama.cpp matches them whole before any merge. (Gemma's runs
+    # of spaces are user-defined with a placeholder score of -1000; as merges they must come
+    # before the ordinary pieces they are made of.)
+    types = data.token_types
+    priority = sorted(range(len(data.tokens)), key=lambda i: (types[i] != _USER_DEFINED, -scores[i], i))
+    prefix = "each" if data.add_space_prefix in (None, True) else "never"
+    return build(data.tokens, data.token_types, priority, bos_id=data.bos_id, eos_id=data.eos_id,
+                 extra_stop_ids=data.extra_eos_ids, chat_template=data.chat_template, prefix=prefix, name=name)
+
+
+def build(tokens: Sequence[str], types: Sequence[int], priority: Sequence[int], *, bos_id: Optional[int],
+          eos_id: Optional[int], extra_stop_ids: Sequence[int] = (), chat_template: Optional[str] = None,
+          prefix: str = "never", name: str = "spm", add_bos: bool = True,
+          template_tokens: tuple = ()) -> SentencePieceTokenizer:
+    """A SentencePiece BPE vocabulary as a tiktoken.Encoding (the three rank bands of the module doc).
+
+    Args:
+      tokens: pieces by id ("▁" for a space, "<0xNN>" for byte-fallback pieces).
+      types: GGUF token type per id (1 normal, 3 control, 4 user-defined, 6 byte; others unused).
+      priority: token ids, highest merge priority first; a normal token missing from it is never
+        formed by a merge (only single characters are).
+      prefix: "never", "first" (a space before the text unless it starts with a space or an added
+        token: Metaspace prepend_scheme="first") or "each" (a space before every stretch of text
+        between added tokens: SentencePiece's dummy prefix as llama.cpp applies it, and the legacy
+        Prepend("▁") normalizer).
+    """
+    if prefix not in PREFIX_RULES:
+        raise ValueError(f"prefix must be one of {PREFIX_RULES}, got {prefix!r}")
+    toks = list(tokens)
     if sum(t == _BYTE for t in types) != 256:
         raise TokenizerError("a SentencePiece vocabulary needs all 256 <0xNN> byte-fallback tokens")
     byte_id = {}
@@ -141,9 +220,11 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer
             ids_of_rank[ranks[b]] = (i,)
         else:
             add(b, (i,))
-    # Band 3: longer tokens in merge-priority (file) order, then user-defined tokens.
-    for b, i in sorted(((b, i) for b, i in normal.items() if b not in ranks), key=lambda bi: bi[1]):
-        add(b, (i,))
+    # Band 3: longer tokens in merge-priority order, then user-defined tokens.
+    for i in priority:
+        b = bytes_of_id[i]
+        if normal.get(b) == i and b not in ranks:
+            add(b, (i,))
     for b, i in added.items():
         if b in ranks:
             ids_of_rank[ranks[b]] = (i,)
@@ -160,12 +241,14 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer
     alt = "|".join(regex.escape(a) for a in alts)
     pat = f"(?:{alt})|(?:(?!{alt})[\\s\\S])+" if alts else r"[\s\S]+"
     enc = tiktoken.Encoding(name=name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special_ranks)
-    eos = data.eos_id
-    stop = tuple(sorted({i for i in (eos, specials.get("<end_of_turn>"), *data.extra_eos_ids) if i is not None}))
-    return SentencePieceTokenizer(encoding=enc, bos_id=data.bos_id, eos_id=eos, stop_ids=stop,
-                                  chat_template=data.chat_template or GEMMA_CHAT_TEMPLATE,
-                                  vocab_size=len(toks), ids_of_rank=tuple(ids_of_rank),
-                                  bytes_of_id=bytes_of_id, special_of_id={i: t for t, i in specials.items()})
+    stop = tuple(sorted({i for i in (eos_id, specials.get("<end_of_turn>"), *extra_stop_ids) if i is not None}))
+    if chat_template is None and "<start_of_turn>" in specials:
+        chat_template = GEMMA_CHAT_TEMPLATE
+    return SentencePieceTokenizer(encoding=enc, bos_id=bos_id, eos_id=eos_id, stop_ids=stop,
+                                  chat_template=chat_template, vocab_size=len(toks), template_tokens=template_tokens,
+                                  ids_of_rank=tuple(ids_of_rank), bytes_of_id=bytes_of_id,
+                                  special_of_id={i: t for t, i in specials.items()}, add_bos=add_bos,
+                                  prefix=prefix, added_texts=tuple(alts))
 
 
 # Gemma's chat format (the GGUF carries no template): turns in <start_of_turn>role ... <end_of_turn>,

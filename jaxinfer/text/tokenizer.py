@@ -37,19 +37,41 @@ class TokenizerData:
     eos_id: Optional[int]
     chat_template: Optional[str]
     extra_eos_ids: tuple[int, ...] = ()
+    add_space_prefix: Optional[bool] = None  # `tokenizer.ggml.add_space_prefix`; None: not in the file
 
 
 class TokenizerError(ValueError):
     """The tokenizer data cannot be expressed exactly as a tiktoken.Encoding."""
 
 
-# Pre-tokenizer regexes, by the name a GGUF stores in `tokenizer.ggml.pre`.
+# Pre-tokenizer regexes, by the name a GGUF stores in `tokenizer.ggml.pre` (llama.cpp's
+# src/llama-vocab.cpp maps the same names to the same splits). One pattern covering all text:
 # GPT-2's byte-level split (Hugging Face ByteLevel(use_regex=True)):
 _GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # SmolLM2 = Digits(individual_digits=True) then ByteLevel: each digit is its own piece, so a
 # digit never takes a leading space, and a whitespace run before a digit stays one piece.
 _SMOLLM = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
-PRETOKENIZER_PATTERNS = {"gpt2": _GPT2, "default": _GPT2, "smollm": _SMOLLM}
+_LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+           r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+          r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_TEKKEN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+           r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+           r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRETOKENIZER_PATTERNS = {
+    **dict.fromkeys(("gpt2", "gpt-2", "default", "mpt", "olmo", "jais"), _GPT2),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), _SMOLLM),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3", "chatglm-bpe"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _QWEN2),
+    "tekken": _TEKKEN,
+}
+# Several steps, applied in order, each isolating its matches (text between matches stays a piece).
+_GPT2_NO_TAIL = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+# (deepseek-llm's steps hold a 500-character letter class that could not be checked here against
+# its tokenizer.json: refused as unknown rather than guessed.)
+PRETOKENIZER_STEPS = {
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_NO_TAIL, r"[0-9][0-9][0-9]"),
+}
 
 # tiktoken's published patterns and special tokens (tiktoken_ext/openai_public.py).
 _CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
@@ -100,6 +122,7 @@ class Tokenizer:
     stop_ids: tuple[int, ...] = ()  # ids that end a generation (eos and friends)
     chat_template: Optional[str] = None
     vocab_size: Optional[int] = None  # ids the model knows; None = all of the encoding's
+    template_tokens: tuple[tuple[str, str], ...] = ()  # (("bos_token", "<s>"), ...) from tokenizer_config.json
 
     @property
     def n_vocab(self) -> int:
@@ -126,21 +149,24 @@ class Tokenizer:
         """The bytes each token stands for."""
         return [self.encoding.decode_single_token_bytes(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own chat template (ChatML for SmolLM2).
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Render a conversation with the model's own chat template, as transformers'
+        `apply_chat_template(..., tokenize=False)` does (see `jaxinfer.text.chat`).
 
         Args:
           messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
           add_generation_prompt: end with the assistant header so the model answers.
+          **kwargs: `tools`, `documents` or extra template variables (e.g. `date_string`).
         """
+        from jaxinfer.text import chat
+
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_id), eos_token=self._special_text(self.eos_id))
+        special = {"bos_token": self._special_text(self.bos_id), "eos_token": self._special_text(self.eos_id),
+                   **dict(self.template_tokens)}
+        return chat.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=special, **kwargs)
 
     def _special_text(self, i: Optional[int]) -> str:
         if i is None:
@@ -151,11 +177,12 @@ class Tokenizer:
 def from_gguf(data: TokenizerData, name: str = "gguf") -> Tokenizer:
     """A tiktoken-backed tokenizer from a GGUF's byte-level BPE (`tokenizer.ggml.model == "gpt2"`)."""
     if data.model != "gpt2":
-        raise TokenizerError(f"tokenizer model {data.model!r} is not byte-level BPE ('gpt2'); "
-                             "SentencePiece tokenizers need jaxinfer.tokenizer.from_sentencepiece_gguf")
+        raise TokenizerError(f"tokenizer model {data.model!r} is not byte-level BPE ('gpt2'); SentencePiece "
+                             "vocabularies ('llama') are read by jaxinfer.text.spm.from_gguf")
     pre = data.pre or "default"
-    if pre not in PRETOKENIZER_PATTERNS:
-        raise TokenizerError(f"unknown pre-tokenizer {pre!r}; known: {', '.join(sorted(PRETOKENIZER_PATTERNS))}")
+    if pre not in PRETOKENIZER_PATTERNS and pre not in PRETOKENIZER_STEPS:
+        known = sorted({*PRETOKENIZER_PATTERNS, *PRETOKENIZER_STEPS})
+        raise TokenizerError(f"unknown pre-tokenizer {pre!r}; known: {', '.join(known)}")
     decoder = _byte_decoder()
     ranks: dict[bytes, int] = {}
     special: dict[str, int] = {}
@@ -177,9 +204,16 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> Tokenizer:
         if bytes([b]) not in ranks:
             ranks[bytes([b])] = n_model_vocab + b
     _check_merge_order(data.merges, ranks, decoder)
-    enc = tiktoken.Encoding(name=name, pat_str=PRETOKENIZER_PATTERNS[pre], mergeable_ranks=ranks,
+    enc = tiktoken.Encoding(name=name, pat_str=PRETOKENIZER_PATTERNS.get(pre, r"[\s\S]+"), mergeable_ranks=ranks,
                             special_tokens=special)
     stop = tuple(sorted({i for i in (data.eos_id, *data.extra_eos_ids) if i is not None}))
+    if pre in PRETOKENIZER_STEPS:  # the steps run in Python around the encoding
+        from jaxinfer.text import hf_tokenizer
+
+        added = tuple(sorted(((t, i, True) for t, i in special.items()), key=lambda r: -len(r[0])))
+        return hf_tokenizer.HFTokenizer(encoding=enc, bos_id=data.bos_id, eos_id=data.eos_id, stop_ids=stop,
+                                        chat_template=data.chat_template, vocab_size=n_model_vocab,
+                                        splits=PRETOKENIZER_STEPS[pre], added=added)
     return Tokenizer(encoding=enc, bos_id=data.bos_id, eos_id=data.eos_id, stop_ids=stop,
                      chat_template=data.chat_template, vocab_size=n_model_vocab)
 

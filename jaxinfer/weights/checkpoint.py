@@ -243,6 +243,10 @@ def read_tokenizer(path: os.PathLike) -> Optional[TokenizerData]:
     try:
         raw = json.loads(f.read_text(encoding="utf-8"))
         raw["extra_eos_ids"] = tuple(raw.get("extra_eos_ids", ()))
+        if raw.get("model") == "llama" and "add_space_prefix" not in raw:
+            # Written before the field existed, when the one SentencePiece vocabulary jaxinfer read
+            # was Gemma's, whose GGUF says add_space_prefix = false: keep tokenizing as it did.
+            raw["add_space_prefix"] = False
         return TokenizerData(**raw)
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is not valid tokenizer data: {e}") from e

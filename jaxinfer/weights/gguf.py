@@ -105,6 +105,10 @@ def _opt_int(v) -> Optional[int]:
     return None if v is None else int(v)
 
 
+def _opt_bool(v) -> Optional[bool]:
+    return None if v is None else bool(v)
+
+
 def read_tokenizer(reader) -> TokenizerData:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
@@ -120,6 +124,7 @@ def read_tokenizer(reader) -> TokenizerData:
         bos_id=_opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
         eos_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        add_space_prefix=_opt_bool(_field(reader, "tokenizer.ggml.add_space_prefix")),
     )
 
 

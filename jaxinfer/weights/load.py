@@ -130,12 +130,20 @@ def _load_folder(src: Source, dtype: str, progress) -> Model:
     """A jaxinfer checkpoint folder or a Hugging Face safetensors folder."""
     from jaxinfer.weights import checkpoint
 
+    hf_tokenizer = None
     if src.kind == "checkpoint":
         cfg, params, tdata = checkpoint.restore(src.path, dtype)
         name = cfg.name
     else:
+        tok_json = os.path.join(src.path, "tokenizer.json")
+        if os.path.exists(tok_json):  # read first: a refused tokenizer fails fast
+            from jaxinfer.weights.load_tokenizer import hf_file_tokenizer
+
+            hf_tokenizer = hf_file_tokenizer(tok_json)
         cfg = hf_io.read_config(src.path).replace(dtype=dtype)
         params, tdata, name = to_device(hf_io.read_params(src.path, cfg, progress), dtype), None, cfg.name
+    if hf_tokenizer is not None:
+        return Model(config=cfg, params=params, tokenizer=hf_tokenizer)
     return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, name))
 
 
