@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxinfer.model.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,21 +34,87 @@ def is_hf_folder(path: os.PathLike) -> bool:
     return (p / CONFIG_FILE).is_file() and ((p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file())
 
 
-def _rope_theta(raw: dict, kind: str, default: float) -> float:
-    """RoPE base from either `rope_parameters` (transformers >= 5) or `rope_theta` (older)."""
+ROPE_TYPES = ("default", "linear", "llama3")  # what `jaxinfer.model.rope` computes
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(raw: dict, kind: str, default_theta: float, path: Path) -> dict:
+    """RoPE base and scaling (ModelConfig fields) from `rope_parameters` (transformers >= 5) or the
+    older `rope_theta` + `rope_scaling`; a scheme jaxinfer does not compute is refused by name.
+
+    kind: "" for one RoPE, or Gemma 3's "full_attention" / "sliding_attention".
+    """
     rp = raw.get("rope_parameters") or {}
     if kind in rp:  # Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}
         rp = rp[kind]
-    rtype = rp.get("rope_type", "default") if isinstance(rp, dict) else "default"
-    scaling = raw.get("rope_scaling")
-    if rtype != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        raise HFError(f"RoPE scaling {rtype if rtype != 'default' else scaling!r} is not supported "
-                      "(only default RoPE)")
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        return float(rp["rope_theta"])
-    if kind == "sliding_attention" and "rope_local_base_freq" in raw:
-        return float(raw["rope_local_base_freq"])
-    return float(raw.get("rope_theta", default))
+    merged = {}
+    if kind != "sliding_attention":  # older Gemma 3 configs scale the global layers only
+        merged.update(raw.get("rope_scaling") or {})
+    merged.update(rp if isinstance(rp, dict) else {})
+    rtype = merged.get("rope_type", merged.get("type")) or "default"
+    where = f"{path}: {'rope_parameters' if rp else 'rope_scaling'}{f'[{kind!r}]' if kind else ''}"
+    if rtype not in ROPE_TYPES:
+        raise HFError(f"{where}: RoPE type {rtype!r} is not implemented (jaxinfer computes "
+                      f"{', '.join(ROPE_TYPES)}); refusing rather than running with the wrong positions")
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise HFError(f"{where}: partial_rotary_factor {partial} is not implemented (only 1.0)")
+    if "rope_theta" in merged:
+        theta = float(merged["rope_theta"])
+    elif kind == "sliding_attention" and "rope_local_base_freq" in raw:
+        theta = float(raw["rope_local_base_freq"])
+    else:
+        theta = float(raw.get("rope_theta", default_theta))
+    out = {"theta": theta}
+    if rtype == "default":
+        return out
+    if kind == "sliding_attention":
+        raise HFError(f"{where}: RoPE scaling {rtype!r} on local (sliding) layers is not implemented")
+    if "factor" not in merged:
+        raise HFError(f"{where}: RoPE type {rtype!r} needs 'factor'")
+    out.update(rope_scaling=rtype, rope_factor=float(merged["factor"]))
+    if rtype == "llama3":
+        missing = [k for k in LLAMA3_KEYS if merged.get(k) is None]
+        if missing:
+            raise HFError(f"{where}: RoPE type 'llama3' needs {missing}")
+        out.update(rope_low_freq_factor=float(merged["low_freq_factor"]),
+                   rope_high_freq_factor=float(merged["high_freq_factor"]),
+                   rope_original_max_len=int(merged["original_max_position_embeddings"]))
+    return out
+
+
+def _rope_fields(rope: dict, theta_field: str) -> dict:
+    """`_rope`'s answer as ModelConfig fields, the base under `theta_field`."""
+    out = {k: v for k, v in rope.items() if k != "theta"}
+    out[theta_field] = rope["theta"]
+    return out
+
+
+def _uniform_window(raw: dict, mt: str, n_layers: int, path: Path) -> Optional[int]:
+    """Sliding window for families whose layers are all alike (Llama, Mistral, Qwen2/3).
+
+    Qwen2/3 slide only layers >= max_window_layers when use_sliding_window is set; a mix of
+    sliding and full layers is refused (not implemented for these families).
+    """
+    window = raw.get("sliding_window")
+    if mt in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window"):
+            window = None
+        types = raw.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= int(raw.get("max_window_layers", 0))
+            else "full_attention" for i in range(n_layers)]
+    else:
+        types = raw.get("layer_types") or ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    kinds = set(types)
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise HFError(f"{path}: layer_types {sorted(kinds)} name an attention variant jaxinfer does not "
+                      "implement (full_attention, sliding_attention)")
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"} or window is None:
+        raise HFError(f"{path}: a mix of sliding and full attention layers (layer_types / "
+                      f"max_window_layers) is not implemented for {mt}")
+    return int(window)
 
 
 def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
@@ -74,6 +140,9 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
         raise HFError(f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if raw.get("mlp_bias") or (mt != "qwen2" and raw.get("attention_bias")):
         raise HFError(f"{path}: mlp_bias / attention_bias on {mt} are not supported")
+    for key in ("attn_logit_softcapping", "attention_chunk_size"):  # attention variants
+        if mt != "gemma3_text" and raw.get(key) is not None:
+            raise HFError(f"{path}: {key} = {raw[key]!r} is not implemented for {mt}")
 
     def need(key):
         if key not in raw:
@@ -105,8 +174,8 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
         raise HFError(f"{path}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
     cfg["activation"] = "silu" if act == "silu" else "gelu_tanh"
     if mt == "gemma3_text":
-        cfg["rope_theta"] = _rope_theta(raw, "full_attention", 1_000_000.0)
-        cfg["rope_local_theta"] = _rope_theta(raw, "sliding_attention", 10_000.0)
+        cfg.update(_rope_fields(_rope(raw, "full_attention", 1_000_000.0, path), "rope_theta"))
+        cfg.update(_rope_fields(_rope(raw, "sliding_attention", 10_000.0, path), "rope_local_theta"))
         if raw.get("attn_logit_softcapping") is not None:
             raise HFError(f"{path}: attn_logit_softcapping is not supported")
         if raw.get("use_bidirectional_attention"):
@@ -116,13 +185,12 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
                    final_logit_softcap=raw.get("final_logit_softcapping"))
         cfg.update(_gemma_layer_pattern(raw, cfg["n_layers"], path))
     else:
-        cfg["rope_theta"] = _rope_theta(raw, "", 10_000.0)
-        window = raw.get("sliding_window")
-        if mt == "qwen2" and not raw.get("use_sliding_window"):
-            window = None
+        cfg.update(_rope_fields(_rope(raw, "", 10_000.0, path), "rope_theta"))
+        window = _uniform_window(raw, mt, cfg["n_layers"], path)
         if window is not None:
-            cfg["sliding_window"] = int(window)  # every layer local (Mistral)
+            cfg["sliding_window"] = window  # every layer local (Mistral)
         cfg["qkv_bias"] = mt == "qwen2"
+        cfg["qk_norm"] = mt == "qwen3"  # per-head RMSNorm on q and k before RoPE
     try:
         return ModelConfig(**cfg)
     except ValueError as e:
