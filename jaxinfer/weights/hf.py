@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.weights import hf_cache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 CONFIG_FILE = "config.json"
@@ -155,7 +156,7 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     cfg = dict(
-        name=name or folder.name,
+        name=name or hf_cache.snapshot_repo_id(folder) or folder.name,
         vocab_size=int(need("vocab_size")),
         d_model=d_model,
         n_layers=int(need("num_hidden_layers")),

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxinfer import sharding
 from jaxinfer.weights import gguf as gguf_io
+from jaxinfer.weights import hf_cache
 from jaxinfer.weights import hub
 from jaxinfer.model import quantize
 from jaxinfer.text import tokenizer as tok
@@ -33,8 +34,9 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
 
     Args:
       name_or_path: a known model name (see `jaxinfer.hub.KNOWN_MODELS`), a GGUF file path, a
-        jaxinfer checkpoint folder (`jaxinfer convert`) or a Hugging Face folder (config.json +
-        *.safetensors).
+        jaxinfer checkpoint folder (`jaxinfer convert`), a Hugging Face folder (config.json +
+        *.safetensors) or a hub id "ORG/NAME" found in the local Hugging Face cache
+        (`jaxinfer.weights.hf_cache`; offline, no huggingface_hub needed).
       dtype: parameter dtype, one of "float32", "bfloat16", "float16".
       cache: model cache folder (default $JAXINFER_CACHE or ~/.cache/jaxinfer).
       progress: optional callback(done, total) while tensors are read.
@@ -56,6 +58,8 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
         raise ValueError(f"quant={quant!r} with a mesh is not supported yet: sharding rules cover float weights")
     if os.path.exists(name_or_path):
         path, name = name_or_path, os.path.splitext(os.path.basename(name_or_path))[0]
+    elif hf_cache.is_repo_id(name_or_path):  # "ORG/NAME": a snapshot in the local hub cache
+        path, name = str(hf_cache.resolve(name_or_path)), name_or_path
     elif name_or_path.endswith(".gguf") or os.sep in name_or_path:
         raise FileNotFoundError(f"no such model file or folder: {name_or_path}")
     else:
