@@ -212,6 +212,7 @@ def test_unimplemented_rope_type_refused_by_name(tmp_path, rope_type):
     ("llama", {"hidden_act": "relu2"}, "relu2"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
     ("qwen25", {"use_sliding_window": True, "sliding_window": 8, "layer_types": None}, "mix of sliding"),
 ])
 def test_unimplemented_config_fields_refused_by_name(tmp_path, family, changes, named):

@@ -26,6 +26,8 @@ import pytest
 import jaxinfer
 from jaxinfer.decode.sampling import GREEDY
 
+pytestmark = pytest.mark.slow  # dequantizes 135M parameters and writes a 540 MB folder (~30 s)
+
 HERE = os.path.join(os.path.dirname(__file__), "golden", "hf_smollm2")
 NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -150,6 +150,10 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
         raise HFError(f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if raw.get("mlp_bias") or (mt != "qwen2" and raw.get("attention_bias")):
         raise HFError(f"{path}: mlp_bias / attention_bias on {mt} are not supported")
+    quant = (raw.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "gguf"):  # "gguf": transformers saved the dequantized float weights
+        raise HFError(f"{path}: quantized checkpoint (quantization_config quant_method {quant!r}) is not "
+                      "supported; jaxinfer reads float safetensors (quantize after loading with quant=)")
     for key in ("attn_logit_softcapping", "attention_chunk_size"):  # attention variants
         if mt != "gemma3_text" and raw.get(key) is not None:
             raise HFError(f"{path}: {key} = {raw[key]!r} is not implemented for {mt}")
