@@ -415,7 +415,8 @@ def load_params(folder: os.PathLike, cfg: ModelConfig, shardings=None,
         host = np.empty(spec.shape, dt) if stacked and not large else None
         buf = jax.jit(lambda: jnp.zeros(spec.shape, _BITS[dt.itemsize]), out_shardings=sh)() if stacked and large else None
         for src, info in group:
-            x = st.read(info)
+            # a large tensor goes to the device at once, so its host copy is freed before reshaping
+            x = jax.device_put(st.read(info)) if large else st.read(info)
             if not large:
                 value = _host_value(src, x).reshape(shape).astype(dt, copy=False)
                 host = value if not stacked else host
