@@ -135,3 +135,18 @@ def test_bench_load_smoke(tmp_path):
     saved = json.loads((tmp_path / "bench_load.json").read_text())
     assert saved["n_shards"] > 1 and saved["param_dtype"] == "bfloat16" and saved["values_match_file"]
     assert saved["params_bytes"] == saved["tensor_bytes"] == r["tensor_bytes"]  # bf16 in, bf16 held
+
+
+def test_tensor_with_corrupt_values_is_named(tmp_path):
+    import struct
+
+    d = _copy("llama", tmp_path)
+    f = d / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    name = "model.layers.0.mlp.down_proj.weight"
+    start = 8 + n + json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+    raw[start:start + 4] = struct.pack("<f", float("nan"))
+    f.write_bytes(bytes(raw))
+    with pytest.raises(hf_io.HFError, match=rf"{name}.*holds 1 NaN/inf values"):
+        jaxinfer.load(str(d))

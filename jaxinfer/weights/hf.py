@@ -313,6 +313,17 @@ def stored_dtype(folder: os.PathLike) -> str:
     return st.JAX_NAMES.get(info.dtype, "float32") if info is not None else "float32"
 
 
+def _read(src: _Source, info: st.TensorInfo) -> np.ndarray:
+    """One stored tensor; NaN/inf refused: there is no checksum, trained weights are finite, and a
+    NaN/inf is what corrupt bytes often become."""
+    a = st.read(info)
+    finite = np.isfinite(a)
+    if not finite.all():
+        raise HFError(f"{info.file}: tensor {src.hf_name!r} holds {int((~finite).sum())} NaN/inf values "
+                      "(corrupt file?)")
+    return a
+
+
 def _host_value(src: _Source, a: np.ndarray) -> np.ndarray:
     a = a.T if src.transpose else a
     return a.astype(np.float32) + 1.0 if src.add_one else a
@@ -332,7 +343,7 @@ def read_params(folder: os.PathLike, cfg: ModelConfig,
         if src.key not in dest:
             spec = specs["layers"][src.key] if src.layer is not None else specs[src.key]
             dest[src.key] = np.empty(spec.shape, np.float32)
-        v = _host_value(src, st.read(info)).astype(np.float32)
+        v = _host_value(src, _read(src, info)).astype(np.float32)
         if src.layer is None:
             dest[src.key][...] = v.reshape(dest[src.key].shape)
         else:
@@ -416,7 +427,7 @@ def load_params(folder: os.PathLike, cfg: ModelConfig, shardings=None,
         buf = jax.jit(lambda: jnp.zeros(spec.shape, _BITS[dt.itemsize]), out_shardings=sh)() if stacked and large else None
         for src, info in group:
             # a large tensor goes to the device at once, so its host copy is freed before reshaping
-            x = jax.device_put(st.read(info)) if large else st.read(info)
+            x = jax.device_put(_read(src, info)) if large else _read(src, info)
             if not large:
                 value = _host_value(src, x).reshape(shape).astype(dt, copy=False)
                 host = value if not stacked else host
