@@ -27,6 +27,21 @@ def test_eval_shape_of_70b_forward_allocates_nothing():
     assert P.nbytes(params) == 2 * cfg.n_params  # bf16
 
 
+@pytest.mark.parametrize("preset,billions", [(C.llama31_8b, 8.03), (C.llama32_1b, 1.236),
+                                             (C.qwen3_8b, 8.19)])
+def test_new_family_presets_eval_shape(preset, billions):
+    """Llama 3.1 8B, Llama 3.2 1B, Qwen3 8B: the published parameter counts, and a forward pass
+    traced by eval_shape (RoPE scaling, QK-norm, head_dim 128 with d_model 4096) without allocating."""
+    cfg = preset(dtype="bfloat16")
+    assert cfg.n_params / 1e9 == pytest.approx(billions, rel=3e-3)
+    params = P.abstract_params(cfg)
+    tokens = jax.ShapeDtypeStruct((2, 16), "int32")
+    logits, _ = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens)
+    assert logits.shape == (2, 16, cfg.vocab_size)
+    assert P.nbytes(params) == 2 * cfg.n_params
+    hash(cfg)
+
+
 def test_init_matches_specs():
     cfg = C.tiny(qkv_bias=True, qk_norm=True, post_norms=True)
     params = P.init_params(cfg, jax.random.key(0))

@@ -1,9 +1,10 @@
-"""Llama 3, Mistral, Qwen2 and Gemma 3 vs Hugging Face transformers, through the safetensors path.
+"""Llama 3, Llama 3.1 (llama3 RoPE scaling), linear RoPE scaling, Mistral, Qwen2, Qwen2.5, Qwen3 and
+Gemma 3 vs Hugging Face transformers, through the safetensors path.
 
 The tiny models and their reference logits / greedy tokens were made by
 tests/golden/make_tiny_hf.py (transformers, fp32, eager attention); no torch is needed here.
-Each family: max |logit diff| <= 1e-2 at every position, identical argmax, identical 32-token
-greedy continuation (cached decode), and the same through a converted checkpoint.
+Each family: max |logit diff| <= 1e-4 at every position (measured: 2e-6 .. 4e-6), identical argmax,
+identical 32-token greedy continuation (cached decode), and the same through a converted checkpoint.
 """
 
 import json
@@ -19,7 +20,7 @@ from jaxinfer.weights import hf as hf_io
 from jaxinfer.decode.sampling import GREEDY
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("llama", "mistral", "qwen2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma3", "llama31", "llama_linear", "qwen3", "qwen25")
 
 
 def _ref(family):
@@ -37,7 +38,7 @@ def test_logits_match_transformers(tiny_models, family):
     logits = np.asarray(jaxinfer.logits(tiny_models[family], ref["ids"].tolist()))
     diff = float(np.abs(logits - ref["logits"]).max())
     print(f"{family}: max |logit diff| vs transformers = {diff:.2e}")
-    assert diff <= 1e-2, diff
+    assert diff <= 1e-4, diff
     np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
 
 
@@ -59,6 +60,34 @@ def test_config_mapping(tiny_models):
     assert tiny_models["mistral"].config.sliding_window == 8
     assert tiny_models["mistral"].config.global_every == 0  # every layer local
     assert tiny_models["llama"].config.rope_theta == 500_000.0
+    l31 = tiny_models["llama31"].config
+    assert (l31.rope_scaling, l31.rope_factor, l31.rope_low_freq_factor, l31.rope_high_freq_factor,
+            l31.rope_original_max_len) == ("llama3", 8.0, 0.5, 2.0, 16)
+    assert tiny_models["llama_linear"].config.rope_scaling == "linear"
+    q3 = tiny_models["qwen3"].config
+    assert q3.qk_norm and not q3.qkv_bias and not q3.post_norms and q3.head_dim == 24 != q3.d_model // q3.n_heads
+    q25 = tiny_models["qwen25"].config
+    assert q25.qkv_bias and q25.tie_embeddings and q25.sliding_window is None
+
+
+@pytest.mark.parametrize("family", ("llama31", "llama_linear"))
+def test_scaled_rope_frequencies_equal_transformers(tiny_models, family):
+    """The scaled inverse frequencies are transformers' own, bit for bit (all three llama3 bands)."""
+    from jaxinfer.model import rope
+
+    got = rope.layer_inv_frequencies(tiny_models[family].config)
+    want = _ref(family)["inv_freq"]
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+
+
+@pytest.mark.parametrize("family", ("llama31", "llama_linear"))
+def test_rope_scaling_matters(tiny_models, family):
+    """The 48-token prompt is 3x llama31's original context: plain RoPE gives other logits."""
+    m = tiny_models[family]
+    plain = jaxinfer.Model(m.config.replace(rope_scaling=None), m.params, m.tokenizer)
+    ref = _ref(family)
+    diff = np.abs(np.asarray(jaxinfer.logits(plain, ref["ids"].tolist())) - ref["logits"]).max()
+    assert diff > 0.1, diff
 
 
 @pytest.mark.parametrize("family", ("mistral", "gemma3"))
@@ -148,9 +177,54 @@ def test_unsupported_config_is_named(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(hf_io.HFError, match="llama3"):
+    with pytest.raises(hf_io.HFError, match=r"'llama3' needs \['low_freq_factor'"):
         jaxinfer.load(str(d))
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(hf_io.HFError, match="gpt2"):
         jaxinfer.load(str(d))
+
+
+def _config_error(tmp_path, family, **changes):
+    """read_config's error for the family's config.json with `changes` (None deletes a key)."""
+    d = tmp_path / family
+    d.mkdir(exist_ok=True)
+    raw = json.loads(open(os.path.join(GOLDEN, family, "config.json")).read())
+    raw.update(changes)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    with pytest.raises(hf_io.HFError) as e:
+        hf_io.read_config(d)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope", "su", "my_new_rope"])
+def test_unimplemented_rope_type_refused_by_name(tmp_path, rope_type):
+    new = _config_error(tmp_path, "llama", rope_parameters={"rope_type": rope_type, "rope_theta": 1e4, "factor": 4.0})
+    old = _config_error(tmp_path, "llama", rope_parameters=None,
+                        rope_scaling={"type": rope_type, "factor": 4.0}, rope_theta=1e4)
+    for msg in (new, old):
+        assert f"RoPE type {rope_type!r} is not implemented" in msg and "default, linear, llama3" in msg
+
+
+@pytest.mark.parametrize("family,changes,named", [
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("llama", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("llama", {"hidden_act": "relu2"}, "relu2"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+    ("qwen25", {"use_sliding_window": True, "sliding_window": 8, "layer_types": None}, "mix of sliding"),
+])
+def test_unimplemented_config_fields_refused_by_name(tmp_path, family, changes, named):
+    assert named in _config_error(tmp_path, family, **changes)
+
+
+def test_qwen25_sliding_window_field_ignored_unless_used(tmp_path):
+    """Qwen2.5 configs carry sliding_window 32768 with use_sliding_window false: full attention."""
+    d = tmp_path / "q"
+    d.mkdir()
+    raw = json.loads(open(os.path.join(GOLDEN, "qwen25", "config.json")).read())
+    raw.update(sliding_window=32768, use_sliding_window=False, max_window_layers=21)
+    raw.pop("layer_types")
+    (d / "config.json").write_text(json.dumps(raw))
+    assert hf_io.read_config(d).sliding_window is None

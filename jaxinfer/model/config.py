@@ -15,6 +15,7 @@ import math
 from typing import Optional
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("linear", "llama3")  # see `jaxinfer.model.rope`
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -31,12 +32,18 @@ class ModelConfig:
     head_dim: int  # H: width of one head
     ffn_dim: int  # F: hidden width of the gated MLP
     rope_theta: float = 10_000.0  # RoPE base for global layers
+    rope_scaling: Optional[str] = None  # None, "linear" (positions / factor) or "llama3" (Llama 3.1 bands)
+    rope_factor: float = 1.0  # linear / llama3: the factor long wavelengths are divided by
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / this are divided by factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / this are kept
+    rope_original_max_len: Optional[int] = None  # llama3: the pre-training context length
+    rope_freq_divisors: Optional[tuple[float, ...]] = None  # [H/2] divisor per frequency (GGUF rope_freqs)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     max_seq_len: int = 2048  # longest sequence (prompt + generated) the model supports
     tie_embeddings: bool = True  # LM head reuses the embedding table
     activation: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
-    qk_norm: bool = False  # Gemma 3: RMSNorm on each query and key head
+    qk_norm: bool = False  # Gemma 3, Qwen3: RMSNorm on each query and key head (before RoPE)
     post_norms: bool = False  # Gemma 3: RMSNorm after attention and after the MLP, before the residual add
     scale_embeddings: bool = False  # Gemma: multiply embeddings by sqrt(D)
     query_pre_attn_scalar: Optional[float] = None  # scores scale 1/sqrt(this); None means H
@@ -65,6 +72,19 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_dtype is not None and self.kv_dtype not in DTYPES + ("int8",):
             raise ValueError(f"kv_dtype must be None or one of {DTYPES + ('int8',)}, got {self.kv_dtype!r}")
+        if isinstance(self.rope_freq_divisors, list):  # restored from JSON: keep the config hashable
+            object.__setattr__(self, "rope_freq_divisors", tuple(float(d) for d in self.rope_freq_divisors))
+        if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling must be None or one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        if self.rope_scaling == "llama3" and (self.rope_original_max_len is None
+                                               or self.rope_high_freq_factor <= self.rope_low_freq_factor):
+            raise ValueError("rope_scaling 'llama3' needs rope_original_max_len and "
+                             "rope_high_freq_factor > rope_low_freq_factor")
+        if self.rope_scaling is not None and self.rope_factor <= 0:
+            raise ValueError(f"rope_factor must be positive, got {self.rope_factor!r}")
+        if self.rope_freq_divisors is not None and len(self.rope_freq_divisors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_divisors needs head_dim / 2 = {self.head_dim // 2} entries, "
+                             f"got {len(self.rope_freq_divisors)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
 
@@ -128,6 +148,32 @@ def llama3_8b(**overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def llama31_8b(**overrides) -> ModelConfig:
+    """Llama 3.1 8B (meta-llama/Llama-3.1-8B config.json): Llama 3 8B + llama3 RoPE scaling, 128K context."""
+    cfg = llama3_8b(name="llama3.1-8b", max_seq_len=131072, rope_scaling="llama3", rope_factor=8.0,
+                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    return cfg.replace(**overrides)
+
+
+def llama32_1b(**overrides) -> ModelConfig:
+    """Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): tied embeddings, head_dim 64, factor 32."""
+    cfg = ModelConfig(name="llama3.2-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                      n_kv_heads=8, head_dim=64, ffn_dim=8192, rope_theta=500_000.0, norm_eps=1e-5,
+                      max_seq_len=131072, tie_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+                      rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                      rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    return cfg.replace(**overrides)
+
+
+def qwen3_8b(**overrides) -> ModelConfig:
+    """Qwen3 8B (Qwen/Qwen3-8B config.json): QK-norm, head_dim 128, no q/k/v biases, untied head."""
+    cfg = ModelConfig(name="qwen3-8b", vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
+                      n_kv_heads=8, head_dim=128, ffn_dim=12288, rope_theta=1_000_000.0, norm_eps=1e-6,
+                      max_seq_len=40960, tie_embeddings=False, qk_norm=True, bos_token_id=151643,
+                      eos_token_id=151645)
+    return cfg.replace(**overrides)
+
+
 def llama3_70b(**overrides) -> ModelConfig:
     """Llama 3 70B shapes."""
     cfg = llama3_8b(name="llama3-70b", d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
@@ -137,8 +183,8 @@ def llama3_70b(**overrides) -> ModelConfig:
 
 def llama31_405b(**overrides) -> ModelConfig:
     """Llama 3.1 405B shapes."""
-    cfg = llama3_8b(name="llama3.1-405b", d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                    ffn_dim=53248, max_seq_len=131072)
+    cfg = llama31_8b(name="llama3.1-405b", d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                     ffn_dim=53248)
     return cfg.replace(**overrides)
 
 
@@ -155,5 +201,8 @@ PRESETS = {
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "llama3.1-405b": llama31_405b,
+    "llama3.1-8b": llama31_8b,
+    "llama3.2-1b": llama32_1b,
+    "qwen3-8b": qwen3_8b,
     "tiny": tiny,
 }

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.model import rope as rope_lib
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params, is_canonical
@@ -50,16 +51,15 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: jax.Array) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary position embedding, "rotate half" layout (as in Hugging Face Llama).
 
     Args:
       x: [B, T, heads, H].
       positions: [B, T] int positions.
-      theta: scalar RoPE base (traced: local and global layers may differ).
+      inv_freq: [H/2] float32 inverse frequencies (`jaxinfer.model.rope`; traced: layers may differ).
     """
     H = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -165,8 +165,9 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
 
 
 def _layer_meta(cfg: ModelConfig):
-    """Per-layer constants scanned beside the weights: layer index, RoPE base and local (sliding) flag."""
-    theta = jnp.array([cfg.layer_rope_theta(i) for i in range(cfg.n_layers)], jnp.float32)
+    """Per-layer constants scanned beside the weights: layer index, RoPE inverse frequencies [L, H/2]
+    and local (sliding) flag."""
+    theta = jnp.asarray(rope_lib.layer_inv_frequencies(cfg))  # [L, H/2]
     local = jnp.array([cfg.is_local_layer(i) for i in range(cfg.n_layers)], bool)
     return jnp.arange(cfg.n_layers, dtype=jnp.int32), theta, local
 

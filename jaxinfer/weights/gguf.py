@@ -81,6 +81,7 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
         bos_token_id=_opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
     )
+    common.update(_rope_scaling(reader, a, head_dim))
     if arch == "qwen2":
         common["qkv_bias"] = True
     if arch == "gemma3":
@@ -99,6 +100,37 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
                       sliding_window=int(a("attention.sliding_window", 512)),
                       global_every=6, rope_local_theta=10_000.0)
     return ModelConfig(**common)
+
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_scaling(reader, a: Callable, head_dim: int) -> dict:
+    """RoPE scaling fields: `{arch}.rope.scaling.type` linear, and llama.cpp's `rope_freqs` tensor.
+
+    llama.cpp's converter stores Llama 3.1's llama3 scaling as `rope_freqs.weight` [H/2]: the
+    number each inverse frequency is divided by (1 for short wavelengths, the factor for long ones,
+    smoothed between). Any other scaling type (yarn, longrope ...) is refused by name.
+    """
+    out = {}
+    kind = a("rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise GGUFError(f"RoPE scaling type {kind!r} is not implemented (jaxinfer computes none, linear "
+                        f"and llama.cpp's {ROPE_FREQS} tensor)")
+    factor = float(a("rope.scaling.factor", 1.0) or 1.0)
+    if kind == "linear" and factor != 1.0:
+        out.update(rope_scaling="linear", rope_factor=factor)
+    dims = a("rope.dimension_count")
+    if dims is not None and int(dims) != head_dim:
+        raise GGUFError(f"rope.dimension_count {dims} != head_dim {head_dim}: partial rotary embeddings "
+                        "are not implemented")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        div = dequantize(freqs).reshape(-1)
+        if div.shape != (head_dim // 2,):
+            raise GGUFError(f"{ROPE_FREQS} has shape {div.shape}, expected ({head_dim // 2},)")
+        out["rope_freq_divisors"] = tuple(float(d) for d in div)
+    return out
 
 
 def _opt_int(v) -> Optional[int]:
@@ -149,7 +181,7 @@ def read_params(reader, cfg: ModelConfig, arch: str,
     """Dequantize every tensor into the jaxinfer params layout (numpy float32, layers stacked)."""
     tensors = {t.name: t for t in reader.tensors}
     L, D, N, K, H = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    total = len(tensors)
+    total = len(tensors) - (ROPE_FREQS in tensors)  # rope_freqs is read with the config
     done = 0
 
     def get(name: str) -> np.ndarray:

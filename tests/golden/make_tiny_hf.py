@@ -6,15 +6,21 @@ Uses nothing from jaxinfer. For each family it builds a 2-layer, d=64, GQA model
 Qwen2 biases are really exercised), saves it with `save_pretrained` (config.json + safetensors;
 qwen2 sharded into several files with an index) and records, in fp32 with eager attention:
 
-  tiny_hf/<family>/reference.npz   ids [T], logits [T, V] (full vocab), greedy [32] (pure argmax)
+  tiny_hf/<family>/reference.npz   ids [T], logits [T, V] (full vocab), greedy [32] (pure argmax),
+                                   inv_freq [H/2] (RoPE-scaled families)
   tiny_hf/<family>/meta.json       prompt length, smallest top-1/top-2 logit gap, versions
 
 Families: llama (Llama 3 style: rope theta 5e5, untied head), mistral (sliding window 8 on every
 layer), qwen2 (q/k/v biases, untied head, sharded), gemma3 (sliding window 8 on layer 0, global
-layer 1, QK-norm, post-norms, scaled embeddings, GeGLU, query_pre_attn_scalar 24, tied).
-The prompt has 24 tokens, so every sliding window really hides keys.
+layer 1, QK-norm, post-norms, scaled embeddings, GeGLU, query_pre_attn_scalar 24, tied),
+llama31 (Llama 3.1 RoPE scaling, rope_type llama3 with original_max_position_embeddings 16 and
+factors chosen so the 8 frequencies of head_dim 16 fall in all three bands: kept, smoothed,
+divided; 48-token prompt, three times the original context), llama_linear (linear RoPE scaling,
+factor 4), qwen3 (per-head QK-norm, head_dim 24 != hidden / heads, no biases), qwen25 (Qwen2.5
+0.5B style: q/k/v biases, tied embeddings, use_sliding_window false with a sliding_window set).
+The prompt has 24 tokens (48 for the RoPE-scaled ones), so every sliding window really hides keys.
 
-Run:  python tests/golden/make_tiny_hf.py      (a few seconds; needs torch + transformers)
+Run:  python tests/golden/make_tiny_hf.py [family ...]   (a few seconds; needs torch + transformers)
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import torch
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_hf")
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 128
 T_PROMPT, N_NEW, SEED = 24, 32, 0
+LONG_PROMPT = {"llama31": 48, "llama_linear": 48}  # well past original_max_position_embeddings
 
 
 def configs():
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
                   num_attention_heads=N, num_key_value_heads=K, head_dim=H, max_position_embeddings=512,
@@ -50,6 +57,17 @@ def configs():
                                    query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
                                    final_logit_softcapping=None, attn_logit_softcapping=None,
                                    tie_word_embeddings=True),
+        "llama31": LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0,
+                                                "low_freq_factor": 0.5, "high_freq_factor": 2.0,
+                                                "original_max_position_embeddings": 16}),
+        "llama_linear": LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "linear", "rope_theta": 10_000.0,
+                                                     "factor": 4.0}),
+        "qwen3": Qwen3Config(**{**common, "head_dim": 24}, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                             tie_word_embeddings=False, attention_bias=False),
+        "qwen25": Qwen2Config(**common, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                              use_sliding_window=False, sliding_window=8, max_window_layers=1),
     }
 
 
@@ -66,13 +84,15 @@ def perturb(model, family: str, g: torch.Generator) -> None:
                 p.copy_(noise / np.sqrt(p.shape[-1]))
 
 
-def main() -> None:
+def main(families) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(SEED)
-    rng = np.random.default_rng(SEED)
-    ids = rng.integers(3, V, size=T_PROMPT).tolist()
     for family, cfg in configs().items():
+        if families and family not in families:
+            continue
+        n_prompt = LONG_PROMPT.get(family, T_PROMPT)
+        ids = np.random.default_rng(SEED).integers(3, V, size=n_prompt).tolist()
         g = torch.Generator().manual_seed(SEED + len(family))
         cfg._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
@@ -87,13 +107,17 @@ def main() -> None:
             logits = model(input_ids=x).logits[0].float()
             gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
                                  max_new_tokens=N_NEW, min_new_tokens=N_NEW, eos_token_id=None, pad_token_id=0)
-            greedy = gen[0, T_PROMPT:].tolist()
+            greedy = gen[0, n_prompt:].tolist()
             full = torch.tensor([ids + greedy[:-1]])
-            tf = model(input_ids=full).logits[0, T_PROMPT - 1:].float()
+            tf = model(input_ids=full).logits[0, n_prompt - 1:].float()
         top2 = torch.topk(tf, 2, -1).values
+        extra = {}
+        if family in LONG_PROMPT:  # the scaled RoPE frequencies themselves, [H/2]
+            extra["inv_freq"] = model.model.rotary_emb.inv_freq.float().numpy()
         np.savez_compressed(os.path.join(out, "reference.npz"), ids=np.asarray(ids, np.int32),
-                            logits=logits.numpy().astype(np.float32), greedy=np.asarray(greedy, np.int32))
-        meta = {"family": family, "model_type": cfg.model_type, "prompt_tokens": T_PROMPT,
+                            logits=logits.numpy().astype(np.float32), greedy=np.asarray(greedy, np.int32),
+                            **extra)
+        meta = {"family": family, "model_type": cfg.model_type, "prompt_tokens": n_prompt,
                 "greedy_matches_teacher_forced_argmax": tf.argmax(-1).tolist() == greedy,
                 "min_top2_gap_along_greedy": float((top2[:, 0] - top2[:, 1]).min()),
                 "files": sorted(os.listdir(out)),
@@ -105,4 +129,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""A genuine Hugging Face folder of SmolLM2-135M-Instruct, written by transformers, and its logits.
+
+Uses nothing from jaxinfer. transformers reads the shipped GGUF (`from_pretrained(dir,
+gguf_file=...)`, dequantized to fp32), its weights are copied into a plain model built from the
+config (so nothing GGUF-specific remains) and `save_pretrained` writes the folder. Committed here
+(the 540 MB model.safetensors is not: tests/test_hf_smollm2.py rebuilds it from the cached GGUF):
+
+  hf_smollm2/config.json, generation_config.json   as transformers wrote them
+  hf_smollm2/tensors.json   {name: [shape, sha256 of the fp32 bytes]} of transformers' model.safetensors
+  hf_smollm2/reference.npz  ids [T]; per position 256 logit columns (top 64 + a fixed random fill)
+                            vocab_idx/logits [T, 256], full-vocab argmax [T]; greedy [16]
+                            -- from the model re-read from the saved folder, fp32, eager attention
+
+Run:  python tests/golden/make_smollm2_hf.py [--gguf PATH]     (needs torch + transformers + gguf)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+DEFAULT_GGUF = os.path.expanduser("~/.cache/jaxinfer/SmolLM2-135M-Instruct.Q4_1.gguf")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_smollm2")
+TOP_K, M, N_NEW = 64, 256, 16
+# the 60-token lighthouse prompt of tests/golden/smollm2_logits.npz (ids_3), as ids (no tokenizer needed)
+IDS_FROM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_logits.npz")
+
+
+def main() -> None:
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", default=DEFAULT_GGUF)
+    args = ap.parse_args()
+    gguf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf),
+                                                      dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32, attn_implementation="eager")
+    plain.load_state_dict(gguf_model.state_dict())
+    with tempfile.TemporaryDirectory() as tmp:
+        plain.save_pretrained(tmp, safe_serialization=True, max_shard_size="2GB")
+        os.makedirs(OUT, exist_ok=True)
+        for f in ("config.json", "generation_config.json"):
+            shutil.copy(os.path.join(tmp, f), os.path.join(OUT, f))
+        tensors = load_file(os.path.join(tmp, "model.safetensors"))
+        table = {k: [list(v.shape), hashlib.sha256(np.ascontiguousarray(v, np.float32).tobytes()).hexdigest()]
+                 for k, v in sorted(tensors.items())}
+        with open(os.path.join(OUT, "tensors.json"), "w") as f:
+            json.dump({"files": sorted(os.listdir(tmp)), "tensors": table}, f, indent=0)
+            f.write("\n")
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    ids = np.load(IDS_FROM)["ids_3"].astype(np.int64)
+    with torch.no_grad():
+        x = torch.tensor(ids[None])
+        logits = model(input_ids=x).logits[0].float().numpy()
+        gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=N_NEW, min_new_tokens=N_NEW, eos_token_id=None, pad_token_id=0)
+    rng = np.random.default_rng(0)
+    idx = np.empty((len(ids), M), np.int32)
+    for t in range(len(ids)):
+        top = np.argsort(-logits[t])[:TOP_K]
+        rest = rng.choice(np.setdiff1d(np.arange(logits.shape[1]), top), M - TOP_K, replace=False)
+        idx[t] = np.concatenate([top, rest])
+    np.savez_compressed(os.path.join(OUT, "reference.npz"), ids=ids.astype(np.int32), vocab_idx=idx,
+                        logits=np.take_along_axis(logits, idx, 1).astype(np.float32),
+                        argmax=logits.argmax(-1).astype(np.int32),
+                        greedy=gen[0, len(ids):].numpy().astype(np.int32))
+    print("wrote", sorted(os.listdir(OUT)), "tensors:", len(table))
+
+
+if __name__ == "__main__":
+    main()
