@@ -9,6 +9,7 @@ alone (greedy and sampled) and one seed twice. Real models (GGUF) must be in the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import traceback
@@ -26,6 +27,17 @@ FP32_TOL = 1e-3  # max |logit diff| and |logsumexp diff| vs transformers fp32, p
 BF16_TOL = 0.5  # max |logit diff| with bf16 weights and activations (8 mantissa bits; see README)
 REAL_GOLDEN = {"smollm2-135m": "smollm2_logits.npz", "gemma3-270m": "gemma3_logits.npz"}
 SAMPLED = SamplingParams(temperature=0.8, top_k=50)
+
+
+@contextlib.contextmanager
+def highest_precision():
+    """fp32 matmuls in full fp32 (GPUs default to TF32-like passes), restored afterwards."""
+    old = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", old)
 
 
 def _cases(name: str) -> list[dict]:
@@ -71,7 +83,7 @@ def check_model(name: str, cache_dir) -> dict:
     """fp32 ("highest") and bf16 parity with transformers, greedy tokens, batch/seed identities."""
     path = str(GOLDEN / "tiny_hf" / name.split("/", 1)[1]) if name.startswith("tiny_hf/") else name
     cases, res = _cases(name), {}
-    with jax.default_matmul_precision("highest"):
+    with highest_precision():
         m32 = jaxinfer.load(path, dtype="float32", cache=cache_dir)
         fp32 = _logit_diffs(m32, cases)
         batched, g = _greedy(m32, cases)
