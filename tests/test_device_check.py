@@ -50,17 +50,20 @@ def test_decode_rooflines_are_consistent(tiny_run):
     runs = {(r["label"], r["batch"]): r for r in d["runs"]}
     assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8kv", 1)}, d["runs"]
     for r in runs.values():
-        assert r["tok_s"] > 0 and 0 < r["pct_roofline"] <= 100, r
+        # (no upper bound here: the tiny model's 0.4 MB of weights sit in cache and a loaded CPU's
+        # bandwidth probe is noisy, so it can beat the DRAM roofline; on a GPU the 8B run cannot)
         expect = roofline.decode_ceiling(bw, r["weight_bytes"], batch=r["batch"],
                                          cache_bytes_per_row=r["kv_bytes_per_row"])
-        assert np.isclose(r["roofline_tok_s"], expect)
+        assert r["tok_s"] > 0 and np.isclose(r["roofline_tok_s"], expect)
+        assert np.isclose(r["pct_roofline"], 100 * r["tok_s"] / expect) and np.isfinite(r["pct_roofline"])
+        assert r["tok_s"] == np.median(r["all_tok_s"]) and r["compiles"] >= 1
     fp = runs[("fp32", 1)]
     assert fp["weight_bytes"] == d["model"]["weight_bytes"]
     assert runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]  # int8 codes + scales
     assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
     assert set(d["ratios"]) == {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "fp32_batch4_vs_batch1"}
     p = d["prefill"]
-    assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and 0 < p["pct_peak"] <= 100
+    assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
     assert d["skipped_for_time"] == []
 
 
