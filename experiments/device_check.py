@@ -206,7 +206,7 @@ def decode(args, preset, ctx, deadline) -> dict:
     cfg, used = model_config(preset)
     params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
     jax.block_until_ready(params)
-    base_bytes = Q.weight_bytes(params)
+    base_bytes = P.nbytes(params)
     res["model"] = {"preset": used, "name": cfg.name, "n_params": cfg.n_params, "weight_bytes": base_bytes,
                     "memory_after_weights": _memory()}
     ctx.update(cfg=cfg, params=params)
@@ -231,7 +231,7 @@ def decode(args, preset, ctx, deadline) -> dict:
                     built[label] = variants[label]()
                 vcfg, vparams = built[label]
                 res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
-                                              alive=base_bytes + (Q.weight_bytes(vparams) if label == "int8" else 0)))
+                                              alive=base_bytes + (P.nbytes(vparams) if label == "int8" else 0)))
         except Exception as e:  # an out-of-memory batch must not hide the others
             res["runs"].append({"label": label, "batch": b, **_err(e)})
         if last_use[label] == i:
@@ -263,7 +263,7 @@ def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict
     with CompileClock() as clock:
         first = gen()
     tps = [gen().timings.decode_tokens_per_s for _ in range(preset.repeats)]
-    wbytes, per_row = Q.weight_bytes(params), filled * kv.bytes_per_token(cfg)
+    wbytes, per_row = P.nbytes(params), filled * kv.bytes_per_token(cfg)
     roof = roofline.decode_ceiling(bw, wbytes, batch=b, cache_bytes_per_row=per_row)
     med = float(np.median(tps))
     return {"label": label, "batch": b, "tok_s": med, "all_tok_s": tps, "roofline_tok_s": roof,
