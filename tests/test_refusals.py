@@ -461,3 +461,18 @@ def test_json_is_one_compact_object_per_prompt(tiny_model, monkeypatch, capsys):
     rows = [json.loads(line) for line in lines]
     assert len(lines) == 3 and [r["prompt"] for r in rows[:2]] == ["a", "bc"]
     assert len(rows[0]["token_ids"]) == 3 and "decode_tokens_per_s" in rows[2]["timings"]
+
+
+def test_chat_ids_start_with_bos_when_the_model_wants_one(tiny_model):
+    import dataclasses
+
+    from jaxinfer.decode.requests import chat_ids
+    from jaxinfer.text.tokenizer import Tokenizer
+
+    class BosFirst(Tokenizer):  # like Gemma's SentencePiece tokenizer
+        add_bos = True
+
+    tok = BosFirst(**{f.name: getattr(tiny_model.tokenizer, f.name) for f in dataclasses.fields(Tokenizer)})
+    tok = dataclasses.replace(tok, bos_id=256)
+    ids = chat_ids(tok, [{"role": "user", "content": "hi"}])
+    assert ids[:2] == [256, 257] and ids.count(256) == 1

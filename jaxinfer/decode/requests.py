@@ -177,7 +177,11 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
             raise ValueError(f"the chat template dropped or changed a message ({m.get('role')!r}); "
                              "cannot tell its content from the template's control tokens")
         ids += encode_text(tokenizer, before, allow_special=True) + encode_text(tokenizer, m["content"])
-    return ids + encode_text(tokenizer, rest, allow_special=True)
+    ids += encode_text(tokenizer, rest, allow_special=True)
+    bos = tokenizer.bos_id
+    if getattr(tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
+        ids = [bos] + ids  # Gemma: the model expects <bos> first (as `prompt_ids` adds for text)
+    return ids
 
 
 def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> list[list[int]]:
