@@ -204,3 +204,22 @@ def test_background_thread_and_async_stream(model, specs_and_ref):
     for (toks, lps), w in zip(out, want[:4]):
         assert toks == w.token_ids
         np.testing.assert_allclose(lps, w.logprobs, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_identity_real_smollm2(smollm2):
+    """The real model, canonical and CPU decode layouts: greedy and sampled requests arriving at
+    different steps give generate's tokens alone."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40)]
+    ref = [jaxinfer.generate(smollm2, p, seed=7 + i, sampling=settings[i % 2], max_new_tokens=12).completions[0]
+           for i, p in enumerate(prompts)]
+    cpu = jaxinfer.layout.for_cpu_decode(smollm2)
+    for model in (smollm2, cpu):
+        engine = Engine(model, max_slots=4, page_size=16, max_len=64, prefill_chunk=16)
+        reqs = []
+        for i, p in enumerate(prompts):
+            reqs.append(engine.submit(p, max_new_tokens=12, sampling=settings[i % 2], seed=7 + i))
+            engine.step()
+        engine.run_until_idle()
+        assert_same([r.result() for r in reqs], ref)

@@ -10,8 +10,9 @@ Each `step` asks the scheduler (pure Python, `scheduler.py`) for a plan, runs it
 (one jitted program per request chunk, [1, C] tokens) and then one jitted decode step over all
 `max_slots` slots ([max_slots, 1] tokens; idle slots write to the trash page). Sampling settings,
 keys and step counters are per-slot arrays, so nothing about a request is a static argument: the
-programs are one per (chunk bucket C, page-table width W) for prefill and one per W for decode,
-all built by `warmup`.
+programs are one per chunk bucket C (16, 64, 256 ..., up to prefill_chunk) for prefill, which
+reads the full page-table width, and one per page-table width W (powers of two) for decode, all
+built by `warmup`.
 
 The promise: a request's tokens equal `generate(model, [prompt], seed=s, ...)` alone. Its key is
 derived as generate derives row 0's (`requests.request_keys`), its t-th token is sampled with
@@ -133,7 +134,7 @@ class Engine:
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._pool = jax.device_put(self._pool, rep)
         self.widths = _buckets(max(1, pages_for(64, page_size)), self.max_pages)
-        self.chunks = _buckets(MIN_CHUNK, prefill_chunk) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
+        self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 4) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
         self._key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self._ids = itertools.count()
         self._seqs: dict[int, tuple[Seq, Request, np.ndarray]] = {}
@@ -256,11 +257,11 @@ class Engine:
             _key_data(None, 0, smp.GREEDY), _key_data(jax.random.key(0), None, smp.GREEDY)  # submit's key ops
             rp = smp.row_params([smp.GREEDY])
             z1 = np.zeros((1,), np.int32)
+            for C in self.chunks:
+                self._pool, tok, _ = _prefill_jit(self.model.params, self._pool, np.zeros((1, C), np.int32), z1,
+                                                  np.ones((1,), np.int32), np.zeros((1, self.max_pages), np.int32),
+                                                  np.zeros((1, self._key_size), np.uint32), z1, rp, self.cfg)
             for W in self.widths:
-                for C in self.chunks:
-                    self._pool, tok, _ = _prefill_jit(self.model.params, self._pool, np.zeros((1, C), np.int32), z1,
-                                                      np.ones((1,), np.int32), np.zeros((1, W), np.int32),
-                                                      np.zeros((1, self._key_size), np.uint32), z1, rp, self.cfg)
                 self._pool, tok, _ = self._call_decode(np.zeros((self.max_slots,), np.int32),
                                                        np.zeros((self.max_slots,), np.int32),
                                                        np.zeros((self.max_slots, W), np.int32),
@@ -268,7 +269,7 @@ class Engine:
                                                        np.zeros((self.max_slots,), np.int32),
                                                        smp.row_params([smp.GREEDY] * self.max_slots))
             jax.block_until_ready(tok)
-        return len(self.widths) * (len(self.chunks) + 1)
+        return len(self.widths) + len(self.chunks)
 
     # ---- device calls -------------------------------------------------------------------------
     def _width(self, n_pages: int) -> int:
@@ -280,10 +281,8 @@ class Engine:
         C = next(c for c in self.chunks if c >= chunk.n)
         tokens = np.zeros((1, C), np.int32)
         tokens[0, :chunk.n] = seq.context[chunk.start:chunk.start + chunk.n]
-        W = self._width(pages_for(chunk.start + chunk.n, self.page_size))
-        table = np.zeros((1, W), np.int32)
-        used = seq.pages[:W]
-        table[0, :len(used)] = used
+        table = np.zeros((1, self.max_pages), np.int32)  # prefill reads the full width: fewer programs
+        table[0, :len(seq.pages)] = seq.pages
         self._pool, tok, lp = _prefill_jit(
             self.model.params, self._pool, tokens, np.array([chunk.start], np.int32), np.array([chunk.n], np.int32),
             table, key_data[None], np.array([len(seq.generated)], np.int32), smp.row_params([req.sampling]), self.cfg)
@@ -398,10 +397,10 @@ def _key_data(key, seed, sampling: SamplingParams) -> np.ndarray:
     return np.asarray(jax.random.key_data(rq.request_keys(1, key, seed, sampling)[0]))
 
 
-def _buckets(lo: int, hi: int) -> list[int]:
-    """Powers of two from lo while below hi, then hi itself."""
+def _buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """lo, lo x factor, lo x factor^2 ... while below hi, then hi itself."""
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= factor
     return out + [hi]
