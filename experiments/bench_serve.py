@@ -192,6 +192,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--shared", type=int, default=6, help="requests sharing the system prompt")
+    p.add_argument("--layout", default="canonical", choices=["canonical", "cpu", "auto"])
     p.add_argument("--no-single", action="store_true", help="skip one-at-a-time (the slowest)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -199,7 +200,8 @@ def main(argv=None, model=None) -> dict:
         args.max_slots, args.prefill_chunk, args.system_tokens, args.shared = 2, 64, 64, 2
     args.max_len = max(args.max_prompt + args.max_new, args.system_tokens + 72)
     enable_persistent_cache()
-    model = common.load_model(args, model)
+    if model is None:  # the canonical layout: fastest on CPU for batches of 8+, and quick to compile
+        model = jaxinfer.load(args.model, layout=args.layout)
     rng = np.random.default_rng(0)
     engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, max_len=args.max_len,
                     prefill_chunk=args.prefill_chunk)

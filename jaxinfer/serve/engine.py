@@ -11,8 +11,8 @@ Each `step` asks the scheduler (pure Python, `scheduler.py`) for a plan, runs it
 `max_slots` slots ([max_slots, 1] tokens; idle slots write to the trash page). Sampling settings,
 keys and step counters are per-slot arrays, so nothing about a request is a static argument: the
 programs are one per chunk bucket C (16, 64, 256 ..., up to prefill_chunk) for prefill, which
-reads the full page-table width, and one per page-table width W (powers of two) for decode, all
-built by `warmup`.
+reads the full page-table width, and one per page-table width W (64 tokens' worth x 4^i, up to
+max_len) for decode, all built by `warmup`.
 
 The promise: a request's tokens equal `generate(model, [prompt], seed=s, ...)` alone. Its key is
 derived as generate derives row 0's (`requests.request_keys`), its t-th token is sampled with
@@ -133,7 +133,7 @@ class Engine:
         if mesh is not None:  # a sharded model: keep the pool replicated on its mesh
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._pool = jax.device_put(self._pool, rep)
-        self.widths = _buckets(max(1, pages_for(64, page_size)), self.max_pages)
+        self.widths = _buckets(max(1, pages_for(64, page_size)), self.max_pages, 4)
         self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 4) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
         self._key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self._ids = itertools.count()
