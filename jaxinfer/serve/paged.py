@@ -29,6 +29,7 @@ from jaxinfer.model.cache import KV_DTYPES, bytes_per_token, quantize_kv
 from jaxinfer.model.config import ModelConfig
 
 TRASH_PAGE = 0
+UNROLL_TOKENS = 32  # writes of up to this many tokens are unrolled
 _SCALE_DTYPE = jnp.float32
 
 
@@ -74,7 +75,9 @@ class PagedKVCache:
         n = self.max_len if n_slots is None else n_slots
 
         def get(a):
-            pages = a[layer, self.page_table]  # [B, W, ps, K, X]: only this row's pages are read
+            # The layer first, then its pages: gathering a[layer, table] straight from the pool that
+            # the layer scan carries measured 3.5x slower per decode step on CPU (SmolLM2, 4 slots).
+            pages = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)[self.page_table]  # [B, W, ps, K, X]
             return pages.reshape(pages.shape[0], -1, *pages.shape[3:])[:, :n]
 
         if not self.quantized:
@@ -95,8 +98,25 @@ class PagedKVCache:
 
 
 def _scatter(pool: jax.Array, new: jax.Array, layer: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
-    """pool [L, P, ps, K, X] with new [B, T, K, X] written at (layer, pages[b, t], offsets[b, t])."""
-    return pool.at[layer, pages, offsets].set(new.astype(pool.dtype))
+    """pool [L, P, ps, K, X] with new [B, T, K, X] written at (layer, pages[b, t], offsets[b, t]).
+
+    One in-place dynamic_update_slice per token (as the contiguous cache writes per row): a
+    gather-style scatter into the pool carried through the layer scan makes XLA's CPU backend
+    copy the whole pool in every layer. Few tokens (decode) unroll; many (prefill) loop.
+    """
+    B, T = pages.shape
+    new = new.astype(pool.dtype).reshape(B * T, 1, 1, *new.shape[2:])
+    pages, offsets = pages.reshape(-1), offsets.reshape(-1)
+
+    def put(i, p):
+        row = jax.lax.dynamic_index_in_dim(new, i, keepdims=True)  # [1, 1, 1, K, X]
+        return jax.lax.dynamic_update_slice(p, row, (layer, pages[i], offsets[i], 0, 0))
+
+    if B * T <= UNROLL_TOKENS:
+        for i in range(B * T):
+            pool = put(i, pool)
+        return pool
+    return jax.lax.fori_loop(0, B * T, put, pool)
 
 
 @struct.dataclass
