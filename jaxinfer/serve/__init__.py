@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine and `jaxinfer serve`, OpenAI's HTTP API over it."""

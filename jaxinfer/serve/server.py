@@ -1,0 +1,335 @@
+"""`jaxinfer serve`: OpenAI's HTTP API over the engine, on Starlette + uvicorn.
+
+POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream: true,
+ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+The request side (validation, refusals) lives in protocol.py, the response bodies in
+responses.py; this module admits requests, talks to the engine and keeps the counters.
+
+Faults: a bad body is a 400 with OpenAI's error object; a body over `max_body_bytes` a 413;
+without the bearer token (when an api key is set) a 401; more requests than `max_slots +
+max_waiting` in flight a 429 with Retry-After; a client that goes away mid-request has its
+engine requests cancelled; a request that fails inside the engine fails alone (500 / an error
+event). On SIGTERM uvicorn stops accepting connections and finishes the running requests before
+the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from jaxinfer.serve import protocol as proto
+from jaxinfer.serve import responses as rsp
+from jaxinfer.serve.protocol import ApiError
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    def __init__(self, buckets):
+        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f"# TYPE {name} histogram"]
+        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+
+
+@dataclasses.dataclass
+class Limits:
+    max_slots: int = 8  # requests the engine runs at once
+    max_waiting: int = 64  # requests admitted beyond max_slots before a 429
+    max_body_bytes: int = 1 << 20
+
+
+class ServerState:
+    """What the endpoints share: the engine, the model, the limits and the counters."""
+
+    def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits):
+        self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
+        self.in_flight = 0  # engine requests submitted and not finished
+        self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
+        self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
+                       "requests_rejected_total": 0}
+        self.healthy = False
+
+
+def engine_stats(engine) -> dict:
+    """The engine's gauges as a flat dict of numbers (stats() may return a dict or a dataclass)."""
+    s = engine.stats() if callable(getattr(engine, "stats", None)) else getattr(engine, "stats", {})
+    if dataclasses.is_dataclass(s):
+        s = dataclasses.asdict(s)
+    return {k: v for k, v in dict(s).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# ---- request plumbing ----------------------------------------------------------------------------
+
+async def _read_json(req: HttpRequest, limit: int):
+    n = req.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > limit:
+        raise ApiError(413, f"request body of {n} bytes is over the limit of {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for c in req.stream():
+        size += len(c)
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(c)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise proto.bad(None, f"the request body is not valid JSON: {e}", "invalid_json") from None
+
+
+def _check_auth(st: ServerState, req: HttpRequest) -> None:
+    if st.api_key is not None and req.headers.get("authorization") != f"Bearer {st.api_key}":
+        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _submit(st: ServerState, job: proto.Job) -> list:
+    """One engine request per choice (prompt p, sample i -> index p * n + i, seed + i)."""
+    n_req = len(job.prompts) * job.n
+    bound = st.limits.max_slots + st.limits.max_waiting
+    if st.in_flight + n_req > bound:
+        st.counts["requests_rejected_total"] += 1
+        raise ApiError(429, f"{st.in_flight} requests are in flight; the server admits {bound} "
+                       f"({st.limits.max_slots} running + {st.limits.max_waiting} waiting)", code="queue_full")
+    reqs = []
+    try:
+        for ids in job.prompts:
+            for i in range(job.n):
+                reqs.append(st.engine.submit(ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
+                                             seed=(job.seed + i) % (1 << 32), stop=list(job.stop)))
+    except ValueError as e:
+        for r in reqs:
+            r.cancel()
+        raise proto.bad("prompt" if not job.chat else "messages", str(e)) from None
+    st.in_flight += len(reqs)
+    return reqs
+
+
+class _Tracker:
+    """Times one engine request (TTFT, time per output token) and releases its admission slot."""
+
+    def __init__(self, st: ServerState):
+        self.st, self.t0, self.t_first, self.n, self.open = st, time.perf_counter(), None, 0, True
+
+    def tokens(self, k: int) -> None:
+        if k and self.t_first is None:
+            self.t_first = time.perf_counter()
+            self.st.ttft.observe(self.t_first - self.t0)
+        self.n += k
+
+    def close(self, ok: bool) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.st.in_flight -= 1
+        if ok and self.n > 1:
+            self.st.tpot.observe((time.perf_counter() - self.t_first) / (self.n - 1))
+
+
+async def _drain(req, tracker: _Tracker, on_delta=None):
+    """Consume one engine request's stream; return its Completion."""
+    try:
+        async for d in req:
+            tracker.tokens(len(d.token_ids))
+            if on_delta is not None:
+                await on_delta(d)
+        comp = req.result()
+        tracker.close(True)
+        return comp
+    finally:
+        if tracker.open:  # cancelled (client gone) or failed inside the engine
+            req.cancel()
+            tracker.close(False)
+
+
+async def _watch_disconnect(http: HttpRequest, reqs) -> None:
+    while True:
+        await asyncio.sleep(0.2)
+        if await http.is_disconnected():
+            for r in reqs:
+                r.cancel()
+            return
+
+
+# ---- endpoints -----------------------------------------------------------------------------------
+
+async def _generate(http: HttpRequest, chat: bool):
+    st: ServerState = http.app.state.server
+    st.counts["requests_total"] += 1
+    try:
+        _check_auth(st, http)
+        body = await _read_json(http, st.limits.max_body_bytes)
+        if isinstance(body, dict) and body.get("model") not in (None, st.model_name):
+            raise ApiError(404, f"model '{body.get('model')}' is not served here; this server has "
+                           f"'{st.model_name}'", param="model", code="model_not_found")
+        job = proto.parse(body, st.model, chat=chat)
+        if job.max_tokens == 0:  # the scoring call: no engine, one uncached forward per prompt
+            return JSONResponse(await asyncio.to_thread(rsp.score, st.model, st.model_name, job))
+        reqs = _submit(st, job)
+    except ApiError as e:
+        return _error(e)
+    trackers = [_Tracker(st) for _ in reqs]
+    if job.stream:
+        return StreamingResponse(_stream(st, job, reqs, trackers), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(_watch_disconnect(http, reqs))
+    try:
+        comps = await asyncio.gather(*(_drain(r, t) for r, t in zip(reqs, trackers)))
+    except Exception as e:  # a request failed inside the engine: it fails alone
+        st.counts["requests_failed_total"] += 1
+        for r in reqs:
+            r.cancel()
+        return _error(ApiError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
+                               code="engine_error"))
+    finally:
+        watcher.cancel()
+    if any(c.finish_reason == "cancelled" for c in comps):
+        st.counts["requests_cancelled_total"] += 1
+    body = await asyncio.to_thread(rsp.full_response, st.model, st.model_name, job, comps)
+    return JSONResponse(body)
+
+
+async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
+    """Server-sent events: one chunk per delta per choice, a final chunk per choice, [DONE]."""
+    head = rsp.StreamHead(st.model, st.model_name, job)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, r, t):
+        async def on_delta(d):
+            await queue.put((i, d, None))
+        try:
+            comp = await _drain(r, t, on_delta)
+            await queue.put((i, None, comp))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await queue.put((i, e, None))
+
+    tasks = [asyncio.create_task(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, trackers))]
+    left, comps, ok = len(reqs), [None] * len(reqs), False
+    try:
+        for chunk in head.opening():
+            yield rsp.sse(chunk)
+        while left:
+            i, d, comp = await queue.get()
+            if isinstance(d, Exception):
+                st.counts["requests_failed_total"] += 1
+                err = ApiError(500, f"the engine failed on this request: {type(d).__name__}: {d}", code="engine_error")
+                yield rsp.sse(err.body())
+                left -= 1
+            elif comp is not None:
+                comps[i] = comp
+                yield rsp.sse(head.final(i, comp))
+                left -= 1
+            elif d.text:
+                yield rsp.sse(head.delta(i, d.text))
+        if job.include_usage:
+            yield rsp.sse(head.usage([c for c in comps if c is not None]))
+        yield "data: [DONE]\n\n"
+        ok = True
+    finally:
+        if not ok:  # the client went away (or the server is cancelling us): free the engine's work
+            st.counts["requests_cancelled_total"] += 1
+            for r in reqs:
+                r.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+async def models(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    try:
+        _check_auth(st, http)
+    except ApiError as e:
+        return _error(e)
+    return JSONResponse({"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0,
+                                                     "owned_by": "jaxinfer",
+                                                     "max_model_len": st.model.config.max_seq_len}]})
+
+
+async def health(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    if not st.healthy:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    try:
+        _check_auth(st, http)
+    except ApiError as e:
+        return _error(e)
+    lines = []
+    for k, v in engine_stats(st.engine).items():
+        kind = "counter" if k.endswith(("_total", "hits", "tokens_generated")) else "gauge"
+        lines += [f"# TYPE jaxinfer_{k} {kind}", f"jaxinfer_{k} {v}"]
+    lines += [f"# TYPE jaxinfer_http_in_flight gauge", f"jaxinfer_http_in_flight {st.in_flight}"]
+    for k, v in st.counts.items():
+        lines += [f"# TYPE jaxinfer_http_{k} counter", f"jaxinfer_http_{k} {v}"]
+    lines += st.ttft.lines("jaxinfer_time_to_first_token_seconds")
+    lines += st.tpot.lines("jaxinfer_time_per_output_token_seconds")
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+async def completions(http: HttpRequest):
+    return await _generate(http, chat=False)
+
+
+async def chat_completions(http: HttpRequest):
+    return await _generate(http, chat=True)
+
+
+def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
+               limits: Limits = Limits(), manage_engine: bool = True) -> Starlette:
+    """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
+    (after uvicorn has finished the running requests). The engine should be warmed up before."""
+    st = ServerState(engine, model, model_name, api_key, limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine:
+            engine.start()
+        st.healthy = True
+        try:
+            yield
+        finally:
+            st.healthy = False
+            if manage_engine:
+                await asyncio.to_thread(engine.stop)
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.server = st
+    return app
