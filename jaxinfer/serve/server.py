@@ -333,3 +333,64 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
     ], lifespan=lifespan)
     app.state.server = st
     return app
+
+
+# ---- `jaxinfer serve` ----------------------------------------------------------------------------
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    s = text.strip().lower()
+    num = s.rstrip("abgikm")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or a byte count, got {text!r}")
+    return int(value * units[unit])
+
+
+def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256):
+    """The continuous-batching Engine when this build has it, else the one-at-a-time SerialEngine."""
+    try:
+        from jaxinfer.serve.engine import Engine
+    except ImportError:
+        from jaxinfer.serve.serial import SerialEngine
+
+        return SerialEngine(model, page_size=page_size)
+    kw = {"max_slots": max_slots, "page_size": page_size, "prefill_chunk": prefill_chunk}
+    if kv_memory is not None:
+        kw["kv_memory"] = kv_memory
+    return Engine(model, **kw)
+
+
+def run(args) -> int:
+    """The `jaxinfer serve` command: load, warm up, then serve until SIGTERM / Ctrl-C."""
+    import sys
+
+    import uvicorn
+
+    import jaxinfer
+    from jaxinfer.compile_cache import enable_persistent_cache
+
+    kv_memory = parse_bytes(args.kv_memory) if args.kv_memory else None
+    if args.max_slots < 1 or args.max_waiting < 0:
+        raise ValueError("--max-slots must be >= 1 and --max-waiting >= 0")
+    mesh = None
+    if args.mesh is not None:
+        from jaxinfer import sharding
+
+        mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
+    enable_persistent_cache(None)
+    model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
+    engine = make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory)
+    print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
+    engine.warmup()
+    limits = Limits(max_slots=args.max_slots, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, model, model_name=args.served_name or args.model, api_key=args.api_key, limits=limits)
+    print(f"jaxinfer serve: http://{args.host}:{args.port}/v1 (model '{args.served_name or args.model}')",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
+    return 0
