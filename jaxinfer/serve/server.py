@@ -234,6 +234,7 @@ async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
     tasks = [asyncio.create_task(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, trackers))]
     left, comps, ok = len(reqs), [None] * len(reqs), False
     try:
+        yield ": admitted\n\n"  # an SSE comment: sends the headers now, not after the first token
         for chunk in head.opening():
             yield rsp.sse(chunk)
         while left:
