@@ -36,7 +36,7 @@ class Completion:
     token_ids: list[int]  # new tokens (a final stop token included)
     text: str  # decoded new tokens, without the stop token
     logprobs: list[float]  # log p(token) under the model, per new token
-    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+    finish_reason: str  # "stop" (a stop token or string), "length" (max_new_tokens) or "cancelled" (serve engine)
 
 
 def check_context(ids: list[list[int]], max_new_tokens: int, working_slots: int, cfg: ModelConfig) -> None:

@@ -13,6 +13,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 _NEG_INF = -jnp.inf
 
@@ -107,3 +109,70 @@ def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams):
         tokens = jax.vmap(jax.random.categorical)(keys, x)
     tokens = tokens.astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+@struct.dataclass
+class RowParams:
+    """SamplingParams as per-row arrays, so rows with different settings share one program.
+
+    temperature, top_p, min_p [B] float32; top_k [B] int32 (0 = off). Build with `row_params`.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+
+def row_params(params: list[SamplingParams]) -> RowParams:
+    """One SamplingParams per row -> RowParams (host-side numpy arrays)."""
+    return RowParams(temperature=np.array([p.temperature for p in params], np.float32),
+                     top_k=np.array([p.top_k for p in params], np.int32),
+                     top_p=np.array([p.top_p for p in params], np.float32),
+                     min_p=np.array([p.min_p for p in params], np.float32))
+
+
+def filter_logits_rows(logits: jax.Array, rp: RowParams) -> jax.Array:
+    """`filter_logits` with each row's own settings: the same filters, order and arithmetic.
+
+    A filter that is off for a row (top_k 0 or >= V, top_p 1, min_p 0) leaves that row untouched,
+    exactly as the static version skips it. [B, V] -> [B, V] float32.
+    """
+    V = logits.shape[-1]
+    temperature = jnp.where(rp.temperature > 0, rp.temperature, 1.0)[:, None]
+    x = logits.astype(jnp.float32) / temperature
+    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # descending
+    k = jnp.clip(rp.top_k, 1, V)[:, None]
+    kth = jnp.take_along_axis(sorted_x, k - 1, axis=-1)  # the k-th largest value, as lax.top_k finds it
+    use_k = ((rp.top_k > 0) & (rp.top_k < V))[:, None]
+    x = jnp.where(use_k & (x < kth), _NEG_INF, x)
+    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+    probs_sorted = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep = mass_before < rp.top_p[:, None]
+    threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((rp.top_p < 1.0)[:, None] & (x < threshold), _NEG_INF, x)
+    p = jax.nn.softmax(x, axis=-1)
+    cutoff = rp.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
+    return jnp.where((rp.min_p > 0.0)[:, None] & (p < cutoff), _NEG_INF, x)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, rp: RowParams):
+    """`sample` with per-row settings: row b gives exactly the token `sample` gives with row b's
+    own SamplingParams (greedy rows: argmax of the raw logits).
+
+    Args:
+      logits: [B, V]; keys: [B] (already folded with each row's step); rp: RowParams of [B] arrays.
+    Returns:
+      tokens [B] int32 and their log-probabilities [B] (log_softmax of the raw logits).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    greedy = (rp.temperature == 0) | (rp.top_k == 1)
+    drawn = jax.vmap(jax.random.categorical)(keys, filter_logits_rows(logits, rp))
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def step_keys_rows(keys: jax.Array, steps: jax.Array) -> jax.Array:
+    """Per-row steps: fold steps[b] into keys[b]. keys [B], steps [B] -> [B]."""
+    return jax.vmap(jax.random.fold_in)(keys, steps)

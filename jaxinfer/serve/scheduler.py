@@ -1,0 +1,193 @@
+"""The scheduling policy, in pure Python over requests and pages (no model, no device).
+
+Each iteration (`Scheduler.schedule`) returns a `Plan`:
+  1. pages for the running decodes: each decoding request gets the page its next token lands in;
+     when none is left (free or evictable), the newest running request is preempted: its pages
+     are released and it goes back to the queue, to be recomputed (prompt + tokens so far)
+     later. The oldest request always makes progress, so the engine never deadlocks.
+  2. admission, first come first served: the oldest waiting request is admitted while a slot
+     is free and the pages for its context are available (after the prefix cache's share); the
+     first one that does not fit stops admission (no overtaking).
+  3. prefill chunks: prefilling requests, oldest first, get chunks of their context until the
+     iteration's budget of `prefill_chunk` tokens is spent: a long prompt delays the running
+     decodes by at most one chunk per iteration.
+The engine runs the chunks, then one decode step over the requests that were decoding, and
+reports back through `prefilled`, `sampled` and `finish`.
+
+A request's context is its prompt plus the tokens generated so far; `computed` counts the
+context tokens whose keys/values are in its pages. Prefilling: computed < len(context).
+Decoding: computed == len(context) - 1 (the last sampled token is the next input).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Optional
+
+from jaxinfer.serve.pages import PagePool, prefix_hashes
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """One request as the scheduler sees it."""
+
+    rid: int  # arrival order: smaller is older
+    prompt: list[int]
+    max_new_tokens: int
+    generated: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0
+    slot: Optional[int] = None
+    state: str = WAITING
+    admitted_at: int = -1  # admission counter: the newest admitted is preempted first
+    preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclasses.dataclass
+class Chunk:
+    seq: Seq
+    start: int  # first context position of the chunk
+    n: int  # tokens in the chunk
+    last: bool  # the chunk ends the context: sample the next token after it
+
+
+@dataclasses.dataclass
+class Plan:
+    prefill: list[Chunk]
+    decode: list[Seq]
+    preempted: list[Seq]
+    admitted: list[Seq]
+
+
+def pages_for(n_tokens: int, page_size: int) -> int:
+    return -(-n_tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, n_slots: int, prefill_chunk: int, prefix_cache: bool = True):
+        if n_slots < 1 or prefill_chunk < 1:
+            raise ValueError(f"n_slots and prefill_chunk must be >= 1, got {n_slots}, {prefill_chunk}")
+        self.pool, self.n_slots, self.prefill_chunk, self.prefix_cache = pool, n_slots, prefill_chunk, prefix_cache
+        self.waiting: list[Seq] = []  # sorted by rid
+        self.running: list[Seq] = []  # sorted by admitted_at
+        self._free_slots = list(range(n_slots))
+        self._admissions = 0
+        self.preemptions = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def add(self, seq: Seq) -> None:
+        seq.state = WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.rid)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        preempted = self._grow_decodes()
+        admitted = self._admit()
+        return Plan(prefill=self._chunks(), decode=[s for s in self.running if s.state == DECODE],
+                    preempted=preempted, admitted=admitted)
+
+    def _grow_decodes(self) -> list[Seq]:
+        preempted = []
+        for seq in [s for s in self.running if s.state == DECODE]:
+            if seq.state != DECODE:  # preempted below while serving an older request
+                continue
+            while pages_for(seq.computed + 1, self.page_size) > len(seq.pages):
+                if self.pool.available() > 0:
+                    seq.pages += self.pool.allocate(1)
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+        return preempted
+
+    def _preempt(self, seq: Seq) -> None:
+        self._release(seq)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def _admit(self) -> list[Seq]:
+        admitted = []
+        while self.waiting and self._free_slots:
+            seq = self.waiting[0]
+            ctx = seq.context
+            cached = []
+            if self.prefix_cache:  # full pages only, and never the last token (its logits are needed)
+                cached = self.pool.match(prefix_hashes(ctx, self.page_size, (len(ctx) - 1) // self.page_size))
+            need = pages_for(len(ctx), self.page_size) - len(cached)
+            held_evictable = sum(self.pool.refcount[p] == 0 for p in cached)
+            if need > self.pool.available() - held_evictable:
+                break
+            self.waiting.pop(0)
+            self.pool.acquire(cached)
+            seq.pages = list(cached) + self.pool.allocate(need)
+            seq.computed = seq.cached_tokens = len(cached) * self.page_size
+            seq.slot = self._free_slots.pop(0)
+            seq.state = PREFILL
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _chunks(self) -> list[Chunk]:
+        budget, out = self.prefill_chunk, []
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.state != PREFILL:
+                continue
+            n = min(len(seq.context) - seq.computed, budget)
+            budget -= n
+            out.append(Chunk(seq=seq, start=seq.computed, n=n, last=seq.computed + n == len(seq.context)))
+        return out
+
+    # ---- reports from the engine --------------------------------------------------------------
+    def prefilled(self, chunk: Chunk) -> None:
+        """The chunk's keys/values are written: count them and offer full prompt pages to the cache."""
+        seq = chunk.seq
+        seq.computed = chunk.start + chunk.n
+        if self.prefix_cache:
+            # Only prompt pages: their keys/values came from a prefill, as a later request's would.
+            full = min(seq.computed, len(seq.prompt)) // self.page_size
+            for i, h in enumerate(prefix_hashes(seq.prompt, self.page_size, full)):
+                self.pool.register(h, seq.pages[i])
+
+    def sampled(self, seq: Seq, token: int) -> None:
+        """A new token was sampled for seq (after its last prefill chunk or a decode step)."""
+        if seq.state == DECODE:
+            seq.computed += 1  # the previous token's keys/values were written by the decode step
+        seq.generated.append(token)
+        seq.state = DECODE
+
+    def finish(self, seq: Seq) -> None:
+        """seq is done (stopped, at its length, or cancelled): free its slot and pages at once."""
+        if seq.state == WAITING:
+            self.waiting.remove(seq)
+        elif seq.state != DONE:
+            self._release(seq)
+        seq.state = DONE
+
+    def _release(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        bisect.insort(self._free_slots, seq.slot)
+        seq.slot = None

@@ -1,0 +1,225 @@
+"""The serving engine on a tiny random model: every request's tokens equal `generate` alone."""
+
+import asyncio
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.model import config
+from jaxinfer.model.forward import Model
+from jaxinfer.model.params import init_params
+from jaxinfer.serve import Engine
+
+SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20),
+            SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05)]
+ENGINE = dict(max_slots=4, page_size=8, max_len=64, prefill_chunk=16)  # one width, one chunk bucket
+
+
+class CharTokenizer:
+    """Two letters per token (so a string can span tokens); id 2 is the stop id."""
+
+    bos_id, add_bos, stop_ids = None, False, (2,)
+
+    def encode(self, text):
+        return [(ord(a) - 97) + 26 * (ord(b) - 97) for a, b in zip(text[::2], text[1::2])]
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) + chr(97 + (t // 26) % 26) for t in ids)
+
+
+def tiny_model(**overrides):
+    cfg = config.tiny(**overrides)
+    return Model(config=cfg, params=init_params(cfg, jax.random.key(0)), tokenizer=CharTokenizer())
+
+
+@dataclasses.dataclass
+class Spec:
+    prompt: list
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+
+
+def make_specs(n, seed=0, settings=SETTINGS):
+    rng = np.random.default_rng(seed)
+    shared = list(map(int, rng.integers(3, 256, 24)))  # 3 full pages: the prefix cache's share
+    specs = []
+    for i in range(n):  # prompts <= 31 tokens and <= 32 new ones: few programs for generate too
+        n_prompt = int(rng.integers(3, 32))
+        own = list(map(int, rng.integers(3, 256, n_prompt)))
+        prompt = (shared + own)[:max(n_prompt, 26)] if i % 3 == 0 else own
+        specs.append(Spec(prompt, int(rng.integers(1, 33)), settings[i % len(settings)], 1000 + i))
+    return specs
+
+
+def reference(model, specs):
+    return [jaxinfer.generate(model, [s.prompt], seed=s.seed, sampling=s.sampling, max_new_tokens=s.max_new_tokens).completions[0] for s in specs]
+
+
+def submit(engine, s, **kw):
+    return engine.submit(s.prompt, max_new_tokens=s.max_new_tokens, sampling=s.sampling, seed=s.seed, **kw)
+
+
+def run_staggered(engine, specs):
+    """Submit two requests, step, two more, step...: each arrives while others run."""
+    reqs = []
+    for i in range(0, len(specs), 2):
+        reqs += [submit(engine, s) for s in specs[i:i + 2]]
+        engine.step()
+    engine.run_until_idle()
+    return [r.result() for r in reqs]
+
+
+def assert_same(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"request {i}: {g.token_ids} != {w.token_ids}"
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-3)
+        assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def specs_and_ref(model):
+    specs = make_specs(18)
+    return specs, reference(model, specs)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_identity_staggered_mixed_requests_no_compiles_after_warmup(model, specs_and_ref, prefix_cache):
+    """18 requests (mixed seeds, settings, lengths, shared prefixes) arriving at staggered steps:
+    tokens equal generate alone; with the prefix cache the shared pages are reused; after warmup
+    nothing compiles."""
+    specs, want = specs_and_ref
+    engine = Engine(model, n_pages=40, prefix_cache=prefix_cache, **ENGINE)
+    engine.warmup()
+    with CompileCounter() as compiles:
+        got = run_staggered(engine, specs)
+    assert compiles.count == 0
+    assert_same(got, want)
+    st = engine.stats()
+    assert st.pages_in_use == 0 and st.running == 0 and st.waiting == 0 and st.requests_finished == len(specs)
+    assert st.tokens_generated == sum(len(c.token_ids) for c in want)
+    assert (st.prefix_hit_pages > 0) == prefix_cache
+
+
+def test_identity_with_preemption_in_a_tiny_pool(model, specs_and_ref):
+    """A pool of 11 pages (88 tokens) for 4 slots: requests are preempted and recomputed, and
+    still give generate's tokens."""
+    specs, want = specs_and_ref
+    engine = Engine(model, n_pages=12, **ENGINE)
+    got = run_staggered(engine, specs)
+    assert engine.stats().preemptions > 0
+    assert_same(got, want)
+    assert engine.stats().pages_in_use == 0
+
+
+def test_identity_int8_kv_cache():
+    model = tiny_model(kv_dtype="int8")
+    specs = make_specs(6, seed=1, settings=SETTINGS[:2])
+    want = reference(model, specs)
+    engine = Engine(model, n_pages=40, **ENGINE)
+    assert engine.stats().pool_bytes < Engine(tiny_model(), n_pages=40, **ENGINE).stats().pool_bytes
+    assert_same(run_staggered(engine, specs), want)
+
+
+def test_stop_string_spanning_tokens_and_streaming(model, specs_and_ref):
+    specs, want = specs_and_ref
+    s, full = next((s, w) for s, w in zip(specs, want) if len(w.token_ids) >= 8 and w.finish_reason == "length")
+    stop = full.text[5:8]  # token 2 decodes to chars 4-5, token 3 to 6-7: the string spans both
+    engine = Engine(model, n_pages=40, **ENGINE)
+    req = submit(engine, s, stop=[stop, "not-there"])
+    deltas = list(req)
+    c = req.result()
+    expected = full.text[:full.text.find(stop)]
+    assert c.text == expected and c.finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == expected  # nothing of the stop string was streamed
+    assert c.token_ids == full.token_ids[:len(c.token_ids)] and len(c.token_ids) <= 4
+    assert [t for d in deltas for t in d.token_ids] == c.token_ids
+    assert deltas[-1].finish_reason == "stop" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_cancel_mid_stream_frees_pages(model, specs_and_ref):
+    specs, want = specs_and_ref
+    i = next(i for i, w in enumerate(want) if len(w.token_ids) >= 6)
+    engine = Engine(model, n_pages=40, **ENGINE)
+    other = submit(engine, specs[i + 1])
+    req = submit(engine, specs[i])
+    seen = []
+    for d in req:
+        seen += d.token_ids
+        if len(seen) == 3:
+            req.cancel()
+    c = req.result()
+    assert c.finish_reason == "cancelled" and c.token_ids == want[i].token_ids[:len(c.token_ids)]
+    assert 3 <= len(c.token_ids) < len(want[i].token_ids)
+    assert other.result().token_ids == want[i + 1].token_ids  # the neighbour is untouched
+    engine.run_until_idle()
+    assert engine.stats().pages_in_use == 0
+
+
+def test_refused_at_submit(model):
+    engine = Engine(model, n_pages=6, **ENGINE)  # 5 pages = 40 tokens
+    with pytest.raises(ValueError, match="max_len 64"):
+        engine.submit([5] * 40, max_new_tokens=30)
+    with pytest.raises(ValueError, match="the whole pool has 5"):
+        engine.submit([5] * 30, max_new_tokens=20)
+    with pytest.raises(ValueError, match="context length 512"):
+        Engine(model, n_pages=6, max_slots=1, page_size=8).submit([5] * 500, max_new_tokens=20)
+    with pytest.raises(ValueError, match="needs a key or a seed"):
+        engine.submit([5] * 4, max_new_tokens=8, sampling=SETTINGS[1])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit([5] * 4, max_new_tokens=0)
+    assert engine.stats().waiting == 0
+
+
+def test_background_thread_and_async_stream(model, specs_and_ref):
+    specs, want = specs_and_ref
+    engine = Engine(model, n_pages=40, **ENGINE)
+
+    async def consume(req):
+        toks, lps = [], []
+        async for d in req:
+            toks += d.token_ids
+            lps += d.logprobs
+        return toks, lps
+
+    async def main():
+        reqs = [submit(engine, s) for s in specs[:4]]
+        return await asyncio.gather(*(consume(r) for r in reqs))
+
+    engine.start()
+    try:
+        out = asyncio.run(main())
+    finally:
+        engine.stop()
+    for (toks, lps), w in zip(out, want[:4]):
+        assert toks == w.token_ids
+        np.testing.assert_allclose(lps, w.logprobs, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_identity_real_smollm2(smollm2):
+    """The real model, canonical and CPU decode layouts: greedy and sampled requests arriving at
+    different steps give generate's tokens alone."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40)]
+    ref = [jaxinfer.generate(smollm2, p, seed=7 + i, sampling=settings[i % 2], max_new_tokens=12).completions[0]
+           for i, p in enumerate(prompts)]
+    cpu = jaxinfer.layout.for_cpu_decode(smollm2)
+    for model in (smollm2, cpu):
+        engine = Engine(model, max_slots=4, page_size=16, max_len=64, prefill_chunk=16)
+        reqs = []
+        for i, p in enumerate(prompts):
+            reqs.append(engine.submit(p, max_new_tokens=12, sampling=settings[i % 2], seed=7 + i))
+            engine.step()
+        engine.run_until_idle()
+        assert_same([r.result() for r in reqs], ref)

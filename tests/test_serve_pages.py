@@ -1,0 +1,131 @@
+"""The serving engine's host side without a model: page allocator, prefix cache, scheduler policy."""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxinfer.serve.pages import OutOfPages, PagePool, prefix_hashes
+from jaxinfer.serve.scheduler import DECODE, DONE, PREFILL, Scheduler, Seq
+
+
+def test_allocate_release_and_trash_page():
+    pool = PagePool(5, 4)
+    pages = pool.allocate(4)
+    assert sorted(pages) == [1, 2, 3, 4] and pool.in_use == 4 and pool.available() == 0
+    with pytest.raises(OutOfPages):
+        pool.allocate(1)
+    pool.release(pages[:2])
+    assert pool.in_use == 2 and pool.available() == 2
+    with pytest.raises(ValueError, match="not held"):
+        pool.release(pages[:1])
+    pool.check([pages[2:]])
+
+
+def test_prefix_hashes_key_the_whole_prefix():
+    a = prefix_hashes([1, 2, 3, 4, 5, 6], 2, 3)
+    b = prefix_hashes([9, 2, 3, 4, 5, 6], 2, 3)
+    assert a[0] != b[0] and a[2] != b[2]  # same last page, different prefix: different key
+    assert prefix_hashes([1, 2, 3, 4, 7], 2, 2) == a[:2]
+    with pytest.raises(ValueError, match="not full"):
+        prefix_hashes([1, 2, 3], 2, 2)
+
+
+def test_prefix_cache_share_refcount_and_lru_eviction():
+    pool = PagePool(4, 2)
+    h = prefix_hashes([1, 2, 3, 4, 5, 6], 2, 3)
+    a = pool.allocate(2)
+    pool.register(h[0], a[0])
+    pool.register(h[1], a[1])
+    assert pool.match(h) == a  # the third page was never cached
+    pool.acquire(a)  # a second request shares both pages
+    assert pool.refcount[a[0]] == 2 and pool.hit_pages == 2
+    pool.release(a)
+    pool.release(a)
+    assert pool.in_use == 0 and pool.cached == 2  # unreferenced but kept
+    pool.check([])
+    pool.acquire(pool.match(h[:1]))  # touch page 0: page 1 is now least recently used
+    pool.release([a[0]])
+    got = pool.allocate(2)  # one free page, then evicts the LRU cached page (a[1])
+    assert a[1] in got and a[0] not in got and pool.evictions == 1
+    assert pool.match(h) == [a[0]]
+    pool.check([got])
+
+
+def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_steps: int = 5000):
+    """Run the scheduler as the engine does, with random tokens; check invariants every step."""
+    pending = list(seqs)
+    live = []
+    for _ in range(max_steps):
+        while pending and rng.random() < 0.5:  # random arrivals
+            s = pending.pop(0)
+            sched.add(s)
+            live.append(s)
+        for s in list(live):  # random cancellations, in any state
+            if s.state != DONE and rng.random() < cancel_p:
+                sched.finish(s)
+        plan = sched.schedule()
+        slots = [s.slot for s in sched.running]
+        assert len(set(slots)) == len(slots) and all(0 <= x < sched.n_slots for x in slots)
+        for c in plan.prefill:
+            assert c.seq.state == PREFILL and c.n > 0
+            assert len(c.seq.pages) * sched.page_size >= c.start + c.n  # its pages cover the chunk
+            sched.prefilled(c)
+            if c.last:
+                sched.sampled(c.seq, rng.randrange(4))
+        assert sum(c.n for c in plan.prefill) <= sched.prefill_chunk
+        for s in plan.decode:
+            assert s.state == DECODE and len(s.pages) * sched.page_size > s.computed  # next token's slot
+            sched.sampled(s, rng.randrange(4))
+        for s in list(sched.running):
+            if s.state == DECODE and len(s.generated) >= s.max_new_tokens:
+                sched.finish(s)
+        sched.pool.check([s.pages for s in sched.running])
+        assert all(not s.pages for s in sched.waiting)
+        if not pending and sched.idle():
+            break
+    assert not pending and sched.idle(), "requests left unfinished"
+    assert sched.pool.in_use == 0  # no leak: every page is free or cached when idle
+    for s in seqs:
+        assert s.state == DONE
+        assert len(s.generated) <= s.max_new_tokens
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n_pages=st.integers(4, 24), page_size=st.sampled_from([1, 2, 4]),
+       n_slots=st.integers(1, 5), chunk=st.integers(1, 9), prefix=st.booleans(),
+       cancel_p=st.sampled_from([0.0, 0.02]))
+def test_scheduler_fuzz_invariants(seed, n_pages, page_size, n_slots, chunk, prefix, cancel_p):
+    """Random arrivals, lengths, shared prefixes and cancellations on a small pool: no page owned
+    twice, no leak, every request finishes or is cancelled (preemption keeps the oldest going)."""
+    rng = random.Random(seed)
+    sched = Scheduler(PagePool(n_pages, page_size), n_slots, chunk, prefix_cache=prefix)
+    capacity = (n_pages - 1) * page_size
+    shared = [rng.randrange(4) for _ in range(capacity)]
+    seqs = []
+    for rid in range(rng.randint(1, 12)):
+        total = rng.randint(2, capacity)
+        n_prompt = rng.randint(1, total - 1)
+        prompt = shared[:n_prompt] if rng.random() < 0.5 else [rng.randrange(4) for _ in range(n_prompt)]
+        seqs.append(Seq(rid=rid, prompt=prompt, max_new_tokens=total - n_prompt))
+    _drive(sched, seqs, rng, cancel_p)
+
+
+def test_preemption_takes_the_newest_and_recomputes_its_context():
+    sched = Scheduler(PagePool(5, 2), n_slots=2, prefill_chunk=8, prefix_cache=False)
+    a, b = Seq(rid=0, prompt=[1, 2, 3], max_new_tokens=5), Seq(rid=1, prompt=[4, 5, 6], max_new_tokens=5)
+    sched.add(a), sched.add(b)
+    plan = sched.schedule()
+    assert plan.admitted == [a, b] and [c.seq for c in plan.prefill] == [a, b]
+    for c in plan.prefill:
+        sched.prefilled(c), sched.sampled(c.seq, 7)
+    # 4 pages held; a's next token (position 3) fits its second page; step until someone needs a 5th
+    preempted = []
+    while not preempted:
+        plan = sched.schedule()
+        preempted = plan.preempted
+        for s in plan.decode:
+            sched.sampled(s, 7)
+    assert preempted == [b] and b.state == "waiting" and b.computed == 0 and b.pages == []
+    assert b.context == [4, 5, 6] + b.generated  # recomputed later from prompt + tokens so far
+    assert a.state == DECODE
