@@ -163,12 +163,12 @@ class SerialEngine:
         return req
 
     def stats(self) -> dict:
-        """Gauges for /metrics. The "pool" is the contiguous cache of the one running request, in pages."""
+        """The Engine's stats fields. The "pool" is the contiguous cache of the one running request, in pages."""
         total = math.ceil(self.model.config.max_seq_len / self.page_size)
         with self._cond:
-            return {"requests_running": int(self._running is not None), "requests_waiting": len(self._queue),
-                    "kv_pages_in_use": self._running_pages, "kv_pages_free": total - self._running_pages,
-                    "prefix_cache_hits": 0, "tokens_generated": self.tokens_generated}
+            return {"running": int(self._running is not None), "waiting": len(self._queue), "pages_total": total,
+                    "pages_in_use": self._running_pages, "pages_free": total - self._running_pages,
+                    "prefix_hit_pages": 0, "tokens_generated": self.tokens_generated}
 
     def warmup(self) -> None:
         """Compile prefill and decode once (the smallest buckets)."""

@@ -73,12 +73,19 @@ class ServerState:
         self.healthy = False
 
 
+# The engine's stats (EngineStats fields) -> metric names (without the jaxinfer_ prefix).
+METRIC_NAMES = {"running": "requests_running", "waiting": "requests_waiting", "pages_total": "kv_pages_total",
+                "pages_in_use": "kv_pages_in_use", "pages_cached": "kv_pages_cached", "pages_free": "kv_pages_free",
+                "prefix_hit_pages": "prefix_cache_hit_pages_total", "prefix_hit_tokens": "prefix_cache_hit_tokens_total",
+                "tokens_generated": "generated_tokens_total", "requests_finished": "requests_finished_total",
+                "preemptions": "preemptions_total", "steps": "engine_steps_total", "pool_bytes": "kv_pool_bytes"}
+
+
 def engine_stats(engine) -> dict:
-    """The engine's gauges as a flat dict of numbers (stats() may return a dict or a dataclass)."""
-    s = engine.stats() if callable(getattr(engine, "stats", None)) else getattr(engine, "stats", {})
-    if dataclasses.is_dataclass(s):
-        s = dataclasses.asdict(s)
-    return {k: v for k, v in dict(s).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The engine's gauges and counters under their metric names (stats() is a dataclass or a dict)."""
+    s = engine.stats()
+    s = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
+    return {METRIC_NAMES[k]: v for k, v in s.items() if k in METRIC_NAMES}
 
 
 # ---- request plumbing ----------------------------------------------------------------------------
@@ -289,7 +296,7 @@ async def metrics(http: HttpRequest):
         return _error(e)
     lines = []
     for k, v in engine_stats(st.engine).items():
-        kind = "counter" if k.endswith(("_total", "hits", "tokens_generated")) else "gauge"
+        kind = "counter" if k.endswith("_total") else "gauge"
         lines += [f"# TYPE jaxinfer_{k} {kind}", f"jaxinfer_{k} {v}"]
     lines += [f"# TYPE jaxinfer_http_in_flight gauge", f"jaxinfer_http_in_flight {st.in_flight}"]
     for k, v in st.counts.items():
