@@ -112,7 +112,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(model):
-    engine = srv.make_engine(model, max_slots=4, kv_memory=None)
+    engine = srv.make_engine(model, max_slots=4, kv_memory=None, prefill_chunk=64)
     engine.warmup()
     app = srv.create_app(FailingEngine(engine), model, model_name=NAME, api_key=KEY,
                          limits=srv.Limits(max_slots=4, max_waiting=2, max_body_bytes=64 << 10))
@@ -367,7 +367,7 @@ def test_metrics_are_prometheus_text(served):
 
 def test_sigterm_drains_running_requests(model):
     """Last: uvicorn's SIGTERM handler on a second server: the running stream finishes, then it exits."""
-    engine = srv.make_engine(model, max_slots=2, kv_memory=None)
+    engine = srv.make_engine(model, max_slots=4, kv_memory=None, prefill_chunk=64)  # the shapes compiled above
     app = srv.create_app(engine, model, model_name=NAME)
     server, thread, url = start_server(app)
     body = {"model": NAME, "prompt": "Hello", "max_tokens": 40, "temperature": 0, "stream": True}

@@ -6,7 +6,6 @@
   request.py    Request (stream / async stream / result / cancel) and Delta
   engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats
   protocol.py, responses.py, server.py   `jaxinfer serve`: OpenAI's HTTP API over the Engine
-  serial.py     a one-request-at-a-time stand-in Engine over generate (the server's fallback)
 """
 
 from jaxinfer.serve.engine import Engine, EngineStats

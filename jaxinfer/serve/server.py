@@ -361,17 +361,10 @@ def parse_bytes(text: str) -> int:
 
 
 def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256):
-    """The continuous-batching Engine when this build has it, else the one-at-a-time SerialEngine."""
-    try:
-        from jaxinfer.serve.engine import Engine
-    except ImportError:
-        from jaxinfer.serve.serial import SerialEngine
+    """The continuous-batching Engine (jaxinfer.serve.engine) for `model`."""
+    from jaxinfer.serve.engine import Engine
 
-        return SerialEngine(model, page_size=page_size)
-    kw = {"max_slots": max_slots, "page_size": page_size, "prefill_chunk": prefill_chunk}
-    if kv_memory is not None:
-        kw["kv_memory"] = kv_memory
-    return Engine(model, **kw)
+    return Engine(model, max_slots=max_slots, page_size=page_size, kv_memory=kv_memory, prefill_chunk=prefill_chunk)
 
 
 def run(args) -> int:
