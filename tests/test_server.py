@@ -6,8 +6,6 @@ port) over a tiny random model that has SmolLM2's real tokenizer and chat templa
 import dataclasses
 import json
 import signal
-import socket
-import threading
 import time
 
 import jax
@@ -18,8 +16,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-import uvicorn  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
@@ -64,23 +60,8 @@ class _Failing:
         raise RuntimeError("injected engine fault")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    t0 = time.time()
-    while not server.started:
-        assert thread.is_alive() and time.time() - t0 < 60, "server did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return srv.serve_in_thread(app)
 
 
 @pytest.fixture(scope="module")

@@ -367,6 +367,32 @@ def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: i
     return Engine(model, max_slots=max_slots, page_size=page_size, kv_memory=kv_memory, prefill_chunk=prefill_chunk)
 
 
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+    """Run `app` with uvicorn on a background thread (tests, load tests). port 0 = a free one.
+
+    Returns (uvicorn.Server, thread, base url); `server.should_exit = True` stops it gracefully.
+    """
+    import socket
+    import threading
+
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=None))
+    thread = threading.Thread(target=server.run, name="jaxinfer-serve", daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    while not server.started:
+        if not thread.is_alive() or time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"the server on {host}:{port} did not start")
+        time.sleep(0.02)
+    return server, thread, f"http://{host}:{port}"
+
+
 def run(args) -> int:
     """The `jaxinfer serve` command: load, warm up, then serve until SIGTERM / Ctrl-C."""
     import sys
