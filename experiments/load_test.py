@@ -142,7 +142,7 @@ def main(argv=None, model=None) -> dict:
         args.requests, args.concurrency, args.max_prompt, args.max_new, args.max_slots = 12, 6, 40, 8, 4
         args.disconnect = 0.25
     from jaxinfer.compile_cache import enable_persistent_cache
-    from jaxinfer.serve import server as srv
+    from jaxinfer.serve import metrics as mx, server as srv
 
     enable_persistent_cache()
     model = common.load_model(args, model)
@@ -162,7 +162,7 @@ def main(argv=None, model=None) -> dict:
     results, wall = asyncio.run(drive(url + "/v1/completions", work, args.concurrency, args.time_limit))
     left = wait_idle(url)
     rss_after = proc.memory_info().rss
-    metrics = {k: v for k, v in srv.engine_stats(engine).items()}
+    metrics = {k: v for k, v in mx.engine_stats(engine).items()}
     server.should_exit = True
     thread.join(timeout=120)
 

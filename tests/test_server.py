@@ -21,7 +21,7 @@ import jaxinfer  # noqa: E402
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
 from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
 from jaxinfer.model.forward import Model  # noqa: E402
-from jaxinfer.serve import server as srv  # noqa: E402
+from jaxinfer.serve import metrics as mx, server as srv  # noqa: E402
 
 KEY = "test-key"
 NAME = "tiny-smollm2-vocab"
@@ -88,7 +88,7 @@ class Served:
         return httpx.post(self.url + path, json=body, content=content, headers=h, timeout=60, **kw)
 
     def stats(self):
-        return srv.engine_stats(self.engine)
+        return mx.engine_stats(self.engine)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream: true,
 ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 The request side (validation, refusals) lives in protocol.py, the response bodies in
-responses.py; this module admits requests, talks to the engine and keeps the counters.
+responses.py, the Prometheus text in metrics.py; this module admits requests, talks to the engine and keeps the counters.
 
 Faults: a bad body is a 400 with OpenAI's error object; a body over `max_body_bytes` a 413;
 without the bearer token (when an api key is set) a 401; more requests than `max_slots +
@@ -27,32 +27,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from jaxinfer.serve import metrics as mx
 from jaxinfer.serve import protocol as proto
 from jaxinfer.serve import responses as rsp
 from jaxinfer.serve.protocol import ApiError
-
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
-
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, sum and count."""
-
-    def __init__(self, buckets):
-        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * len(buckets), 0.0, 0
-
-    def observe(self, v: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-        self.sum += v
-        self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [f"# TYPE {name} histogram"]
-        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
-
 
 @dataclasses.dataclass
 class Limits:
@@ -67,25 +45,10 @@ class ServerState:
     def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits):
         self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
         self.in_flight = 0  # engine requests submitted and not finished
-        self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
+        self.ttft, self.tpot = mx.Histogram(mx.TTFT_BUCKETS), mx.Histogram(mx.TPOT_BUCKETS)
         self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
                        "requests_rejected_total": 0}
         self.healthy = False
-
-
-# The engine's stats (EngineStats fields) -> metric names (without the jaxinfer_ prefix).
-METRIC_NAMES = {"running": "requests_running", "waiting": "requests_waiting", "pages_total": "kv_pages_total",
-                "pages_in_use": "kv_pages_in_use", "pages_cached": "kv_pages_cached", "pages_free": "kv_pages_free",
-                "prefix_hit_pages": "prefix_cache_hit_pages_total", "prefix_hit_tokens": "prefix_cache_hit_tokens_total",
-                "tokens_generated": "generated_tokens_total", "requests_finished": "requests_finished_total",
-                "preemptions": "preemptions_total", "steps": "engine_steps_total", "pool_bytes": "kv_pool_bytes"}
-
-
-def engine_stats(engine) -> dict:
-    """The engine's gauges and counters under their metric names (stats() is a dataclass or a dict)."""
-    s = engine.stats()
-    s = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
-    return {METRIC_NAMES[k]: v for k, v in s.items() if k in METRIC_NAMES}
 
 
 # ---- request plumbing ----------------------------------------------------------------------------
@@ -294,16 +257,8 @@ async def metrics(http: HttpRequest):
         _check_auth(st, http)
     except ApiError as e:
         return _error(e)
-    lines = []
-    for k, v in engine_stats(st.engine).items():
-        kind = "counter" if k.endswith("_total") else "gauge"
-        lines += [f"# TYPE jaxinfer_{k} {kind}", f"jaxinfer_{k} {v}"]
-    lines += [f"# TYPE jaxinfer_http_in_flight gauge", f"jaxinfer_http_in_flight {st.in_flight}"]
-    for k, v in st.counts.items():
-        lines += [f"# TYPE jaxinfer_http_{k} counter", f"jaxinfer_http_{k} {v}"]
-    lines += st.ttft.lines("jaxinfer_time_to_first_token_seconds")
-    lines += st.tpot.lines("jaxinfer_time_per_output_token_seconds")
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    text = mx.render(mx.engine_stats(st.engine), st.in_flight, st.counts, st.ttft, st.tpot)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 async def completions(http: HttpRequest):
