@@ -85,7 +85,14 @@ async def drive(url: str, work: list[dict], concurrency: int, time_limit: float)
                 res = await one_request(client, url, w["body"], w["disconnect"])
                 results.append({**res, "t_end": res["t_end"] - t0 if res["t_end"] else None})
 
+    async def progress():
+        while True:
+            await asyncio.sleep(15)
+            print(f"  {time.perf_counter() - t0:.0f} s: {len(results)} requests done", flush=True)
+
+    ticker = asyncio.create_task(progress())
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    ticker.cancel()
     return results, time.perf_counter() - t0
 
 
