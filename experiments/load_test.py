@@ -154,7 +154,8 @@ def main(argv=None, model=None) -> dict:
     enable_persistent_cache()
     model = common.load_model(args, model)
     rng = np.random.default_rng(0)
-    engine = srv.make_engine(model, max_slots=args.max_slots, kv_memory=None, prefill_chunk=64)
+    engine = srv.make_engine(model, max_slots=args.max_slots, kv_memory=None, prefill_chunk=64,
+                             max_len=args.max_prompt + args.max_new)  # a pool sized for this load
     t = time.perf_counter()
     engine.warmup()
     print(f"engine warmup {time.perf_counter() - t:.1f} s")

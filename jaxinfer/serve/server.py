@@ -315,11 +315,16 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256):
-    """The continuous-batching Engine (jaxinfer.serve.engine) for `model`."""
+def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256,
+                max_len: Optional[int] = None):
+    """The continuous-batching Engine (jaxinfer.serve.engine) for `model`.
+
+    Without kv_memory the pool holds max_slots requests of max_len tokens (default: the model's
+    whole context, which for an 8k-context model is gigabytes: pass max_len or kv_memory)."""
     from jaxinfer.serve.engine import Engine
 
-    return Engine(model, max_slots=max_slots, page_size=page_size, kv_memory=kv_memory, prefill_chunk=prefill_chunk)
+    return Engine(model, max_slots=max_slots, page_size=page_size, kv_memory=kv_memory, prefill_chunk=prefill_chunk,
+                  max_len=max_len)
 
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
