@@ -168,6 +168,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before a 429")
     p.add_argument("--kv-memory", help="KV pool size, e.g. 2GiB (default: the engine's)")
+    p.add_argument("--max-len", type=int, help="longest prompt + max_tokens of one request (default: the model's "
+                   "context); without --kv-memory the pool holds --max-slots requests of this length")
     p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
     p.add_argument("--kv-cache", choices=["int8"], help="KV-cache dtype (default: the param dtype)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")

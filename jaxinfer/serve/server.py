@@ -372,7 +372,7 @@ def run(args) -> int:
         mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
     enable_persistent_cache(None)
     model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
-    engine = make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory)
+    engine = make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
     print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
     engine.warmup()
     limits = Limits(max_slots=args.max_slots, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
