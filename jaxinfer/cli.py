@@ -1,5 +1,5 @@
-"""Command line: `jaxinfer generate "prompt"` (also `python -m jaxinfer generate ...`) and
-`jaxinfer convert SOURCE --out checkpoints/NAME`.
+"""Command line: `jaxinfer generate "prompt"` (also `python -m jaxinfer generate ...`),
+`jaxinfer convert SOURCE --out checkpoints/NAME` and `jaxinfer serve --model NAME`.
 
 A thin layer over the library: parse flags, load, call `jaxinfer.generate` with a streaming
 callback that prints text as each decode chunk arrives, then print a one-line summary.
@@ -225,6 +225,26 @@ def _announce_fetch(name: str) -> None:
               f"(once; checked by sha256) ...]", file=sys.stderr, flush=True)
 
 
+def _add_serve(sub) -> None:
+    from jaxinfer.weights.hub import DEFAULT_MODEL
+
+    p = sub.add_parser("serve", help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or folder")
+    p.add_argument("--served-name", help="the model id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before a 429")
+    p.add_argument("--kv-memory", help="KV pool size, e.g. 2GiB (default: the engine's)")
+    p.add_argument("--max-len", type=int, help="longest prompt + max_tokens of one request (default: the model's "
+                   "context); without --kv-memory the pool holds --max-slots requests of this length")
+    p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
+    p.add_argument("--kv-cache", choices=["int8"], help="KV-cache dtype (default: the param dtype)")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+
+
 def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF, known model or Hugging Face folder to a checkpoint")
     p.add_argument("source", help="a .gguf file, a known model name or a Hugging Face folder "
@@ -277,12 +297,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "serve":
+            try:
+                from jaxinfer.serve import server
+            except ImportError as e:
+                raise RuntimeError(f"jaxinfer serve needs the [serve] extra ({e}): pip install 'jaxinfer[serve]'")
+            return server.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2

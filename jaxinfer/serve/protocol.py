@@ -1,0 +1,271 @@
+"""OpenAI's HTTP API, the request side: a JSON body -> a validated `Job`, or an `ApiError`.
+
+Pure functions over dicts; nothing here touches the engine or the network. Every refusal names
+the parameter (OpenAI's error object: message, type, param, code). A parameter that would change
+the result but is not implemented (logit_bias, tools, response_format with a schema, penalties...)
+is refused with a 400 naming it, never silently ignored; parameters that change nothing
+(user, metadata, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any, Optional
+
+from jaxinfer.decode.requests import check_token_ids
+from jaxinfer.decode.sampling import SamplingParams
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
+MAX_N = 16
+
+# Accepted and without effect on the tokens.
+_HARMLESS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream",
+             "stream_options", "n", "seed", "stop", "temperature", "top_p", "top_k", "min_p", "max_tokens",
+             "echo", "logprobs", "top_logprobs", "max_completion_tokens", "prompt", "messages"}
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type_: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
+                              404: "not_found_error", 413: "invalid_request_error",
+                              429: "rate_limit_error"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: Optional[str], message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One validated request: prompts as token ids and how to continue each of them."""
+
+    prompts: list[list[int]]  # token ids per prompt (chat: the one rendered conversation)
+    max_tokens: int  # 0 only for the scoring call (echo)
+    sampling: SamplingParams
+    seed: int  # choice i of a prompt samples with seed + i
+    seed_given: bool
+    n: int
+    stop: tuple[str, ...]
+    logprobs: Optional[int]  # None = off; k = the k most likely tokens per position as well
+    echo: bool
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+# ---- typed field readers ---------------------------------------------------------------------
+
+def _get(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds:
+        raise bad(name, f"'{name}' must be {what}, got {v!r}", "invalid_type")
+    if not isinstance(v, kinds):
+        raise bad(name, f"'{name}' must be {what}, got {type(v).__name__} {v!r:.60}", "invalid_type")
+    return v
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = float(_get(body, name, (int, float), default, "a number"))
+    if not lo <= v <= hi:
+        raise bad(name, f"'{name}' must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _int(body: dict, name: str, default: Optional[int], lo: int, hi: int) -> Optional[int]:
+    v = _get(body, name, (int,), default, "an integer")
+    if v is not None and not lo <= v <= hi:
+        raise bad(name, f"'{name}' must be an integer in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _refuse_unimplemented(body: dict, extra_allowed: set) -> None:
+    """400 for parameters that would change the result but are not implemented, and unknown ones."""
+    def refuse(name, why):
+        raise bad(name, f"'{name}' is not supported by this server ({why})", "unsupported_parameter")
+
+    if body.get("logit_bias"):
+        refuse("logit_bias", "token biases are not implemented")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            refuse(name, "tool and function calling are not implemented")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            refuse(name, "tool and function calling are not implemented")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        refuse("response_format", "only {\"type\": \"text\"}; JSON modes and schemas are not implemented")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            refuse(name, "penalties are not implemented")
+    if body.get("repetition_penalty") not in (None, 1, 1.0):
+        refuse("repetition_penalty", "penalties are not implemented")
+    if body.get("suffix"):
+        refuse("suffix", "insertion is not implemented")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        refuse("best_of", "best-of reranking is not implemented")
+    if body.get("min_tokens") not in (None, 0):
+        refuse("min_tokens", "a minimum length is not implemented")
+    if body.get("ignore_eos"):
+        refuse("ignore_eos", "generation always stops at the model's end-of-sequence tokens")
+    for name in body:
+        if name in ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", "suffix", "best_of",
+                    "min_tokens", "ignore_eos"):
+            continue
+        if name not in _HARMLESS and name not in extra_allowed:
+            raise bad(name, f"unrecognized request argument '{name}'", "unknown_parameter")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise bad("stop", "'stop' must be a non-empty string or a list of non-empty strings", "invalid_type")
+    if len(v) > MAX_STOP:
+        raise bad("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(v)}")
+    return tuple(v)
+
+
+def _sampling(body: dict) -> SamplingParams:
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise bad("top_p", "'top_p' must be in (0, 1], got 0")
+    top_k = _int(body, "top_k", 0, -1, 1 << 20)  # vLLM: -1 (or 0) = off
+    return SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
+                          top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999))
+
+
+def _encode(model, text: str, where: str) -> list[int]:
+    if not text:
+        raise bad(where, f"'{where}' is empty; a prompt needs at least one token")
+    try:
+        ids = model.tokenizer.encode(text)
+    except ValueError as e:
+        raise bad(where, str(e)) from None
+    bos = model.tokenizer.bos_id
+    if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def _prompts(body: dict, model) -> list[list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    p = body.get("prompt")
+    vocab = model.config.vocab_size
+    if p is None:
+        raise bad("prompt", "'prompt' is required", "missing_required_parameter")
+    if isinstance(p, str):
+        return [_encode(model, p, "prompt")]
+    if not isinstance(p, list) or not p:
+        raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                  "token-id lists (non-empty)", "invalid_type")
+    try:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return [check_token_ids(p, vocab, "prompt")]
+        out = []
+        for i, q in enumerate(p):
+            if isinstance(q, str):
+                out.append(_encode(model, q, "prompt"))
+            elif isinstance(q, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in q):
+                out.append(check_token_ids(q, vocab, f"prompt[{i}]"))
+            else:
+                raise bad("prompt", f"prompt[{i}] must be a string or a list of token ids", "invalid_type")
+    except ValueError as e:
+        raise bad("prompt", str(e)) from None
+    return out
+
+
+def _messages(body: dict, model) -> list[list[int]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects",
+                  "missing_required_parameter" if msgs is None else "invalid_type")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise bad(f"messages[{i}].role", f"messages[{i}] needs a role of system, developer, user or "
+                      "assistant", "invalid_type")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
+                       for x in c):
+                raise bad(f"messages[{i}].content", "only text content parts are supported",
+                          "unsupported_parameter")
+            c = "".join(x["text"] for x in c)
+        if not isinstance(c, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string", "invalid_type")
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({"role": role, "content": c})
+    if model.tokenizer is None or not model.tokenizer.chat_template:
+        raise bad("messages", "this model has no chat template; use /v1/completions")
+    text = model.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+    return [_encode(model, text, "messages")]
+
+
+def parse(body: Any, model, *, chat: bool) -> Job:
+    """Validate a /v1/completions (chat=False) or /v1/chat/completions body against `model`.
+
+    Raises ApiError (400) naming the parameter at fault.
+    """
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", "invalid_json")
+    _refuse_unimplemented(body, set())
+    if chat and "prompt" in body:
+        raise bad("prompt", "'prompt' belongs to /v1/completions; chat takes 'messages'", "unknown_parameter")
+    if not chat and "messages" in body:
+        raise bad("messages", "'messages' belongs to /v1/chat/completions", "unknown_parameter")
+    prompts = _messages(body, model) if chat else _prompts(body, model)
+    stream = bool(_get(body, "stream", (bool,), False, "a boolean"))
+    so = _get(body, "stream_options", (dict,), {}, "an object")
+    include_usage = bool(so.get("include_usage", False))
+    if so and not stream:
+        raise bad("stream_options", "'stream_options' is only allowed with stream: true")
+    n = _int(body, "n", 1, 1, MAX_N)
+    echo = False if chat else bool(_get(body, "echo", (bool,), False, "a boolean"))
+    if chat:
+        want = bool(_get(body, "logprobs", (bool,), False, "a boolean"))
+        top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not want:
+            raise bad("top_logprobs", "'top_logprobs' needs logprobs: true")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if logprobs is not None and stream:
+        raise bad("logprobs", "logprobs are not streamed by this server; use stream: false",
+                  "unsupported_parameter")
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 30)
+    else:
+        max_tokens = _int(body, "max_tokens", None if chat else 16, 0, 1 << 30)
+    longest = max(len(p) for p in prompts)
+    if max_tokens is None:  # chat without a limit: up to the end of the context
+        max_tokens = max(1, model.config.max_seq_len - longest)
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens", "'max_tokens' must be >= 1 (0 is only the scoring call: echo: true)")
+    if max_tokens == 0 and stream:
+        raise bad("stream", "the scoring call (max_tokens: 0) is not streamed")
+    ctx = model.config.max_seq_len
+    if longest + max_tokens > ctx:
+        raise bad("max_tokens", f"the prompt has {longest} tokens and max_tokens is {max_tokens}: "
+                  f"{longest + max_tokens} is beyond the model's context of {ctx} tokens",
+                  "context_length_exceeded")
+    seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    return Job(prompts=prompts, max_tokens=max_tokens, sampling=_sampling(body),
+               seed=(seed if seed is not None else secrets.randbits(31)) % (1 << 32), seed_given=seed is not None,
+               n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
+               include_usage=include_usage, chat=chat)

@@ -1,0 +1,383 @@
+"""`jaxinfer serve`: OpenAI's HTTP API over the engine, on Starlette + uvicorn.
+
+POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream: true,
+ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+The request side (validation, refusals) lives in protocol.py, the response bodies in
+responses.py, the Prometheus text in metrics.py; this module admits requests, talks to the engine and keeps the counters.
+
+Faults: a bad body is a 400 with OpenAI's error object; a body over `max_body_bytes` a 413;
+without the bearer token (when an api key is set) a 401; more requests than `max_slots +
+max_waiting` in flight a 429 with Retry-After; a client that goes away mid-request has its
+engine requests cancelled; a request that fails inside the engine fails alone (500 / an error
+event). On SIGTERM uvicorn stops accepting connections and finishes the running requests before
+the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from jaxinfer.serve import metrics as mx
+from jaxinfer.serve import protocol as proto
+from jaxinfer.serve import responses as rsp
+from jaxinfer.serve.protocol import ApiError
+
+@dataclasses.dataclass
+class Limits:
+    max_slots: int = 8  # requests the engine runs at once
+    max_waiting: int = 64  # requests admitted beyond max_slots before a 429
+    max_body_bytes: int = 1 << 20
+
+
+class ServerState:
+    """What the endpoints share: the engine, the model, the limits and the counters."""
+
+    def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits):
+        self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
+        self.in_flight = 0  # engine requests submitted and not finished
+        self.ttft, self.tpot = mx.Histogram(mx.TTFT_BUCKETS), mx.Histogram(mx.TPOT_BUCKETS)
+        self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
+                       "requests_rejected_total": 0}
+        self.healthy = False
+
+
+# ---- request plumbing ----------------------------------------------------------------------------
+
+async def _read_json(req: HttpRequest, limit: int):
+    n = req.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > limit:
+        raise ApiError(413, f"request body of {n} bytes is over the limit of {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for c in req.stream():
+        size += len(c)
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(c)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise proto.bad(None, f"the request body is not valid JSON: {e}", "invalid_json") from None
+
+
+def _check_auth(st: ServerState, req: HttpRequest) -> None:
+    if st.api_key is not None and req.headers.get("authorization") != f"Bearer {st.api_key}":
+        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _submit(st: ServerState, job: proto.Job) -> list:
+    """One engine request per choice (prompt p, sample i -> index p * n + i, seed + i)."""
+    n_req = len(job.prompts) * job.n
+    bound = st.limits.max_slots + st.limits.max_waiting
+    if st.in_flight + n_req > bound:
+        st.counts["requests_rejected_total"] += 1
+        raise ApiError(429, f"{st.in_flight} requests are in flight; the server admits {bound} "
+                       f"({st.limits.max_slots} running + {st.limits.max_waiting} waiting)", code="queue_full")
+    reqs = []
+    try:
+        for ids in job.prompts:
+            for i in range(job.n):
+                reqs.append(st.engine.submit(ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
+                                             seed=(job.seed + i) % (1 << 32), stop=list(job.stop)))
+    except ValueError as e:
+        for r in reqs:
+            r.cancel()
+        raise proto.bad("prompt" if not job.chat else "messages", str(e)) from None
+    st.in_flight += len(reqs)
+    return reqs
+
+
+class _Tracker:
+    """Times one engine request (TTFT, time per output token) and releases its admission slot."""
+
+    def __init__(self, st: ServerState):
+        self.st, self.t0, self.t_first, self.n, self.open = st, time.perf_counter(), None, 0, True
+
+    def tokens(self, k: int) -> None:
+        if k and self.t_first is None:
+            self.t_first = time.perf_counter()
+            self.st.ttft.observe(self.t_first - self.t0)
+        self.n += k
+
+    def close(self, ok: bool) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.st.in_flight -= 1
+        if ok and self.n > 1:
+            self.st.tpot.observe((time.perf_counter() - self.t_first) / (self.n - 1))
+
+
+async def _drain(req, tracker: _Tracker, on_delta=None):
+    """Consume one engine request's stream; return its Completion."""
+    try:
+        async for d in req:
+            tracker.tokens(len(d.token_ids))
+            if on_delta is not None:
+                await on_delta(d)
+        comp = req.result()
+        tracker.close(True)
+        return comp
+    finally:
+        if tracker.open:  # cancelled (client gone) or failed inside the engine
+            req.cancel()
+            tracker.close(False)
+
+
+async def _watch_disconnect(http: HttpRequest, reqs) -> None:
+    while True:
+        await asyncio.sleep(0.2)
+        if await http.is_disconnected():
+            for r in reqs:
+                r.cancel()
+            return
+
+
+# ---- endpoints -----------------------------------------------------------------------------------
+
+async def _generate(http: HttpRequest, chat: bool):
+    st: ServerState = http.app.state.server
+    st.counts["requests_total"] += 1
+    try:
+        _check_auth(st, http)
+        body = await _read_json(http, st.limits.max_body_bytes)
+        if isinstance(body, dict) and body.get("model") not in (None, st.model_name):
+            raise ApiError(404, f"model '{body.get('model')}' is not served here; this server has "
+                           f"'{st.model_name}'", param="model", code="model_not_found")
+        job = proto.parse(body, st.model, chat=chat)
+        if job.max_tokens == 0:  # the scoring call: no engine, one uncached forward per prompt
+            return JSONResponse(await asyncio.to_thread(rsp.score, st.model, st.model_name, job))
+        reqs = _submit(st, job)
+    except ApiError as e:
+        return _error(e)
+    trackers = [_Tracker(st) for _ in reqs]
+    if job.stream:
+        return StreamingResponse(_stream(st, job, reqs, trackers), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(_watch_disconnect(http, reqs))
+    try:
+        comps = await asyncio.gather(*(_drain(r, t) for r, t in zip(reqs, trackers)))
+    except Exception as e:  # a request failed inside the engine: it fails alone
+        st.counts["requests_failed_total"] += 1
+        for r in reqs:
+            r.cancel()
+        return _error(ApiError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
+                               code="engine_error"))
+    finally:
+        watcher.cancel()
+    if any(c.finish_reason == "cancelled" for c in comps):
+        st.counts["requests_cancelled_total"] += 1
+    body = await asyncio.to_thread(rsp.full_response, st.model, st.model_name, job, comps)
+    return JSONResponse(body)
+
+
+async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
+    """Server-sent events: one chunk per delta per choice, a final chunk per choice, [DONE]."""
+    head = rsp.StreamHead(st.model, st.model_name, job)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, r, t):
+        async def on_delta(d):
+            await queue.put((i, d, None))
+        try:
+            comp = await _drain(r, t, on_delta)
+            await queue.put((i, None, comp))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await queue.put((i, e, None))
+
+    tasks = [asyncio.create_task(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, trackers))]
+    left, comps, ok = len(reqs), [None] * len(reqs), False
+    try:
+        yield ": admitted\n\n"  # an SSE comment: sends the headers now, not after the first token
+        for chunk in head.opening():
+            yield rsp.sse(chunk)
+        while left:
+            i, d, comp = await queue.get()
+            if isinstance(d, Exception):
+                st.counts["requests_failed_total"] += 1
+                err = ApiError(500, f"the engine failed on this request: {type(d).__name__}: {d}", code="engine_error")
+                yield rsp.sse(err.body())
+                left -= 1
+            elif comp is not None:
+                comps[i] = comp
+                yield rsp.sse(head.final(i, comp))
+                left -= 1
+            elif d.text:
+                yield rsp.sse(head.delta(i, d.text))
+        if job.include_usage:
+            yield rsp.sse(head.usage([c for c in comps if c is not None]))
+        yield "data: [DONE]\n\n"
+        ok = True
+    finally:
+        if not ok:  # the client went away (or the server is cancelling us): free the engine's work
+            st.counts["requests_cancelled_total"] += 1
+            for r in reqs:
+                r.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+async def models(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    try:
+        _check_auth(st, http)
+    except ApiError as e:
+        return _error(e)
+    return JSONResponse({"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0,
+                                                     "owned_by": "jaxinfer",
+                                                     "max_model_len": st.model.config.max_seq_len}]})
+
+
+async def health(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    if not st.healthy:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    try:
+        _check_auth(st, http)
+    except ApiError as e:
+        return _error(e)
+    text = mx.render(mx.engine_stats(st.engine), st.in_flight, st.counts, st.ttft, st.tpot)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def completions(http: HttpRequest):
+    return await _generate(http, chat=False)
+
+
+async def chat_completions(http: HttpRequest):
+    return await _generate(http, chat=True)
+
+
+def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
+               limits: Limits = Limits(), manage_engine: bool = True) -> Starlette:
+    """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
+    (after uvicorn has finished the running requests). The engine should be warmed up before."""
+    st = ServerState(engine, model, model_name, api_key, limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine:
+            engine.start()
+        st.healthy = True
+        try:
+            yield
+        finally:
+            st.healthy = False
+            if manage_engine:
+                await asyncio.to_thread(engine.stop)
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.server = st
+    return app
+
+
+# ---- `jaxinfer serve` ----------------------------------------------------------------------------
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    s = text.strip().lower()
+    num = s.rstrip("abgikm")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or a byte count, got {text!r}")
+    return int(value * units[unit])
+
+
+def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256,
+                max_len: Optional[int] = None):
+    """The continuous-batching Engine (jaxinfer.serve.engine) for `model`.
+
+    Without kv_memory the pool holds max_slots requests of max_len tokens (default: the model's
+    whole context, which for an 8k-context model is gigabytes: pass max_len or kv_memory)."""
+    from jaxinfer.serve.engine import Engine
+
+    return Engine(model, max_slots=max_slots, page_size=page_size, kv_memory=kv_memory, prefill_chunk=prefill_chunk,
+                  max_len=max_len)
+
+
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+    """Run `app` with uvicorn on a background thread (tests, load tests). port 0 = a free one.
+
+    Returns (uvicorn.Server, thread, base url); `server.should_exit = True` stops it gracefully.
+    """
+    import socket
+    import threading
+
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=None))
+    thread = threading.Thread(target=server.run, name="jaxinfer-serve", daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    while not server.started:
+        if not thread.is_alive() or time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"the server on {host}:{port} did not start")
+        time.sleep(0.02)
+    return server, thread, f"http://{host}:{port}"
+
+
+def run(args) -> int:
+    """The `jaxinfer serve` command: load, warm up, then serve until SIGTERM / Ctrl-C."""
+    import sys
+
+    import uvicorn
+
+    import jaxinfer
+    from jaxinfer.compile_cache import enable_persistent_cache
+
+    kv_memory = parse_bytes(args.kv_memory) if args.kv_memory else None
+    if args.max_slots < 1 or args.max_waiting < 0:
+        raise ValueError("--max-slots must be >= 1 and --max-waiting >= 0")
+    mesh = None
+    if args.mesh is not None:
+        from jaxinfer import sharding
+
+        mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
+    enable_persistent_cache(None)
+    model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
+    engine = make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
+    print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
+    engine.warmup()
+    limits = Limits(max_slots=args.max_slots, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, model, model_name=args.served_name or args.model, api_key=args.api_key, limits=limits)
+    print(f"jaxinfer serve: http://{args.host}:{args.port}/v1 (model '{args.served_name or args.model}')",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
+    return 0

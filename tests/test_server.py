@@ -1,0 +1,366 @@
+"""`jaxinfer serve` checked with the real OpenAI client: every answer equals the library's own
+(`jaxinfer.generate` for text, `jaxinfer.logits` for logprobs), and every fault gets its status
+code and OpenAI's error object. One server per module (uvicorn in a thread, 127.0.0.1, a free
+port) over a tiny random model that has SmolLM2's real tokenizer and chat template."""
+
+import dataclasses
+import json
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import jaxinfer  # noqa: E402
+from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
+from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
+from jaxinfer.model.forward import Model  # noqa: E402
+from jaxinfer.serve import metrics as mx, server as srv  # noqa: E402
+
+KEY = "test-key"
+NAME = "tiny-smollm2-vocab"
+FAIL_PROMPT = [7, 7, 7, 7, 7]  # the fault-injecting wrapper fails requests with exactly these ids
+
+
+class FailingEngine:
+    """The real engine, except that a request for FAIL_PROMPT fails inside its stream (after the engine
+    has admitted it): the server must fail that request alone."""
+
+    def __init__(self, engine):
+        self.inner = engine
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, ids, **kw):
+        req = self.inner.submit(ids, **kw)
+        return _Failing(req) if list(ids) == FAIL_PROMPT else req
+
+
+class _Failing:
+    def __init__(self, req):
+        self.req = req
+
+    def cancel(self):
+        self.req.cancel()
+
+    def result(self, timeout=None):
+        raise RuntimeError("injected engine fault")
+
+    async def __aiter__(self):
+        async for d in self.req:
+            yield d
+            raise RuntimeError("injected engine fault")
+        raise RuntimeError("injected engine fault")
+
+
+def start_server(app):
+    return srv.serve_in_thread(app)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    """A tiny random model with SmolLM2's vocabulary, tokenizer and chat template."""
+    cfg = mconfig.tiny(vocab_size=smollm2.config.vocab_size, bos_token_id=smollm2.config.bos_token_id,
+                       eos_token_id=smollm2.config.eos_token_id)
+    return Model(cfg, mparams.init_params(cfg, jax.random.key(0)), smollm2.tokenizer)
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    engine: object
+    server: object
+    thread: object
+    client: object
+
+    def get(self, path, **kw):
+        return httpx.get(self.url + path, headers={"Authorization": f"Bearer {KEY}"}, **kw)
+
+    def post(self, path, body=None, *, content=None, headers=None, **kw):
+        h = {"Authorization": f"Bearer {KEY}", **(headers or {})}
+        return httpx.post(self.url + path, json=body, content=content, headers=h, timeout=60, **kw)
+
+    def stats(self):
+        return mx.engine_stats(self.engine)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    engine = srv.make_engine(model, max_slots=4, kv_memory=None, prefill_chunk=64)
+    engine.warmup()
+    app = srv.create_app(FailingEngine(engine), model, model_name=NAME, api_key=KEY,
+                         limits=srv.Limits(max_slots=4, max_waiting=2, max_body_bytes=64 << 10))
+    server, thread, url = start_server(app)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield Served(url, engine, server, thread, client)
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+def generate_text(model, prompt, max_tokens, seed=0, **sampling):
+    s = SamplingParams(**sampling) if sampling else SamplingParams(temperature=0.0)
+    return jaxinfer.generate(model, [prompt], seed=seed, max_new_tokens=max_tokens, sampling=s).completions[0]
+
+
+def log_softmax_rows(model, ids):
+    return np.asarray(jax.nn.log_softmax(jaxinfer.logits(model, ids), axis=-1))
+
+
+def wait_idle(served, timeout=30.0):
+    """Until the engine holds no request and no KV page (and the server none in flight)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        s = served.stats()
+        if s.get("kv_pages_in_use", 0) == 0 and s.get("requests_running", 0) == 0 and \
+                served.server.config.app.state.server.in_flight == 0:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle after {timeout} s: {served.stats()}")
+
+
+# ---- answers equal the library's -----------------------------------------------------------------
+
+def test_models_and_health(served):
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}  # no key needed for probes
+    ids = [m.id for m in served.client.models.list().data]
+    assert ids == [NAME]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 50, "top_p": 0.9}])
+def test_completion_equals_generate(served, model, sampling):
+    prompt = "The capital of France is"
+    ref = generate_text(model, prompt, 12, seed=5, **sampling)
+    extra = {"top_k": sampling.pop("top_k")} if "top_k" in sampling else {}
+    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, seed=5,
+                                         temperature=sampling.get("temperature", 0.0),
+                                         top_p=sampling.get("top_p", 1.0), extra_body=extra)
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_ids) and r.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_n2_choice_i_samples_with_seed_plus_i(served, model):
+    prompt = [int(t) for t in model.tokenizer.encode("Once upon a time")]  # token ids as the prompt
+    kw = dict(model=NAME, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=2)
+    a = served.client.completions.create(**kw)
+    b = served.client.completions.create(**kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]  # same seed, same text
+    assert texts == [generate_text(model, prompt, 10, seed=11 + i, temperature=1.0).text for i in range(2)]
+    assert texts[0] != texts[1]
+
+
+def test_chat_uses_the_models_template_and_streams_the_same_text(served, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    ref = generate_text(model, model.tokenizer.apply_chat_template(messages), 16, seed=3, temperature=0.7)
+    kw = dict(model=NAME, messages=messages, max_tokens=16, seed=3, temperature=0.7)
+    r = served.client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    chunks = list(served.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)  # the usage chunk comes last
+
+
+def test_stream_is_sse_ending_with_done(served, model):
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 9, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and len({c["id"]}) == 1 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == generate_text(model, "Hello", 9).text
+
+
+def test_stop_string_cuts_the_text(served, model):
+    full = generate_text(model, "Tell me", 24).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    r = served.client.completions.create(model=NAME, prompt="Tell me", max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+    s = served.client.completions.create(model=NAME, prompt="Tell me", max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in s) == full[: full.find(stop)]  # held back, never streamed
+
+
+def test_logprobs_equal_log_softmax_of_logits(served, model):
+    prompt = "A short story about"
+    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    ids = model.tokenizer.encode(prompt)
+    new = generate_text(model, prompt, 8).token_ids
+    rows = log_softmax_rows(model, ids + new)
+    want = [rows[len(ids) - 1 + j, t] for j, t in enumerate(new)]
+    lp = r.choices[0].logprobs
+    np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    for j, top in enumerate(lp.top_logprobs):  # greedy: the chosen token is the most likely one
+        assert max(top.values()) == pytest.approx(want[j], abs=1e-4)
+    assert "".join(lp.tokens) == r.choices[0].text
+    c = served.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    chat_ids = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    chat_new = generate_text(model, chat_ids, 5).token_ids
+    rows = log_softmax_rows(model, chat_ids + chat_new)
+    got = [x.logprob for x in c.choices[0].logprobs.content]
+    np.testing.assert_allclose(got, [rows[len(chat_ids) - 1 + j, t] for j, t in enumerate(chat_new)], atol=1e-4)
+    assert all(len(x.top_logprobs) == 2 for x in c.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_echo_scoring_call(served, model, as_ids):
+    """lm-evaluation-harness's log-likelihood call: echo, max_tokens 0, logprobs 1."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = model.tokenizer.encode(text)
+    r = served.client.completions.create(model=NAME, prompt=ids if as_ids else text, max_tokens=0, echo=True,
+                                         logprobs=1, temperature=0)
+    rows = log_softmax_rows(model, ids)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:], [rows[j - 1, ids[j]] for j in range(1, len(ids))], atol=1e-4)
+    assert r.choices[0].text == text and r.usage.completion_tokens == 0
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])  # is_greedy: compare with the top-1 alternative
+
+
+# ---- faults ----------------------------------------------------------------------------------------
+
+BAD_BODIES = [  # (body, status, param, words in the message)
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ({"model": NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "[0,"),
+    ({"model": NAME, "prompt": "x", "n": 0}, 400, "n", "[1,"),
+    ({"model": NAME, "prompt": "x", "top_p": 2}, 400, "top_p", "[0.0, 1.0]"),
+    ({"model": NAME, "prompt": "x", "stop": [1]}, 400, "stop", "string"),
+    ({"model": NAME, "prompt": []}, 400, "prompt", "non-empty"),
+    ({"model": NAME, "prompt": [10 ** 9]}, 400, "prompt", "outside"),
+    ({"model": NAME}, 400, "prompt", "required"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    ({"model": NAME, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ({"model": NAME, "prompt": "x", "best_of": 3}, 400, "best_of", "not supported"),
+    ({"model": NAME, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unrecognized"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 600}, 400, "max_tokens", "600"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", BAD_BODIES)
+def test_bad_completion_bodies(served, body, status, param, words):
+    r = served.post("/v1/completions", body)
+    err = r.json()["error"]
+    assert r.status_code == status and err["param"] == param and words in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_bad_chat_bodies_and_refused_parameters(served):
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+                         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+                         ({"max_completion_tokens": 0}, "max_completion_tokens")]:
+        r = served.post("/v1/chat/completions", {"model": NAME, "messages": msgs, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = served.post("/v1/chat/completions", {"model": NAME, "messages": msgs, "max_tokens": 500})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "500" in msg and "512" in msg  # both numbers: max_tokens and the context
+
+
+def test_malformed_json_auth_and_body_size(served):
+    r = served.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(served.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model=NAME, prompt="x", max_tokens=1)
+    r = served.post("/v1/completions", {"model": NAME, "prompt": "x" * (65 << 10)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_queue_full_is_429_then_a_disconnect_frees_its_request(served):
+    """4 slots + 2 waiting: open streams fill the server until one more is a 429 with Retry-After;
+    closing the streams (client disconnects) cancels their requests and frees their pages."""
+    cancelled0 = _metric(served.get("/metrics").text, "jaxinfer_http_requests_cancelled_total")
+    body = {"model": NAME, "prompt": "Count with me:", "max_tokens": 400, "temperature": 1.0, "seed": 1,
+            "stream": True}
+    clients, streams, refused = [], [], None
+    try:
+        for _ in range(12):  # 6 fill the server unless one finished meanwhile: a few spare
+            c = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+            s = c.stream("POST", served.url + "/v1/completions", json=body)
+            clients.append(c)
+            r = s.__enter__()
+            streams.append(s)
+            if r.status_code != 200:
+                refused = r
+                break
+        assert refused is not None and refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        refused.read()
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert len(streams) >= 7
+    finally:
+        for s, c in zip(streams, clients):
+            s.__exit__(None, None, None)
+            c.close()
+    stats = wait_idle(served)
+    assert stats["kv_pages_in_use"] == 0
+    after = served.get("/metrics").text
+    assert _metric(after, "jaxinfer_http_requests_cancelled_total") >= cancelled0 + 1
+    assert _metric(after, "jaxinfer_kv_pages_in_use") == 0 and _metric(after, "jaxinfer_http_in_flight") == 0
+
+
+def test_engine_fault_fails_alone(served, model):
+    r = served.post("/v1/completions", {"model": NAME, "prompt": FAIL_PROMPT, "max_tokens": 20, "temperature": 0})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    body = {"model": NAME, "prompt": FAIL_PROMPT, "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert '"engine_error"' in events[-2] and events[-1] == "data: [DONE]"
+    ok = served.client.completions.create(model=NAME, prompt="Hello", max_tokens=9, temperature=0)
+    assert ok.choices[0].text == generate_text(model, "Hello", 9).text  # the server goes on
+    assert wait_idle(served)["kv_pages_in_use"] == 0
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_are_prometheus_text(served):
+    text = served.get("/metrics").text
+    for name in ["jaxinfer_requests_running", "jaxinfer_requests_waiting", "jaxinfer_kv_pages_in_use",
+                 "jaxinfer_kv_pages_free", "jaxinfer_time_to_first_token_seconds_count",
+                 "jaxinfer_time_per_output_token_seconds_count"]:
+        assert _metric(text, name) >= 0
+    assert _metric(text, "jaxinfer_time_to_first_token_seconds_count") > 0
+    assert 'jaxinfer_time_to_first_token_seconds_bucket{le="+Inf"}' in text
+
+
+def test_sigterm_drains_running_requests(model):
+    """Last: uvicorn's SIGTERM handler on a second server: the running stream finishes, then it exits."""
+    engine = srv.make_engine(model, max_slots=4, kv_memory=None, prefill_chunk=64)  # the shapes compiled above
+    app = srv.create_app(engine, model, model_name=NAME)
+    server, thread, url = start_server(app)
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 40, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn does on SIGTERM
+        rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(x[6:]) for x in [first] + rest[:-1]]
+    assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == generate_text(model, "Hello", 40).text
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health")
