@@ -166,7 +166,7 @@ from jaxinfer import compile_cache
 from jaxinfer.model import layout
 if {cache_dir!r}:
     compile_cache.enable_persistent_cache({cache_dir!r})
-m = jaxinfer.load({model!r}, dtype={dtype!r})
+m = jaxinfer.load({model!r}, dtype={dtype!r}, layout="canonical")
 if {fast!r}:
     m = layout.for_cpu_decode(m)
 t_load = time.perf_counter() - t0
@@ -217,7 +217,7 @@ def main(argv=None):
     print(f"memory bandwidth (jitted 1 GiB read): {bw['read_GBps']:.1f} GB/s; copies: jax "
           f"{bw['jax_copy_Bps'] / 1e9:.1f}, numpy {bw['numpy_copy_Bps'] / 1e9:.1f} GB/s", flush=True)
 
-    base = jaxinfer.load(args.model, dtype=args.dtype)
+    base = jaxinfer.load(args.model, dtype=args.dtype, layout="canonical")
     engines = [JaxinferEngine(base, "jaxinfer")]
     if not args.no_cpu_layout:  # per-layer arrays, fused projections: faster batch-1 decode
         engines.append(JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer-cpu-layout"))

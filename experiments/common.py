@@ -44,7 +44,7 @@ def load_model(args, model=None):
     import jaxinfer
 
     t0 = time.perf_counter()
-    m = jaxinfer.load(args.model)
+    m = jaxinfer.load(args.model, layout="canonical")
     print(f"loaded {args.model} ({m.config.n_params / 1e6:.1f}M parameters, {m.config.dtype}) "
           f"in {time.perf_counter() - t0:.1f} s")
     return m

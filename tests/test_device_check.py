@@ -56,7 +56,8 @@ def test_decode_rooflines_are_consistent(tiny_run):
                                          cache_bytes_per_row=r["kv_bytes_per_row"])
         assert r["tok_s"] > 0 and np.isclose(r["roofline_tok_s"], expect)
         assert np.isclose(r["pct_roofline"], 100 * r["tok_s"] / expect) and np.isfinite(r["pct_roofline"])
-        assert r["tok_s"] == np.median(r["all_tok_s"]) and r["compiles"] >= 1
+        # compiles may be 0: an earlier test in the same process can have built identical programs
+        assert r["tok_s"] == np.median(r["all_tok_s"]) and isinstance(r["compiles"], int) and r["compiles"] >= 0
     fp = runs[("fp32", 1)]
     assert fp["weight_bytes"] == d["model"]["weight_bytes"]
     assert runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]  # int8 codes + scales
