@@ -233,12 +233,20 @@ async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
             t.cancel()
 
 
+def _authorized(handler):
+    """`handler` behind the bearer-token check (a 401 error object without it, when --api-key is set)."""
+    async def wrapped(http: HttpRequest):
+        try:
+            _check_auth(http.app.state.server, http)
+        except ApiError as e:
+            return _error(e)
+        return await handler(http)
+    return wrapped
+
+
+@_authorized
 async def models(http: HttpRequest):
     st: ServerState = http.app.state.server
-    try:
-        _check_auth(st, http)
-    except ApiError as e:
-        return _error(e)
     return JSONResponse({"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0,
                                                      "owned_by": "jaxinfer",
                                                      "max_model_len": st.model.config.max_seq_len}]})
@@ -251,12 +259,9 @@ async def health(http: HttpRequest):
     return JSONResponse({"status": "ok"})
 
 
+@_authorized
 async def metrics(http: HttpRequest):
     st: ServerState = http.app.state.server
-    try:
-        _check_auth(st, http)
-    except ApiError as e:
-        return _error(e)
     text = mx.render(mx.engine_stats(st.engine), st.in_flight, st.counts, st.ttft, st.tpot)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -31,7 +31,8 @@ import regex
 import tiktoken
 
 from jaxinfer.text import spm
-from jaxinfer.text.tokenizer import _GPT2, Tokenizer, TokenizerError, _byte_decoder, _check_merge_order
+from jaxinfer.text.tokenizer import (_GPT2, Tokenizer, TokenizerError, _byte_decoder, _check_merge_order,
+                                     byte_level_ranks)
 
 UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 _CONTROL, _USER_DEFINED, _UNKNOWN, _NORMAL, _BYTE = 3, 4, 2, 1, 6
@@ -241,17 +242,7 @@ def _byte_level(tj, model, pre, norms, cfg, name) -> HFTokenizer:
     added_ids = {t["id"] for t in added}
     decoder = _byte_decoder()
     vocab = model["vocab"]
-    ranks: dict[bytes, int] = {}
-    for tok, i in vocab.items():
-        if i in added_ids:
-            continue
-        try:
-            b = bytes(decoder[c] for c in tok)
-        except KeyError as e:
-            raise TokenizerError(f"token {i} {tok!r} is not a byte-level token") from e
-        if b in ranks:
-            raise TokenizerError(f"tokens {ranks[b]} and {i} both stand for {b!r}")
-        ranks[b] = i
+    ranks = byte_level_ranks((i, tok) for tok, i in vocab.items() if i not in added_ids)
     n_vocab = max([*vocab.values(), *added_ids]) + 1
     for b in range(256):  # bytes the vocab cannot spell: ids past it; encode rejects them
         ranks.setdefault(bytes([b]), n_vocab + b)

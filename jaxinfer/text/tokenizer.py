@@ -17,7 +17,7 @@ import functools
 import gzip
 import hashlib
 import importlib.resources
-from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
+from typing import AbstractSet, Collection, Iterable, Literal, Optional, Sequence, Union
 
 import tiktoken
 
@@ -184,19 +184,9 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> Tokenizer:
         known = sorted({*PRETOKENIZER_PATTERNS, *PRETOKENIZER_STEPS})
         raise TokenizerError(f"unknown pre-tokenizer {pre!r}; known: {', '.join(known)}")
     decoder = _byte_decoder()
-    ranks: dict[bytes, int] = {}
-    special: dict[str, int] = {}
-    for i, (tok, ttype) in enumerate(zip(data.tokens, data.token_types)):
-        if ttype in (_CONTROL, _USER_DEFINED):
-            special[tok] = i
-            continue
-        try:
-            b = bytes(decoder[c] for c in tok)
-        except KeyError as e:
-            raise TokenizerError(f"token {i} {tok!r} is not a byte-level token") from e
-        if b in ranks:
-            raise TokenizerError(f"tokens {ranks[b]} and {i} both stand for {b!r}")
-        ranks[b] = i
+    typed = list(enumerate(zip(data.tokens, data.token_types)))
+    special = {tok: i for i, (tok, ttype) in typed if ttype in (_CONTROL, _USER_DEFINED)}
+    ranks = byte_level_ranks((i, tok) for i, (tok, ttype) in typed if ttype not in (_CONTROL, _USER_DEFINED))
     # tiktoken needs a rank for every byte. Bytes the vocab cannot spell (control characters,
     # bytes never valid in UTF-8) get ids past the vocab; `encode` rejects text that uses them.
     n_model_vocab = len(data.tokens)
@@ -216,6 +206,24 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> Tokenizer:
                                         splits=PRETOKENIZER_STEPS[pre], added=added)
     return Tokenizer(encoding=enc, bos_id=data.bos_id, eos_id=data.eos_id, stop_ids=stop,
                      chat_template=data.chat_template, vocab_size=n_model_vocab)
+
+
+def byte_level_ranks(tokens: Iterable[tuple[int, str]]) -> dict[bytes, int]:
+    """Byte-level BPE tokens (GPT-2's printable stand-ins for bytes) -> {token bytes: id}.
+
+    Raises TokenizerError for a token that is not byte-level or two ids standing for the same bytes.
+    """
+    decoder = _byte_decoder()
+    ranks: dict[bytes, int] = {}
+    for i, tok in tokens:
+        try:
+            b = bytes(decoder[c] for c in tok)
+        except KeyError as e:
+            raise TokenizerError(f"token {i} {tok!r} is not a byte-level token") from e
+        if b in ranks:
+            raise TokenizerError(f"tokens {ranks[b]} and {i} both stand for {b!r}")
+        ranks[b] = i
+    return ranks
 
 
 def _check_merge_order(merges: list[str], ranks: dict[bytes, int], decoder: dict[str, int]) -> None:
