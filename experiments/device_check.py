@@ -29,7 +29,6 @@ import dataclasses
 import gc
 import importlib.metadata as md
 import importlib.util
-import inspect
 import json
 import os
 import platform
@@ -94,7 +93,7 @@ PRESETS = {
     # means little: the weights (0.4 MB) sit in cache and steps are dispatch-bound.
     "tiny": Preset(model="tiny", dtype="float32", batches=(1, 4), quant_batches=(1,), prompt=16,
                    new_tokens=16, chunk=8, prefill=16, copy_bytes=16 << 20, matmul_n=256, repeats=2,
-                   slots=(4, 8), models=("tiny_hf/gemma3",)),
+                   slots=(4,), models=("tiny_hf/gemma3",)),
 }
 
 
@@ -209,7 +208,7 @@ def decode(args, preset, ctx, deadline) -> dict:
     base_bytes = P.nbytes(params)
     res["model"] = {"preset": used, "name": cfg.name, "n_params": cfg.n_params, "weight_bytes": base_bytes,
                     "memory_after_weights": _memory()}
-    ctx.update(cfg=cfg, params=params)
+    ctx.update(cfg=cfg, params=params, bandwidth_Bps=roof_bw)
     rng = np.random.default_rng(0)
     S, filled = kv_slots(preset), preset.prompt + preset.new_tokens / 2  # mean filled slots per step
     base = SHORT[preset.dtype]  # "bf16" on the GPU
@@ -301,35 +300,47 @@ def _ratios(runs, preset, base) -> dict:
 
 
 def serving(args, preset, ctx, deadline) -> dict:
+    """The continuous-batching engine (jaxinfer.serve) on the decode section's weights: a burst of
+    2 x slots requests (random prompts of 16..prompt tokens, new_tokens each) served by
+    experiments/bench_serve.serve_engine; aggregate tokens/s, TTFT, time per token, and the % of
+    the bandwidth roofline at that many rows."""
     if not ctx["speed_allowed"]:
         return {"skipped": "speed is reported on a GPU only"}
     try:
-        from jaxinfer import serve
+        from experiments import bench_serve
+        from jaxinfer.serve import Engine
     except ImportError as e:
         return {"available": False, "status": f"engine not available ({e})"}
-    bench = getattr(serve, "benchmark", None)
-    if not callable(bench):
-        return {"available": False, "status": "jaxinfer.serve has no benchmark() entry point"}
     if "params" not in ctx:
         cfg, _ = model_config(preset)
         ctx.update(cfg=cfg, params=jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype))
-    model = Model(config=ctx["cfg"], params=ctx["params"])
-    accepted = inspect.signature(bench).parameters
+    cfg, model = ctx["cfg"], Model(config=ctx["cfg"], params=ctx["params"])
+    rng, page = np.random.default_rng(0), 16
+    bw = ctx.get("bandwidth_Bps")
     res = {"available": True, "runs": {}, "skipped_for_time": []}
     for n in preset.slots:
         if time.perf_counter() > deadline:
             res["skipped_for_time"].append(n)
             continue
-        kw = {k: n for k in ("slots", "n_slots", "num_slots", "max_slots") if k in accepted}
-        kw.update({k: 0 for k in ("seed",) if k in accepted})
         t0 = time.perf_counter()
         try:
-            out = bench(model, **kw)
-            res["runs"][str(n)] = dataclasses.asdict(out) if dataclasses.is_dataclass(out) else out
+            engine = Engine(model, max_slots=n, page_size=page, max_len=preset.prompt + preset.new_tokens,
+                            prefill_chunk=max(16, preset.prompt))
+            with CompileClock() as clock:
+                engine.warmup()
+            work = [dict(arrival=0.0, prompt=rng.integers(3, cfg.vocab_size, int(rng.integers(16, preset.prompt + 1))).tolist(),
+                         max_new=preset.new_tokens) for _ in range(2 * n)]
+            out = bench_serve.serve_engine(engine, work, page, kv.bytes_per_token(cfg))
+            out.pop("ttft", None)
+            run = {"slots": n, "requests": len(work), "warmup_programs": clock.count, "warmup_s": clock.seconds, **out}
+            if bw:
+                roof = roofline.decode_ceiling(bw, P.nbytes(model.params), batch=n,
+                                               cache_bytes_per_row=(preset.prompt + preset.new_tokens) * kv.bytes_per_token(cfg))
+                run.update(roofline_tok_s=roof, pct_roofline=100 * out["tokens_per_s"] / roof)
+            res["runs"][str(n)] = run
         except Exception as e:
             res["runs"][str(n)] = _err(e)
-        res["runs"][str(n)] = {"seconds": time.perf_counter() - t0, **res["runs"][str(n)]} \
-            if isinstance(res["runs"][str(n)], dict) else {"result": res["runs"][str(n)]}
+        res["runs"][str(n)]["seconds"] = time.perf_counter() - t0
     return res
 
 
