@@ -397,7 +397,10 @@ def test_compile_time_and_cache_loads_are_reported(tiny_model):
     model = type(tiny_model)(config=cfg, params=tiny_model.params, tokenizer=tiny_model.tokenizer)
     with CompileCounter() as c:
         t = jaxinfer.generate(model, [[5, 6]], max_new_tokens=3, chunk_size=2).timings
-    assert t.n_compilations >= 2 and t.compile_s > 0 and t.n_cache_loads == 0 and c.compiled == c.count
+    # Programs may come from the persistent cache when an earlier test (or run) stored them: the
+    # timings must then say so, and agree with the counter either way.
+    assert t.n_compilations == c.count >= 2 and t.compile_s > 0
+    assert t.n_cache_loads == c.cache_hits and c.compiled + c.cache_hits == c.count
     assert t.compile_s < t.total_s
 
 

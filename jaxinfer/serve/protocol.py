@@ -13,7 +13,7 @@ import dataclasses
 import secrets
 from typing import Any, Optional
 
-from jaxinfer.decode.requests import check_token_ids
+from jaxinfer.decode.requests import chat_ids, check_token_ids, encode_text
 from jaxinfer.decode.sampling import SamplingParams
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -153,8 +153,8 @@ def _sampling(body: dict) -> SamplingParams:
 def _encode(model, text: str, where: str) -> list[int]:
     if not text:
         raise bad(where, f"'{where}' is empty; a prompt needs at least one token")
-    try:
-        ids = model.tokenizer.encode(text)
+    try:  # special-token text in a prompt is plain text, as in generate (issue 13)
+        ids = encode_text(model.tokenizer, text)
     except ValueError as e:
         raise bad(where, str(e)) from None
     bos = model.tokenizer.bos_id
@@ -213,8 +213,10 @@ def _messages(body: dict, model) -> list[list[int]]:
         clean.append({"role": role, "content": c})
     if model.tokenizer is None or not model.tokenizer.chat_template:
         raise bad("messages", "this model has no chat template; use /v1/completions")
-    text = model.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
-    return [_encode(model, text, "messages")]
+    try:  # control tokens only where the template writes them; each message's content is plain text
+        return [chat_ids(model.tokenizer, clean, add_generation_prompt=True)]
+    except (ValueError, TypeError) as e:
+        raise bad("messages", str(e)) from None
 
 
 def parse(body: Any, model, *, chat: bool) -> Job:
