@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import jaxinfer  # noqa: E402
+from jaxinfer.decode.requests import chat_ids  # noqa: E402
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
 from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
 from jaxinfer.model.forward import Model  # noqa: E402
