@@ -32,7 +32,7 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import Params
 from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
-                                      check_token_ids,
+                                      check_sequence,
                                       completion_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
 from jaxinfer.decode.sampling import SamplingParams
 
@@ -73,10 +73,15 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVC
         # keeps its own length of tokens; its padding slots are overwritten by decode.
         logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, T), cache, cfg,
                                     logit_index=lengths - 1, kv_len=T, n_new=lengths)
+    return _first_token(logits[:, 0], cache, keys, sampling, stop_ids)
+
+
+def _first_token(logits: jax.Array, cache: kv.KVCache, keys: jax.Array, sampling: SamplingParams,
+                 stop_ids: tuple[int, ...]):
+    """Sample step 0 from logits [B, V] after the prompt: (DecodeState, tokens [B], logprobs [B])."""
     step = jnp.zeros((), jnp.int32)
-    first, logprob = smp.sample(logits[:, 0], smp.step_keys(keys, step), sampling)
-    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1,
-                        finished=is_stop(first, stop_ids))
+    first, logprob = smp.sample(logits, smp.step_keys(keys, step), sampling)
+    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1, finished=is_stop(first, stop_ids))
     return state, first, logprob
 
 
@@ -96,11 +101,7 @@ def first_sample(logits: jax.Array, lengths: jax.Array, cache: kv.KVCache, keys:
                  sampling: SamplingParams, stop_ids: tuple[int, ...]):
     """After a chunked prefill: cut each row back to its true length (the chunks also wrote its
     padding), sample its first token from logits [B, V]."""
-    cache = kv.rewind(cache, lengths)
-    step = jnp.zeros((), jnp.int32)
-    first, logprob = smp.sample(logits, smp.step_keys(keys, step), sampling)
-    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1, finished=is_stop(first, stop_ids))
-    return state, first, logprob
+    return _first_token(logits, kv.rewind(cache, lengths), keys, sampling, stop_ids)
 
 
 def prefill_chunked(params: Params, tokens: jax.Array, lengths: np.ndarray, cache: kv.KVCache, keys: jax.Array,
@@ -305,10 +306,6 @@ def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
     The sequence is padded to a bucket (causal attention: padding after the last token cannot
     change the logits before it), so scoring many lengths compiles few times.
     """
-    ids = check_token_ids(token_ids, model.config.vocab_size)
-    if len(ids) > model.config.max_seq_len:
-        raise ValueError(f"{len(ids)} tokens exceed the context length {model.config.max_seq_len}")
-    T = len(ids)
-    padded = np.zeros((1, bucket(T)), np.int32)
-    padded[0, :T] = ids
-    return uncached_logits_jit(model.params, jnp.asarray(padded), model.config)[0, :T]
+    ids = check_sequence(token_ids, model.config)
+    padded, _ = pack_prompts([ids])  # [1, bucket(T)]
+    return uncached_logits_jit(model.params, jnp.asarray(padded), model.config)[0, :len(ids)]

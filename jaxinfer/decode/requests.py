@@ -305,6 +305,14 @@ def request_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParam
     return smp.row_keys(check_seed(seed, n))
 
 
+def check_sequence(token_ids: Sequence[int], cfg: ModelConfig) -> list[int]:
+    """One sequence to score in a single uncached pass: valid ids, within the context length."""
+    ids = check_token_ids(token_ids, cfg.vocab_size)
+    if len(ids) > cfg.max_seq_len:
+        raise ValueError(f"{len(ids)} tokens exceed the context length {cfg.max_seq_len}")
+    return ids
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str = "token_ids") -> list[int]:
     """token ids -> a non-empty list of ints in [0, vocab_size), or ValueError naming `what`."""
     if hasattr(token_ids, "dtype") and not np.issubdtype(np.dtype(token_ids.dtype), np.integer):

@@ -60,6 +60,22 @@ def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
 
 
+def _top_p_threshold(x: jax.Array, top_p) -> jax.Array:
+    """The smallest logit of the smallest set whose mass reaches top_p (scalar or [B, 1]). [B, V] -> [B, 1].
+
+    The first token is always kept."""
+    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # descending
+    probs_sorted = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    return jnp.min(jnp.where(mass_before < top_p, sorted_x, jnp.inf), axis=-1, keepdims=True)
+
+
+def _below_min_p(x: jax.Array, min_p) -> jax.Array:
+    """Tokens less likely than min_p (scalar or [B, 1]) x the most likely one. [B, V] -> [B, V] bool."""
+    p = jax.nn.softmax(x, axis=-1)
+    return p < min_p * jnp.max(p, axis=-1, keepdims=True)
+
+
 def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Scaled logits with everything outside the allowed set at -inf. [B, V] -> [B, V] float32."""
     x = logits.astype(jnp.float32) / params.temperature
@@ -67,16 +83,9 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
         kth = jax.lax.top_k(x, params.top_k)[0][:, -1:]
         x = jnp.where(x < kth, _NEG_INF, x)
     if params.top_p < 1.0:
-        sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # descending
-        probs = jax.nn.softmax(sorted_x, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < params.top_p  # the first token is always kept
-        threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < threshold, _NEG_INF, x)
+        x = jnp.where(x < _top_p_threshold(x, params.top_p), _NEG_INF, x)
     if params.min_p > 0.0:
-        probs = jax.nn.softmax(x, axis=-1)
-        cutoff = params.min_p * jnp.max(probs, axis=-1, keepdims=True)
-        x = jnp.where(probs < cutoff, _NEG_INF, x)
+        x = jnp.where(_below_min_p(x, params.min_p), _NEG_INF, x)
     return x
 
 
@@ -150,15 +159,8 @@ def filter_logits_rows(logits: jax.Array, rp: RowParams) -> jax.Array:
     kth = jnp.take_along_axis(sorted_x, k - 1, axis=-1)  # the k-th largest value, as lax.top_k finds it
     use_k = ((rp.top_k > 0) & (rp.top_k < V))[:, None]
     x = jnp.where(use_k & (x < kth), _NEG_INF, x)
-    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
-    probs_sorted = jax.nn.softmax(sorted_x, axis=-1)
-    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep = mass_before < rp.top_p[:, None]
-    threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((rp.top_p < 1.0)[:, None] & (x < threshold), _NEG_INF, x)
-    p = jax.nn.softmax(x, axis=-1)
-    cutoff = rp.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
-    return jnp.where((rp.min_p > 0.0)[:, None] & (p < cutoff), _NEG_INF, x)
+    x = jnp.where((rp.top_p < 1.0)[:, None] & (x < _top_p_threshold(x, rp.top_p[:, None])), _NEG_INF, x)
+    return jnp.where((rp.min_p > 0.0)[:, None] & _below_min_p(x, rp.min_p[:, None]), _NEG_INF, x)
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, rp: RowParams):

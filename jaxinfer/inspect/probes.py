@@ -16,17 +16,10 @@ from jaxinfer.model import forward as mdl
 from jaxinfer.decode import sampling as smp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.decode.generate import logits
-from jaxinfer.decode.requests import bucket, check_token_ids
+from jaxinfer.decode.requests import check_sequence, pack_prompts
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import Params
 from jaxinfer.decode.sampling import SamplingParams
-
-
-def _check_ids(model: Model, token_ids: Sequence[int]) -> list[int]:
-    ids = check_token_ids(token_ids, model.config.vocab_size)
-    if len(ids) > model.config.max_seq_len:
-        raise ValueError(f"{len(ids)} tokens exceed the context length {model.config.max_seq_len}")
-    return ids
 
 
 def _attention_probs(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -50,10 +43,9 @@ def attention(model: Model, token_ids: Sequence[int]) -> np.ndarray:
       [L, N, T, T] float32: entry [l, n, t, s] is how much token t attends to token s in layer l,
       head n (each row sums to 1; zero for s > t).
     """
-    ids = _check_ids(model, token_ids)
+    ids = check_sequence(token_ids, model.config)
     T = len(ids)
-    padded = np.zeros((1, bucket(T)), np.int32)
-    padded[0, :T] = ids
+    padded, _ = pack_prompts([ids])  # [1, bucket(T)]
     probs = _attention_jit(model.params, jnp.asarray(padded), model.config)  # [L, 1, N, Tb, Tb]
     return np.asarray(probs[:, 0, :, :T, :T])
 
@@ -140,7 +132,7 @@ def greedy_uncached(model: Model, prompt_ids: Sequence[int], max_new_tokens: int
     Returns:
       (the n new token ids, tokens read by the model in total).
     """
-    ids = _check_ids(model, prompt_ids)
+    ids = check_sequence(prompt_ids, model.config)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if len(ids) + max_new_tokens - 1 > model.config.max_seq_len:

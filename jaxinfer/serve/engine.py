@@ -156,10 +156,8 @@ class Engine:
         greedy); `stop` adds stop strings (may span tokens; the text ends before the string).
         Raises ValueError if prompt + max_new_tokens exceeds the context, max_len or the pool.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        max_new_tokens = rq.check_int("max_new_tokens", max_new_tokens, 1)  # as generate checks them
+        rq.check_sampling(sampling)
         if isinstance(stop, str):
             stop = (stop,)
         if any(not isinstance(s, str) or not s for s in stop):

@@ -90,7 +90,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _added_pattern(self, allowed_special) -> Optional["regex.Pattern"]:
         allowed = self.special_of_id.values() if allowed_special == "all" else allowed_special
-        alts = tuple(sorted({*self.added_texts, *(t for t in allowed if t in self.encoding._special_tokens)},
+        alts = tuple(sorted({*self.added_texts, *(t for t in allowed if t in self.encoding.special_tokens_set)},
                             key=len, reverse=True))
         return _alternation(alts) if alts else None
 

@@ -139,22 +139,17 @@ def _load_folder(src: Source, dtype: Optional[str], progress, mesh=None) -> Mode
     """A jaxinfer checkpoint folder or a Hugging Face safetensors folder."""
     from jaxinfer.weights import checkpoint
 
-    hf_tokenizer = None
     if src.kind == "checkpoint":
         cfg, params, tdata = checkpoint.restore(src.path, dtype)
-        name = cfg.name
-    else:
-        tok_json = os.path.join(src.path, "tokenizer.json")
-        if os.path.exists(tok_json):  # read first: a refused tokenizer fails fast
-            from jaxinfer.weights.load_tokenizer import hf_file_tokenizer
+        return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, cfg.name))
+    tokenizer, tok_json = None, os.path.join(src.path, "tokenizer.json")
+    if os.path.exists(tok_json):  # read first: a refused tokenizer fails fast
+        from jaxinfer.weights.load_tokenizer import hf_file_tokenizer
 
-            hf_tokenizer = hf_file_tokenizer(tok_json)
-        cfg = hf_io.read_config(src.path).replace(dtype=dtype or hf_io.stored_dtype(src.path))
-        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
-        params, tdata, name = hf_io.load_params(src.path, cfg, shardings, progress), None, cfg.name
-    if hf_tokenizer is not None:
-        return Model(config=cfg, params=params, tokenizer=hf_tokenizer)
-    return Model(config=cfg, params=params, tokenizer=None if tdata is None else tokenizer_for(tdata, name))
+        tokenizer = hf_file_tokenizer(tok_json)
+    cfg = hf_io.read_config(src.path).replace(dtype=dtype or hf_io.stored_dtype(src.path))
+    shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+    return Model(config=cfg, params=hf_io.load_params(src.path, cfg, shardings, progress), tokenizer=tokenizer)
 
 
 def tokenizer_for(data: tok.TokenizerData, name: str) -> tok.Tokenizer:

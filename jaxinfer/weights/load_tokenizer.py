@@ -36,7 +36,7 @@ def load_tokenizer(name_or_path: str, *, cache: Optional[str] = None) -> tok.Tok
 
     if name_or_path in tok.OPENAI_ENCODINGS:
         enc = tok.openai_encoding(name_or_path)
-        eot = enc._special_tokens["<|endoftext|>"]
+        eot = enc.encode_single_token("<|endoftext|>")
         return tok.Tokenizer(encoding=enc, eos_id=eot, stop_ids=(eot,))
     path = name_or_path
     if not os.path.exists(path):
