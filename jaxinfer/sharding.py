@@ -230,12 +230,21 @@ def batch_axis(batch_size: int, mesh: AnyMesh, *, strict: bool = False) -> Optio
 
 
 def cache_sharding(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh], batch_size: int) -> kv.KVCache:
-    """KVCache of NamedShardings: B on `data`, K on `model` (as wk/wv), lengths on `data`."""
+    """KVCache of NamedShardings: pages on `data` with their rows (see `cache_groups`), K on
+    `model` (as wk/wv), page tables and lengths on `data`."""
     p = _as_plan(cfg, where)
     b = batch_axis(batch_size, p.mesh)
-    kvs = NamedSharding(p.mesh, P(None, b, None, p.rules["kv_heads"], None))  # [L, B, S, K, H]
-    scale = kvs if kv.abstract_cache(cfg, batch_size, 1).k_scale is not None else None  # int8: [L, B, S, K, 1]
-    return kv.KVCache(k=kvs, v=kvs, lengths=NamedSharding(p.mesh, P(b)), k_scale=scale, v_scale=scale)
+    pages = NamedSharding(p.mesh, P(None, b, None, p.rules["kv_heads"], None))  # [L, P, ps, K, H]
+    scale = pages if kv.kv_dtype(cfg) == "int8" else None  # int8: [L, P, ps, K, 1]
+    return kv.KVCache(k=pages, v=pages, page_table=NamedSharding(p.mesh, P(b, None)),
+                      lengths=NamedSharding(p.mesh, P(b)), k_scale=scale, v_scale=scale,
+                      block_pages=kv.block_pages_for(kv.PAGE_SIZE))
+
+
+def cache_groups(batch_size: int, mesh: AnyMesh) -> int:
+    """Page groups of a closed-batch cache: one per data shard when the rows are split on `data`,
+    so each shard's rows own the pages that sit on it."""
+    return _sizes(mesh)[0] if batch_axis(batch_size, mesh) is not None else 1
 
 
 # Placement -----------------------------------------------------------------------------------
@@ -278,13 +287,16 @@ def init_cache(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh], batch_size
                dtype=None) -> kv.KVCache:
     """An empty KV cache created directly in its sharded layout (never whole on one device)."""
     shardings = cache_sharding(cfg, where, batch_size)
-    return _cache_maker(cfg, batch_size, max_len, None if dtype is None else jnp.dtype(dtype).name, shardings)()
+    groups = cache_groups(batch_size, _as_plan(cfg, where).mesh)
+    return _cache_maker(cfg, batch_size, max_len, None if dtype is None else jnp.dtype(dtype).name, groups,
+                        shardings)()
 
 
 @functools.lru_cache(maxsize=64)
-def _cache_maker(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str], shardings: kv.KVCache):
+def _cache_maker(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str], groups: int,
+                 shardings: kv.KVCache):
     """One jitted cache constructor per shape and layout, so a repeated `generate` compiles nothing."""
-    return jax.jit(lambda: kv.init_cache(cfg, batch_size, max_len, dtype), out_shardings=shardings)
+    return jax.jit(lambda: kv.init_cache(cfg, batch_size, max_len, dtype, groups=groups), out_shardings=shardings)
 
 
 def params_mesh(params: prm.Params) -> Optional[Mesh]:
@@ -372,7 +384,7 @@ def memory_report(cfg: ModelConfig, data: int, model: int, *, batch_size: int = 
     shard = param_shardings(cfg, p)
     w_total = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(weights))
     w_dev = sum(jax.tree.leaves(jax.tree.map(_shard_bytes, weights, shard)))
-    cache = kv.abstract_cache(cfg, batch_size, max_len, dt)
+    cache = kv.abstract_cache(cfg, batch_size, max_len, dt, groups=cache_groups(batch_size, mesh))
     cs = cache_sharding(cfg, p, batch_size)
     reasons = dict(p.reasons)
     if batch_axis(batch_size, mesh) is None:
@@ -380,4 +392,4 @@ def memory_report(cfg: ModelConfig, data: int, model: int, *, batch_size: int = 
     return MemoryReport(mesh=(data, model), weights_total=int(w_total), weights_per_device=int(w_dev),
                         cache_total=int(cache.k.size * 2 * jnp.dtype(cache.k.dtype).itemsize),
                         cache_per_device=_shard_bytes(cache.k, cs.k) + _shard_bytes(cache.v, cs.v),
-                        cache_tokens=batch_size * max_len, reasons=reasons)
+                        cache_tokens=cache.k.shape[1] * cache.page_size, reasons=reasons)

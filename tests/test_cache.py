@@ -16,22 +16,28 @@ from jaxinfer.model.params import init_params
 def test_llama3_8b_fp16_bytes_per_token():
     cfg = C.llama3_8b()
     assert kv.bytes_per_token(cfg, "float16") == 131_072  # 2 x 32 layers x 8 kv heads x 128 x 2 bytes
-    assert kv.cache_bytes(cfg, 1, 8192, "float16") == 1 << 30  # 1 GiB at 8,192 tokens
+    assert kv.bytes_per_token(cfg, "float16") * 8192 == 1 << 30  # 1 GiB at 8,192 tokens
+    # a closed-batch cache of 8,192 positions: 512 pages of 16, plus the trash page
+    assert kv.cache_bytes(cfg, 1, 8192, "float16") == (1 << 30) + 16 * 131_072
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_formula_equals_real_nbytes(dtype):
+    """The seed's formula: a cache holds pages x page_size tokens of bytes_per_token each."""
     cfg = C.smollm2_135m(dtype=dtype)
     c = kv.init_cache(cfg, batch_size=3, max_len=40)
-    assert c.nbytes == kv.cache_bytes(cfg, 3, 40) == 3 * 40 * kv.bytes_per_token(cfg)
     assert kv.bytes_per_token(cfg) == 2 * 30 * 3 * 64 * jnp.dtype(dtype).itemsize
-    chex.assert_shape(c.k, (30, 3, 40, 3, 64))
+    assert c.nbytes == kv.cache_bytes(cfg, 3, 40) == c.n_pages * c.page_size * kv.bytes_per_token(cfg)
+    assert c.max_len >= 40 and c.n_pages == 1 + 3 * c.page_table.shape[1]  # one run per row + the trash page
+    chex.assert_shape(c.k, (30, c.n_pages, kv.PAGE_SIZE, 3, 64))
+    chex.assert_shape(c.page_table, (3, c.page_table.shape[1]))
+    assert len(set(np.asarray(c.page_table).ravel().tolist()) | {kv.TRASH_PAGE}) == c.n_pages  # no page shared
 
 
 def test_abstract_cache_allocates_nothing():
     c = kv.abstract_cache(C.llama3_70b(dtype="bfloat16"), 8, 8192)
     assert isinstance(c.k, jax.ShapeDtypeStruct)
-    assert c.k.shape == (80, 8, 8192, 8, 128)
+    assert c.k.shape == (80, 1 + 8 * 512, 16, 8, 128)
 
 
 def _cached_vs_uncached(params, cfg, ids, wrap=lambda f: f):
@@ -73,22 +79,26 @@ def test_cached_equals_uncached_real_model(smollm2):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_prefill_attending_to_filled_slots_only_is_the_same(kv_dtype):
-    """kv_len=T (what prefill passes) reads T of S slots and gives the same logits and cache."""
-    cfg = C.tiny(sliding_window=4, global_every=2)
+def test_paged_attention_equals_dense_attention(kv_dtype):
+    """Attention read block by block from pages (any page size, any block size, rows of different
+    lengths in scattered pages) equals one dense softmax over the same keys."""
+    cfg = C.tiny(sliding_window=4, global_every=2, kv_dtype=kv_dtype)
     params = init_params(cfg, jax.random.key(0))
-    ids = jnp.asarray([[5, 17, 99, 3, 42, 7, 8, 1], [8, 1, 2, 250, 9, 31, 4, 4]], jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    fwd = jax.jit(lambda c, n: mdl.forward(params, ids, pos, c, cfg, kv_len=n), static_argnums=1)
-    full_logits, full = fwd(kv.init_cache(cfg, 2, 64, kv_dtype), None)
-    part_logits, part = fwd(kv.init_cache(cfg, 2, 64, kv_dtype), 8)
-    np.testing.assert_allclose(part_logits, full_logits, atol=1e-5, rtol=1e-5)  # summation order only
-    np.testing.assert_allclose(part.k, full.k, atol=1e-5)
-    # Decoding on from either cache gives the same next logits.
-    step = lambda c: mdl.forward(params, ids[:, :1], jnp.full((2, 1), 8), c, cfg)[0]
-    np.testing.assert_allclose(step(part), step(full), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"kv_len must be in \[1, 64\]"):
-        mdl.forward(params, ids, pos, kv.init_cache(cfg, 2, 64), cfg, kv_len=65)
+    ids = jnp.asarray([[5, 17, 99, 3, 42, 7, 8, 1, 9, 11, 13, 12], [8, 1, 2, 250, 9, 31, 4, 4, 6, 2, 1, 0]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    ref = None
+    for page_size, block_pages in ((16, 1), (4, 1), (2, 3), (1, 8)):
+        cache = kv.init_cache(cfg, 2, 24, page_size=page_size).replace(block_pages=block_pages)
+        # scatter each row's pages over the pool in reverse order: the table, not adjacency, decides
+        cache = cache.replace(page_table=cache.page_table[:, ::-1].at[:, :].get())
+        lg1, cache = mdl.forward(params, ids[:, :5], pos[:, :5], cache, cfg, n_new=jnp.asarray([5, 3]))
+        lg2, cache = mdl.forward(params, ids[:, 5:], mdl.default_positions(2, 7, cache.lengths), cache, cfg)
+        got = np.concatenate([np.asarray(lg1[0]), np.asarray(lg2[0])])  # row 0 is contiguous: 12 tokens
+        if ref is None:
+            full, _ = mdl.forward(params, ids[:1], pos[:1], None, cfg)
+            np.testing.assert_allclose(got, np.asarray(full[0]), atol=0.05 if kv_dtype == "int8" else 1e-5)
+            ref = got
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)  # summation order only
 
 
 def test_forward_is_the_one_writer_of_lengths():
@@ -103,6 +113,20 @@ def test_forward_is_the_one_writer_of_lengths():
     nxt = jnp.asarray([[7], [7]], jnp.int32)
     _, after = mdl.forward(params, nxt, mdl.default_positions(2, 1, cache.lengths), cache, cfg)
     np.testing.assert_array_equal(after.lengths, [5, 3])
-    np.testing.assert_array_equal(after.k[:, 1, 3], cache.k[:, 1, 3])  # row 1's slot 3 untouched
-    assert not np.array_equal(np.asarray(after.k[:, 1, 2]), np.asarray(cache.k[:, 1, 2]))
+    page = int(cache.page_table[1, 0])  # row 1's first page holds its positions 0..page_size-1
+    np.testing.assert_array_equal(after.k[:, page, 3], cache.k[:, page, 3])  # row 1's slot 3 untouched
+    assert not np.array_equal(np.asarray(after.k[:, page, 2]), np.asarray(cache.k[:, page, 2]))
     np.testing.assert_array_equal(kv.rewind(after, jnp.asarray([2, 9])).lengths, [2, 3])  # never grows
+
+
+def test_writes_off_the_table_land_on_the_trash_page():
+    """An idle row (all trash-page table) or positions past a row's pages never touch real pages."""
+    cfg = C.tiny()
+    params = init_params(cfg, jax.random.key(0))
+    pool = kv.init_pool(cfg, 5, 4, batch_size=2, width=2)
+    table = jnp.asarray([[1, 2], [0, 0]], jnp.int32)  # row 0 owns pages 1, 2; row 1 is idle
+    cache = pool.with_rows(table, jnp.asarray([6, 0], jnp.int32))
+    _, after = mdl.forward(params, jnp.asarray([[3, 4, 5], [3, 4, 5]]), mdl.default_positions(2, 3, cache.lengths),
+                           cache, cfg)  # row 0 writes positions 6, 7 (page 2) and 8 (off the table)
+    changed = [p for p in range(5) if not np.array_equal(np.asarray(after.k[:, p]), np.asarray(pool.k[:, p]))]
+    assert changed == [0, 2]

@@ -17,7 +17,8 @@ from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.weights.gguf import GGUFError
 from jaxinfer.decode.sampling import SamplingParams
 
-from jaxinfer.decode import generate as gen, requests  # the module (jaxinfer.generate is the function)
+from jaxinfer.decode import core, requests
+from jaxinfer.decode import generate as gen  # the module (jaxinfer.generate is the function)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
          "Water boils at a temperature of", "My favourite colour is", "1, 2, 3, 4,",
@@ -28,12 +29,24 @@ def test_decode_loop_with_fake_model():
     """The loop is model-agnostic: a fake step whose next token is token + 1."""
     def step(state):
         nxt = state + 1
-        return nxt, nxt, jnp.zeros_like(nxt, jnp.float32)
+        return nxt, nxt
 
-    state, toks, _ = jax.jit(gen.decode_loop, static_argnums=(0, 2))(step, jnp.array([3, 10]), 5)
+    state, toks = jax.jit(core.decode_loop, static_argnums=(0, 2))(step, jnp.array([3, 10]), 5)
     np.testing.assert_array_equal(toks[:, 0], [4, 5, 6, 7, 8])
     np.testing.assert_array_equal(toks[:, 1], [11, 12, 13, 14, 15])
     np.testing.assert_array_equal(state, [8, 15])
+
+
+def test_decode_loop_skips_steps_once_nothing_is_live():
+    """With `live`, steps after the state stops being live run nothing and emit zeros."""
+    def step(state):
+        nxt = state + 1
+        return nxt, nxt
+
+    run = jax.jit(lambda s: core.decode_loop(step, s, 6, live=lambda s: jnp.all(s < 13)))
+    state, toks = run(jnp.array([3, 10]))
+    np.testing.assert_array_equal(toks[:, 1], [11, 12, 13, 0, 0, 0])
+    np.testing.assert_array_equal(state, [6, 13])
 
 
 def test_bucket():
@@ -64,6 +77,17 @@ def test_sampled_row_same_alone_and_in_batch(smollm2):
         alone = jaxinfer.generate(smollm2, MIXED[i], seed=seeds[i], max_new_tokens=10, sampling=sp,
                                   stop_at_eos=False)
         assert alone.completions[0].token_ids == batch.completions[i].token_ids
+
+
+def test_published_seeds_reproduce(smollm2):
+    """The tokens generate drew for fixed seeds before the decode core was unified (golden file,
+    recorded by tests/golden/make_seed_golden.py at the commit it names) are drawn again today."""
+    with open(os.path.join(ROOT, "tests", "golden", "seed_golden.json")) as f:
+        gold = json.load(f)
+    for run in gold["runs"]:
+        out = jaxinfer.generate(smollm2, gold["prompts"], seed=run["seeds"], max_new_tokens=gold["max_new_tokens"],
+                                sampling=SamplingParams(**run["sampling"]), stop_at_eos=False)
+        assert [c.token_ids for c in out.completions] == run["tokens"], run["sampling"]
 
 
 def test_same_seed_same_tokens_across_processes(smollm2):

@@ -19,7 +19,7 @@ def test_sample_rows_equals_sample_with_each_rows_own_params():
     V, n_draws = 64, 12
     rng = np.random.default_rng(0)
     rows = len(SETTINGS)
-    sample_rows = jax.jit(smp.sample_rows)
+    sample_rows = jax.jit(smp.sample)
     differ = 0
     for d in range(n_draws):
         logits = rng.normal(size=(rows, V)).astype(np.float32) * (1 + 3 * (d % 3))
@@ -37,6 +37,6 @@ def test_filters_off_leave_rows_untouched():
     """top_p = 1 and min_p = 0 must not drop tail tokens (the static sampler skips those filters)."""
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 32)).astype(np.float32) * 20)
     rp = smp.row_params([SamplingParams(temperature=1.0), SamplingParams(temperature=2.0)])
-    out = smp.filter_logits_rows(logits, rp)
+    out = smp.filter_logits(logits, rp)
     np.testing.assert_array_equal(out[0], logits[0])
     np.testing.assert_array_equal(out[1], logits[1] / 2.0)

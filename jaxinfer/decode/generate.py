@@ -1,209 +1,87 @@
-"""The generation loop: a jitted prefill over the prompt, then a `lax.scan` decode loop.
+"""`generate`: a closed batch of prompts through the decode core, from first chunk to last token.
 
-prefill:  tokens [B, Tb] (right-padded to a bucket Tb) -> cache filled to each row's length,
-          first sampled token per row.
-decode:   `lax.scan` over steps, carrying DecodeState (cache, last token, keys, step, finished);
-          each step runs the model on one token per row and samples the next. The loop runs in
-          chunks of scan steps so a caller can stream text between chunks and stop early once
-          every row has finished; nothing inside a chunk goes back to the host.
+The closed batch is the simplest client of `jaxinfer.decode.core`: every row gets one run of
+pages in a fresh KV cache, the prompts are read chunk by chunk (`core.prefill`, all rows
+together, each row's first token sampled in the chunk where its prompt ends), then the
+multi-step decode scan (`core.decode`) runs `chunk_size` steps per call until every row has
+stopped or reached max_new_tokens. Between calls the host streams text (`on_tokens`); nothing
+inside a call goes back to the host.
 
 Prompt lengths are padded to power-of-two buckets and the cache length is bucketed too, so a
-new prompt length (inside a bucket) or a new max_new_tokens does not mean a new compile.
+new prompt length (inside a bucket) or a new max_new_tokens does not mean a new compile; the
+decode program does not depend on the context length at all (attention reads only the filled
+blocks of the cache).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxinfer.model import cache as kv
-from jaxinfer.model import forward as mdl
-from jaxinfer.decode import sampling as smp
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.decode import core
+from jaxinfer.decode import sampling as smp
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
+                                      check_sequence, completion_for, pack_prompts, prompt_ids, request_keys,
+                                      stop_ids_for)
+from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.model import cache as kv
+from jaxinfer.model import forward as mdl
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import Params
-from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
-                                      check_sequence,
-                                      completion_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
-from jaxinfer.decode.sampling import SamplingParams
 
-MIN_KV_BUCKET = 64  # smallest attended prefix of the cache during decode (and smallest cache)
-
-@struct.dataclass
-class DecodeState:
-    cache: kv.KVCache
-    tokens: jax.Array  # [B] int32: last sampled token per row (the next input)
-    keys: jax.Array  # [B] PRNG keys, one per request (the step is folded in when sampling)
-    step: jax.Array  # [] int32: tokens generated so far (the sampling step index)
-    finished: jax.Array  # [B] bool: row has produced a stop token
+MIN_KV_BUCKET = 64  # smallest cache (positions per row)
+PREFILL_CHUNK = 512  # prompts padded beyond this many tokens are read in chunks of it
 
 
-def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
-    if not stop_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
+    """An empty closed-batch cache for `model`, on the model's mesh when its params are sharded."""
+    mesh = shd.params_mesh(model.params)
+    if mesh is None:
+        return kv.init_cache(model.config, batch, max_len)
+    return shd.init_cache(model.config, mesh, batch, max_len)
 
 
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: kv.KVCache,
-            keys: jax.Array, cfg: ModelConfig, sampling: SamplingParams, stop_ids: tuple[int, ...]):
-    """Read the prompts, fill the cache and sample the first new token.
-
-    Args:
-      params: params pytree.
-      tokens: [B, Tb] prompt ids, right-padded.
-      lengths: [B] true prompt lengths.
-      cache: empty KVCache with S >= Tb slots (donated).
-      keys: [B] per-request PRNG keys.
-      cfg, sampling, stop_ids: static.
-    Returns:
-      (DecodeState, first tokens [B], their logprobs [B]).
-    """
-    B, T = tokens.shape
-    with jax.named_scope("prefill"):
-        # The cache is empty and the prompts fill slots 0..T-1: attend to those only. Each row
-        # keeps its own length of tokens; its padding slots are overwritten by decode.
-        logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, T), cache, cfg,
-                                    logit_index=lengths - 1, kv_len=T, n_new=lengths)
-    return _first_token(logits[:, 0], cache, keys, sampling, stop_ids)
+def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int) -> core.Rows:
+    """Rows of a closed batch: one setting, one stop set, one budget for every row."""
+    B = keys.shape[0]
+    return core.Rows(sampling=jax.tree.map(jnp.asarray, smp.row_params(sampling, B)), keys=keys,
+                     steps=jnp.zeros((B,), jnp.int32), stop_ids=jnp.asarray(core.stop_array([stop_ids] * B)),
+                     budget=jnp.full((B,), budget, jnp.int32), finished=jnp.zeros((B,), bool))
 
 
-def _first_token(logits: jax.Array, cache: kv.KVCache, keys: jax.Array, sampling: SamplingParams,
-                 stop_ids: tuple[int, ...]):
-    """Sample step 0 from logits [B, V] after the prompt: (DecodeState, tokens [B], logprobs [B])."""
-    step = jnp.zeros((), jnp.int32)
-    first, logprob = smp.sample(logits, smp.step_keys(keys, step), sampling)
-    state = DecodeState(cache=cache, tokens=first, keys=keys, step=step + 1, finished=is_stop(first, stop_ids))
-    return state, first, logprob
+def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
+                    cfg: ModelConfig, chunk: int, progress: Optional[Callable[[int, int], None]] = None):
+    """Read right-padded prompts tokens [B, Tb] into the cache, `chunk` positions per program call.
 
-
-def prefill_chunk(params: Params, tokens: jax.Array, cache: kv.KVCache, cfg: ModelConfig,
-                  logit_index: jax.Array, kv_len: Optional[int]):
-    """One chunk of a long prompt into the cache: tokens [B, C] go to slots cache.lengths ..
-    cache.lengths + C - 1 (positions[b, t] = cache.lengths[b] + t), attending to the first
-    kv_len slots (every earlier chunk and this one). Returns (logits [B, 1, V] at logit_index, cache).
-    Attention costs C x kv_len, so memory is bounded by the chunk, not the prompt."""
-    C = tokens.shape[1]
-    positions = mdl.default_positions(tokens.shape[0], C, cache.lengths)
-    with jax.named_scope("prefill_chunk"):
-        return mdl.forward(params, tokens, positions, cache, cfg, logit_index=logit_index, kv_len=kv_len)
-
-
-def first_sample(logits: jax.Array, lengths: jax.Array, cache: kv.KVCache, keys: jax.Array,
-                 sampling: SamplingParams, stop_ids: tuple[int, ...]):
-    """After a chunked prefill: cut each row back to its true length (the chunks also wrote its
-    padding), sample its first token from logits [B, V]."""
-    return _first_token(logits, kv.rewind(cache, lengths), keys, sampling, stop_ids)
-
-
-def prefill_chunked(params: Params, tokens: jax.Array, lengths: np.ndarray, cache: kv.KVCache, keys: jax.Array,
-                    cfg: ModelConfig, sampling: SamplingParams, stop_ids: tuple[int, ...], chunk: int,
-                    progress: Optional[Callable[[int, int], None]] = None):
-    """`prefill` for a long prompt, `chunk` tokens at a time (Tb must be a multiple of chunk).
-
-    Every chunk attends to the cache prefix it needs, rounded up to a power of two, so a prompt
-    of Tb tokens compiles about log2(Tb / chunk) + 1 programs and holds one chunk's attention
-    scores at a time. progress(done, total) is called after each chunk with prompt tokens read.
+    Row b's first token is sampled in the chunk that holds its last prompt token. progress(done,
+    total) is called after each chunk with prompt positions read.
+    Returns (cache, first tokens [B] and their logprobs [B] as numpy).
     """
     B, Tb = tokens.shape
     total = int(lengths.max())
-    last = jnp.asarray(lengths - 1, jnp.int32)  # [B] index of each row's last prompt token
-    logits = None
-    for c in range(Tb // chunk):
-        lo = c * chunk
+    first = np.zeros((B,), np.int32)
+    first_lp = np.zeros((B,), np.float32)
+    zeros = jnp.zeros((B, chunk), jnp.int32)
+    for lo in range(0, Tb, chunk):
         if lo >= total:
             break  # only padding left
-        kv_len = min(bucket((c + 1) * chunk, chunk), cache.max_len)
-        idx = jnp.clip(last - lo, 0, chunk - 1)
-        chunk_logits, cache = prefill_chunk_jit(params, tokens[:, lo:lo + chunk], cache, cfg, idx, kv_len)
-        here = ((last >= lo) & (last < lo + chunk))[:, None]
-        logits = chunk_logits[:, 0] if logits is None else jnp.where(here, chunk_logits[:, 0], logits)
+        n_real = np.clip(lengths - lo, 0, chunk).astype(np.int32)
+        starts = np.minimum(lengths, lo).astype(np.int32)
+        cache, out = core.prefill_jit(params, cache, jnp.asarray(tokens[:, lo:lo + chunk]), jnp.asarray(starts),
+                                      jnp.asarray(n_real), rows, zeros, cfg)
+        ends_here = (lengths > lo) & (lengths <= lo + chunk)
+        first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
+        first_lp = np.where(ends_here, shd.to_host(out.first.logprobs)[:, 0], first_lp)
         if progress:
-            jax.block_until_ready(logits)
             progress(min(lo + chunk, total), total)
-    return first_sample_jit(logits, jnp.asarray(lengths), cache, keys, sampling, stop_ids)
-
-
-def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
-                stop_ids: tuple[int, ...], kv_len: Optional[int] = None):
-    """One token per row: forward the last token, sample the next. Returns (state, tokens, logprobs).
-
-    kv_len (static): attend to the cache's first kv_len slots only; every row's new token must
-    land below it (see `decode_kv_len`).
-    """
-    positions = state.cache.lengths[:, None]  # [B, 1]: the next free slot is the token's position
-    logits, cache = mdl.forward(params, state.tokens[:, None], positions, state.cache, cfg, kv_len=kv_len)
-    nxt, logprob = smp.sample(logits[:, 0], smp.step_keys(state.keys, state.step), sampling)
-    finished = state.finished | is_stop(nxt, stop_ids)
-    return DecodeState(cache=cache, tokens=nxt, keys=state.keys, step=state.step + 1,
-                       finished=finished), nxt, logprob
-
-
-def decode_loop(step_fn: Callable, state, n_steps: int):
-    """Run `step_fn(state) -> (state, token[B], logprob[B])` n_steps times under `lax.scan`.
-
-    The loop knows nothing about models: a fake `step_fn` can drive it in tests.
-    Returns (final state, tokens [n_steps, B], logprobs [n_steps, B]).
-    """
-    def body(s, _):
-        s, t, lp = step_fn(s)
-        return s, (t, lp)
-
-    state, (tokens, logprobs) = jax.lax.scan(body, state, None, length=n_steps)
-    return state, tokens, logprobs
-
-
-def decode_chunk(params: Params, state: DecodeState, cfg: ModelConfig, sampling: SamplingParams,
-                 stop_ids: tuple[int, ...], n_steps: int, kv_len: Optional[int] = None):
-    """`n_steps` decode steps on device. Returns (state, tokens [n_steps, B], logprobs [n_steps, B])."""
-    with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, sampling, stop_ids, kv_len), state, n_steps)
-
-
-def decode_kv_len(prompt_slots: int, chunk: int, chunk_size: int, max_len: int) -> Optional[int]:
-    """Cache slots that decode chunk `chunk` (0-based) must attend to, rounded up to a bucket.
-
-    After prefill every row holds at most `prompt_slots` (the padded prompt width) tokens, and
-    each decode step writes one more, so during chunk c no row writes beyond slot
-    prompt_slots + (c + 1) * chunk_size - 1. Attention reads only that prefix, rounded up to a
-    power of two (>= MIN_KV_BUCKET) so that few programs are compiled; the schedule depends on
-    the prompt bucket, not the prompt length, so any prompt inside a bucket reuses the same
-    programs. None (attend to all max_len slots) once the prefix would be the whole cache.
-    """
-    n = bucket(prompt_slots + (chunk + 1) * chunk_size, MIN_KV_BUCKET)
-    return n if n < max_len else None
-
-
-def last_chunk_steps(remaining: int, chunk_size: int) -> int:
-    """Scan steps for the next decode chunk: chunk_size, or for the last chunk the remaining steps
-    rounded up to a power of two -- so no more than 2x the needed steps are scanned (none of a
-    full chunk's worth thrown away), and each chunk_size adds at most log2(chunk_size) programs."""
-    if remaining >= chunk_size:
-        return chunk_size
-    return min(chunk_size, bucket(remaining, 1))
-
-
-_STATIC = ("cfg", "sampling", "stop_ids")
-prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
-prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))
-first_sample_jit = jax.jit(first_sample, static_argnames=("sampling", "stop_ids"), donate_argnames=("cache",))
-PREFILL_CHUNK = 512  # prompts padded beyond this many tokens are prefilled in chunks of it
-decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("n_steps", "kv_len"), donate_argnames=("state",))
-
-
-def _uncached_logits(params, tokens, cfg):
-    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[0]
-
-
-uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
+    return cache, first, first_lp
 
 
 def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
@@ -253,51 +131,53 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
 
     B = len(ids)
     tokens, lengths = pack_prompts(ids)
-    n_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
-    S = bucket(max(tokens.shape[1], int(lengths.max()) + n_chunks * chunk_size + 1), MIN_KV_BUCKET)
+    Tb = tokens.shape[1]
+    chunk = Tb if prefill_chunk_size is None else min(Tb, prefill_chunk_size)
+    S = bucket(max(Tb, int(lengths.max()) + max_new_tokens), MIN_KV_BUCKET)
 
     with CompileCounter() as compiles:
-        mesh = shd.params_mesh(model.params)
-        if mesh is None:
-            cache, tokens_in, lengths_in = kv.init_cache(cfg, B, S), jnp.asarray(tokens), jnp.asarray(lengths)
-        else:  # a sharded model: cache and rows go on its mesh; the jitted steps stay the same
-            cache, tokens_in, lengths_in, keys = shd.place_batch(mesh, cfg, B, S, tokens, lengths, keys)
-        if prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size:
-            state, first, first_lp = prefill_chunked(model.params, tokens_in, lengths, cache, keys, cfg, sampling,
-                                                     stop_ids, prefill_chunk_size, on_prefill)
-        else:
-            state, first, first_lp = prefill_jit(model.params, tokens_in, lengths_in, cache,
-                                                 keys, cfg, sampling, stop_ids)
-        out_tokens = [shd.to_host(first)[None]]
-        out_lps = [shd.to_host(first_lp)[None]]
+        rows = initial_rows(keys, sampling, stop_ids, max_new_tokens)
+        cache, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows, cfg,
+                                                 chunk, on_prefill)
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
-        done = shd.to_host(state.finished)
         if on_tokens:
-            on_tokens([[int(t)] for t in out_tokens[0][0]])
-
-        produced, chunk = 1, 0
-        while produced < max_new_tokens and not done.all():
-            kv_len = decode_kv_len(tokens.shape[1], chunk, chunk_size, S)
-            n_steps = last_chunk_steps(max_new_tokens - produced, chunk_size)
-            state, toks, lps = decode_chunk_jit(model.params, state, cfg, sampling, stop_ids, n_steps, kv_len)
-            toks, lps = shd.to_host(toks), shd.to_host(lps)
-            out_tokens.append(toks)
+            on_tokens([[int(t)] for t in first])
+        finished = np.isin(first, stop_ids)
+        state = core.DecodeState(cache=cache, tokens=jnp.asarray(first),
+                                 rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1,
+                                                   finished=jnp.asarray(finished)))
+        out_tokens, out_lps = [first[:, None]], [first_lp[:, None]]
+        live = ~finished & (max_new_tokens > 1)
+        while live.any():
+            state, em = core.decode_jit(model.params, state, cfg, chunk_size)
+            toks = shd.to_host(em.tokens)[:, :, 0].T  # [B, n]
+            lps = shd.to_host(em.logprobs)[:, :, 0].T
+            count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
+            out_tokens.append(np.where(count > 0, toks, -1))
             out_lps.append(lps)
-            done = shd.to_host(state.finished)
+            live = shd.to_host(state.rows.live)
             if on_tokens:
-                on_tokens([list(map(int, toks[:, b])) for b in range(B)])
-            produced += n_steps
-            chunk += 1
+                on_tokens([[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)])
         t_end = time.perf_counter()
 
-    all_toks = np.concatenate(out_tokens)[:max_new_tokens].T  # [B, steps]
-    all_lps = np.concatenate(out_lps)[:max_new_tokens].T
-    completions = [completion_for(model, ids[b], all_toks[b], all_lps[b], stop_ids) for b in range(B)]
+    all_toks, all_lps = np.concatenate(out_tokens, axis=1), np.concatenate(out_lps, axis=1)
+    completions = []
+    for b in range(B):
+        keep = all_toks[b] >= 0
+        completions.append(completion_for(model, ids[b], all_toks[b][keep][:max_new_tokens],
+                                          all_lps[b][keep][:max_new_tokens], stop_ids))
     timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
                              compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
                              n_cache_loads=compiles.cache_hits)
     return Output(completions=completions, timings=timings)
+
+
+def _uncached_logits(params, tokens, cfg):
+    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[0]
+
+
+uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
 def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:

@@ -30,6 +30,9 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
 
 
 
+TopLogprobs = list[tuple[int, float]]  # the most likely tokens at one position: (token id, logprob), best first
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
     prompt_ids: list[int]
@@ -37,6 +40,11 @@ class Completion:
     text: str  # decoded new tokens, without the stop token
     logprobs: list[float]  # log p(token) under the model, per new token
     finish_reason: str  # "stop" (a stop token or string), "length" (max_new_tokens) or "cancelled" (serve engine)
+    top_logprobs: Optional[list[TopLogprobs]] = None  # per new token, when asked for (serve engine)
+    # Scoring the prompt (serve engine, `prompt_logprobs`): per prompt position, log p(token | the
+    # tokens before it), None where not scored (the first token, positions before `score_from`).
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+    prompt_top_logprobs: Optional[list[Optional[TopLogprobs]]] = None
 
 
 def check_context(ids: list[list[int]], max_new_tokens: int, working_slots: int, cfg: ModelConfig) -> None:

@@ -1,16 +1,25 @@
-"""Logits -> one token per row, as a pure function of (logits, keys, params).
+"""Logits -> one token per row: the one sampler, a pure function of (logits, keys, per-row settings).
+
+Every caller samples through `sample`: generate's closed batches, the serving engine's slots,
+speculative decoding's draft and its corrected tokens. Settings are per-row arrays (`RowParams`),
+so rows with different settings share one compiled program; a single `SamplingParams` is the
+special case of every row alike.
 
 Each row has its own PRNG key, so a row's sample never depends on its neighbours in the batch:
 the key of row b at step t is `fold_in(key_b, t)`, where key_b comes from that request's seed.
 There is no default key anywhere.
 
-Order of the filters: temperature, then top-k, then top-p (nucleus), then min-p.
+Order of the filters: temperature, then top-k, then top-p (nucleus), then min-p. A row is greedy
+(argmax, no key used) when its temperature is below GREEDY_BELOW or its top_k is 1. The reported
+log-probability of a token is log_softmax of the logits the sampler was given (the model's own
+distribution, before temperature and the filters).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +27,16 @@ import numpy as np
 from flax import struct
 
 _NEG_INF = -jnp.inf
+# Temperatures below this are greedy: dividing logits by a smaller one overflows float32 to
+# inf and the draw would no longer be the most likely token. (vLLM uses the same cut.)
+GREEDY_BELOW = 1e-5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to turn logits into a token. Hashable: a static argument of jitted steps."""
 
-    temperature: float = 1.0  # 0 means greedy (argmax); > 1 flattens, < 1 sharpens
+    temperature: float = 1.0  # 0 (or below 1e-5) means greedy (argmax); > 1 flattens, < 1 sharpens
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set whose probability mass reaches p; 1 = off
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
@@ -44,24 +56,54 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def row_keys(seeds: jax.Array) -> jax.Array:
+@struct.dataclass
+class RowParams:
+    """Sampling settings as per-row arrays: temperature, top_p, min_p [B] float32; top_k [B] int32."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+    @property
+    def greedy(self) -> jax.Array:
+        """[B] bool: rows that take the argmax."""
+        return (self.temperature < GREEDY_BELOW) | (self.top_k == 1)
+
+
+def row_params(params: Union[SamplingParams, Sequence[SamplingParams]], batch: int = 1) -> RowParams:
+    """One SamplingParams per row (or one for `batch` rows) -> RowParams of host numpy arrays."""
+    if isinstance(params, SamplingParams):
+        params = [params] * batch
+    return RowParams(temperature=np.array([p.temperature for p in params], np.float32),
+                     top_k=np.array([p.top_k for p in params], np.int32),
+                     top_p=np.array([p.top_p for p in params], np.float32),
+                     min_p=np.array([p.min_p for p in params], np.float32))
+
+
+def _rows(params: Union[SamplingParams, RowParams], batch: int) -> RowParams:
+    return row_params(params, batch) if isinstance(params, SamplingParams) else params
+
+
+def row_keys(seeds) -> jax.Array:
     """One PRNG key per request from its integer seed. seeds [B] -> keys [B]."""
     return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
 
 
-def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
-    """Keys for one decode step: fold the step into each row's key. keys [B] -> [B]."""
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+def step_keys(keys: jax.Array, steps) -> jax.Array:
+    """Keys for one sampling step: fold steps (a scalar, or [B] per row) into each row's key."""
+    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), keys.shape)
+    return jax.vmap(jax.random.fold_in)(keys, steps)
 
 
 def _top_p_threshold(x: jax.Array, top_p) -> jax.Array:
-    """The smallest logit of the smallest set whose mass reaches top_p (scalar or [B, 1]). [B, V] -> [B, 1].
+    """The smallest logit of the smallest set whose mass reaches top_p ([B, 1]). [B, V] -> [B, 1].
 
     The first token is always kept."""
     sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # descending
@@ -71,114 +113,77 @@ def _top_p_threshold(x: jax.Array, top_p) -> jax.Array:
 
 
 def _below_min_p(x: jax.Array, min_p) -> jax.Array:
-    """Tokens less likely than min_p (scalar or [B, 1]) x the most likely one. [B, V] -> [B, V] bool."""
+    """Tokens less likely than min_p ([B, 1]) x the most likely one. [B, V] -> [B, V] bool."""
     p = jax.nn.softmax(x, axis=-1)
     return p < min_p * jnp.max(p, axis=-1, keepdims=True)
 
 
-def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Scaled logits with everything outside the allowed set at -inf. [B, V] -> [B, V] float32."""
-    x = logits.astype(jnp.float32) / params.temperature
-    if params.top_k > 0 and params.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, params.top_k)[0][:, -1:]
-        x = jnp.where(x < kth, _NEG_INF, x)
-    if params.top_p < 1.0:
-        x = jnp.where(x < _top_p_threshold(x, params.top_p), _NEG_INF, x)
-    if params.min_p > 0.0:
-        x = jnp.where(_below_min_p(x, params.min_p), _NEG_INF, x)
-    return x
+def _top_k_top_p(x: jax.Array, rp: RowParams) -> jax.Array:
+    """The sorting filters, top-k then top-p, each only on the rows that use it. [B, V] -> [B, V]."""
+    V = x.shape[-1]
+    k = jnp.clip(rp.top_k, 1, V)[:, None]
+    kth = jnp.take_along_axis(jnp.sort(x, axis=-1)[:, ::-1], k - 1, axis=-1)  # as lax.top_k finds it
+    use_k = ((rp.top_k > 0) & (rp.top_k < V))[:, None]
+    x = jnp.where(use_k & (x < kth), _NEG_INF, x)
+    return jnp.where((rp.top_p < 1.0)[:, None] & (x < _top_p_threshold(x, rp.top_p[:, None])), _NEG_INF, x)
 
 
-def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """The distribution `sample` draws from: softmax of the filtered logits. [..., V] -> [..., V] float32.
+def filter_logits(logits: jax.Array, params: Union[SamplingParams, RowParams]) -> jax.Array:
+    """Scaled logits with everything outside each row's allowed set at -inf. [B, V] -> [B, V] float32.
 
-    Greedy puts all mass on the argmax.
+    A filter that is off for a row (top_k 0 or >= V, top_p 1, min_p 0) leaves that row untouched;
+    the sorts run only when some row needs them.
+    """
+    rp = _rows(params, logits.shape[0])
+    temperature = jnp.where(rp.temperature >= GREEDY_BELOW, rp.temperature, 1.0)[:, None]
+    x = logits.astype(jnp.float32) / temperature
+    V = x.shape[-1]
+    sorting = jnp.any(((rp.top_k > 0) & (rp.top_k < V)) | (rp.top_p < 1.0))
+    x = jax.lax.cond(sorting, lambda y: _top_k_top_p(y, rp), lambda y: y, x)
+    return jnp.where((rp.min_p > 0.0)[:, None] & _below_min_p(x, rp.min_p[:, None]), _NEG_INF, x)
+
+
+def probs(logits: jax.Array, params: Union[SamplingParams, RowParams]) -> jax.Array:
+    """The distribution `sample` draws from. logits [B, ..., V] -> [B, ..., V] float32.
+
+    Greedy rows put all mass on the argmax. Row b's settings apply to all of logits[b].
     """
     shape = logits.shape
-    flat = logits.reshape(-1, shape[-1])
-    if params.greedy:
-        p = jax.nn.one_hot(jnp.argmax(flat, axis=-1), shape[-1], dtype=jnp.float32)
-    else:
-        p = jax.nn.softmax(filter_logits(flat, params), axis=-1)
+    B, V = shape[0], shape[-1]
+    rp = _rows(params, B)
+    per = int(np.prod(shape[1:-1], dtype=np.int64))  # positions per row
+    flat = logits.reshape(-1, V)
+    rep = jax.tree.map(lambda a: jnp.repeat(jnp.asarray(a), per, axis=0), rp)
+    p = jax.nn.softmax(filter_logits(flat, rep), axis=-1)
+    p = jnp.where(rep.greedy[:, None], jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=jnp.float32), p)
     return p.reshape(shape)
 
 
-def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams):
+def sample(logits: jax.Array, keys: jax.Array, params: Union[SamplingParams, RowParams]):
     """Sample one token per row.
 
     Args:
       logits: [B, V] next-token logits.
-      keys: [B] PRNG keys, one per row (already folded with the step).
-      params: SamplingParams (static).
+      keys: [B] PRNG keys, one per row (already folded with the step, `step_keys`).
+      params: a SamplingParams for every row, or RowParams of [B] arrays.
     Returns:
-      tokens [B] int32 and their log-probabilities [B] under the model's own distribution
-      (log_softmax of the raw logits, before temperature and filtering).
+      tokens [B] int32 and their log-probabilities [B] (log_softmax of the given logits).
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    if params.greedy:
-        tokens = jnp.argmax(logits, axis=-1)
-    else:
-        x = filter_logits(logits, params)
-        tokens = jax.vmap(jax.random.categorical)(keys, x)
-    tokens = tokens.astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    with jax.named_scope("sampling"):
+        rp = _rows(params, logits.shape[0])
+        greedy_tok = jnp.argmax(logits, axis=-1)
+
+        def draw(_):
+            drawn = jax.vmap(jax.random.categorical)(keys, filter_logits(logits, rp))
+            return jnp.where(rp.greedy, greedy_tok, drawn)
+
+        # All-greedy batches skip the filters (and their sorts) altogether.
+        tokens = jax.lax.cond(jnp.all(rp.greedy), lambda _: greedy_tok, draw, None).astype(jnp.int32)
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-@struct.dataclass
-class RowParams:
-    """SamplingParams as per-row arrays, so rows with different settings share one program.
-
-    temperature, top_p, min_p [B] float32; top_k [B] int32 (0 = off). Build with `row_params`.
-    """
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-
-
-def row_params(params: list[SamplingParams]) -> RowParams:
-    """One SamplingParams per row -> RowParams (host-side numpy arrays)."""
-    return RowParams(temperature=np.array([p.temperature for p in params], np.float32),
-                     top_k=np.array([p.top_k for p in params], np.int32),
-                     top_p=np.array([p.top_p for p in params], np.float32),
-                     min_p=np.array([p.min_p for p in params], np.float32))
-
-
-def filter_logits_rows(logits: jax.Array, rp: RowParams) -> jax.Array:
-    """`filter_logits` with each row's own settings: the same filters, order and arithmetic.
-
-    A filter that is off for a row (top_k 0 or >= V, top_p 1, min_p 0) leaves that row untouched,
-    exactly as the static version skips it. [B, V] -> [B, V] float32.
-    """
-    V = logits.shape[-1]
-    temperature = jnp.where(rp.temperature > 0, rp.temperature, 1.0)[:, None]
-    x = logits.astype(jnp.float32) / temperature
-    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # descending
-    k = jnp.clip(rp.top_k, 1, V)[:, None]
-    kth = jnp.take_along_axis(sorted_x, k - 1, axis=-1)  # the k-th largest value, as lax.top_k finds it
-    use_k = ((rp.top_k > 0) & (rp.top_k < V))[:, None]
-    x = jnp.where(use_k & (x < kth), _NEG_INF, x)
-    x = jnp.where((rp.top_p < 1.0)[:, None] & (x < _top_p_threshold(x, rp.top_p[:, None])), _NEG_INF, x)
-    return jnp.where((rp.min_p > 0.0)[:, None] & _below_min_p(x, rp.min_p[:, None]), _NEG_INF, x)
-
-
-def sample_rows(logits: jax.Array, keys: jax.Array, rp: RowParams):
-    """`sample` with per-row settings: row b gives exactly the token `sample` gives with row b's
-    own SamplingParams (greedy rows: argmax of the raw logits).
-
-    Args:
-      logits: [B, V]; keys: [B] (already folded with each row's step); rp: RowParams of [B] arrays.
-    Returns:
-      tokens [B] int32 and their log-probabilities [B] (log_softmax of the raw logits).
-    """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    greedy = (rp.temperature == 0) | (rp.top_k == 1)
-    drawn = jax.vmap(jax.random.categorical)(keys, filter_logits_rows(logits, rp))
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-
-
-def step_keys_rows(keys: jax.Array, steps: jax.Array) -> jax.Array:
-    """Per-row steps: fold steps[b] into keys[b]. keys [B], steps [B] -> [B]."""
-    return jax.vmap(jax.random.fold_in)(keys, steps)
+def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """The n most likely tokens of each row and their log-probabilities: ([B, n] int32, [B, n] float32)."""
+    top, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), n)
+    return ids.astype(jnp.int32), top

@@ -1,10 +1,11 @@
 """Speculative decoding: propose k tokens cheaply, verify them in one target forward.
 
-Each round, per row (shape letters as in `jaxinfer.config`; k proposals per round):
+Each round, per row (shape letters as in `jaxinfer.model.config`; k proposals per round):
   1. propose d_1..d_k, either from a draft model (`Draft`: a smaller model sharing the
      tokenizer, run k times at T=1) or by prompt lookup (the tokens that followed the most
      recent earlier occurrence of the last n-gram in the prompt + text so far; no model);
-  2. run the target once on [cur, d_1..d_k] (T = k + 1), giving k + 1 next-token distributions;
+  2. run the target once on [cur, d_1..d_k] (T = k + 1, the forward a prefill chunk runs),
+     giving k + 1 next-token distributions;
   3. accept d_i with probability min(1, p_i(d_i) / q_i(d_i)) until the first rejection, then
      sample the corrected token from norm(max(p - q, 0)); if all k are accepted, sample a bonus
      token from p_{k+1}. This is the rejection rule of Leviathan et al. / Chen et al. (2023): the
@@ -14,8 +15,10 @@ Each round, per row (shape letters as in `jaxinfer.config`; k proposals per roun
   4. roll the caches back by setting lengths: slots of rejected tokens are simply overwritten
      later (attention masks by position, so they are never read first).
 
-The rounds run on device under `lax.while_loop` (in chunks of rounds, so the host can stream
-text between chunks); nothing goes back to the host inside a chunk.
+A round is a step function of the decode core's scan (`core.decode_loop`): the prompts are
+read by the same prefill program as `generate`, the rounds run on device in chunks, and
+nothing goes back to the host inside a chunk. The draft and the corrected tokens are drawn by
+the one sampler (`sampling.sample`, `sampling.probs`), with each row's own settings.
 
 State per row: `hist[b, :]` holds the row's tokens by position (prompt, then generated tokens);
 `cache.lengths[b]` = n tokens are in the target cache and `hist[b, n]` is the pending token
@@ -25,7 +28,6 @@ State per row: `hist[b, :]` holds the row's tokens by position (prompt, then gen
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -34,18 +36,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.model import cache as kv
-from jaxinfer.decode.generate import MIN_KV_BUCKET, is_stop, prefill_jit
-from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
-                                      completion_for, pack_prompts,
-                                      prompt_ids, request_keys, stop_ids_for)
-from jaxinfer.model import forward as mdl
-from jaxinfer.decode import sampling as smp
+from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.decode import core
+from jaxinfer.decode import sampling as smp
+from jaxinfer.decode.generate import MIN_KV_BUCKET, initial_rows, new_cache, prefill_prompts
+from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
+                                      completion_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
+from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.model import cache as kv
+from jaxinfer.model import forward as mdl
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import Params, is_canonical
-from jaxinfer.decode.sampling import SamplingParams
 
 METHODS = ("lookup", "draft")
 # A round's key is folded with these for the acceptance uniforms and the corrected token, so they
@@ -85,14 +88,11 @@ class SpecState:
     cache: kv.KVCache  # target cache; lengths[b] = n: tokens of row b already in it
     draft_cache: Optional[kv.KVCache]  # draft model's cache (None for prompt lookup)
     hist: jax.Array  # [B, M] int32: row's tokens by position; hist[b, n] is the pending token
-    logprobs: jax.Array  # [B, M] float32: target log p of the token at each position
-    n_new: jax.Array  # [B] int32: tokens generated so far (the pending one included)
-    finished: jax.Array  # [B] bool: a stop token was emitted
-    keys: jax.Array  # [B] PRNG keys (the round is folded in)
+    rows: core.Rows  # sampling settings, keys, stop ids, budgets (steps: tokens emitted so far)
     round: jax.Array  # [] int32: rounds run so far
     proposed: jax.Array  # [B] int32: draft tokens proposed to the target
     accepted: jax.Array  # [B] int32: of those, accepted
-    target_calls: jax.Array  # [B] int32: verification forwards in which the row was active
+    target_calls: jax.Array  # [B] int32: verification forwards in which the row was live
 
 
 # Proposals ----------------------------------------------------------------------------------
@@ -138,8 +138,9 @@ def lookup_proposals(hist: jax.Array, n: jax.Array, k: int, max_ngram: int) -> j
     return jax.vmap(one_row)(hist, n)
 
 
+
 def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: jax.Array, n: jax.Array,
-                    keys: jax.Array, k: int, sampling: SamplingParams):
+                    keys: jax.Array, k: int, sampling: smp.RowParams):
     """k tokens from the draft model, fed [hist[n-1], hist[n]] first, then its own proposals.
 
     Re-feeding position n-1 costs nothing extra in a T=2 forward and covers the case where the
@@ -147,9 +148,9 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
     Args:
       params, cfg: the draft model.
       cache: draft cache holding positions < n - 1 (or more; later slots are overwritten).
-      hist: [B, M]; n: [B] pending position; keys: [B] this round's keys.
+      hist: [B, M]; n: [B] pending position; keys: [B] this round's keys; sampling: per-row settings.
     Returns:
-      (proposals [B, k] int32, draft probabilities [B, k, V] (None under greedy), cache).
+      (proposals [B, k] int32, draft probabilities [B, k, V], cache).
     """
     B = hist.shape[0]
     rows = jnp.arange(B)
@@ -158,9 +159,9 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
     logits, cache = mdl.forward(params, first, mdl.default_positions(B, 2, n - 1), cache, cfg,
                                 logit_index=jnp.ones((B,), jnp.int32))
 
-    def pick(lg, i):  # lg [B, V] -> token [B], probs q [B, V] (None under greedy)
-        tok, _ = smp.sample(lg, smp.step_keys(keys, i), sampling)  # a draw from q
-        return tok, (None if sampling.greedy else smp.probs(lg, sampling))
+    def pick(lg, i):  # lg [B, V] -> a draw from q [B], and q [B, V]
+        tok, _ = smp.sample(lg, smp.step_keys(keys, i), sampling)
+        return tok, smp.probs(lg, sampling)
 
     tok, q = pick(logits[:, 0], 0)
     toks, qs = [tok], [q]
@@ -169,14 +170,13 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
         tok, q = pick(logits[:, 0], i)
         toks.append(tok)
         qs.append(q)
-    probs = None if sampling.greedy else jnp.stack(qs, axis=1)
-    return jnp.stack(toks, axis=1), probs, cache
+    return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1), cache
 
 
 # Verification -------------------------------------------------------------------------------
 
 def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Array], keys: jax.Array,
-           sampling: SamplingParams):
+           sampling: Union[SamplingParams, smp.RowParams]):
     """The rejection rule: how many proposals to keep and the token that follows them.
 
     Args:
@@ -184,18 +184,19 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
       proposals: [B, k] d_1..d_k.
       draft_probs: [B, k, V] the draft's q_i, or None for deterministic (one-hot) proposals.
       keys: [B] keys for this round.
-      sampling: SamplingParams (static); greedy means exact-match acceptance.
+      sampling: one SamplingParams or per-row RowParams; greedy rows use exact-match acceptance.
     Returns:
       (n_accepted [B] int32 in 0..k, next token [B] int32: the corrected or bonus token).
     """
     B, k1, V = logits.shape
     k = k1 - 1
-    if sampling.greedy:
-        target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
-        ok = proposals == target[:, :k]
-        n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
-        return n_acc, jnp.take_along_axis(target, n_acc[:, None], 1)[:, 0]
-    p = smp.probs(logits, sampling)  # [B, k+1, V]
+    rp = smp.row_params(sampling, B) if isinstance(sampling, SamplingParams) else sampling
+    # Greedy rows: accept while d_i == argmax p_i, then the argmax after the accepted prefix.
+    target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
+    g_acc = jnp.sum(jnp.cumprod(proposals == target[:, :k], axis=1), axis=1).astype(jnp.int32)
+    g_next = jnp.take_along_axis(target, g_acc[:, None], 1)[:, 0]
+    # Sampled rows: the rejection rule.
+    p = smp.probs(logits, rp)  # [B, k+1, V]
     q = draft_probs if draft_probs is not None else jax.nn.one_hot(proposals, V, dtype=p.dtype)
     p_d = jnp.take_along_axis(p[:, :k], proposals[..., None], -1)[..., 0]  # [B, k]
     q_d = jnp.take_along_axis(q, proposals[..., None], -1)[..., 0]
@@ -210,74 +211,65 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
     dists = jnp.concatenate([residual, p[:, k:]], axis=1)  # [B, k+1, V]
     dist = jnp.take_along_axis(dists, n_acc[:, None, None], 1)[:, 0]
     r_keys = smp.step_keys(keys, _RESAMPLE_SALT)
-    nxt = jax.vmap(jax.random.categorical)(r_keys, jnp.log(dist))
-    return n_acc, nxt.astype(jnp.int32)
+    nxt = jax.vmap(jax.random.categorical)(r_keys, jnp.log(dist)).astype(jnp.int32)
+    greedy = jnp.asarray(rp.greedy)
+    return jnp.where(greedy, g_acc, n_acc), jnp.where(greedy, g_next, nxt)
 
 
-def spec_round(params: Params, draft_params: Optional[Params], state: SpecState, max_new: jax.Array, *,
-               cfg: ModelConfig, draft_cfg: Optional[ModelConfig], sampling: SamplingParams,
-               stop_ids: tuple[int, ...], method: str, k: int, max_ngram: int) -> SpecState:
-    """One propose-verify-accept round for every row (rows that are done stay unchanged)."""
+def spec_round(params: Params, draft_params: Optional[Params], state: SpecState, *, cfg: ModelConfig,
+               draft_cfg: Optional[ModelConfig], method: str, k: int, max_ngram: int):
+    """One propose-verify-accept round for every row. Returns (state, core.Emitted with E = k + 1)."""
     B, M = state.hist.shape
-    rows = jnp.arange(B)
+    rows = state.rows
+    idx = jnp.arange(B)
     n = state.cache.lengths  # [B]
-    cur = state.hist[rows, n]
-    round_keys = smp.step_keys(state.keys, state.round + 1)
+    cur = state.hist[idx, n]
+    live = rows.live
+    round_keys = smp.step_keys(rows.keys, state.round + 1)
     draft_cache = state.draft_cache
     if method == "lookup":
         proposals, q = lookup_proposals(state.hist, n, k, max_ngram), None
     else:
         proposals, q, draft_cache = draft_proposals(draft_params, draft_cfg, draft_cache, state.hist, n,
-                                                    round_keys, k, sampling)
+                                                    round_keys, k, rows.sampling)
     tokens = jnp.concatenate([cur[:, None], proposals], axis=1)  # [B, k+1]
-    logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, k + 1, n), state.cache, cfg)  # [B, k+1, V]
-    n_acc, nxt = accept(logits, proposals, q, round_keys, sampling)
+    logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, k + 1, n), state.cache, cfg)
+    n_acc, nxt = accept(logits, proposals, q, round_keys, rows.sampling)
 
-    # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a.
+    # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a; cut after a stop token
+    # and at the row's budget.
     i = jnp.arange(k + 1)[None]
     emitted = jnp.where(i < n_acc[:, None], jnp.pad(proposals, ((0, 0), (0, 1))), nxt[:, None])
-    logp = jax.nn.log_softmax(logits, -1)
-    # log p of emitted token i comes from the target logits at step i (which predicted it)
+    logp = jax.nn.log_softmax(logits, -1)  # the target's own log p of each emitted token
     emitted_lp = jnp.take_along_axis(logp, emitted[..., None], -1)[..., 0]  # [B, k+1]
-    kept = i <= n_acc[:, None]
-    stop = is_stop(emitted, stop_ids) & kept
+    stop = core.is_stop(emitted, rows.stop_ids) & (i <= n_acc[:, None])
+    first_stop = jnp.where(stop.any(1), jnp.argmax(stop, axis=1), k + 1)  # index of the first stop, or k+1
+    count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), rows.budget)
+    count = jnp.where(live, count, 0).astype(jnp.int32)
 
-    active = ~state.finished & (state.n_new < max_new)
     write = jax.vmap(lambda h, e, s: jax.lax.dynamic_update_slice(h, e, (s,)))
-    hist = jnp.where(active[:, None], write(state.hist, emitted, n + 1), state.hist)
-    logprobs = jnp.where(active[:, None], write(state.logprobs, emitted_lp, n + 1), state.logprobs)
-    new_len = jnp.where(active, n + 1 + n_acc, n).astype(jnp.int32)
-    return SpecState(cache=kv.rewind(cache, new_len), draft_cache=draft_cache, hist=hist,
-                     logprobs=logprobs, n_new=state.n_new + jnp.where(active, n_acc + 1, 0),
-                     finished=state.finished | (active & stop.any(1)), keys=state.keys,
-                     round=state.round + 1, proposed=state.proposed + jnp.where(active, k, 0),
-                     accepted=state.accepted + jnp.where(active, n_acc, 0),
-                     target_calls=state.target_calls + active.astype(jnp.int32))
+    hist = jnp.where(live[:, None], write(state.hist, emitted, n + 1), state.hist)
+    new_len = jnp.where(live, n + 1 + n_acc, n).astype(jnp.int32)
+    rows = rows.replace(steps=rows.steps + count, budget=rows.budget - count,
+                        finished=rows.finished | (live & (first_stop < count)))
+    state = SpecState(cache=kv.rewind(cache, new_len), draft_cache=draft_cache, hist=hist, rows=rows,
+                      round=state.round + 1, proposed=state.proposed + jnp.where(live, k, 0),
+                      accepted=state.accepted + jnp.where(live, n_acc, 0),
+                      target_calls=state.target_calls + live.astype(jnp.int32))
+    none = jnp.zeros((B, k + 1, 0))
+    return state, core.Emitted(tokens=emitted, logprobs=emitted_lp, count=count, top_ids=none.astype(jnp.int32),
+                               top_logprobs=none)
 
 
-def spec_chunk(params, draft_params, state: SpecState, max_new: jax.Array, max_rounds: jax.Array, **static):
-    """Up to `max_rounds` rounds under `lax.while_loop`, stopping early once every row is done."""
-    start = state.round
-
-    def cond(s):
-        active = ~s.finished & (s.n_new < max_new)
-        return (s.round - start < max_rounds) & jnp.any(active)
-
+def spec_chunk(params, draft_params, state: SpecState, n_rounds: int, **static):
+    """n_rounds rounds in the decode core's scan (rounds after every row stopped are skipped)."""
     with jax.named_scope("speculative"):
-        return jax.lax.while_loop(cond, lambda s: spec_round(params, draft_params, s, max_new, **static), state)
+        return core.decode_loop(lambda s: spec_round(params, draft_params, s, **static), state, n_rounds,
+                                live=lambda s: jnp.any(s.rows.live))
 
 
-_STATIC = ("cfg", "draft_cfg", "sampling", "stop_ids", "method", "k", "max_ngram")
+_STATIC = ("cfg", "draft_cfg", "method", "k", "max_ngram", "n_rounds")
 spec_chunk_jit = jax.jit(spec_chunk, static_argnames=_STATIC, donate_argnames=("state",))
-
-
-def _draft_prefill(params, tokens, cache, cfg):
-    B, T = tokens.shape
-    return mdl.forward(params, tokens, mdl.default_positions(B, T), cache, cfg,
-                       logit_index=jnp.zeros((B,), jnp.int32), kv_len=T)[1]
-
-
-draft_prefill_jit = jax.jit(_draft_prefill, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
 # Public API ----------------------------------------------------------------------------------
@@ -301,6 +293,21 @@ class SpecOutput(Output):
     stats: Optional[SpecStats] = None
 
 
+def _check(model: Model, method: str, draft: Optional[Draft], k, max_ngram, max_new_tokens, rounds_per_chunk,
+           sampling) -> tuple[int, int, int, int]:
+    """Validate the arguments before anything is compiled."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "draft":
+        if draft is None:
+            raise ValueError("method='draft' needs draft=Draft(...) (e.g. speculative.truncated_draft(model, 4))")
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {model.config.vocab_size}")
+    check_sampling(sampling)
+    return (check_int("k", k, 1, 16), check_int("max_ngram", max_ngram, 1),
+            check_int("max_new_tokens", max_new_tokens, 1), check_int("rounds_per_chunk", rounds_per_chunk, 1))
+
+
 def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: Optional[Draft] = None,
              k: int = 4, max_ngram: int = 3, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
@@ -314,7 +321,7 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
       draft: a `Draft` sharing the target's vocabulary (e.g. `truncated_draft(model, 4)`).
       k: tokens proposed per round (verified in one target forward of k + 1 tokens).
       max_ngram: longest suffix n-gram prompt lookup tries to match.
-      rounds_per_chunk: rounds per jitted while-loop call (streaming granularity).
+      rounds_per_chunk: rounds per jitted scan call (streaming granularity).
       (model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, on_tokens:
       as in `jaxinfer.generate`; on_tokens receives each row's newly emitted tokens.)
     Returns:
@@ -323,18 +330,8 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     """
     t0 = time.perf_counter()
     cfg = model.config
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "draft":
-        if draft is None:
-            raise ValueError("method='draft' needs draft=Draft(...) (e.g. speculative.truncated_draft(model, 4))")
-        if draft.config.vocab_size != cfg.vocab_size:
-            raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {cfg.vocab_size}")
-    k = check_int("k", k, 1, 16)
-    max_ngram = check_int("max_ngram", max_ngram, 1)
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    rounds_per_chunk = check_int("rounds_per_chunk", rounds_per_chunk, 1)
-    check_sampling(sampling)
+    k, max_ngram, max_new_tokens, rounds_per_chunk = _check(model, method, draft, k, max_ngram, max_new_tokens,
+                                                            rounds_per_chunk, sampling)
     ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, max_new_tokens, 2 * k + 1, cfg)  # a round may run k + 1 slots past the end
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
@@ -343,54 +340,49 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     B = len(ids)
     tokens, lengths = pack_prompts(ids)
     S = bucket(max(tokens.shape[1], int(lengths.max()) + max_new_tokens + 2 * k + 2), MIN_KV_BUCKET)
-    hist = np.zeros((B, S), np.int32)
-    hist[:, : tokens.shape[1]] = tokens
-
+    chunk = tokens.shape[1]
     with CompileCounter() as compiles:
-        tokens_in, lens = jnp.asarray(tokens), jnp.asarray(lengths)
-        dstate, first, first_lp = prefill_jit(model.params, tokens_in, lens, kv.init_cache(cfg, B, S), keys, cfg,
-                                              sampling, stop_ids)
+        rows = initial_rows(keys, sampling, stop_ids, max_new_tokens)
+        cache, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows, cfg,
+                                                 chunk)
         draft_cache = None
         if method == "draft":
-            draft_cache = draft_prefill_jit(draft.params, tokens_in, kv.init_cache(draft.config, B, S), draft.config)
-        rows = jnp.arange(B)
+            draft_cache, _, _ = prefill_prompts(draft.params, kv.init_cache(draft.config, B, S), tokens, lengths,
+                                                rows, draft.config, chunk)
+        hist = np.zeros((B, S), np.int32)
+        hist[:, :tokens.shape[1]] = tokens
+        hist[np.arange(B), lengths] = first
         zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the state is donated
-        state = SpecState(cache=dstate.cache, draft_cache=draft_cache,
-                          hist=jnp.asarray(hist).at[rows, lens].set(first),
-                          logprobs=jnp.zeros((B, S), jnp.float32).at[rows, lens].set(first_lp),
-                          n_new=jnp.ones((B,), jnp.int32), finished=dstate.finished, keys=keys,
+        state = SpecState(cache=cache, draft_cache=draft_cache, hist=jnp.asarray(hist),
+                          rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1,
+                                            finished=jnp.asarray(np.isin(first, stop_ids))),
                           round=jnp.zeros((), jnp.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
         t_first = time.perf_counter()
-        shown = np.ones(B, np.int64)  # tokens already passed to on_tokens
         if on_tokens:
-            on_tokens([[int(t)] for t in np.asarray(first)])
-        static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, sampling=sampling,
-                      stop_ids=stop_ids, method=method, k=k, max_ngram=max_ngram)
-        max_new = jnp.asarray(max_new_tokens, jnp.int32)
-        while True:
-            done = np.asarray(state.finished) | (np.asarray(state.n_new) >= max_new_tokens)
-            if done.all():
-                break
-            state = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, max_new,
-                                   jnp.asarray(rounds_per_chunk, jnp.int32), **static)
+            on_tokens([[int(t)] for t in first])
+        static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, method=method, k=k,
+                      max_ngram=max_ngram, n_rounds=rounds_per_chunk)
+        out_tokens, out_lps = [[int(t)] for t in first], [[float(x)] for x in first_lp]
+        while shd.to_host(state.rows.live).any():
+            state, em = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, **static)
+            toks, lps, count = (shd.to_host(em.tokens), shd.to_host(em.logprobs), shd.to_host(em.count))
+            new = [[] for _ in range(B)]
+            for r in range(toks.shape[0]):
+                for b in range(B):
+                    new[b] += [int(t) for t in toks[r, b, :count[r, b]]]
+                    out_lps[b] += [float(x) for x in lps[r, b, :count[r, b]]]
+            for b in range(B):
+                out_tokens[b] += new[b]
             if on_tokens:
-                n_new, h = np.asarray(state.n_new), np.asarray(state.hist)
-                on_tokens([list(map(int, h[b, lengths[b] + shown[b]: lengths[b] + n_new[b]])) for b in range(B)])
-                shown = n_new.astype(np.int64)
+                on_tokens(new)
         t_end = time.perf_counter()
 
-    h, lp, n_new = np.asarray(state.hist), np.asarray(state.logprobs), np.asarray(state.n_new)
-    completions = []
-    for b in range(B):
-        span = slice(lengths[b], lengths[b] + min(int(n_new[b]), max_new_tokens))
-        completions.append(completion_for(model, ids[b], h[b, span], lp[b, span], stop_ids))
-    decode_tokens = int(np.sum(n_new - 1))
-    calls = np.asarray(state.target_calls)
-    stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(state.proposed)),
-                      accepted=int(np.sum(state.accepted)),
-                      tokens_per_call=decode_tokens / max(int(calls.sum()), 1))
+    completions = [completion_for(model, ids[b], out_tokens[b], out_lps[b], stop_ids) for b in range(B)]
+    emitted = sum(len(t) - 1 for t in out_tokens)
+    calls = shd.to_host(state.target_calls)
+    stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(shd.to_host(state.proposed))),
+                      accepted=int(np.sum(shd.to_host(state.accepted))),
+                      tokens_per_call=emitted / max(int(calls.sum()), 1))
     timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
                              compile_s=compiles.seconds, n_cache_loads=compiles.cache_hits)
     return SpecOutput(completions=completions, timings=timings, stats=stats)
-
-

@@ -1,17 +1,31 @@
-"""The KV cache: an immutable pytree, written functionally and returned, never mutated.
+"""The KV cache: one pool of fixed-size pages, read through per-row page tables.
 
-Slot s of row b holds the key/value of the token at position s of that row, so a query at
-position p may read slots 0..p (the causal mask is `slot <= position`). `lengths[b]` counts the
-filled slots of row b and is where its next token is written; rolling back (speculative
-decoding) is just a smaller length: stale slots are overwritten before anything attends to them.
+Every caller uses this one cache: `generate` gives each row one run of consecutive pages (a
+closed batch), the serving engine hands pages out and takes them back as requests come and go,
+and the prefix cache shares full prompt pages between requests. The cache is an immutable
+pytree: `forward` returns an updated one, nothing is mutated.
 
-  k, v     [L, B, S, K, H]
-  lengths  [B] int32
-  k_scale, v_scale  [L, B, S, K, 1] float32, only in an int8 cache (None otherwise)
+Row b's tokens live in pages of `page_size` slots; its page table lists them in order, so
+position p of row b sits in page `page_table[b, p // page_size]` at offset `p % page_size`.
+`lengths[b]` counts the filled positions of row b and is where its next token is written;
+rolling back (speculative decoding) is just a smaller length: stale slots are overwritten before
+anything attends to them (a query at position p reads positions <= p only).
+
+  k, v              [L, P, page_size, K, H]     P pages, page 0 is the trash page
+  page_table        [B, W] int32                W pages per row (a multiple of `block_pages`)
+  lengths           [B] int32
+  k_scale, v_scale  [L, P, page_size, K, 1] float32, only in an int8 cache (None otherwise)
+
+Page 0 is the trash page: unused table entries point at it, and writes that fall outside a
+row's pages (the right padding of a prefill chunk, idle engine slots) land there. Nothing real
+reads it: a row attends only to positions below its own length, which are all in its own pages.
 
 int8 cache: each token's key (and value) of each kv head is stored as int8 with its own scale
 (absmax / 127 over H), so a token's scale never changes when later tokens arrive and writes stay
-per-slot. Attention reads the layer back as q * scale in the compute dtype.
+per-slot. Attention dequantizes the pages it reads.
+
+Bytes: the seed's formula, 2 (k and v) x L x K x H x bytes per element (+ the int8 scales) per
+token, times page_size per page (`bytes_per_token`, `pool_bytes`).
 """
 
 from __future__ import annotations
@@ -25,49 +39,68 @@ from flax import struct
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.quantize import absmax_int8
 
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+TRASH_PAGE = 0
+PAGE_SIZE = 16  # tokens per page unless a caller picks another size
+BLOCK_TOKENS = 256  # attention reads pages in blocks of about this many positions
+UNROLL_TOKENS = 32  # writes of up to this many tokens are unrolled, longer ones loop
+_SCALE_DTYPE = jnp.float32  # per token per kv head, for the int8 cache
+
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
-    lengths: jax.Array  # [B] int32: filled slots per row
-    k_scale: Optional[jax.Array] = None  # [L, B, S, K, 1] float32: int8 cache only
-    v_scale: Optional[jax.Array] = None  # [L, B, S, K, 1] float32: int8 cache only
+    k: jax.Array  # [L, P, page_size, K, H]
+    v: jax.Array  # [L, P, page_size, K, H]
+    page_table: jax.Array  # [B, W] int32: row b's pages in position order (trash page when unused)
+    lengths: jax.Array  # [B] int32: filled positions per row (where the next token goes)
+    k_scale: Optional[jax.Array] = None  # [L, P, page_size, K, 1] float32: int8 cache only
+    v_scale: Optional[jax.Array] = None
+    block_pages: int = struct.field(pytree_node=False, default=16)  # pages per attention block
 
     @property
-    def batch_size(self) -> int:
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def n_pages(self) -> int:
         return self.k.shape[1]
 
     @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
     def max_len(self) -> int:
-        """S: slots per row."""
-        return self.k.shape[2]
+        """Positions a row's page table can address: W x page_size."""
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def block(self) -> int:
+        """Positions per attention block: block_pages x page_size."""
+        return self.block_pages * self.page_size
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def update_layer(self, k: jax.Array, v: jax.Array, layer: jax.Array, starts: jax.Array) -> "KVCache":
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pages (k, v and their scales; tables and lengths excluded)."""
+        return sum(int(a.nbytes) for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+
+    def with_rows(self, page_table: jax.Array, lengths: jax.Array) -> "KVCache":
+        """The same pages seen through other rows: page_table [B', W'], lengths [B']."""
+        return self.replace(page_table=page_table, lengths=lengths)
+
+    def update_layer(self, k: jax.Array, v: jax.Array, layer, starts: jax.Array) -> "KVCache":
         """See `update_layer` (the module function): write one layer's new keys and values."""
         return update_layer(self, k, v, layer, starts)
 
-    def read_layer(self, layer: jax.Array, dtype, n_slots: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
-        """See `read_layer` (the module function): one layer's keys and values [B, n, K, H]."""
-        return read_layer(self, layer, dtype, n_slots)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the k and v arrays and their scales (the lengths vector is excluded)."""
-        scales = int(self.k_scale.nbytes) + int(self.v_scale.nbytes) if self.quantized else 0
-        return int(self.k.nbytes) + int(self.v.nbytes) + scales
+# Sizes ----------------------------------------------------------------------------------------
 
-
-KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
-_SCALE_DTYPE = jnp.float32  # per token per kv head, for the int8 cache
-UNROLL_ROWS = 32  # batches up to this size write their rows with an unrolled loop
-
-
-def _kv_dtype(cfg: ModelConfig, dtype) -> str:
+def kv_dtype(cfg: ModelConfig, dtype=None) -> str:
+    """The cache's element dtype name: `dtype`, else cfg.kv_dtype, else cfg.dtype."""
     name = jnp.dtype(dtype).name if dtype is not None else (cfg.kv_dtype or cfg.dtype)
     if name not in KV_DTYPES:
         raise ValueError(f"KV-cache dtype must be one of {KV_DTYPES}, got {name!r}")
@@ -80,79 +113,126 @@ def bytes_per_token(cfg: ModelConfig, dtype: str | jnp.dtype | None = None) -> i
     The scale term is 0 for float caches and one float32 per token per kv head for int8.
     `dtype` defaults to the config's KV dtype (`cfg.kv_dtype`, else `cfg.dtype`).
     """
-    name = _kv_dtype(cfg, dtype)
+    name = kv_dtype(cfg, dtype)
     scale_bytes = jnp.dtype(_SCALE_DTYPE).itemsize if name == "int8" else 0
     return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim * jnp.dtype(name).itemsize + scale_bytes)
 
 
-def cache_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> int:
-    """Total bytes of a cache for `batch_size` rows of `max_len` slots."""
-    return bytes_per_token(cfg, dtype) * batch_size * max_len
+def pool_bytes(cfg: ModelConfig, n_pages: int, page_size: int = PAGE_SIZE, dtype=None) -> int:
+    """Bytes of a pool of n_pages pages: n_pages x page_size x bytes_per_token."""
+    return n_pages * page_size * bytes_per_token(cfg, dtype)
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache of `max_len` slots per row.
+def pages_for(n_tokens: int, page_size: int) -> int:
+    """Pages that hold n_tokens positions."""
+    return -(-n_tokens // page_size)
+
+
+def block_pages_for(page_size: int) -> int:
+    """Pages per attention block: about BLOCK_TOKENS positions, at least one page."""
+    return max(1, BLOCK_TOKENS // page_size)
+
+
+def table_width(max_len: int, page_size: int) -> int:
+    """W: pages a row's table needs for max_len positions, rounded up to whole attention blocks."""
+    bp = block_pages_for(page_size)
+    return bp * pages_for(pages_for(max_len, page_size), bp)
+
+
+def closed_batch_pages(batch_size: int, max_len: int, page_size: int = PAGE_SIZE, groups: int = 1) -> int:
+    """Pages of `init_cache`: per group, a trash page plus one run of table_width pages per row."""
+    return groups + batch_size * table_width(max_len, page_size)
+
+
+def cache_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE,
+                groups: int = 1) -> int:
+    """Bytes of `init_cache(cfg, batch_size, max_len)`: its pages x page_size x bytes_per_token."""
+    return pool_bytes(cfg, closed_batch_pages(batch_size, max_len, page_size, groups), page_size, dtype)
+
+
+# Construction ---------------------------------------------------------------------------------
+
+def init_pool(cfg: ModelConfig, n_pages: int, page_size: int = PAGE_SIZE, dtype=None, *, batch_size: int = 1,
+              width: int = 1) -> KVCache:
+    """An all-zero pool of n_pages pages (page 0 is the trash page), seen through `batch_size`
+    rows of `width` trash-page table entries and length 0 (callers give rows their pages).
 
     Args:
       cfg: model config (L, K, H).
-      batch_size: B.
-      max_len: S, slots per row (prompt plus generated tokens must fit).
+      n_pages: P, pages in the pool (>= 2).
+      page_size: positions per page.
       dtype: element dtype (one of KV_DTYPES), default `cfg.kv_dtype` or else `cfg.dtype`;
         "int8" adds per-token-per-head scales.
+      batch_size, width: shape [B, W] of the (empty) page table; attention blocks are the
+        largest whole divisor of W up to BLOCK_TOKENS positions.
     """
-    if batch_size <= 0 or max_len <= 0:
-        raise ValueError(f"batch_size and max_len must be positive, got {batch_size}, {max_len}")
-    shape = (cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
-    dt = jnp.dtype(_kv_dtype(cfg, dtype))
+    if n_pages < 2 or page_size < 1:
+        raise ValueError(f"a pool needs n_pages >= 2 (page 0 is the trash page) and page_size >= 1, "
+                         f"got {n_pages}, {page_size}")
+    shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    dt = jnp.dtype(kv_dtype(cfg, dtype))
     scales = {}
     if dt == jnp.int8:
         scales = dict(k_scale=jnp.zeros(shape[:-1] + (1,), _SCALE_DTYPE),
                       v_scale=jnp.zeros(shape[:-1] + (1,), _SCALE_DTYPE))
+    bp = block_pages_for(page_size)
+    while width % bp:  # a table holds whole attention blocks
+        bp -= 1
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                   lengths=jnp.zeros((batch_size,), jnp.int32), **scales)
+                   page_table=jnp.zeros((batch_size, width), jnp.int32),
+                   lengths=jnp.zeros((batch_size,), jnp.int32), block_pages=bp, **scales)
 
 
-def abstract_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+def contiguous_table(batch_size: int, width: int, groups: int = 1) -> jax.Array:
+    """[B, W] page table of a closed batch: each row owns one run of W consecutive pages.
+
+    The pool is cut into `groups` equal page ranges (one per data shard when the batch is
+    sharded), each starting with its own trash page; rows are split evenly among the groups.
+    With one group, row b owns pages 1 + b W .. (b + 1) W.
+    """
+    per = batch_size // groups
+    b = jnp.arange(batch_size, dtype=jnp.int32)
+    first = (b // per) * (1 + per * width) + 1 + (b % per) * width  # [B]
+    return first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, page_size: int = PAGE_SIZE,
+               groups: int = 1) -> KVCache:
+    """An empty cache for a closed batch: each row owns one run of pages for max_len positions.
+
+    Args:
+      cfg: model config (L, K, H).
+      batch_size: B.
+      max_len: positions per row (prompt plus generated tokens must fit).
+      dtype: element dtype (one of KV_DTYPES), default `cfg.kv_dtype` or else `cfg.dtype`.
+      page_size: positions per page.
+      groups: split the pool into this many equal page ranges (a divisor of B; see
+        `contiguous_table`), so a data-parallel mesh can shard pages with rows.
+    """
+    if batch_size <= 0 or max_len <= 0:
+        raise ValueError(f"batch_size and max_len must be positive, got {batch_size}, {max_len}")
+    if groups < 1 or batch_size % groups:
+        raise ValueError(f"groups must divide batch_size {batch_size}, got {groups}")
+    W = table_width(max_len, page_size)
+    pool = init_pool(cfg, closed_batch_pages(batch_size, max_len, page_size, groups), page_size, dtype)
+    return pool.with_rows(contiguous_table(batch_size, W, groups), jnp.zeros((batch_size,), jnp.int32))
+
+
+def abstract_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, groups: int = 1) -> KVCache:
     """Shape/dtype-only cache for `jax.eval_shape` and sharding plans."""
-    return jax.eval_shape(lambda: init_cache(cfg, batch_size, max_len, dtype))
+    return jax.eval_shape(lambda: init_cache(cfg, batch_size, max_len, dtype, groups=groups))
 
 
 def rewind(cache: KVCache, lengths: jax.Array) -> KVCache:
-    """The cache with row b cut back to its first lengths[b] slots ([B] int32, each <= the current length).
+    """The cache with row b cut back to its first lengths[b] positions ([B] int32, each <= the current length).
 
-    Speculative decoding's rollback: rejected tokens' slots are simply overwritten later (the
-    mask hides a slot until a token at that position is written again). Besides `forward`, which
-    appends, this is the only change to `lengths`.
+    Speculative decoding's rollback: rejected tokens' slots are simply overwritten later. Besides
+    `forward`, which appends, this is the only change to `lengths`.
     """
     return cache.replace(lengths=jnp.minimum(cache.lengths, lengths).astype(jnp.int32))
 
 
-def write(cache_kv: jax.Array, new: jax.Array, layer: jax.Array, starts: jax.Array) -> jax.Array:
-    """Write new entries of one layer into the stacked cache array.
-
-    Args:
-      cache_kv: [L, B, S, K, H] cache array (k or v).
-      new: [B, T, K, H] entries for positions starts[b] .. starts[b] + T - 1.
-      layer: scalar layer index.
-      starts: [B] first slot to write per row.
-    Returns:
-      The updated [L, B, S, K, H] array.
-    """
-    new = new.astype(cache_kv.dtype)
-    # One in-place dynamic_update_slice per row. A vmapped update lowers to a scatter whose
-    # batched layout makes XLA copy the whole [L, B, S, K, H] array in every layer of the scan.
-    # Small batches unroll the rows (fastest to run); large ones loop over them, so the program
-    # (and its compile time and memory) does not grow with B.
-    def put(b, c):
-        row = jax.lax.dynamic_index_in_dim(new, b, keepdims=False)
-        return jax.lax.dynamic_update_slice(c, row[None, None], (layer, b, starts[b], 0, 0))
-
-    if new.shape[0] <= UNROLL_ROWS:
-        for b in range(new.shape[0]):
-            cache_kv = put(b, cache_kv)
-        return cache_kv
-    return jax.lax.fori_loop(0, new.shape[0], put, cache_kv)
-
+# Writing --------------------------------------------------------------------------------------
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8 codes and scales per token per head. x [B, T, K, H] -> ([B, T, K, H] int8, [B, T, K, 1])."""
@@ -160,32 +240,76 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale.astype(_SCALE_DTYPE)
 
 
-def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer: jax.Array, starts: jax.Array) -> KVCache:
+def locate(page_table: jax.Array, page_size: int, starts: jax.Array, T: int) -> tuple[jax.Array, jax.Array]:
+    """Pages and offsets [B, T] of positions starts[b] .. starts[b] + T - 1 (off the table: trash)."""
+    pos = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    idx = pos // page_size
+    W = page_table.shape[1]
+    pages = jnp.take_along_axis(page_table, jnp.minimum(idx, W - 1), axis=1)
+    return jnp.where(idx < W, pages, TRASH_PAGE), pos % page_size
+
+
+def _scatter(pool: jax.Array, new: jax.Array, layer, pages: jax.Array, offsets: jax.Array) -> jax.Array:
+    """pool [L, P, ps, K, X] with new [B, T, K, X] written at (layer, pages[b, t], offsets[b, t]).
+
+    One in-place dynamic_update_slice per token: a scatter into the pool that the layer loop
+    carries makes XLA's CPU backend copy the whole pool in every layer. Few tokens (decode)
+    unroll; many (prefill) loop, so the program does not grow with the chunk.
+    """
+    B, T = pages.shape
+    new = new.astype(pool.dtype).reshape(B * T, 1, 1, *new.shape[2:])
+    pages, offsets = pages.reshape(-1), offsets.reshape(-1)
+
+    def put(i, p):
+        row = jax.lax.dynamic_index_in_dim(new, i, keepdims=True)  # [1, 1, 1, K, X]
+        return jax.lax.dynamic_update_slice(p, row, (layer, pages[i], offsets[i], 0, 0))
+
+    if B * T <= UNROLL_TOKENS:
+        for i in range(B * T):
+            pool = put(i, pool)
+        return pool
+    return jax.lax.fori_loop(0, B * T, put, pool)
+
+
+def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer, starts: jax.Array) -> KVCache:
     """Write one layer's new keys and values (quantizing them for an int8 cache).
 
     Args:
       cache: the cache (lengths are not changed here).
-      k, v: [B, T, K, H] new entries for slots starts[b] .. starts[b] + T - 1.
-      layer: scalar layer index.
-      starts: [B] first slot per row.
+      k, v: [B, T, K, H] new entries for positions starts[b] .. starts[b] + T - 1.
+      layer: layer index (int or scalar array).
+      starts: [B] first position per row.
     """
-    if not cache.quantized:
-        return cache.replace(k=write(cache.k, k, layer, starts), v=write(cache.v, v, layer, starts))
-    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    return cache.replace(k=write(cache.k, kq, layer, starts), v=write(cache.v, vq, layer, starts),
-                         k_scale=write(cache.k_scale, ks, layer, starts),
-                         v_scale=write(cache.v_scale, vs, layer, starts))
+    with jax.named_scope("cache_write"):
+        pages, offsets = locate(cache.page_table, cache.page_size, starts, k.shape[1])
+        if not cache.quantized:
+            return cache.replace(k=_scatter(cache.k, k, layer, pages, offsets),
+                                 v=_scatter(cache.v, v, layer, pages, offsets))
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        return cache.replace(k=_scatter(cache.k, kq, layer, pages, offsets),
+                             v=_scatter(cache.v, vq, layer, pages, offsets),
+                             k_scale=_scatter(cache.k_scale, ks, layer, pages, offsets),
+                             v_scale=_scatter(cache.v_scale, vs, layer, pages, offsets))
 
 
-def read_layer(cache: KVCache, layer: jax.Array, dtype, n_slots: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
-    """One layer's keys and values [B, n, K, H] in `dtype` (dequantized for an int8 cache).
+def n_blocks(max_position: jax.Array, block: int) -> jax.Array:
+    """Attention blocks that cover positions 0 .. max_position (a scalar)."""
+    return (max_position // block + 1).astype(jnp.int32)
 
-    n = n_slots (static), the first slots only, or all S slots when None.
+
+def read_block(cache: KVCache, layer, block_index: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Keys and values of positions block_index x block .. + block - 1 of every row, [B, block, K, H].
+
+    The layer is taken first, then its pages: gathering pool[layer, table] in one step from the
+    pool that the layer loop carries measured 3.5x slower on CPU. int8 pages are dequantized.
     """
-    n = cache.max_len if n_slots is None else n_slots
+    bp = cache.block_pages
+    B = cache.page_table.shape[0]
+    pages = jax.lax.dynamic_slice_in_dim(cache.page_table, block_index * bp, bp, axis=1)  # [B, bp]
 
     def get(a):
-        return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)[:, :n]
+        x = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)[pages]  # [B, bp, ps, K, X]
+        return x.reshape(B, bp * x.shape[2], *x.shape[3:])
 
     if not cache.quantized:
         return get(cache.k).astype(dtype), get(cache.v).astype(dtype)

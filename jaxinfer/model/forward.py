@@ -1,12 +1,15 @@
 """The transformer forward pass as pure functions over a params pytree.
 
-One `forward` serves prefill (T = prompt length) and decode (T = 1): token ids become vectors,
-pass L causal-attention blocks (run as one `lax.scan` over the stacked layer weights) and the last
-norm, and become logits over the vocabulary. Shape letters are defined in `jaxinfer.config`.
+One `forward` serves every caller: a prefill chunk (T prompt tokens per row), a decode step
+(T = 1), speculative verification (T = k + 1) and the uncached pass over a whole sequence (no
+cache). Token ids become vectors, pass L causal-attention blocks (one `lax.scan` over the stacked
+layer weights, or an unrolled loop in the CPU decode layout) and the last norm, and become logits
+over the vocabulary. Each stage runs under a `jax.named_scope` (embed, attention, mlp, logits;
+the cache writes and paged attention name their own), so a profiler trace reads as this path.
 
 Families: Llama/Mistral (SwiGLU, RMSNorm, RoPE, GQA), Qwen2 (+ q/k/v biases) and Gemma 3
 (+ QK-norm, post-norms, scaled embeddings, GeGLU, sliding-window local layers with their own
-RoPE base) are switches on `ModelConfig`.
+RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer.model.config`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model import rope as rope_lib
-from jaxinfer.model.cache import KVCache
+from jaxinfer.model.attention import attend, causal_mask, paged_attention
+from jaxinfer.model.cache import KVCache, read_block
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params, is_canonical
 
 if TYPE_CHECKING:  # the model runs on token ids; only its holder refers to a tokenizer
     from jaxinfer.text.tokenizer import Tokenizer
+
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -32,9 +37,6 @@ class Model:
     config: ModelConfig
     params: Params
     tokenizer: Optional["Tokenizer"] = None
-
-
-_NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 
 
 def linear(eq: str, x: jax.Array, w) -> jax.Array:
@@ -67,45 +69,6 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: Optional[jax.Array]) -> jax.Array:
-    """Causal (and optionally sliding-window) mask.
-
-    Args:
-      q_pos: [B, T] query positions.
-      k_pos: [B, S] key positions.
-      window: scalar window size, or None; keys older than `window` tokens are hidden.
-    Returns:
-      [B, T, S] bool, True where the query may attend the key.
-    """
-    q = q_pos[:, :, None]
-    k = k_pos[:, None, :]
-    mask = k <= q  # a token looks back, never forward
-    if window is not None:
-        mask &= k > q - window
-    return mask
-
-
-def attend(q, k, v, mask, scale):
-    """Grouped-query attention.
-
-    Args:
-      q: [B, T, N, H] queries.
-      k, v: [B, S, K, H] keys and values.
-      mask: [B, T, S] bool.
-      scale: score scale (1/sqrt(H) for most families).
-    Returns:
-      out [B, T, N, H] and probabilities [B, N, T, S] (float32).
-    """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
-    return out.reshape(B, T, N, H), probs.reshape(B, N, T, -1)
 
 
 def _out_projection(out: jax.Array, wo) -> jax.Array:
@@ -197,7 +160,7 @@ def default_positions(batch: int, length: int, start: jax.Array | int = 0) -> ja
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-            cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None, kv_len: Optional[int] = None,
+            cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
             n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
     """Run the model on new tokens, reading and extending the KV cache.
 
@@ -205,97 +168,101 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
       params: params pytree (see `jaxinfer.model.params`).
       tokens: [B, T] int token ids.
       positions: [B, T] int RoPE positions of those tokens. With a cache, row b's tokens are
-        written to slots cache.lengths[b] .. cache.lengths[b] + T - 1, so positions must be
+        written at positions cache.lengths[b] .. cache.lengths[b] + T - 1, so positions must be
         cache.lengths[b] + t (`default_positions(B, T, cache.lengths)`).
       cache: a `KVCache`, or None for one uncached pass (keys are the T tokens themselves).
       cfg: model config (static).
       logit_index: optional [B] index into T; logits are computed only there ([B, 1, V]).
-      kv_len: with a cache, attend to its first kv_len slots only (static int): every filled slot
-        and every new token's slot must lie below it. A prefill into an empty cache passes T, so
-        its attention costs T x T, not T x S.
       n_new: with a cache, [B] how many of the T tokens each row keeps (right padding after them
         is written but not counted); default all T. The cache's lengths grow by n_new: `forward`
         is the one writer of lengths (besides `cache.rewind`, speculative decoding's rollback).
     Returns:
       (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
     """
-    logits, cache, _ = _forward(params, tokens, positions, cache, cfg, logit_index=logit_index,
-                                kv_len=kv_len, n_new=n_new, collect_attention=False)
+    logits, cache, _ = _forward(params, tokens, positions, cache, cfg, logit_index=logit_index, n_new=n_new,
+                                collect_attention=False)
     return logits, cache
 
 
 def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-                      cfg: ModelConfig, *, kv_len: Optional[int] = None):
+                      cfg: ModelConfig):
     """`forward` that also returns every layer's attention probabilities, for looking inside.
 
-    The same blocks as `forward` (for `jaxinfer.attention` and the walkthrough), same arguments.
+    The same blocks as `forward` (for `jaxinfer.attention` and the walkthrough), same arguments;
+    with a cache, the probabilities are computed densely over all of each row's table positions.
     Returns (logits [B, T, V], cache or None, probs [L, B, N, T, S]) where S is the T tokens
-    themselves without a cache, else the attended cache slots.
+    themselves without a cache, else the cache's max_len positions.
     """
-    return _forward(params, tokens, positions, cache, cfg, logit_index=None, kv_len=kv_len, n_new=None,
-                    collect_attention=True)
+    return _forward(params, tokens, positions, cache, cfg, logit_index=None, n_new=None, collect_attention=True)
 
 
-def _forward(params, tokens, positions, cache, cfg, *, logit_index, kv_len, n_new, collect_attention):
-    x = params["embed"][tokens] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)  # [B, T, D]
-    B, T = tokens.shape
-    if cache is not None:
-        starts = cache.lengths  # [B]: the next free slot of each row
-        if kv_len is not None and not 0 < kv_len <= cache.max_len:
-            raise ValueError(f"kv_len must be in [1, {cache.max_len}] (the cache's slots), got {kv_len}")
-        n_keys = cache.max_len if kv_len is None else kv_len
-        k_pos = jnp.broadcast_to(jnp.arange(n_keys, dtype=positions.dtype), (B, n_keys))
-    else:
-        k_pos = positions
+def _attention(q, k, v, positions, cache, idx, local, cfg, collect):
+    """One layer's attention: write k, v to the cache (if any), then attend.
+
+    Returns (out [B, T, N, H], the cache, probabilities [B, N, T, S] or None).
+    """
     window = cfg.sliding_window
+    if cache is None:  # one uncached pass: the T tokens attend to each other
+        out, probs = attend(q, k, v, causal_mask(positions, positions, window, local), cfg.attn_scale)
+        return out, None, probs
+    cache = cache.update_layer(k, v, idx, cache.lengths)
+    if collect:  # the probes' path: every table position, one softmax
+        keys, values = _read_all(cache, idx, q.dtype)
+        k_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
+        out, probs = attend(q, keys, values, causal_mask(positions, k_pos, window, local), cfg.attn_scale)
+        return out, cache, probs
+    return paged_attention(q, positions, cache, idx, cfg.attn_scale, window, local), cache, None
+
+
+def _read_all(cache: KVCache, layer, dtype):
+    """Every position of every row's table, [B, W * page_size, K, H] (for looking inside only)."""
+    blocks = [read_block(cache, layer, i, dtype) for i in range(cache.page_table.shape[1] // cache.block_pages)]
+    return jnp.concatenate([b[0] for b in blocks], axis=1), jnp.concatenate([b[1] for b in blocks], axis=1)
+
+
+def _forward(params, tokens, positions, cache, cfg, *, logit_index, n_new, collect_attention):
+    with jax.named_scope("embed"):
+        x = params["embed"][tokens] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)  # [B, T, D]
+    T = tokens.shape[1]
 
     def block(carry, xs):
-        x, c = carry  # c: the KVCache (its arrays still stacked over L), or None
+        x, c = carry  # c: the KVCache (its pages still stacked over L), or None
         lp, idx, theta, local = xs
-        h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-        q, k, v = qkv_projection(h, lp, cfg)
-        if cfg.qkv_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
-        q = rope(q, positions, theta)
-        k = rope(k, positions, theta)
-        if c is not None:
-            # Any cache type with these two methods and `lengths` works here (the contiguous
-            # KVCache; the serving engine's paged cache).
-            c = c.update_layer(k, v, idx, starts)
-            keys, values = c.read_layer(idx, q.dtype, kv_len)
-        else:
-            keys, values = k, v
-        if window is None:
-            mask = attention_mask(positions, k_pos, None)
-        else:
-            mask = jnp.where(local, attention_mask(positions, k_pos, window),
-                             attention_mask(positions, k_pos, None))
-        out, probs = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, cfg.attn_scale)
-        attn = _out_projection(out, lp["wo"])
-        if cfg.post_norms:
-            attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
-        x = x + attn
-        h = mlp(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
-        if cfg.post_norms:
-            h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
-        x = x + h
+        with jax.named_scope("attention"):
+            h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+            q, k, v = qkv_projection(h, lp, cfg)
+            if cfg.qkv_bias:
+                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+            if cfg.qk_norm:
+                q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+                k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+            q = rope(q, positions, theta)
+            k = rope(k, positions, theta)
+            out, c, probs = _attention(q, k, v, positions, c, idx, local, cfg, collect_attention)
+            attn = _out_projection(out, lp["wo"])
+            if cfg.post_norms:
+                attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
+            x = x + attn
+        with jax.named_scope("mlp"):
+            h = mlp(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
+            if cfg.post_norms:
+                h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
+            x = x + h
         return (x, c), (probs if collect_attention else None)
 
     (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg))
 
-    if logit_index is not None:
-        x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    if cfg.tie_embeddings:
-        logits = linear("BTD,VD->BTV", x, params["embed"])
-    else:
-        logits = linear("BTD,DV->BTV", x, params["lm_head"])
-    logits = logits.astype(jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    with jax.named_scope("logits"):
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]
+        x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+        if cfg.tie_embeddings:
+            logits = linear("BTD,VD->BTV", x, params["embed"])
+        else:
+            logits = linear("BTD,DV->BTV", x, params["lm_head"])
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
 
     if cache is not None:
         grow = T if n_new is None else n_new

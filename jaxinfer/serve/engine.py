@@ -1,29 +1,38 @@
-"""The serving engine: requests arrive at any time and share one paged KV pool and one decode step.
+"""The serving engine: requests arrive at any time and share one paged KV pool and the decode core.
 
-    engine = Engine(model, max_slots=8, page_size=16, kv_memory=256 << 20, prefill_chunk=256)
-    engine.warmup()                      # build every program now, not while serving
+    engine = Engine(model)                       # pool sized from a memory budget (`kv_memory`)
+    engine.warmup()                              # build every program now, not while serving
     req = engine.submit("Hello", max_new_tokens=32, sampling=SamplingParams(temperature=0.8), seed=1)
-    for delta in req: print(delta.text, end="")     # or `async for`, or req.result()
-    engine.start() / engine.stop()       # or run the loop on a background thread (the server)
+    for delta in req: print(delta.text, end="")  # or `async for`, or req.result()
+    engine.start() / engine.stop()               # or run the loop on a background thread (the server)
 
-Each `step` asks the scheduler (pure Python, `scheduler.py`) for a plan, runs its prefill chunks
-(one jitted program per request chunk, [1, C] tokens) and then one jitted decode step over all
-`max_slots` slots ([max_slots, 1] tokens; idle slots write to the trash page). Sampling settings,
-keys and step counters are per-slot arrays, so nothing about a request is a static argument: the
-programs are one per chunk bucket C (16, 64, 256 ..., up to prefill_chunk) for prefill, which
-reads the full page-table width, and one per page-table width W (64 tokens' worth x 4^i, up to
-max_len) for decode, all built by `warmup`.
+Each `step` asks the scheduler (pure Python, `scheduler.py`) for a plan, runs the new requests'
+prompt chunks through the decode core's prefill program (several requests per call, [R, C]
+tokens), then one multi-step decode scan (`core.decode`) over all `max_slots` slots. The host
+syncs once per scan; between scans it schedules, admits, detokenizes, checks stop strings and
+streams. The scan runs `decode_steps` steps while nobody waits, fewer while requests queue for a
+slot (so a finishing row is replaced sooner). Sampling settings, keys, step counters, stop ids
+and budgets are per-slot arrays, so nothing about a request is a static argument: after
+`warmup`, serving compiles nothing (`compiled_programs` counts).
 
 The promise: a request's tokens equal `generate(model, [prompt], seed=s, ...)` alone. Its key is
 derived as generate derives row 0's (`requests.request_keys`), its t-th token is sampled with
-fold_in(key, t) and the per-row sampler matches `sample` exactly (`sampling.sample_rows`).
+fold_in(key, t) by the same sampler, whatever runs beside it, and a preempted request is
+recomputed from its prompt and tokens so far.
+
+Faults: an exception inside a step fails the requests that step touched (their streams end with
+an error) and the engine recovers: if the device pool was lost, it is rebuilt and the other
+running requests are recomputed. If recovery fails, the engine is marked dead (`health`), every
+request fails at once, and `submit` raises `EngineDead`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import threading
+import traceback
 from typing import Optional, Sequence, Union
 
 import jax
@@ -31,41 +40,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding as shd
+from jaxinfer.decode import core
 from jaxinfer.decode import requests as rq
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
-from jaxinfer.model import forward as mdl
-from jaxinfer.model.cache import bytes_per_token
+from jaxinfer.model import cache as kv
 from jaxinfer.model.forward import Model
-from jaxinfer.serve import paged
+from jaxinfer.model.params import nbytes as params_nbytes
 from jaxinfer.serve.pages import PagePool
 from jaxinfer.serve.request import Delta, Request
-from jaxinfer.serve.scheduler import Scheduler, Seq, pages_for
+from jaxinfer.serve.scheduler import Chunk, Plan, Scheduler, Seq
+from jaxinfer.text.stream import Detokenizer, StopStrings
 
 MIN_CHUNK = 16  # smallest prefill chunk bucket
+MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
+MAX_STOP_TOKENS = 64  # stop token ids per request
+CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host memory available
+DEVICE_MEMORY_FRACTION = 0.85  # default KV pool on an accelerator: this share of its free memory
 
 
-def _prefill(params, pool, tokens, start, n, table, key_data, step, rp, cfg):
-    """One request's prefill chunk: tokens [1, C] at positions start.., n real; sample after the last."""
-    cache = pool.with_table(table, start)
-    positions = mdl.default_positions(1, tokens.shape[1], start)
-    logits, cache = mdl.forward(params, tokens, positions, cache, cfg, logit_index=n - 1, n_new=n)
-    keys = smp.step_keys_rows(jax.random.wrap_key_data(key_data), step)
-    tok, lp = smp.sample_rows(logits[:, 0], keys, rp)
-    return cache.pool(), tok, lp
-
-
-def _decode(params, pool, tokens, lengths, table, key_data, steps, rp, cfg):
-    """One decode step over all slots: tokens [S] written at positions lengths [S]; sample the next."""
-    cache = pool.with_table(table, lengths)
-    logits, cache = mdl.forward(params, tokens[:, None], lengths[:, None], cache, cfg)
-    keys = smp.step_keys_rows(jax.random.wrap_key_data(key_data), steps)
-    tok, lp = smp.sample_rows(logits[:, 0], keys, rp)
-    return cache.pool(), tok, lp
-
-
-_prefill_jit = jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("pool",))
-_decode_jit = jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("pool",))
+class EngineDead(RuntimeError):
+    """The engine failed and could not recover; it takes no more requests."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,108 +77,199 @@ class EngineStats:
     prefix_hit_tokens: int  # prompt tokens not recomputed thanks to it, total
     tokens_generated: int
     requests_finished: int
+    requests_failed: int  # ended by an engine fault
     preemptions: int
     steps: int
+    scans: int  # decode scans run (host syncs of the decode loop)
     page_size: int
     bytes_per_token: int  # KV bytes of one token (k and v, all layers, scales included)
     pool_bytes: int
+    healthy: bool
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host-side state of one admitted request."""
+
+    seq: Seq
+    req: Request
+    key_data: np.ndarray  # [k] uint32: the request's PRNG key
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]
+    stop: Optional[StopStrings]
+    detok: Optional[Detokenizer]
+    n_top: int  # top alternatives per generated token (0 = none)
+    prompt_logprobs: Optional[int]  # None = off; else top alternatives per scored prompt position
+    score_from: int  # first prompt position to score
+    logprobs: list = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)
+    prompt_lps: dict = dataclasses.field(default_factory=dict)  # position -> (logprob, top list)
+    text: str = ""  # final text so far (stop strings removed)
+    sent: int = 0  # characters of text already handed out
+
+
+def default_kv_memory(model: Model) -> int:
+    """The KV pool's default byte budget: DEVICE_MEMORY_FRACTION of the accelerator's free memory,
+    or on a CPU CPU_MEMORY_FRACTION of the host memory available (the weights already loaded)."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(DEVICE_MEMORY_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return int(CPU_MEMORY_FRACTION * available)
+
+
+def _buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """lo, lo x factor, lo x factor^2 ... while below hi, then hi itself."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    return out + [hi]
 
 
 class Engine:
-    """Continuous batching over a paged KV pool (see the module docstring)."""
+    """Continuous batching over a paged KV pool on the decode core (see the module docstring)."""
 
-    def __init__(self, model: Model, *, max_slots: int = 8, page_size: int = 16,
+    def __init__(self, model: Model, *, max_slots: int = 8, page_size: int = kv.PAGE_SIZE,
                  kv_memory: Optional[int] = None, n_pages: Optional[int] = None, max_len: Optional[int] = None,
-                 prefill_chunk: int = 256, prefix_cache: bool = True):
+                 prefill_chunk: int = 512, prefix_cache: bool = True, decode_steps: int = 16,
+                 busy_decode_steps: int = 4):
         """
         Args:
           model: a loaded Model (canonical or CPU decode layout).
-          max_slots: requests decoded together (the decode step's batch).
-          page_size: tokens per KV page.
-          kv_memory: pool size in bytes; or n_pages: in pages (one of them; default enough for
-            max_slots requests of max_len tokens). One extra page is the trash page.
-          max_len: longest context (prompt + max_new_tokens) of one request; default the model's.
+          max_slots: requests decoded together (the decode scan's batch).
+          page_size: positions per KV page.
+          kv_memory: pool size in bytes; or n_pages: in pages (at most one of them). Default: a
+            memory budget (`default_kv_memory`), capped at what max_slots requests of max_len
+            tokens can use. One extra page is the trash page.
+          max_len: longest context (prompt + max_new_tokens) of one request; default the model's,
+            capped at what the pool holds.
           prefill_chunk: most prompt tokens prefilled per step (across requests).
           prefix_cache: share full prompt pages between requests with the same prefix.
+          decode_steps: decode steps per scan (per host sync) while no request waits.
+          busy_decode_steps: steps per scan while requests wait for a slot.
         """
         cfg = model.config
-        for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
+                        ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):
+            rq.check_int(name, v, 1)
         if kv_memory is not None and n_pages is not None:
             raise ValueError("pass kv_memory (bytes) or n_pages, not both")
-        self.max_len = cfg.max_seq_len if max_len is None else int(max_len)
-        if not 0 < self.max_len <= cfg.max_seq_len:
-            raise ValueError(f"max_len must be in [1, {cfg.max_seq_len}] (the context length), got {max_len!r}")
-        self.max_pages = pages_for(self.max_len, page_size)
-        if kv_memory is not None:
-            n_pages = paged.pages_for_bytes(cfg, kv_memory, page_size)
-        elif n_pages is None:
-            n_pages = max_slots * self.max_pages + 1
+        if max_len is not None and not (isinstance(max_len, int) and 0 < max_len <= cfg.max_seq_len):
+            raise ValueError(f"max_len must be an int in [1, {cfg.max_seq_len}] (the context length), got {max_len!r}")
+        want_len = cfg.max_seq_len if max_len is None else max_len
+        bpt = kv.bytes_per_token(cfg)
+        if n_pages is None:
+            if kv_memory is not None and not (isinstance(kv_memory, (int, float)) and kv_memory > 0
+                                              and np.isfinite(kv_memory)):
+                raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
+            budget = int(kv_memory) if kv_memory is not None else min(default_kv_memory(model),
+                                                                       max_slots * want_len * bpt)
+            n_pages = budget // (bpt * page_size) + 1
         if n_pages < 2:
             raise ValueError(f"the pool needs at least 2 pages (one is the trash page), got {n_pages} "
-                             f"(kv_memory={kv_memory!r} at {bytes_per_token(cfg, paged.kv_dtype(cfg))} "
-                             f"bytes per token, page_size={page_size})")
+                             f"(kv_memory={kv_memory!r} at {bpt} bytes per token, page_size={page_size})")
         self.model, self.cfg, self.max_slots, self.page_size = model, cfg, max_slots, page_size
-        self.prefill_chunk = prefill_chunk
+        self.max_len = min(want_len, (n_pages - 1) * page_size)
+        self.prefill_chunk, self.decode_steps, self.busy_decode_steps = prefill_chunk, decode_steps, busy_decode_steps
+        self.width = kv.table_width(self.max_len, page_size)
+        self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 4) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
+        self.row_buckets = _buckets(1, max_slots, 4)
         self.pool = PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
-        self._pool = paged.init_pool(cfg, n_pages, page_size)
-        mesh = shd.params_mesh(model.params)
-        if mesh is not None:  # a sharded model: keep the pool replicated on its mesh
-            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self._pool = jax.device_put(self._pool, rep)
-        self.widths = _buckets(max(1, pages_for(64, page_size)), self.max_pages, 4)
-        self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 4) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
+        self.n_pages = n_pages
+        self.cache = self._new_pool()
         self._key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self._ids = itertools.count()
-        self._seqs: dict[int, tuple[Seq, Request, np.ndarray]] = {}
+        self._live: dict[int, _Live] = {}
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
         self._wake = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
-        self.tokens_generated = self.requests_finished = self.steps = 0
+        self.dead: Optional[str] = None  # why the engine stopped working, once it has
+        self.tokens_generated = self.requests_finished = self.requests_failed = self.steps = self.scans = 0
+
+    def _new_pool(self) -> kv.KVCache:
+        cache = kv.init_pool(self.cfg, self.n_pages, self.page_size, batch_size=self.max_slots, width=self.width)
+        mesh = shd.params_mesh(self.model.params)
+        if mesh is not None:  # a sharded model: pages on every device, kv heads split like wk/wv
+            spec = shd.cache_sharding(self.cfg, mesh, self.max_slots)
+            pages = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, None,
+                                                                                 spec.k.spec[3], None))
+            cache = jax.device_put(cache, dataclasses.replace(
+                spec, k=pages, v=pages, k_scale=pages if cache.quantized else None,
+                v_scale=pages if cache.quantized else None))
+        return cache
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
                sampling: SamplingParams = smp.GREEDY, seed: Optional[int] = None, key: Optional[jax.Array] = None,
-               stop_tokens: Sequence[int] = (), stop: Sequence[str] = (), stop_at_eos: bool = True) -> Request:
+               stop_tokens: Sequence[int] = (), stop: Sequence[str] = (), stop_at_eos: bool = True,
+               logprobs: int = 0, prompt_logprobs: Optional[int] = None, score_from: int = 1) -> Request:
         """Queue a request; returns its handle at once (it runs at the engine's next steps).
 
         Same arguments and meaning as `generate` for one prompt (seed or key, required unless
-        greedy); `stop` adds stop strings (may span tokens; the text ends before the string).
-        Raises ValueError if prompt + max_new_tokens exceeds the context, max_len or the pool.
+        greedy), plus:
+          stop: stop strings (may span tokens; the text ends before the string).
+          logprobs: also return the `logprobs` most likely alternatives of each new token (<= 20).
+          prompt_logprobs: score the prompt: log p(token | tokens before it) for every prompt
+            position from `score_from` on, with this many alternatives each (None = off). With
+            max_new_tokens=0 the request only scores its prompt (no token is generated).
+        Raises ValueError (before anything runs) for bad arguments, a context beyond max_len or
+        the pool; EngineDead once the engine has failed for good.
         """
-        max_new_tokens = rq.check_int("max_new_tokens", max_new_tokens, 1)  # as generate checks them
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed and takes no requests: {self.dead}")
+        max_new_tokens = rq.check_int("max_new_tokens", max_new_tokens, 0 if prompt_logprobs is not None else 1)
         rq.check_sampling(sampling)
+        logprobs = rq.check_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
+        if prompt_logprobs is not None:
+            prompt_logprobs = rq.check_int("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if isinstance(stop, str):
             stop = (stop,)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be non-empty strings, got {list(stop)!r}")
+        stop = tuple(stop)
         if stop and self.model.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
+        stops = StopStrings(stop) if stop else None
         if not isinstance(prompt, str) and (len(prompt) == 0 or isinstance(prompt[0], (list, tuple))):
             raise ValueError("prompt must be a string or one list of token ids")
         ids = rq.prompt_ids(self.model, [prompt])[0]
-        rq.check_context([ids], max_new_tokens, 0, self.cfg)
-        need = len(ids) + max_new_tokens
-        if need > self.max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} = {need} "
-                             f"exceeds the engine's max_len {self.max_len}")
-        if pages_for(need, self.page_size) > self.pool.capacity:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} needs "
-                             f"{pages_for(need, self.page_size)} pages; the whole pool has {self.pool.capacity}")
+        score_from = rq.check_int("score_from", score_from, 1, max(1, len(ids)))
+        stop_ids = rq.stop_ids_for(self.model, stop_at_eos, stop_tokens)
+        bad = [t for t in stop_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad or len(stop_ids) > MAX_STOP_TOKENS:
+            raise ValueError(f"stop_tokens must be at most {MAX_STOP_TOKENS} token ids in [0, {self.cfg.vocab_size}), "
+                             f"got {list(stop_tokens)[:8]!r}")
+        self.check_fits(len(ids), max_new_tokens)
         key_data = _key_data(key, seed, sampling)
         rid = next(self._ids)
-        req = Request(self, rid, ids, max_new_tokens, sampling,
-                      rq.stop_ids_for(self.model, stop_at_eos, stop_tokens), tuple(stop))
+        req = Request(rid, ids, max_new_tokens, drive=self.step, running=lambda: self.running,
+                      on_cancel=self._cancel)
+        tok = self.model.tokenizer
+        live = _Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens,
+                             recompute_from=score_from if prompt_logprobs is not None else None),
+                     req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
+                     detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
+                     prompt_logprobs=prompt_logprobs, score_from=score_from)
         with self._inbox_lock:
-            self._inbox.append(("submit", Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens), req, key_data))
+            self._inbox.append(("submit", live))
         with self._wake:
             self._wake.notify_all()
         return req
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Raise ValueError if a request of this size can never run in this engine."""
+        rq.check_context([[0] * n_prompt], max_new_tokens, 0, self.cfg)
+        need = n_prompt + max_new_tokens
+        if need > self.max_len:
+            raise ValueError(f"prompt of {n_prompt} tokens + max_new_tokens={max_new_tokens} = {need} "
+                             f"exceeds the engine's max_len {self.max_len}")
 
     def _cancel(self, req: Request) -> None:
         with self._inbox_lock:
@@ -193,23 +279,26 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """One scheduler iteration: admit, prefill chunks, one decode step. False when idle."""
+        """One scheduler iteration: admit, prefill chunks, one decode scan. False when idle."""
         with self._step_lock:
             self._drain_inbox()
-            if self.scheduler.idle():
+            if self.dead is not None or self.scheduler.idle():
                 return False
-            plan = self.scheduler.schedule()
-            for chunk in plan.prefill:
-                tok, lp = self._run_prefill(chunk)
-                self.scheduler.prefilled(chunk)
-                if chunk.last:
-                    self._emit(chunk.seq, tok, lp)
-            if plan.decode:
-                toks, lps = self._run_decode(plan.decode)
-                for seq in plan.decode:
-                    self._emit(seq, int(toks[seq.slot]), float(lps[seq.slot]))
+            plan = None
+            try:
+                plan = self.scheduler.schedule(self._steps_wanted())
+                if plan.prefill:
+                    self._run_prefill(plan.prefill)
+                if plan.decode:
+                    self._run_decode(plan.decode, plan.steps)
+            except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
+                self._recover(plan, e)
             self.steps += 1
             return True
+
+    def _steps_wanted(self) -> int:
+        """Decode steps for this scan: fewer while requests wait for a slot."""
+        return self.busy_decode_steps if self.scheduler.waiting else self.decode_steps
 
     def run_until_idle(self) -> None:
         """Step until no request is waiting or running."""
@@ -220,6 +309,10 @@ class Engine:
     def running(self) -> bool:
         """True while the background loop (`start`) runs."""
         return self._thread is not None
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None
 
     def start(self) -> None:
         """Run the loop on a background thread (for a server); `stop` ends it."""
@@ -241,164 +334,306 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as e:  # noqa: BLE001 - the loop must never die silently
+                self._die(f"{type(e).__name__}: {e}")
+                busy = False
+            if not busy:
                 with self._wake:
                     if not self._inbox and not self._stopping:
                         self._wake.wait(timeout=0.05)
 
-    def warmup(self) -> int:
-        """Build every program the engine uses (all chunk and width buckets) on the trash page.
+    def warmup(self, *, logprobs: bool = True, scoring: bool = True) -> int:
+        """Build the programs serving uses: prefill for every (rows, chunk) bucket and the decode
+        scan (with and without top logprobs; scoring prefills with prompt logprobs).
 
         Returns the number of programs. After this, serving compiles nothing.
         """
         with self._step_lock:
             _key_data(None, 0, smp.GREEDY), _key_data(jax.random.key(0), None, smp.GREEDY)  # submit's key ops
-            rp = smp.row_params([smp.GREEDY])
-            z1 = np.zeros((1,), np.int32)
-            for C in self.chunks:
-                self._pool, tok, _ = _prefill_jit(self.model.params, self._pool, np.zeros((1, C), np.int32), z1,
-                                                  np.ones((1,), np.int32), np.zeros((1, self.max_pages), np.int32),
-                                                  np.zeros((1, self._key_size), np.uint32), z1, rp, self.cfg)
-            for W in self.widths:
-                self._pool, tok, _ = self._call_decode(np.zeros((self.max_slots,), np.int32),
-                                                       np.zeros((self.max_slots,), np.int32),
-                                                       np.zeros((self.max_slots, W), np.int32),
-                                                       np.zeros((self.max_slots, self._key_size), np.uint32),
-                                                       np.zeros((self.max_slots,), np.int32),
-                                                       smp.row_params([smp.GREEDY] * self.max_slots))
-            jax.block_until_ready(tok)
-        return len(self.widths) + len(self.chunks)
+            n = 0
+            for R in self.row_buckets:
+                for C in self.chunks:
+                    self._prefill_call(self._blank_rows(R), np.zeros((R, C), np.int32), np.zeros((R,), np.int32),
+                                       np.zeros((R,), np.int32), np.zeros((R, self.width), np.int32),
+                                       np.zeros((R, C), np.int32), 0, False)
+                    n += 1
+            if scoring:
+                for C in self.chunks:
+                    self._prefill_call(self._blank_rows(1), np.zeros((1, C), np.int32), np.zeros((1,), np.int32),
+                                       np.zeros((1,), np.int32), np.zeros((1, self.width), np.int32),
+                                       np.zeros((1, C), np.int32), MAX_TOP_LOGPROBS, True)
+                    n += 1
+            for n_top in (0, MAX_TOP_LOGPROBS) if logprobs else (0,):
+                S = self.max_slots
+                out = self._decode_call(self._blank_rows(S), np.zeros((S,), np.int32), np.zeros((S,), np.int32),
+                                        np.zeros((S, self.width), np.int32), n_top)
+                jax.block_until_ready(out)
+                n += 1
+        return n
 
     # ---- device calls -------------------------------------------------------------------------
-    def _width(self, n_pages: int) -> int:
-        return next(w for w in self.widths if w >= n_pages)
+    def _blank_rows(self, R: int) -> dict:
+        return dict(temperature=np.zeros((R,), np.float32), top_k=np.zeros((R,), np.int32),
+                    top_p=np.ones((R,), np.float32), min_p=np.zeros((R,), np.float32),
+                    key_data=np.zeros((R, self._key_size), np.uint32), steps=np.zeros((R,), np.int32),
+                    stop_ids=np.full((R, core.MIN_STOP_SLOTS), -1, np.int32), budget=np.zeros((R,), np.int32))
 
-    def _run_prefill(self, chunk) -> tuple[int, float]:
-        seq = chunk.seq
-        _, req, key_data = self._seqs[seq.rid]
-        C = next(c for c in self.chunks if c >= chunk.n)
-        tokens = np.zeros((1, C), np.int32)
-        tokens[0, :chunk.n] = seq.context[chunk.start:chunk.start + chunk.n]
-        table = np.zeros((1, self.max_pages), np.int32)  # prefill reads the full width: fewer programs
-        table[0, :len(seq.pages)] = seq.pages
-        self._pool, tok, lp = _prefill_jit(
-            self.model.params, self._pool, tokens, np.array([chunk.start], np.int32), np.array([chunk.n], np.int32),
-            table, key_data[None], np.array([len(seq.generated)], np.int32), smp.row_params([req.sampling]), self.cfg)
-        if not chunk.last:
-            return 0, 0.0
-        return int(shd.to_host(tok)[0]), float(shd.to_host(lp)[0])
+    def _fill_row(self, rows: dict, i: int, lv: _Live, budget: int) -> None:
+        sp = lv.sampling
+        rows["temperature"][i], rows["top_k"][i], rows["top_p"][i], rows["min_p"][i] = (
+            sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+        rows["key_data"][i], rows["steps"][i], rows["budget"][i] = lv.key_data, len(lv.seq.generated), budget
+        if len(lv.stop_ids) > rows["stop_ids"].shape[1]:
+            wide = core.stop_array([lv.stop_ids])
+            pad = np.full((rows["stop_ids"].shape[0], wide.shape[1]), -1, np.int32)
+            pad[:, :rows["stop_ids"].shape[1]] = rows["stop_ids"]
+            rows["stop_ids"] = pad
+        rows["stop_ids"][i, :len(lv.stop_ids)] = lv.stop_ids
 
-    def _run_decode(self, seqs: list[Seq]) -> tuple[np.ndarray, np.ndarray]:
+    def _rows(self, rows: dict) -> core.Rows:
+        R = rows["budget"].shape[0]
+        return core.Rows(sampling=smp.RowParams(temperature=rows["temperature"], top_k=rows["top_k"],
+                                                top_p=rows["top_p"], min_p=rows["min_p"]),
+                         keys=jax.random.wrap_key_data(rows["key_data"]), steps=rows["steps"],
+                         stop_ids=rows["stop_ids"], budget=rows["budget"], finished=np.zeros((R,), bool))
+
+    def _prefill_call(self, rows, tokens, starts, n_real, table, next_tokens, n_top, prompt_logprobs):
+        cache = self.cache.with_rows(table, starts)
+        self.cache, out = core.prefill_jit(self.model.params, cache, tokens, starts, n_real, self._rows(rows),
+                                           next_tokens, self.cfg, n_top, prompt_logprobs)
+        return out
+
+    def _decode_call(self, rows, tokens, lengths, table, n_top):
+        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=self._rows(rows))
+        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, n_top)
+        self.cache = state.cache
+        return em
+
+    def _table_row(self, table: np.ndarray, i: int, seq: Seq) -> None:
+        table[i, :len(seq.pages)] = seq.pages
+
+    def _run_prefill(self, chunks: list[Chunk]) -> None:
+        """Run this iteration's prompt chunks: scoring requests one per call (they return logits at
+        every position), the others together, in row buckets."""
+        scoring = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is not None]
+        plain = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is None]
+        for c in scoring:
+            self._prefill_group([c], True)
+        i = 0
+        while i < len(plain):
+            R = next((r for r in self.row_buckets if r >= len(plain) - i), self.row_buckets[-1])
+            self._prefill_group(plain[i:i + R], False)
+            i += R
+
+    def _prefill_group(self, chunks: list[Chunk], scoring: bool) -> None:
+        R = 1 if scoring else next(r for r in self.row_buckets if r >= len(chunks))
+        C = next(c for c in self.chunks if c >= max(ch.n for ch in chunks))
+        tokens = np.zeros((R, C), np.int32)
+        next_tokens = np.zeros((R, C), np.int32)
+        starts, n_real = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
+        table = np.zeros((R, self.width), np.int32)
+        rows = self._blank_rows(R)
+        n_top = 0
+        for i, ch in enumerate(chunks):
+            lv = self._live[ch.seq.rid]
+            ctx = ch.seq.context
+            tokens[i, :ch.n] = ctx[ch.start:ch.start + ch.n]
+            nxt = ctx[ch.start + 1:ch.start + ch.n + 1]
+            next_tokens[i, :len(nxt)] = nxt
+            starts[i], n_real[i] = ch.start, ch.n
+            self._table_row(table, i, ch.seq)
+            self._fill_row(rows, i, lv, max(1, ch.seq.remaining))
+            n_top = max(n_top, lv.n_top)
+        n_top = MAX_TOP_LOGPROBS if (n_top or scoring) else 0
+        out = self._prefill_call(rows, tokens, starts, n_real, table, next_tokens, n_top, scoring)
+        first_tok, first_lp = shd.to_host(out.first.tokens)[:, 0], shd.to_host(out.first.logprobs)[:, 0]
+        first_top = (shd.to_host(out.first.top_ids)[:, 0], shd.to_host(out.first.top_logprobs)[:, 0])
+        if scoring:
+            plp = shd.to_host(out.prompt_logprobs)
+            ptop = (shd.to_host(out.prompt_top_ids), shd.to_host(out.prompt_top_logprobs))
+        for i, ch in enumerate(chunks):
+            seq, lv = ch.seq, self._live[ch.seq.rid]
+            if scoring:  # position p + 1 is scored by the logits at chunk position p
+                for j in range(ch.n):
+                    pos = ch.start + j + 1
+                    if lv.score_from <= pos < len(seq.prompt):
+                        k = lv.prompt_logprobs
+                        lv.prompt_lps[pos] = (float(plp[i, j]), list(zip(ptop[0][i, j, :k].tolist(),
+                                                                         ptop[1][i, j, :k].tolist())))
+            self.scheduler.prefilled(ch)
+            if ch.last:
+                if seq.max_new_tokens == 0:
+                    self._finish(lv, "length")
+                else:
+                    top = list(zip(first_top[0][i, :lv.n_top].tolist(), first_top[1][i, :lv.n_top].tolist()))
+                    self._emit(lv, [int(first_tok[i])], [float(first_lp[i])], [top])
+
+    def _run_decode(self, seqs: list[Seq], steps: int) -> None:
         S = self.max_slots
-        W = self._width(max(len(s.pages) for s in seqs))
-        tokens, lengths, steps = (np.zeros((S,), np.int32) for _ in range(3))
-        table = np.zeros((S, W), np.int32)
-        key_data = np.zeros((S, self._key_size), np.uint32)
-        params = [smp.GREEDY] * S
+        tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+        table = np.zeros((S, self.width), np.int32)
+        rows = self._blank_rows(S)
+        n_top = 0
         for s in seqs:
-            _, req, kd = self._seqs[s.rid]
-            tokens[s.slot], lengths[s.slot], steps[s.slot] = s.generated[-1], s.computed, len(s.generated)
-            table[s.slot, :len(s.pages)] = s.pages
-            key_data[s.slot], params[s.slot] = kd, req.sampling
-        self._pool, tok, lp = self._call_decode(tokens, lengths, table, key_data, steps, smp.row_params(params))
-        return shd.to_host(tok), shd.to_host(lp)
+            lv = self._live[s.rid]
+            tokens[s.slot], lengths[s.slot] = s.generated[-1], s.computed
+            self._table_row(table, s.slot, s)
+            self._fill_row(rows, s.slot, lv, min(steps, s.remaining))
+            n_top = max(n_top, lv.n_top)
+        em = self._decode_call(rows, tokens, lengths, table, MAX_TOP_LOGPROBS if n_top else 0)
+        self.scans += 1
+        toks, lps, count = shd.to_host(em.tokens)[:, :, 0], shd.to_host(em.logprobs)[:, :, 0], shd.to_host(em.count)
+        if n_top:
+            top_ids, top_lps = shd.to_host(em.top_ids)[:, :, 0], shd.to_host(em.top_logprobs)[:, :, 0]
+        for s in seqs:
+            lv = self._live.get(s.rid)
+            if lv is None or lv.req.done:
+                continue
+            n = int(count[:, s.slot].sum())
+            tops = [list(zip(top_ids[t, s.slot, :lv.n_top].tolist(), top_lps[t, s.slot, :lv.n_top].tolist()))
+                    for t in range(n)] if lv.n_top else [[] for _ in range(n)]
+            self._emit(lv, toks[:n, s.slot].tolist(), lps[:n, s.slot].tolist(), tops)
 
-    def _call_decode(self, tokens, lengths, table, key_data, steps, rp):
-        return _decode_jit(self.model.params, self._pool, tokens, lengths, table, key_data, steps, rp, self.cfg)
+    # ---- faults -------------------------------------------------------------------------------
+    def _recover(self, plan: Optional[Plan], error: Exception) -> None:
+        """A step raised: fail the requests it touched, then make the engine usable again."""
+        message = f"{type(error).__name__}: {error}"
+        touched = set()
+        if plan is not None:
+            touched = {c.seq.rid for c in plan.prefill} | {s.rid for s in plan.decode}
+        for rid in list(touched):
+            lv = self._live.get(rid)
+            if lv is not None:
+                self._fail(lv, message)
+        try:
+            if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.cache)):
+                # The pool was donated to the call that failed: rebuild it. Its contents are gone, so
+                # every running request is recomputed from its prompt and tokens so far.
+                self.cache = self._new_pool()
+                self.pool.forget()
+                for seq in list(self.scheduler.running):
+                    self.scheduler.preempt(seq)
+        except Exception as e:  # noqa: BLE001
+            self._die(f"{message}; recovery failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+
+    def _die(self, message: str) -> None:
+        """Recovery is impossible: fail everything and refuse new requests."""
+        self.dead = message
+        for lv in list(self._live.values()):
+            self._fail(lv, f"the engine failed: {message}")
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if item[0] == "submit":
+                item[1].req.fail(f"the engine failed: {message}")
+
+    def _fail(self, lv: _Live, message: str) -> None:
+        self.scheduler.finish(lv.seq)
+        self._live.pop(lv.seq.rid, None)
+        self.requests_failed += 1
+        lv.req.fail(message)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
-        for item in inbox:
-            if item[0] == "submit":
-                _, seq, req, key_data = item
-                self._seqs[seq.rid] = (seq, req, key_data)
-                self.scheduler.add(seq)
-            elif item[1] in self._seqs:
-                seq, req, _ = self._seqs[item[1]]
-                self._finish(seq, req, "cancelled")
+        for kind, item in inbox:
+            if kind == "submit":
+                if self.dead is not None:
+                    item.req.fail(f"the engine failed: {self.dead}")
+                    continue
+                self._live[item.seq.rid] = item
+                self.scheduler.add(item.seq)
+            elif item in self._live:
+                self._finish(self._live[item], "cancelled")
 
-    def _emit(self, seq: Seq, token: int, logprob: float) -> None:
-        """Record a sampled token; end the request on a stop token, its length or a stop string."""
-        _, req, _ = self._seqs[seq.rid]
-        self.scheduler.sampled(seq, token)
-        req.token_ids.append(token)
-        req.logprobs.append(logprob)
-        self.tokens_generated += 1
-        reason = None
-        if token in req.stop_ids:
-            reason = "stop"
-        elif len(seq.generated) >= seq.max_new_tokens:
-            reason = "length"
-        text, cut = self._text(req, final=reason is not None)
-        if cut:
-            reason = "stop"
-        if reason is None:
-            delta = Delta(token_ids=[token], text=text[len(req.sent_text):], logprobs=[logprob])
-            req.sent_text = text
-            req._push(delta)
-        else:
-            self._finish(seq, req, reason, [token], [logprob])
+    def _emit(self, lv: _Live, tokens: list[int], logprobs: list[float], tops: list) -> None:
+        """Record sampled tokens, one at a time; end the request on a stop token, its length or a
+        stop string (tokens the scan produced after the end are dropped)."""
+        seq, req = lv.seq, lv.req
+        kept, reason = [], None
+        for t in tokens:
+            self.scheduler.sampled(seq, t)
+            kept.append(t)
+            if t in lv.stop_ids:
+                reason = "stop"
+            elif len(seq.generated) >= seq.max_new_tokens:
+                reason = "length"
+            new = ""
+            if lv.detok is not None:
+                new = (lv.detok.add([t]) if reason != "stop" else "") + (lv.detok.flush() if reason else "")
+            lv.text += new
+            if lv.stop is not None and new:
+                at = lv.stop.feed(new)
+                if at is not None:
+                    lv.text, reason = lv.text[:at], "stop"
+            if reason is not None:
+                break
+        n = len(kept)
+        self.tokens_generated += n
+        lv.logprobs += logprobs[:n]
+        lv.top += tops[:n]
+        if reason is not None:
+            self._finish(lv, reason, kept, logprobs[:n], tops[:n])
+            return
+        hold = lv.stop.hold if lv.stop is not None else 0
+        out = lv.text[lv.sent:len(lv.text) - hold]
+        lv.sent += len(out)
+        req.push(Delta(token_ids=kept, text=out, logprobs=list(logprobs[:n]),
+                       top_logprobs=list(tops[:n]) if lv.n_top else []))
 
-    def _text(self, req: Request, final: bool) -> tuple[str, bool]:
-        """The request's text that may be handed out now, and whether a stop string ended it."""
-        tok = self.model.tokenizer
-        if tok is None:
-            return "", False
-        ids = req.token_ids[:-1] if req.token_ids and req.token_ids[-1] in req.stop_ids else req.token_ids
-        text = tok.decode(ids)
-        hits = [i for i in (text.find(s) for s in req.stop) if i >= 0]
-        if hits:
-            return text[:min(hits)], True
-        if final:
-            return text, False
-        hold = max((k for s in req.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        safe = text[:len(text) - hold]
-        return safe.rstrip("\ufffd"), False
-
-    def _finish(self, seq: Seq, req: Request, reason: str, tokens=(), logprobs=()) -> None:
+    def _finish(self, lv: _Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
+        req = lv.req
         if req.done:
             return
-        self.scheduler.finish(seq)
-        del self._seqs[seq.rid]
+        self.scheduler.finish(lv.seq)
+        self._live.pop(lv.seq.rid, None)
         self.requests_finished += 1
-        if reason == "cancelled" or self.model.tokenizer is None or req.stop:
-            text = self._text(req, final=True)[0]
-            completion = rq.Completion(prompt_ids=list(req.prompt_ids), token_ids=list(req.token_ids), text=text,
-                                       logprobs=list(req.logprobs), finish_reason=reason)
-        else:
-            completion = rq.completion_for(self.model, req.prompt_ids, req.token_ids, req.logprobs, req.stop_ids)
-        delta = Delta(token_ids=list(tokens), text=completion.text[len(req.sent_text):],
-                      logprobs=list(logprobs), finish_reason=reason)
-        req.sent_text = completion.text
-        req._push(delta, completion)
+        if lv.detok is not None and reason == "cancelled":
+            lv.text += lv.detok.flush()
+        prompt_lps = prompt_top = None
+        if lv.prompt_logprobs is not None:
+            n = len(lv.seq.prompt)
+            prompt_lps = [lv.prompt_lps[p][0] if p in lv.prompt_lps else None for p in range(n)]
+            prompt_top = [lv.prompt_lps[p][1] if p in lv.prompt_lps else None for p in range(n)]
+        completion = rq.Completion(prompt_ids=list(req.prompt_ids), token_ids=list(lv.seq.generated),
+                                   text=lv.text, logprobs=list(lv.logprobs), finish_reason=reason,
+                                   top_logprobs=list(lv.top) if lv.n_top else None,
+                                   prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top)
+        out = lv.text[lv.sent:]
+        lv.sent = len(lv.text)
+        req.push(Delta(token_ids=list(tokens), text=out, logprobs=list(logprobs), finish_reason=reason,
+                       top_logprobs=list(tops) if lv.n_top else []), completion)
 
     # ---- reporting ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.pool
-        return EngineStats(running=len(s.running), waiting=len(s.waiting) + sum(1 for i in self._inbox if i[0] == "submit"),
+        with self._inbox_lock:
+            queued = sum(1 for kind, _ in self._inbox if kind == "submit")
+        return EngineStats(running=len(s.running), waiting=len(s.waiting) + queued,
                            pages_total=pool.capacity, pages_in_use=pool.in_use, pages_cached=pool.cached,
                            pages_free=pool.available() - pool.cached, prefix_hit_pages=pool.hit_pages,
                            prefix_hit_tokens=pool.hit_pages * self.page_size, tokens_generated=self.tokens_generated,
-                           requests_finished=self.requests_finished, preemptions=s.preemptions, steps=self.steps,
-                           page_size=self.page_size, bytes_per_token=bytes_per_token(self.cfg, paged.kv_dtype(self.cfg)),
-                           pool_bytes=self._pool.nbytes)
+                           requests_finished=self.requests_finished, requests_failed=self.requests_failed,
+                           preemptions=s.preemptions, steps=self.steps, scans=self.scans, page_size=self.page_size,
+                           bytes_per_token=kv.bytes_per_token(self.cfg), pool_bytes=self.cache.nbytes,
+                           healthy=self.dead is None)
 
     def requests_that_fit(self, n_tokens: int) -> int:
         """How many requests of n_tokens (prompt + new) the whole pool holds at once."""
-        return self.pool.capacity // pages_for(n_tokens, self.page_size)
+        return self.pool.capacity // kv.pages_for(n_tokens, self.page_size)
+
+    def describe(self) -> str:
+        """The pool the seed's way: bytes per token, pages, and requests of a few lengths that fit."""
+        bpt = kv.bytes_per_token(self.cfg)
+        fits = ", ".join(f"{self.requests_that_fit(n)} x {n}" for n in (512, 2048, self.max_len) if n <= self.max_len)
+        return (f"KV pool {self.cache.nbytes / 2**20:.0f} MiB = {self.pool.capacity} pages x {self.page_size} tokens "
+                f"x {bpt} bytes/token (+1 trash page); requests that fit at once: {fits} tokens; "
+                f"weights {params_nbytes(self.model.params) / 2**20:.0f} MiB")
 
 
 def _key_data(key, seed, sampling: SamplingParams) -> np.ndarray:
     """The request's PRNG key data [k], derived exactly as `generate` derives row 0's key."""
     return np.asarray(jax.random.key_data(rq.request_keys(1, key, seed, sampling)[0]))
-
-
-def _buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
-    """lo, lo x factor, lo x factor^2 ... while below hi, then hi itself."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= factor
-    return out + [hi]

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxinfer.serve.paged import TRASH_PAGE
+from jaxinfer.model.cache import TRASH_PAGE
 
 
 def prefix_hashes(tokens: Sequence[int], page_size: int, n_pages: int) -> list[bytes]:
@@ -140,6 +140,15 @@ class PagePool:
         if h in self._by_hash or page in self._hash_of:
             return
         self._by_hash[h], self._hash_of[page] = page, h
+
+    def forget(self) -> None:
+        """Empty the prefix cache (the pages' contents are gone, e.g. after the device pool was
+        rebuilt): cached pages become free, held pages stay held but are no longer shared."""
+        for page in self._evictable:
+            self._free.append(page)
+        self._evictable.clear()
+        self._by_hash.clear()
+        self._hash_of.clear()
 
     # ---- invariants ---------------------------------------------------------------------------
     def check(self, held: Sequence[Sequence[int]]) -> None:

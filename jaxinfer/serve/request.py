@@ -1,10 +1,10 @@
 """A submitted request as its caller sees it: a stream of new tokens and text, a result, a cancel.
 
-The engine pushes a `Delta` per sampled token (and a last one when the request ends); a
-`Request` can be read as an iterator (`for d in req`), an async iterator (`async for d in req`,
-for the HTTP server) or waited on (`req.result()` -> the same `Completion` type `generate`
-returns). Without a background loop (`Engine.start`), reading a request drives the engine
-(`Engine.step`) until the request has something new.
+A passive record: the engine writes `Delta`s into it and finally a `Completion` (or an error);
+callers read it as an iterator (`for d in req`), an async iterator (`async for d in req`, for
+the HTTP server) or wait on it (`req.result()` -> the same `Completion` type `generate` returns).
+It knows nothing about the engine: it is handed two callables, `drive` (run one engine step,
+for callers without a background loop) and `on_cancel`, and a `running` flag reader.
 """
 
 from __future__ import annotations
@@ -12,20 +12,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Optional
+import time
+from typing import AsyncIterator, Callable, Iterator, Optional
 
 from jaxinfer.decode.requests import Completion
-from jaxinfer.decode.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from jaxinfer.serve.engine import Engine
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
     """What a request produced since the previous Delta.
 
-    token_ids / logprobs: the new tokens (usually one) and log p(token) under the model;
+    token_ids / logprobs: the new tokens and log p(token) under the model; top_logprobs: per new
+    token, its most likely alternatives as (token id, logprob) pairs (empty unless asked for);
     text: new text that is final (held back while it could still be part of a stop string or an
     unfinished UTF-8 character); finish_reason: None until the last Delta, then "stop" |
     "length" | "cancelled".
@@ -35,65 +37,89 @@ class Delta:
     text: str
     logprobs: list[float]
     finish_reason: Optional[str] = None
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 class Request:
     """Handle of one submitted request (made by `Engine.submit`; thread-safe)."""
 
-    def __init__(self, engine: "Engine", rid: int, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingParams, stop_ids: tuple[int, ...], stop: tuple[str, ...]):
+    def __init__(self, rid: int, prompt_ids: list[int], max_new_tokens: int, *, drive: Callable[[], bool],
+                 running: Callable[[], bool], on_cancel: Callable[["Request"], None]):
         self.id = rid
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
-        self.sampling = sampling
-        self.stop_ids = stop_ids
-        self.stop = stop
-        self._engine = engine
+        self._drive, self._running, self._on_cancel = drive, running, on_cancel
         self._cond = threading.Condition()
         self._deltas: list[Delta] = []
         self._completion: Optional[Completion] = None
-        self._wakers: list = []
-        self.token_ids: list[int] = []  # generated so far (host copy, grows as tokens arrive)
-        self.logprobs: list[float] = []  # log p(token) per generated token
-        self.sent_text = ""  # text already handed out in Deltas
+        self._error: Optional[str] = None
+        self._wakers: list[Callable[[], None]] = []
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: Optional[float] = None
 
     # ---- the caller's side ------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self._completion is not None
+        return self._completion is not None or self._error is not None
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
 
     def cancel(self) -> None:
         """Stop this request: it ends with finish_reason "cancelled" at the engine's next step
         (its slot and pages are freed then). A finished request is left as it is."""
-        self._engine._cancel(self)
+        if not self.done:
+            self._on_cancel(self)
 
     def result(self, timeout: Optional[float] = None) -> Completion:
-        """Wait for the request to end and return its Completion."""
-        for _ in self:
+        """Wait for the request to end and return its Completion.
+
+        Raises TimeoutError after `timeout` seconds, EngineError if the engine failed on it.
+        """
+        for _ in self._deltas_until(None if timeout is None else time.perf_counter() + timeout):
             pass
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._completion is not None, timeout):
-                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-            return self._completion
+        return self._final()
 
     def __iter__(self) -> Iterator[Delta]:
+        return self._deltas_until(None)
+
+    def _final(self) -> Completion:
+        if self._error is not None:
+            raise EngineError(f"request {self.id} failed in the engine: {self._error}")
+        return self._completion
+
+    def _deltas_until(self, deadline: Optional[float]) -> Iterator[Delta]:
         i = 0
         while True:
             with self._cond:
-                new, done = self._deltas[i:], self._completion is not None
-                if not new and not done and self._engine.running:
-                    self._cond.wait(timeout=0.1)
+                new, done = self._deltas[i:], self.done
+                if not new and not done and self._running():
+                    left = None if deadline is None else deadline - time.perf_counter()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"request {self.id} did not finish within the timeout")
+                    self._cond.wait(timeout=0.1 if left is None else min(0.1, left))
                     continue
             i += len(new)
             yield from new
             if done:
+                if self._error is not None:
+                    raise EngineError(f"request {self.id} failed in the engine: {self._error}")
                 return
-            if not new and not self._engine.running:
-                self._engine.step()
+            if not new and not self._running():
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise TimeoutError(f"request {self.id} did not finish within the timeout")
+                self._drive()
 
     async def _aiter(self) -> AsyncIterator[Delta]:
         loop, event = asyncio.get_running_loop(), asyncio.Event()
-        waker = lambda: loop.call_soon_threadsafe(event.set)  # noqa: E731
+
+        def waker():  # runs on the engine's thread: a closed loop must never reach it
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass
+
         with self._cond:
             self._wakers.append(waker)
         try:
@@ -101,16 +127,18 @@ class Request:
             while True:
                 event.clear()
                 with self._cond:
-                    new, done = self._deltas[i:], self._completion is not None
+                    new, done = self._deltas[i:], self.done
                 i += len(new)
                 for d in new:
                     yield d
                 if done:
+                    if self._error is not None:
+                        raise EngineError(f"request {self.id} failed in the engine: {self._error}")
                     return
-                if self._engine.running:
+                if self._running():
                     await event.wait()
                 elif not new:
-                    self._engine.step()
+                    self._drive()
                     await asyncio.sleep(0)
         finally:
             with self._cond:
@@ -120,11 +148,25 @@ class Request:
         return self._aiter()
 
     # ---- the engine's side ------------------------------------------------------------------
-    def _push(self, delta: Delta, completion: Optional[Completion] = None) -> None:
+    def push(self, delta: Delta, completion: Optional[Completion] = None) -> None:
+        """Add a Delta (and, with the last one, the Completion)."""
+        if delta.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         with self._cond:
             self._deltas.append(delta)
             if completion is not None:
                 self._completion = completion
+            self._cond.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+    def fail(self, message: str) -> None:
+        """End the request with an error (the engine could not run it)."""
+        with self._cond:
+            if self.done:
+                return
+            self._error = message
             self._cond.notify_all()
             wakers = list(self._wakers)
         for w in wakers:

@@ -1,18 +1,20 @@
 """The scheduling policy, in pure Python over requests and pages (no model, no device).
 
-Each iteration (`Scheduler.schedule`) returns a `Plan`:
-  1. pages for the running decodes: each decoding request gets the page its next token lands in;
-     when none is left (free or evictable), the newest running request is preempted: its pages
-     are released and it goes back to the queue, to be recomputed (prompt + tokens so far)
-     later. The oldest request always makes progress, so the engine never deadlocks.
+Each iteration (`Scheduler.schedule(steps)`) returns a `Plan`:
+  1. pages for the running decodes: the engine decodes up to `steps` tokens per request in one
+     scan, so each decoding request gets the pages those tokens land in. When pages run short,
+     the scan gets fewer steps (down to one); when even one step does not fit, the newest
+     running request is preempted: its pages are released and it goes back to the queue, to be
+     recomputed (prompt + tokens so far) later. The oldest request always makes progress, so
+     the engine never deadlocks.
   2. admission, first come first served: the oldest waiting request is admitted while a slot
      is free and the pages for its context are available (after the prefix cache's share); the
      first one that does not fit stops admission (no overtaking).
   3. prefill chunks: prefilling requests, oldest first, get chunks of their context until the
      iteration's budget of `prefill_chunk` tokens is spent: a long prompt delays the running
      decodes by at most one chunk per iteration.
-The engine runs the chunks, then one decode step over the requests that were decoding, and
-reports back through `prefilled`, `sampled` and `finish`.
+The engine runs the chunks, then one decode scan of `plan.steps` steps over the requests that
+were decoding, and reports back through `prefilled`, `sampled` and `finish`.
 
 A request's context is its prompt plus the tokens generated so far; `computed` counts the
 context tokens whose keys/values are in its pages. Prefilling: computed < len(context).
@@ -25,6 +27,7 @@ import bisect
 import dataclasses
 from typing import Optional
 
+from jaxinfer.model.cache import pages_for
 from jaxinfer.serve.pages import PagePool, prefix_hashes
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
@@ -45,6 +48,12 @@ class Seq:
     admitted_at: int = -1  # admission counter: the newest admitted is preempted first
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    recompute_from: Optional[int] = None  # prompt logprobs wanted from this position: no cache hits after it
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the request may still sample."""
+        return self.max_new_tokens - len(self.generated)
 
     @property
     def context(self) -> list[int]:
@@ -65,10 +74,7 @@ class Plan:
     decode: list[Seq]
     preempted: list[Seq]
     admitted: list[Seq]
-
-
-def pages_for(n_tokens: int, page_size: int) -> int:
-    return -(-n_tokens // page_size)
+    steps: int = 1  # decode steps of this iteration's scan
 
 
 class Scheduler:
@@ -94,18 +100,26 @@ class Scheduler:
         return not self.waiting and not self.running
 
     # ---- one iteration ------------------------------------------------------------------------
-    def schedule(self) -> Plan:
-        preempted = self._grow_decodes()
+    def schedule(self, steps: int = 1) -> Plan:
+        """Plan one iteration whose decode scan runs up to `steps` steps (fewer if pages run short)."""
+        steps, preempted = self._grow_decodes(steps)
         admitted = self._admit()
         return Plan(prefill=self._chunks(), decode=[s for s in self.running if s.state == DECODE],
-                    preempted=preempted, admitted=admitted)
+                    preempted=preempted, admitted=admitted, steps=steps)
 
-    def _grow_decodes(self) -> list[Seq]:
+    def _pages_short(self, steps: int) -> int:
+        """Pages the decoding requests lack for a scan of `steps` steps."""
+        return sum(max(0, pages_for(s.computed + min(steps, max(s.remaining, 1)), self.page_size) - len(s.pages))
+                   for s in self.running if s.state == DECODE)
+
+    def _grow_decodes(self, steps: int) -> tuple[int, list[Seq]]:
+        while steps > 1 and self._pages_short(steps) > self.pool.available():
+            steps //= 2
         preempted = []
         for seq in [s for s in self.running if s.state == DECODE]:
             if seq.state != DECODE:  # preempted below while serving an older request
                 continue
-            while pages_for(seq.computed + 1, self.page_size) > len(seq.pages):
+            while pages_for(seq.computed + min(steps, max(seq.remaining, 1)), self.page_size) > len(seq.pages):
                 if self.pool.available() > 0:
                     seq.pages += self.pool.allocate(1)
                     continue
@@ -114,7 +128,11 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-        return preempted
+        return steps, preempted
+
+    def preempt(self, seq: Seq) -> None:
+        """Release a running request's pages and queue it to be recomputed (prompt + tokens so far)."""
+        self._preempt(seq)
 
     def _preempt(self, seq: Seq) -> None:
         self._release(seq)
@@ -130,7 +148,8 @@ class Scheduler:
             ctx = seq.context
             cached = []
             if self.prefix_cache:  # full pages only, and never the last token (its logits are needed)
-                cached = self.pool.match(prefix_hashes(ctx, self.page_size, (len(ctx) - 1) // self.page_size))
+                usable = len(ctx) - 1 if seq.recompute_from is None else max(0, seq.recompute_from - 1)
+                cached = self.pool.match(prefix_hashes(ctx, self.page_size, usable // self.page_size))
             need = pages_for(len(ctx), self.page_size) - len(cached)
             held_evictable = sum(self.pool.refcount[p] == 0 for p in cached)
             if need > self.pool.available() - held_evictable:

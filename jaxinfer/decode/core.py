@@ -1,0 +1,210 @@
+"""The decode core: the two device programs every client runs, over the one paged KV cache.
+
+  prefill   a chunk of C prompt tokens for each of B rows goes into the cache (each row at its
+            own start position, with its own page table); the token after each row's last
+            prompt token is sampled. Long prompts are read chunk after chunk; attention reads
+            only the context that is filled (`model.attention.paged_attention`), so the cost of
+            a chunk follows its position, and one program serves every position.
+  decode    a `lax.scan` of n decode steps over all B rows, carrying a `DecodeState` (cache, last
+            tokens, per-row sampling settings, keys, step counters, stop ids, budgets, finished
+            flags). A row that samples a stop token or runs out of budget stops inside the scan;
+            once no row is live the remaining steps are skipped (`lax.cond`), so the host syncs
+            once per n tokens, not once per token.
+
+`generate` (a closed batch), the serving `Engine` (slots that come and go) and speculative
+decoding (whose verification round is another step function for the same scan) are clients of
+these programs; none has a decode loop or a sampler of its own.
+
+Row b samples its t-th token with fold_in(key_b, t) through `sampling.sample`, whatever runs
+beside it, so a request's tokens do not depend on its neighbours, on when it arrived, or on how
+its prompt was chunked. Shape letters as in `jaxinfer.model.config`; E is tokens emitted per
+step (1 for plain decoding, k + 1 for a speculative round), M stop ids per row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.decode import sampling as smp
+from jaxinfer.model import forward as mdl
+from jaxinfer.model.cache import KVCache
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.params import Params
+
+MIN_STOP_SLOTS = 8  # stop-id arrays are padded to a power of two >= this (few programs)
+
+
+@struct.dataclass
+class Rows:
+    """Per-row settings and progress, all [B] arrays (stop_ids [B, M])."""
+
+    sampling: smp.RowParams  # temperature, top_k, top_p, min_p per row
+    keys: jax.Array  # [B] typed PRNG keys, one per request (the step is folded in when sampling)
+    steps: jax.Array  # [B] int32: tokens this row has sampled (the fold-in index of the next one)
+    stop_ids: jax.Array  # [B, M] int32: token ids that end the row (-1 pads)
+    budget: jax.Array  # [B] int32: tokens the row may still sample
+    finished: jax.Array  # [B] bool: the row sampled a stop token
+
+    @property
+    def live(self) -> jax.Array:
+        """[B] bool: rows that sample at the next step."""
+        return ~self.finished & (self.budget > 0)
+
+
+@struct.dataclass
+class DecodeState:
+    """What the decode scan carries."""
+
+    cache: KVCache
+    tokens: jax.Array  # [B] int32: each row's last sampled token, its next input
+    rows: Rows
+
+
+@struct.dataclass
+class Emitted:
+    """Tokens one step produced per row (E slots, the first `count` of them real)."""
+
+    tokens: jax.Array  # [B, E] int32
+    logprobs: jax.Array  # [B, E] float32: log p(token) under the model's distribution
+    count: jax.Array  # [B] int32: tokens emitted by this row at this step (0 when it was not live)
+    top_ids: jax.Array  # [B, E, n_top] int32 (n_top may be 0)
+    top_logprobs: jax.Array  # [B, E, n_top] float32
+
+
+def stop_array(stop_ids: list[tuple[int, ...]]) -> np.ndarray:
+    """Per-row stop ids -> [B, M] int32 padded with -1, M a power of two >= MIN_STOP_SLOTS."""
+    m = max([MIN_STOP_SLOTS] + [len(s) for s in stop_ids])
+    m = 1 << (m - 1).bit_length()
+    out = np.full((len(stop_ids), m), -1, np.int32)
+    for b, s in enumerate(stop_ids):
+        out[b, :len(s)] = s
+    return out
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens [B, ...] in each row's stop ids [B, M] -> [B, ...] bool."""
+    extra = tokens.ndim - 1
+    stops = stop_ids.reshape(stop_ids.shape[:1] + (1,) * extra + stop_ids.shape[1:])
+    return jnp.any(tokens[..., None] == stops, axis=-1)
+
+
+def _emitted(tokens, logprobs, count, logits, n_top: int) -> Emitted:
+    """One emitted token per row ([B] arrays) with its top alternatives from logits [B, V]."""
+    if n_top:
+        ids, lps = smp.top_logprobs(logits, n_top)
+    else:
+        ids = jnp.zeros(tokens.shape + (0,), jnp.int32)
+        lps = jnp.zeros(tokens.shape + (0,), jnp.float32)
+    return Emitted(tokens=tokens[:, None], logprobs=logprobs[:, None], count=count, top_ids=ids[:, None],
+                   top_logprobs=lps[:, None])
+
+
+# Prefill --------------------------------------------------------------------------------------
+
+@struct.dataclass
+class PrefillOut:
+    """What a prefill chunk returns besides the cache."""
+
+    first: Emitted  # the token after each row's last chunk token (E = 1; count = 1 where sampled)
+    prompt_logprobs: jax.Array  # [B, C] float32: log p(next_tokens[b, t] | ..t) (empty [B, 0] when off)
+    prompt_top_ids: jax.Array  # [B, C, n_top] int32 (prompt logprobs only)
+    prompt_top_logprobs: jax.Array  # [B, C, n_top] float32
+
+
+def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array, n_real: jax.Array,
+            rows: Rows, next_tokens: jax.Array, cfg: ModelConfig, n_top: int = 0,
+            prompt_logprobs: bool = False) -> tuple[KVCache, PrefillOut]:
+    """Write a chunk of prompt tokens into the cache and sample each row's next token.
+
+    Args:
+      params: params pytree.
+      cache: the KV cache, its page_table rows being these B rows (donated by the jitted form).
+      tokens: [B, C] chunk tokens, right-padded; row b's real tokens are tokens[b, :n_real[b]].
+      starts: [B] position of each row's first chunk token (the row's filled length).
+      n_real: [B] real tokens per row (0 for a row that only pads the batch).
+      rows: per-row sampling state; the sample after the chunk uses fold_in(key, steps).
+      next_tokens: [B, C] the token that follows each chunk position (for prompt logprobs only).
+      cfg: model config (static).
+      n_top: top alternatives per sampled / scored position (static).
+      prompt_logprobs: also score next_tokens at every chunk position (static).
+    Returns:
+      (cache with lengths starts + n_real, PrefillOut). The sample is valid for rows whose
+      prompt ends in this chunk; the caller keeps it for those only.
+    """
+    B, C = tokens.shape
+    cache = cache.replace(lengths=starts.astype(jnp.int32))
+    positions = mdl.default_positions(B, C, starts)
+    last = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
+    with jax.named_scope("prefill"):
+        logits, cache = mdl.forward(params, tokens, positions, cache, cfg,
+                                    logit_index=None if prompt_logprobs else last, n_new=n_real)
+    final = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0] if prompt_logprobs else logits[:, 0]
+    tok, lp = smp.sample(final, smp.step_keys(rows.keys, rows.steps), rows.sampling)
+    first = _emitted(tok, lp, (n_real > 0).astype(jnp.int32), final, n_top)
+    if prompt_logprobs:
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]
+        plp = jnp.take_along_axis(logp, next_tokens[..., None], axis=-1)[..., 0]
+        ptop_lp, ptop = jax.lax.top_k(logp, n_top) if n_top else (jnp.zeros((B, C, 0)), jnp.zeros((B, C, 0), jnp.int32))
+    else:
+        plp, ptop, ptop_lp = jnp.zeros((B, 0)), jnp.zeros((B, 0, 0), jnp.int32), jnp.zeros((B, 0, 0))
+    return cache, PrefillOut(first=first, prompt_logprobs=plp, prompt_top_ids=ptop.astype(jnp.int32),
+                             prompt_top_logprobs=ptop_lp)
+
+
+# Decode ---------------------------------------------------------------------------------------
+
+def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0):
+    """One token per live row: forward each row's last token, sample the next.
+
+    Rows that are not live still run (fixed shapes) but keep their token, length and counters.
+    Returns (state, Emitted with E = 1).
+    """
+    rows = state.rows
+    live = rows.live
+    cache = state.cache
+    logits, cache = mdl.forward(params, state.tokens[:, None], cache.lengths[:, None], cache, cfg,
+                                n_new=live.astype(jnp.int32))
+    tok, lp = smp.sample(logits[:, 0], smp.step_keys(rows.keys, rows.steps), rows.sampling)
+    tok = jnp.where(live, tok, state.tokens)
+    rows = rows.replace(steps=rows.steps + live, budget=rows.budget - live,
+                        finished=rows.finished | (live & is_stop(tok, rows.stop_ids)))
+    return DecodeState(cache=cache, tokens=tok, rows=rows), _emitted(tok, lp, live.astype(jnp.int32), logits[:, 0],
+                                                                     n_top)
+
+
+def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable] = None):
+    """Run `step_fn(state) -> (state, out)` n_steps times under `lax.scan`.
+
+    The loop knows nothing about models: a fake `step_fn` can drive it in tests. With `live`
+    (state -> bool scalar), a step where nothing is live is skipped: its outputs are zeros.
+    Returns (final state, outs stacked on a leading n_steps axis).
+    """
+    if live is None:
+        def body(s, _):
+            return step_fn(s)
+    else:
+        out_shape = jax.eval_shape(step_fn, state)[1]
+
+        def idle(s):
+            return s, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape)
+
+        def body(s, _):
+            return jax.lax.cond(live(s), step_fn, idle, s)
+
+    return jax.lax.scan(body, state, None, length=n_steps)
+
+
+def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0):
+    """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1])."""
+    with jax.named_scope("decode"):
+        return decode_loop(lambda s: decode_step(params, s, cfg, n_top), state, n_steps,
+                           live=lambda s: jnp.any(s.rows.live))
+
+
+prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs"), donate_argnames=("cache",))
+decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top"), donate_argnames=("state",))
