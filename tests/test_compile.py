@@ -4,6 +4,7 @@ cache bucket, reuses the compiled prefill and decode programs; the persistent ca
 
 
 import jax
+import numpy as np
 import pytest
 
 import jaxinfer
@@ -76,21 +77,18 @@ def test_persistent_cache_dir(tmp_path, monkeypatch):
         _cc.reset_cache()
 
 
-def test_decode_kv_len_schedule():
-    # Prompt bucket 16, chunks of 32, cache of 256 slots: attend to 64, 128, 128, then all slots.
-    assert [gen.decode_kv_len(16, c, 32, 256) for c in range(5)] == [64, 128, 128, None, None]
-    assert gen.decode_kv_len(16, 0, 32, 64) is None  # the prefix would be the whole cache
-
-
-def test_decode_over_filled_slots_matches_full_attention(tiny_model, monkeypatch):
-    """Decode chunks attend to a bucketed prefix of the cache; tokens and logprobs must equal
-    attending to every slot, and a second prompt length in the bucket compiles nothing."""
-    run = lambda lengths: jaxinfer.generate(tiny_model, [[(7 * k + i) % 200 + 3 for i in range(k)] for k in lengths],
-                                            max_new_tokens=150, stop_at_eos=False, chunk_size=32)
-    short = run([5, 11])
-    assert run([9, 2]).timings.n_compilations == 0  # same prompt bucket: same kv_len schedule
-    monkeypatch.setattr(gen, "decode_kv_len", lambda *a: None)
-    full = run([5, 11])
-    for a, b in zip(short.completions, full.completions):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+def test_decode_across_attention_blocks_matches_the_uncached_forward(tiny_model):
+    """Decoding far past one attention block (the cache is read block by block, only the filled
+    ones) gives the uncached forward's greedy tokens and logprobs; a longer generation or another
+    prompt length in the bucket compiles nothing new."""
+    prompts = [[(7 * k + i) % 200 + 3 for i in range(k)] for k in (5, 11)]
+    out = jaxinfer.generate(tiny_model, prompts, max_new_tokens=300, stop_at_eos=False, chunk_size=32)
+    for p, c in zip(prompts, out.completions):
+        seq = p + c.token_ids
+        logp = np.asarray(jax.nn.log_softmax(jaxinfer.logits(tiny_model, seq[:-1]), axis=-1))
+        ref = [int(logp[len(p) - 1 + j].argmax()) for j in range(len(c.token_ids))]
+        assert c.token_ids == ref
+        got = [logp[len(p) - 1 + j, t] for j, t in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, c.logprobs)) < 1e-4
+    again = jaxinfer.generate(tiny_model, [[9] * 3, [2] * 15], max_new_tokens=400, stop_at_eos=False, chunk_size=32)
+    assert again.timings.n_compilations == 0

@@ -156,8 +156,8 @@ def test_int8_kv_cache_logits_close_on_real_model(smollm2, heldout_ids):
 def test_int8_kv_cache_bytes_formula_matches_arrays():
     cfg = C.smollm2_135m(kv_dtype="int8")
     c = kv.init_cache(cfg, 2, 40)
-    assert c.k.dtype == jnp.int8 and c.k_scale.shape == (30, 2, 40, 3, 1)
-    assert c.nbytes == kv.cache_bytes(cfg, 2, 40) == 2 * 40 * kv.bytes_per_token(cfg)
+    assert c.k.dtype == jnp.int8 and c.k_scale.shape == (30, c.n_pages, c.page_size, 3, 1)
+    assert c.nbytes == kv.cache_bytes(cfg, 2, 40) == c.n_pages * c.page_size * kv.bytes_per_token(cfg)
     assert kv.bytes_per_token(cfg) == 2 * 30 * 3 * (64 + 4)  # int8 values + one float32 scale per head
     assert kv.bytes_per_token(cfg, "float32") / kv.bytes_per_token(cfg) == pytest.approx(256 / 68)
 

@@ -368,26 +368,29 @@ def test_partials_of_killed_saves_are_removed_by_the_next_save(tmp_path):
 
 # 7. Honest timings: no steps scanned past max_new_tokens, kept tokens counted, compile split --------
 
-def test_last_chunk_is_sized_and_only_kept_tokens_count(tiny_model, monkeypatch):
-    from jaxinfer.decode import generate as gen
+def test_steps_past_max_new_tokens_run_nothing_and_only_kept_tokens_count(tiny_model, monkeypatch):
+    """One decode program per chunk size; steps after every row is done are skipped on device
+    (no row is live: nothing is emitted), and the timings count kept tokens only."""
+    from jaxinfer.decode import core
 
-    steps = []
-    real = gen.decode_chunk_jit
+    calls = []
+    real = core.decode_jit
 
-    def spy(params, state, cfg, sampling, stop_ids, n_steps, kv_len):
-        steps.append(n_steps)
-        return real(params, state, cfg, sampling, stop_ids, n_steps, kv_len)
+    def spy(params, state, cfg, n_steps, n_top=0):
+        state, em = real(params, state, cfg, n_steps, n_top)
+        count = np.asarray(em.count)  # [n_steps, B]
+        calls.append((n_steps, int(count.any(axis=1).sum()), int(count.sum())))
+        return state, em
 
-    monkeypatch.setattr(gen, "decode_chunk_jit", spy)
+    monkeypatch.setattr(core, "decode_jit", spy)
     out = jaxinfer.generate(tiny_model, [[5, 6], [7]], max_new_tokens=2, chunk_size=32, stop_at_eos=False)
-    assert steps == [1]  # was one chunk of 32 steps for one kept token per row
+    assert calls == [(32, 1, 2)]  # one call; 1 live step, then 31 skipped
     t = out.timings
     assert t.new_tokens == 4 and t.decode_tokens == 2
-    steps.clear()
+    calls.clear()
     out = jaxinfer.generate(tiny_model, [[5, 6], [7]], max_new_tokens=12, chunk_size=8, stop_at_eos=False)
-    assert steps == [8, 4]  # 1 + 8 + 3 needed: the last chunk rounded up to a power of two
+    assert calls == [(8, 8, 16), (8, 3, 6)]  # 1 + 8 + 3 tokens per row
     assert out.timings.decode_tokens == 22 and [len(c.token_ids) for c in out.completions] == [12, 12]
-    assert gen.last_chunk_steps(3, 32) == 4 and gen.last_chunk_steps(40, 32) == 32
 
 
 def test_compile_time_and_cache_loads_are_reported(tiny_model):

@@ -44,16 +44,16 @@ def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
     """An empty closed-batch cache for `model`, on the model's mesh when its params are sharded."""
     mesh = shd.params_mesh(model.params)
     if mesh is None:
-        return kv.init_cache(model.config, batch, max_len)
+        return kv.init_cache_jit(model.config, batch, max_len)
     return shd.init_cache(model.config, mesh, batch, max_len)
 
 
 def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int) -> core.Rows:
     """Rows of a closed batch: one setting, one stop set, one budget for every row."""
-    B = keys.shape[0]
-    return core.Rows(sampling=jax.tree.map(jnp.asarray, smp.row_params(sampling, B)), keys=keys,
-                     steps=jnp.zeros((B,), jnp.int32), stop_ids=jnp.asarray(core.stop_array([stop_ids] * B)),
-                     budget=jnp.full((B,), budget, jnp.int32), finished=jnp.zeros((B,), bool))
+    B = keys.shape[0]  # host arrays: they travel with the first call, no device op compiles for them
+    return core.Rows(sampling=smp.row_params(sampling, B), keys=keys, steps=np.zeros((B,), np.int32),
+                     stop_ids=core.stop_array([stop_ids] * B), budget=np.full((B,), budget, np.int32),
+                     finished=np.zeros((B,), bool))
 
 
 def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
@@ -68,14 +68,13 @@ def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengt
     total = int(lengths.max())
     first = np.zeros((B,), np.int32)
     first_lp = np.zeros((B,), np.float32)
-    zeros = jnp.zeros((B, chunk), jnp.int32)
+    zeros = np.zeros((B, chunk), np.int32)
     for lo in range(0, Tb, chunk):
         if lo >= total:
             break  # only padding left
         n_real = np.clip(lengths - lo, 0, chunk).astype(np.int32)
         starts = np.minimum(lengths, lo).astype(np.int32)
-        cache, out = core.prefill_jit(params, cache, jnp.asarray(tokens[:, lo:lo + chunk]), jnp.asarray(starts),
-                                      jnp.asarray(n_real), rows, zeros, cfg)
+        cache, out = core.prefill_jit(params, cache, tokens[:, lo:lo + chunk], starts, n_real, rows, zeros, cfg)
         ends_here = (lengths > lo) & (lengths <= lo + chunk)
         first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
         first_lp = np.where(ends_here, shd.to_host(out.first.logprobs)[:, 0], first_lp)
@@ -144,9 +143,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if on_tokens:
             on_tokens([[int(t)] for t in first])
         finished = np.isin(first, stop_ids)
-        state = core.DecodeState(cache=cache, tokens=jnp.asarray(first),
-                                 rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1,
-                                                   finished=jnp.asarray(finished)))
+        state = core.DecodeState(cache=cache, tokens=first,
+                                 rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1, finished=finished))
         out_tokens, out_lps = [first[:, None]], [first_lp[:, None]]
         live = ~finished & (max_new_tokens > 1)
         while live.any():
@@ -156,7 +154,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
             count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
             out_tokens.append(np.where(count > 0, toks, -1))
             out_lps.append(lps)
-            live = shd.to_host(state.rows.live)
+            live = ~shd.to_host(state.rows.finished) & (shd.to_host(state.rows.budget) > 0)
             if on_tokens:
                 on_tokens([[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)])
         t_end = time.perf_counter()

@@ -146,8 +146,11 @@ def filter_logits(logits: jax.Array, params: Union[SamplingParams, RowParams]) -
 def probs(logits: jax.Array, params: Union[SamplingParams, RowParams]) -> jax.Array:
     """The distribution `sample` draws from. logits [B, ..., V] -> [B, ..., V] float32.
 
-    Greedy rows put all mass on the argmax. Row b's settings apply to all of logits[b].
+    Greedy rows put all mass on the argmax. Row b's settings apply to all of logits[b]; a single
+    row [V] is one row.
     """
+    if logits.ndim == 1:
+        return probs(logits[None], params)[0]
     shape = logits.shape
     B, V = shape[0], shape[-1]
     rp = _rows(params, B)

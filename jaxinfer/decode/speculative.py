@@ -347,23 +347,23 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
                                                  chunk)
         draft_cache = None
         if method == "draft":
-            draft_cache, _, _ = prefill_prompts(draft.params, kv.init_cache(draft.config, B, S), tokens, lengths,
+            draft_cache, _, _ = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), tokens, lengths,
                                                 rows, draft.config, chunk)
         hist = np.zeros((B, S), np.int32)
         hist[:, :tokens.shape[1]] = tokens
         hist[np.arange(B), lengths] = first
-        zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the state is donated
-        state = SpecState(cache=cache, draft_cache=draft_cache, hist=jnp.asarray(hist),
+        zeros = lambda: np.zeros((B,), np.int32)  # host arrays: no device op compiles for them
+        state = SpecState(cache=cache, draft_cache=draft_cache, hist=hist,
                           rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1,
-                                            finished=jnp.asarray(np.isin(first, stop_ids))),
-                          round=jnp.zeros((), jnp.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
+                                            finished=np.isin(first, stop_ids)),
+                          round=np.zeros((), np.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
         t_first = time.perf_counter()
         if on_tokens:
             on_tokens([[int(t)] for t in first])
         static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, method=method, k=k,
                       max_ngram=max_ngram, n_rounds=rounds_per_chunk)
         out_tokens, out_lps = [[int(t)] for t in first], [[float(x)] for x in first_lp]
-        while shd.to_host(state.rows.live).any():
+        while (~shd.to_host(state.rows.finished) & (shd.to_host(state.rows.budget) > 0)).any():
             state, em = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, **static)
             toks, lps, count = (shd.to_host(em.tokens), shd.to_host(em.logprobs), shd.to_host(em.count))
             new = [[] for _ in range(B)]

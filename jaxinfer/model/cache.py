@@ -218,6 +218,11 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, page
     return pool.with_rows(contiguous_table(batch_size, W, groups), jnp.zeros((batch_size,), jnp.int32))
 
 
+# One compiled constructor per shape: building the pool and its tables op by op would compile
+# a small program for each op the first time a shape is seen.
+init_cache_jit = jax.jit(init_cache, static_argnums=(0, 1, 2, 3, 4, 5))
+
+
 def abstract_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, groups: int = 1) -> KVCache:
     """Shape/dtype-only cache for `jax.eval_shape` and sharding plans."""
     return jax.eval_shape(lambda: init_cache(cfg, batch_size, max_len, dtype, groups=groups))
