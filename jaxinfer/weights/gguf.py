@@ -27,7 +27,7 @@ class GGUFError(ValueError):
     """A file is not a readable GGUF model (bad magic, truncated, missing tensors)."""
 
 
-def _open(path: str):
+def open_gguf(path: str):
     import gguf
 
     if not os.path.isfile(path):
@@ -157,6 +157,7 @@ def read_tokenizer(reader) -> TokenizerData:
         eos_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
         chat_template=_field(reader, "tokenizer.chat_template"),
         add_space_prefix=_opt_bool(_field(reader, "tokenizer.ggml.add_space_prefix")),
+        add_bos=_opt_bool(_field(reader, "tokenizer.ggml.add_bos_token")),
     )
 
 
@@ -254,7 +255,7 @@ class GGUFModel:
 def read_gguf(path: str, name: Optional[str] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> GGUFModel:
     """Read a whole GGUF model: config, dequantized params (float32 numpy) and tokenizer data."""
-    reader = _open(path)
+    reader = open_gguf(path)
     try:
         arch = _field(reader, "general.architecture")
         cfg = read_config(reader, name or os.path.basename(path))
