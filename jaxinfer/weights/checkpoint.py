@@ -32,7 +32,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -98,30 +98,25 @@ def _file_sizes(root: Path) -> dict[str, int]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
-def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[TokenizerData] = None, *,
+def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Union[TokenizerData, os.PathLike, None] = None, *,
          dtype: Optional[str] = None, source: Optional[str] = None, overwrite: bool = False,
-         checksums: bool = True, hf_tokenizer: Optional[os.PathLike] = None) -> Path:
+         checksums: bool = True) -> Path:
     """Write a checkpoint atomically: the folder `path` appears only when it is complete.
 
     Args:
       path: destination folder (must not exist unless `overwrite`).
       cfg: the model config (stored in the marker; its dtype field is set to the stored dtype).
       params: params pytree (numpy or jax arrays) matching `params.param_specs(cfg)`.
-      tokenizer: tokenizer data to store beside the weights, or None.
+      tokenizer: what to store beside the weights: a GGUF's tokenizer data, a Hugging Face folder
+        whose tokenizer files are copied (`HF_TOKENIZER_DIR`), or None.
       dtype: stored dtype ("float32", "bfloat16", "float16"); default `cfg.dtype`.
       source: where the weights came from (recorded in the marker).
       overwrite: replace an existing checkpoint at `path` (never anything else: see
         `check_replaceable`).
       checksums: also record the sha256 of every file (checked by `restore`, so by `load`).
-      hf_tokenizer: a Hugging Face folder whose tokenizer files are stored (`HF_TOKENIZER_DIR`)
-        instead of `tokenizer`.
     Returns:
       The checkpoint folder.
     """
-    if tokenizer is not None and hf_tokenizer is not None:
-        raise ValueError("give tokenizer data or a Hugging Face tokenizer folder, not both")
-    import orbax.checkpoint as ocp
-
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -135,36 +130,11 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
     tmp = dest.parent / f".{dest.name}{PARTIAL}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        dt = jnp.dtype(dtype)
-        arrays = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / PARAMS_DIR, arrays)
-            ckptr.wait_until_finished()
-        del arrays
-        if tokenizer is not None:
-            (tmp / TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(tokenizer), ensure_ascii=False))
-        if hf_tokenizer is not None:
-            lt.copy_hf_tokenizer(str(hf_tokenizer), str(tmp / HF_TOKENIZER_DIR))
-        sizes = _file_sizes(tmp)
-        marker = {
-            "format": FORMAT,
-            "version": VERSION,
-            "config": dataclasses.asdict(cfg),
-            "dtype": dtype,
-            "source": source,
-            "tensors": {k: list(v.shape) for k, v in _tree_paths(params).items()},
-            "files": sizes,
-            "sha256": {f: sha256_file(tmp / f) for f in sizes} if checksums else None,
-        }
-        _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
+        _write_arrays(tmp, params, dtype)
+        _write_tokenizer(tmp, tokenizer)
+        _write_marker(tmp, cfg, params, source, checksums)
         check_replaceable(dest, overwrite)  # again: the folder may have changed during the save
-        if dest.exists():  # overwrite: move the old one aside first so `dest` is never half-new
-            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        _publish(tmp, dest)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
@@ -172,6 +142,51 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
                                         "(nothing was left behind); free some space or choose another --out") from e
         raise
     return dest
+
+
+def _write_arrays(tmp: Path, params, dtype: str) -> None:
+    import orbax.checkpoint as ocp
+
+    dt = jnp.dtype(dtype)
+    arrays = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp / PARAMS_DIR, arrays)
+        ckptr.wait_until_finished()
+
+
+def _write_tokenizer(tmp: Path, tokenizer: Union[TokenizerData, os.PathLike, None]) -> None:
+    if isinstance(tokenizer, TokenizerData):
+        (tmp / TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(tokenizer), ensure_ascii=False))
+    elif tokenizer is not None:
+        lt.copy_hf_tokenizer(str(tokenizer), str(tmp / HF_TOKENIZER_DIR))
+
+
+def _write_marker(tmp: Path, cfg: ModelConfig, params, source: Optional[str], checksums: bool) -> None:
+    """The marker, last: format version, config, dtype, source, every tensor's shape, every file's size."""
+    sizes = _file_sizes(tmp)
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": dataclasses.asdict(cfg),
+        "dtype": cfg.dtype,
+        "source": source,
+        "tensors": {k: list(v.shape) for k, v in _tree_paths(params).items()},
+        "files": sizes,
+        "sha256": {f: sha256_file(tmp / f) for f in sizes} if checksums else None,
+    }
+    _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    """Rename the finished folder to `dest`; an old checkpoint there is moved aside first, so `dest`
+    is never half-new."""
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -358,8 +373,7 @@ class SourceModel:
 
     config: ModelConfig
     params: dict  # float32 numpy, canonical layout
-    tokenizer: Optional[TokenizerData]  # a GGUF's (or a GGUF-made checkpoint's) tokenizer data
-    hf_tokenizer: Optional[str]  # a folder holding Hugging Face tokenizer files to keep, else None
+    tokenizer: Union[TokenizerData, str, None]  # a GGUF's tokenizer data, or a folder of HF tokenizer files
     kind: str  # "gguf", "known", "huggingface" or "checkpoint"
 
 
@@ -389,14 +403,14 @@ def read_source(source: str, *, cache: Optional[str] = None, progress=None) -> S
     if src.kind == "checkpoint":
         cfg, params, tok = restore(src.path, "float32")
         hf_dir = Path(src.path) / HF_TOKENIZER_DIR
-        return SourceModel(cfg, jax.tree.map(np.asarray, params), tok, str(hf_dir) if hf_dir.is_dir() else None,
+        return SourceModel(cfg, jax.tree.map(np.asarray, params), str(hf_dir) if hf_dir.is_dir() else tok,
                            "checkpoint")
     if src.kind == "huggingface":
         lt.tokenizer_of(src)  # a tokenizer jaxinfer refuses fails here, before the slow read
         cfg = hf_io.read_config(src.path)
-        return SourceModel(cfg, hf_io.read_params(src.path, cfg, progress), None, src.path, "huggingface")
+        return SourceModel(cfg, hf_io.read_params(src.path, cfg, progress), src.path, "huggingface")
     g = gguf_io.read_gguf(src.path, name=src.name, progress=progress)
-    return SourceModel(g.config, g.params, g.tokenizer, None, "known" if src.known else "gguf")
+    return SourceModel(g.config, g.params, g.tokenizer, "known" if src.known else "gguf")
 
 
 def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite: bool = False,
@@ -422,8 +436,7 @@ def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite
     check_replaceable(out.absolute(), overwrite)  # before the (slow) read
     m = read_source(source, cache=cache, progress=progress)
     cfg = m.config.replace(name=out.name)
-    path = save(out, cfg, m.params, m.tokenizer, dtype=dtype, source=str(source), overwrite=overwrite,
-                hf_tokenizer=m.hf_tokenizer)
+    path = save(out, cfg, m.params, m.tokenizer, dtype=dtype, source=str(source), overwrite=overwrite)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return Converted(path=path, config=cfg.replace(dtype=dtype), source_kind=m.kind,
                      n_params=P.count(m.params), bytes_on_disk=size)
