@@ -73,7 +73,10 @@ def gguf_tokenizer(data: tok.TokenizerData, name: str) -> tok.Tokenizer:
     """The tokenizer for a GGUF's tokenizer data: SentencePiece ("llama") or byte-level BPE."""
     if data.model == "llama":
         return spm.from_gguf(data, name=name)
-    return bpe.from_gguf(data, name=name)
+    if data.model == "gpt2":
+        return bpe.from_gguf(data, name=name)
+    raise tok.TokenizerError(f"GGUF tokenizer model {data.model!r} is not implemented (jaxinfer reads 'gpt2', "
+                             "byte-level BPE, and 'llama', SentencePiece BPE)")
 
 
 def _checkpoint_tokenizer(src: Source) -> Optional[tok.Tokenizer]:
