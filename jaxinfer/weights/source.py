@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from jaxinfer.text.tokenizer import OPENAI_ENCODINGS
 from jaxinfer.weights import hf_cache, hub
@@ -46,7 +46,7 @@ def is_checkpoint(path: os.PathLike) -> bool:
     return (Path(path) / CHECKPOINT_MARKER).is_file()
 
 
-def classify(name_or_path: str, *, cache: Optional[str] = None) -> Source:
+def classify(name_or_path: Union[str, os.PathLike], *, cache: Optional[str] = None) -> Source:
     """Classify a model or tokenizer source; a known model name is fetched (sha256-checked) first.
 
     Args:
@@ -59,6 +59,7 @@ def classify(name_or_path: str, *, cache: Optional[str] = None) -> Source:
       FileNotFoundError: a path that does not exist, or a hub id that is not cached.
       ValueError: a name that is none of the above (the message lists the known names).
     """
+    name_or_path = os.fspath(name_or_path)
     if os.path.isdir(name_or_path):
         name = os.path.basename(os.path.normpath(name_or_path))
         if is_checkpoint(name_or_path):
