@@ -98,7 +98,7 @@ def test_mpt_runs_of_spaces_are_its_added_tokens(smol_json, golden):
 
 @pytest.mark.parametrize("pre,reason", [
     (None, "names no pre-tokenizer"), ("default", "names no pre-tokenizer"),
-    ("deepseek-llm", "has not been checked"), ("olmo", "has not been checked"),
+    ("deepseek-llm", "has not been checked"), ("jais", "has not been checked"),
     ("dbrx", "cl100k_base pattern"), ("smaug-bpe", "ignore_merges=false"),
 ])
 def test_other_gguf_names_are_refused_with_a_reason(smol_json, golden, pre, reason):

@@ -96,9 +96,10 @@ class PreTokenizer:
 # `tokenizer.ggml.pre` names and the tokenizer.json steps of the model each was converted from.
 GGUF_PRETOKENIZERS = {
     **dict.fromkeys(("gpt2", "gpt-2"), PreTokenizer(text_splits=(GPT2_SPLIT,))),  # openai-community/gpt2
-    # mosaicml/mpt-7b uses EleutherAI/gpt-neox-20b's tokenizer: NFC, ByteLevel, and runs of 2..24
-    # spaces as added (user-defined) tokens, which the GGUF marks as such.
-    "mpt": PreTokenizer(normalizers=("NFC",), text_splits=(GPT2_SPLIT,)),
+    # mosaicml/mpt-7b and OLMo 1 use EleutherAI/gpt-neox-20b's tokenizer (OLMo's with a few more
+    # added tokens): NFC, ByteLevel, and runs of 2..24 spaces as added (user-defined) tokens, which
+    # the GGUF marks as such.
+    **dict.fromkeys(("mpt", "olmo"), PreTokenizer(normalizers=("NFC",), text_splits=(GPT2_SPLIT,))),
     # SmolLM, StarCoder2, Refact: Digits(individual) then ByteLevel; Command-R adds NFC.
     **dict.fromkeys(("smollm", "starcoder", "refact"), PreTokenizer(text_splits=(DIGIT_SPLIT, GPT2_SPLIT))),
     "command-r": PreTokenizer(normalizers=("NFC",), text_splits=(DIGIT_SPLIT, GPT2_SPLIT)),

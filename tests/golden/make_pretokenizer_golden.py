@@ -9,8 +9,8 @@ into pieces before BPE, which is the same for any vocabulary.
 
 Recipes:
   gguf_*   the tokenizer.json each `tokenizer.ggml.pre` name was converted from (gpt-2:
-           openai-community/gpt2; mpt: EleutherAI/gpt-neox-20b, which mosaicml/mpt-7b uses, with
-           its runs of 2..24 spaces as non-special added tokens; smollm / starcoder / refact:
+           openai-community/gpt2; mpt, olmo: EleutherAI/gpt-neox-20b, which mosaicml/mpt-7b and
+           OLMo 1 use, with its runs of 2..24 spaces as non-special added tokens; smollm / starcoder / refact:
            SmolLM2, StarCoder2, Refact; command-r: c4ai-command-r-v01; llama-bpe: Llama 3; qwen2:
            Qwen2; tekken: Mistral NeMo; falcon: tiiuae/falcon-7b);
   json_*   other tokenizer.json step combinations jaxinfer accepts (ByteLevel without its regex,
@@ -144,7 +144,7 @@ RECIPES = {  # id: (normalizer, pre_tokenizer, extra added tokens)
                                    {"content": "  ", "special": False, "normalized": False}]),
 }
 GGUF_NAMES = {
-    "gpt2": "gguf_gpt2", "gpt-2": "gguf_gpt2", "mpt": "gguf_mpt",
+    "gpt2": "gguf_gpt2", "gpt-2": "gguf_gpt2", "mpt": "gguf_mpt", "olmo": "gguf_mpt",
     "smollm": "gguf_digits_bytelevel", "starcoder": "gguf_digits_bytelevel", "refact": "gguf_digits_bytelevel",
     "command-r": "gguf_command_r",
     "llama-bpe": "gguf_llama_bpe", "llama3": "gguf_llama_bpe", "llama-v3": "gguf_llama_bpe",
