@@ -62,7 +62,7 @@ def main():
 
     path = hub.fetch("gemma3-270m")
     t = time.time()
-    ours = spm.from_gguf(gguf_io.read_tokenizer(gguf_io._open(str(path))))
+    ours = spm.from_gguf(gguf_io.read_tokenizer(gguf_io.open_gguf(str(path))))
     t_ours = time.time() - t
     t = time.time()
     hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

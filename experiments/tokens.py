@@ -27,10 +27,10 @@ def show(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace").replace(" ", "·").replace("\n", "⏎").replace("\t", "→")
 
 
-def split(encoding, text: str) -> list[dict]:
-    """[{id, piece}] for `text` under a tiktoken Encoding (special-token text stays plain text)."""
-    ids = encoding.encode(text, allowed_special=set(), disallowed_special=())
-    return [{"id": int(i), "piece": show(encoding.decode_single_token_bytes(i))} for i in ids]
+def split(tokenizer, text: str) -> list[dict]:
+    """[{id, piece}] for `text` under a jaxinfer Tokenizer (special-token text stays plain text)."""
+    ids = tokenizer.encode(text, allowed_special=set(), disallowed_special=())
+    return [{"id": int(i), "piece": show(p)} for i, p in zip(ids, tokenizer.pieces(ids))]
 
 
 def draw(ax, title: str, toks: list[dict], width: int = 44) -> int:
@@ -56,10 +56,10 @@ def main(argv=None, model=None) -> dict:
     args = p.parse_args(argv)
     if not args.text:
         p.error("text is empty")
-    from jaxinfer.text.tokenizer import openai_encoding
+    from jaxinfer.text.tokenizer import openai_tokenizer
 
     m = common.load_model(args, model)
-    encodings = {"cl100k_base": openai_encoding("cl100k_base"), m.config.name: m.tokenizer.encoding}
+    encodings = {"cl100k_base": openai_tokenizer("cl100k_base"), m.config.name: m.tokenizer}
     result = {"text": args.text, "tokenizers": {}, "probes": {}}
     for name, enc in encodings.items():
         toks = split(enc, args.text)

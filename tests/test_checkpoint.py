@@ -156,7 +156,8 @@ def test_wrong_config(ckpt):
 
 
 def test_unexpected_tensor_is_named(tmp_path):
-    cfg, params, tok, _ = checkpoint.read_source(SOURCE)
+    src = checkpoint.read_source(SOURCE)
+    cfg, params, tok = src.config, src.params, src.tokenizer
     params["layers"]["extra"] = params["layers"]["wq"]
     with pytest.raises(CheckpointError, match="unexpected tensor.*layers/extra"):
         checkpoint.save(tmp_path / "x", cfg, params, tok)

@@ -115,7 +115,7 @@ def test_chat_template(gemma):
 
 
 def test_bf16_checkpoint_holds_exactly_the_gguf_weights(gemma, gemma_path, tmp_path):
-    data = gguf_io.read_tokenizer(gguf_io._open(gemma_path))
+    data = gguf_io.read_tokenizer(gguf_io.open_gguf(gemma_path))
     checkpoint.save(tmp_path / "g", gemma.config, gemma.params, data, dtype="bfloat16", checksums=False)
     m = jaxinfer.load(str(tmp_path / "g"), dtype="bfloat16", layout="canonical")
     for a, b in zip(jax_leaves(m.params), jax_leaves(gemma.params)):

@@ -16,7 +16,7 @@ import unicodedata
 import pytest
 
 import jaxinfer
-from jaxinfer.text import chat, hf_tokenizer, spm
+from jaxinfer.text import bpe, chat, hf_tokenizer, spm
 from jaxinfer.text import tokenizer as tk
 from jaxinfer.weights import gguf as gguf_io
 
@@ -67,7 +67,7 @@ def agreement(tok, golden, key, keep=lambda s: True):
 def test_hf_folder_bytelevel_matches_hf_tokenizers(smol_folder, golden):
     """SmolLM2's tokenizer.json as transformers writes it: ByteLevel regex, 17 added tokens."""
     tok = jaxinfer.load_tokenizer(str(smol_folder))
-    assert isinstance(tok, hf_tokenizer.HFTokenizer)
+    assert isinstance(tok, bpe.ByteLevelTokenizer)
     same, n, bad = agreement(tok, golden, "smollm2_bytelevel")
     assert same == n >= 2000, bad
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]  # specials whole
@@ -97,32 +97,25 @@ def smol_gguf_data(smol_json):
 
 
 @pytest.mark.parametrize("pre,variant,nfc_only", [
-    ("gpt-2", "bytelevel", False), ("mpt", "bytelevel", False), ("starcoder", "digits_bytelevel", False),
+    ("gpt-2", "bytelevel", False), ("mpt", "bytelevel", True), ("starcoder", "digits_bytelevel", False),
     ("refact", "digits_bytelevel", False), ("smollm", "digits_bytelevel", False),
-    ("llama-bpe", "split_llama3", False), ("qwen2", "split_qwen2_nfc", True), ("tekken", "split_tekken", False),
-    ("falcon", "llamacpp_falcon", False),
+    ("llama-bpe", "split_llama3", False), ("qwen2", "split_qwen2_nfc", False), ("tekken", "split_tekken", False),
 ])
 def test_gguf_pretokenizer_names_match_their_hf_steps(smol_gguf_data, golden, pre, variant, nfc_only):
-    """llama.cpp's names map to the splits they stand for (checked on SmolLM2's vocabulary).
-    Qwen2's tokenizer.json also NFC-normalizes, which a GGUF does not: compared on NFC text."""
-    tok = tk.from_gguf(dataclasses.replace(smol_gguf_data, pre=pre))
+    """llama.cpp's names on the 2,196-string corpus (SmolLM2's vocabulary; tests/test_pretokenizers.py
+    has every name on adversarial text). MPT's tokenizer also NFC-normalizes, which the plain
+    ByteLevel variant does not: compared on NFC text."""
+    tok = bpe.from_gguf(dataclasses.replace(smol_gguf_data, pre=pre))
     keep = (lambda s: unicodedata.normalize("NFC", s) == s) if nfc_only else (lambda s: True)
     same, n, bad = agreement(tok, golden, f"smollm2_{variant}", keep)
     assert same == n >= 2000, bad
 
 
-def test_every_gguf_pretokenizer_name_is_a_checked_pattern():
-    """Each name maps to one of the patterns checked above (every alias shares a checked pattern)."""
-    checked = {tk._GPT2, tk._SMOLLM, tk._LLAMA3, tk._QWEN2, tk._TEKKEN}
-    assert set(tk.PRETOKENIZER_PATTERNS.values()) == checked
-    assert set(tk.PRETOKENIZER_STEPS) == {"falcon"}
-
-
 def test_gguf_refusals_name_what_exists(smol_gguf_data):
     with pytest.raises(tk.TokenizerError, match="jaxinfer.text.spm.from_gguf"):
-        tk.from_gguf(dataclasses.replace(smol_gguf_data, model="llama"))
-    with pytest.raises(tk.TokenizerError, match="unknown pre-tokenizer 'deepseek-llm'; known: .*llama-bpe"):
-        tk.from_gguf(dataclasses.replace(smol_gguf_data, pre="deepseek-llm"))
+        bpe.from_gguf(dataclasses.replace(smol_gguf_data, model="llama"))
+    with pytest.raises(tk.TokenizerError, match="pre-tokenizer 'deepseek-llm' is refused: .* Accepted: .*llama-bpe"):
+        bpe.from_gguf(dataclasses.replace(smol_gguf_data, pre="deepseek-llm"))
 
 
 # --- SentencePiece-style BPE ---------------------------------------------------------------------
@@ -165,7 +158,7 @@ def test_llama2_style_gguf_vs_transformers_gguf_loader(golden):
 
 def test_old_rules_would_be_wrong_on_llama2_style(golden):
     """The bug this fixes: id-ranked merges and no space prefix disagree with SentencePiece."""
-    data = gguf_io.read_tokenizer(gguf_io._open(TINY_GGUF))
+    data = gguf_io.read_tokenizer(gguf_io.open_gguf(TINY_GGUF))
     order_by_id = list(range(len(data.tokens)))
     old = spm.build(data.tokens, data.token_types, order_by_id, bos_id=1, eos_id=2, prefix="never")
     same, n, _ = agreement(old, golden, "tinyspm_sentencepiece", lambda s: not any(a in s for a in ADDED_TEXT))
@@ -184,7 +177,9 @@ REFUSALS = [
     ("smol", lambda j: _with(j, model=dict(j["model"], dropout=0.1)), "dropout"),
     ("smol", lambda j: _with(j, pre_tokenizer={"type": "Whitespace"}), "'Whitespace'"),
     ("smol", lambda j: _with(j, pre_tokenizer={"type": "Sequence", "pretokenizers": [
-        {"type": "Punctuation"}, j["pre_tokenizer"]]}), "'Punctuation'"),
+        {"type": "UnicodeScripts"}, j["pre_tokenizer"]]}), "'UnicodeScripts'"),
+    ("smol", lambda j: _with(j, pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Punctuation", "behavior": "MergedWithNext"}, j["pre_tokenizer"]]}), "behavior='MergedWithNext'"),
     ("smol", lambda j: _with(j, normalizer={"type": "Lowercase"}), "normalizer 'Lowercase'"),
     ("smol", lambda j: _with(j, pre_tokenizer=dict(j["pre_tokenizer"], add_prefix_space=True)), "add_prefix_space"),
     ("smol", lambda j: _with(j, pre_tokenizer={"type": "Sequence", "pretokenizers": [
@@ -262,7 +257,7 @@ def test_load_tokenizer_sources(smol_folder, golden, tmp_path):
     for s, ids in list(zip(golden["corpus"], golden["vocabs"]["smollm2_bytelevel"]["ids"]))[:50]:
         assert by_file.encode(s) == ids
     assert by_file.chat_template and by_file.stop_ids == (0, 2)
-    with pytest.raises(FileNotFoundError, match="no such tokenizer"):
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
         jaxinfer.load_tokenizer(str(tmp_path / "nothing"))
     with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
         jaxinfer.load_tokenizer(str(tmp_path))
@@ -300,9 +295,53 @@ def test_load_tokenizer_from_a_checkpoint_folder(tmp_path, golden):
     not Hugging Face's: the marker decides which reader runs."""
     from jaxinfer.weights import checkpoint
 
-    data = gguf_io.read_tokenizer(gguf_io._open(TINY_GGUF))
+    data = gguf_io.read_tokenizer(gguf_io.open_gguf(TINY_GGUF))
     (tmp_path / checkpoint.TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(data)))
     (tmp_path / checkpoint.MARKER).write_text("{}")
     tok = jaxinfer.load_tokenizer(str(tmp_path))
     rows = list(zip(golden["corpus"], golden["vocabs"]["tinyspm_sentencepiece"]["ids"]))[:200]
     assert all(tok.encode(s) == ids for s, ids in rows if not any(a in s for a in ADDED_TEXT))
+
+
+# --- convert keeps a Hugging Face folder's tokenizer -------------------------------------------------
+
+def _hf_folder(tmp_path, vocab: str, generation_config: bool):
+    """tiny_hf/llama's weights with a real tokenizer's files beside them (SmolLM2's byte-level one with
+    its chat template, or tinyspm's SentencePiece one)."""
+    d = tmp_path / f"{vocab}_hf"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "golden", "tiny_hf", "llama"), d)
+    with lzma.open(os.path.join(GOLDEN, vocab, "tokenizer.json.xz")) as f:
+        (d / "tokenizer.json").write_bytes(f.read())
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(GOLDEN, vocab, name)):
+            shutil.copy(os.path.join(GOLDEN, vocab, name), d / name)
+    if generation_config:
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    else:  # stop ids then come from config.json's eos_token_id
+        (d / "generation_config.json").unlink()
+    return d
+
+
+@pytest.mark.parametrize("vocab,generation_config", [("smollm2", True), ("tinyspm", False)])
+def test_checkpoint_of_a_hf_folder_tokenizes_as_the_folder(tmp_path, golden, vocab, generation_config):
+    """`convert` keeps the folder's tokenizer files, so `load(checkpoint)` gives the ids, BOS rule,
+    chat rendering and stop ids of `load(folder)`; so does a checkpoint converted from that checkpoint."""
+    from jaxinfer.weights import checkpoint
+
+    folder = _hf_folder(tmp_path, vocab, generation_config)
+    first = checkpoint.convert(str(folder), tmp_path / "ckpt", dtype="float32").path
+    second = checkpoint.convert(str(first), tmp_path / "ckpt2", dtype="float32").path
+    ref = jaxinfer.load(str(folder)).tokenizer
+    texts = golden["corpus"][:300]
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <|im_end|>"}]
+    for path in (first, second):
+        m = jaxinfer.load(str(path))
+        for tok in (m.tokenizer, jaxinfer.load_tokenizer(str(path))):
+            assert [tok.encode(s) for s in texts] == [ref.encode(s) for s in texts]
+            assert [tok.encode_prompt(s) for s in texts[:50]] == [ref.encode_prompt(s) for s in texts[:50]]
+            assert (tok.stop_ids, tok.bos_id, tok.add_bos, tok.chat_template) == \
+                (ref.stop_ids, ref.bos_id, ref.add_bos, ref.chat_template)
+            if ref.chat_template:
+                assert tok.apply_chat_template(conv) == ref.apply_chat_template(conv)
+    assert ref.stop_ids == ((0, 2) if generation_config else (2,))
+    assert ref.add_bos == (ref.encode_prompt("hi")[:1] == [ref.bos_id])

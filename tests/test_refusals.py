@@ -52,7 +52,8 @@ def test_force_refuses_a_regular_file(tmp_path, no_load, capsys):
 
 
 def test_save_refuses_a_users_folder_even_with_overwrite(tmp_path):
-    cfg, params, tok, _ = checkpoint.read_source(SOURCE)
+    src = checkpoint.read_source(SOURCE)
+    cfg, params, tok = src.config, src.params, src.tokenizer
     out = tmp_path / "mine"
     out.mkdir()
     (out / "data.csv").write_text("1,2")
@@ -473,12 +474,7 @@ def test_chat_ids_start_with_bos_when_the_model_wants_one(tiny_model):
     import dataclasses
 
     from jaxinfer.decode.requests import chat_ids
-    from jaxinfer.text.tokenizer import Tokenizer
 
-    class BosFirst(Tokenizer):  # like Gemma's SentencePiece tokenizer
-        add_bos = True
-
-    tok = BosFirst(**{f.name: getattr(tiny_model.tokenizer, f.name) for f in dataclasses.fields(Tokenizer)})
-    tok = dataclasses.replace(tok, bos_id=256)
+    tok = dataclasses.replace(tiny_model.tokenizer, bos_id=256, add_bos=True)  # like Gemma's tokenizer
     ids = chat_ids(tok, [{"role": "user", "content": "hi"}])
     assert ids[:2] == [256, 257] and ids.count(256) == 1

@@ -118,3 +118,17 @@ def test_patterns_equal_tiktoken_published(monkeypatch):
 def test_unknown_encoding():
     with pytest.raises(ValueError, match="known: cl100k_base"):
         tk.openai_encoding("p50k")
+
+
+def test_encode_prompt_applies_the_models_bos_rule(tok):
+    """SmolLM2's GGUF says add_bos_token = false; a model that wants BOS gets it once, first."""
+    import dataclasses
+
+    assert not tok.add_bos and tok.encode_prompt("hi") == tok.encode("hi")
+    assert 2 not in tok.encode_prompt("<|im_end|>")  # special-token text is plain text by default
+    assert tok.encode_prompt("<|im_end|>", allow_special=True) == [2]
+    bos = dataclasses.replace(tok, add_bos=True)
+    assert bos.encode_prompt("hi") == [1, *tok.encode("hi")]  # <|im_start|> is SmolLM2's bos_id
+    assert bos.encode_prompt("<|im_start|>hi", allow_special=True).count(1) == 1  # never twice
+    assert bos.with_bos([1, 5]) == [1, 5] and bos.with_bos([]) == [1]
+    assert tok.token_text(tok.bos_id) == "<|im_start|>" and tok.token_text(None) == ""

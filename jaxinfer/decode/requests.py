@@ -186,10 +186,7 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
                              "cannot tell its content from the template's control tokens")
         ids += encode_text(tokenizer, before, allow_special=True) + encode_text(tokenizer, m["content"])
     ids += encode_text(tokenizer, rest, allow_special=True)
-    bos = tokenizer.bos_id
-    if getattr(tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
-        ids = [bos] + ids  # Gemma: the model expects <bos> first (as `prompt_ids` adds for text)
-    return ids
+    return tokenizer.with_bos(ids)  # BOS first when the model wants it, as `prompt_ids` does for text
 
 
 def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> list[list[int]]:
@@ -212,10 +209,7 @@ def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> l
         if isinstance(p, str):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
-            ids = encode_text(model.tokenizer, check_text(p, f"prompt {i}"), allow_special)
-            bos = model.tokenizer.bos_id
-            if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
-                ids = [bos] + ids  # Gemma: the model expects <bos> first
+            ids = model.tokenizer.encode_prompt(check_text(p, f"prompt {i}"), allow_special=allow_special)
         elif isinstance(p, (list, tuple)) or (hasattr(p, "ndim") and p.ndim == 1):
             ids = check_token_ids(p, model.config.vocab_size, f"prompt {i}")
         else:

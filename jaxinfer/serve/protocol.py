@@ -13,7 +13,7 @@ import dataclasses
 import secrets
 from typing import Any, Optional
 
-from jaxinfer.decode.requests import chat_ids, check_token_ids, encode_text
+from jaxinfer.decode.requests import chat_ids, check_token_ids
 from jaxinfer.decode.sampling import SamplingParams
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -154,13 +154,9 @@ def _encode(model, text: str, where: str) -> list[int]:
     if not text:
         raise bad(where, f"'{where}' is empty; a prompt needs at least one token")
     try:  # special-token text in a prompt is plain text, as in generate (issue 13)
-        ids = encode_text(model.tokenizer, text)
+        return model.tokenizer.encode_prompt(text)
     except ValueError as e:
         raise bad(where, str(e)) from None
-    bos = model.tokenizer.bos_id
-    if getattr(model.tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
-        ids = [bos] + ids
-    return ids
 
 
 def _prompts(body: dict, model) -> list[list[int]]:

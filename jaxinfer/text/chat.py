@@ -41,17 +41,45 @@ def _strftime_now(fmt: str) -> str:
 def compile_template(source: str):
     """The jinja2 Template for `source`, in transformers' sandboxed environment."""
     import jinja2
+
+    try:
+        return _environment().from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not parse: {e}") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    """transformers' environment: sandboxed, trim_blocks, lstrip_blocks, loop controls, its globals."""
+    import jinja2
     import jinja2.ext
-    import jinja2.nodes
     import jinja2.sandbox
-    import jinja2.utils
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    class Namespace(jinja2.utils.Namespace):
-        """jinja2's namespace, refusing underscore names (as transformers' sandbox does)."""
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
 
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = _namespace_class()
+    return env
+
+
+def _namespace_class():
+    """jinja2's namespace, refusing underscore names (as transformers' sandbox does)."""
+    import jinja2.utils
+
+    class Namespace(jinja2.utils.Namespace):
         def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
@@ -68,16 +96,15 @@ def compile_template(source: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
 
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
+    return Namespace
 
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
+
+def _generation_extension():
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers): renders its body."""
+    import jinja2.ext
+    import jinja2.nodes
 
     class Generation(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` (assistant-mask markers): renders its body."""
-
         tags = {"generation"}
 
         def parse(self, parser):
@@ -88,17 +115,7 @@ def compile_template(source: str):
         def _body(self, caller):
             return caller()
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = Namespace
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not parse: {e}") from e
+    return Generation
 
 
 def _plain(value: Any) -> Any:

@@ -1,18 +1,19 @@
 """A Hugging Face `tokenizer.json` as a tiktoken tokenizer: exactly what the file says, or refused.
 
 Two kinds of vocabulary are accepted, both BPE:
-  * byte-level BPE (GPT-2, Llama 3, Qwen2/3, SmolLM): the vocab and merges become tiktoken ranks
-    (rank = id, checked against the merge order as for GGUF files); the pre-tokenizer's steps
-    (Split regexes, Digits, ByteLevel's own regex) are applied in the file's order, each one
-    isolating its matches and keeping the text between them as pieces, as `tokenizers` does;
-    the normalizer may be Unicode normalization (NFC, NFD, NFKC, NFKD, or a Sequence of them).
+  * byte-level BPE (GPT-2, Llama 3, Qwen2/3, SmolLM, Falcon): through `bpe.build`. The normalizer
+    may be Unicode normalization (NFC, NFD, NFKC, NFKD, or a Sequence of them); the pre-tokenizer
+    steps (Split with behavior Isolated, Digits, Punctuation, ByteLevel, in any order and nested
+    in Sequences) become `bpe.PreTokenizer` steps, those after ByteLevel running on its byte
+    characters, as `tokenizers` runs them.
   * SentencePiece-style BPE (Llama 2, Mistral, Gemma: "▁" for a space, byte_fallback): through
     `spm.build`, with merge priority from the file's merges list and the leading-space rule from
     the file (Metaspace prepend_scheme "first"/"never", or the legacy Prepend("▁") normalizer).
 
 Added tokens (special or not) are matched whole before anything else, leftmost-longest, as
-`tokenizers`' AddedVocabulary does; special ones follow the `allowed_special` /
-`disallowed_special` arguments of `encode`, non-special ones always match.
+`tokenizers`' AddedVocabulary does (those marked `normalized` in the normalized text); special
+ones follow the `allowed_special` / `disallowed_special` arguments of `encode`, non-special ones
+always match.
 
 Anything else (WordPiece, Unigram, WordLevel, a pre-tokenizer, normalizer or option that is not
 listed above) raises `TokenizerError` naming the component: never an approximate tokenization.
@@ -21,100 +22,14 @@ listed above) raises `TokenizerError` naming the component: never an approximate
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import lzma
-import unicodedata
-from typing import AbstractSet, Collection, Literal, Optional, Union
+from typing import Optional
 
 import regex
-import tiktoken
 
-from jaxinfer.text import spm
-from jaxinfer.text.tokenizer import (_GPT2, Tokenizer, TokenizerError, _byte_decoder, _check_merge_order,
-                                     byte_level_ranks)
-
-UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
-_CONTROL, _USER_DEFINED, _UNKNOWN, _NORMAL, _BYTE = 3, 4, 2, 1, 6
-
-
-def split_isolated(pieces: list[str], pattern: "regex.Pattern") -> list[str]:
-    """`tokenizers`' Split(behavior="Isolated"): each match is a piece, so is the text between."""
-    out = []
-    for p in pieces:
-        pos = 0
-        for m in pattern.finditer(p):
-            if m.start() > pos:
-                out.append(p[pos:m.start()])
-            if m.end() > m.start():
-                out.append(m.group())
-            pos = m.end()
-        if pos < len(p):
-            out.append(p[pos:])
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTokenizer(Tokenizer):
-    """Byte-level BPE from a tokenizer.json: Python-side steps around a tiktoken.Encoding.
-
-    `encoding.pat_str` is the last pre-tokenizer step when it is ByteLevel's own regex (it covers
-    all text); earlier steps (and a final Split) run here, one `regex` pass each."""
-
-    splits: tuple[str, ...] = ()  # Split/Digits regexes, in the file's order
-    normalizers: tuple[str, ...] = ()  # Unicode normalization forms, in order
-    added: tuple[tuple[str, int, bool], ...] = ()  # (content, id, special), longest first
-    add_bos: bool = False  # the model's post-processor / tokenizer_config puts BOS first
-
-    def encode(self, text: str, *, allowed_special: Union[Literal["all"], AbstractSet[str]] = "all",
-               disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> list[int]:
-        """Token ids of `text` (no BOS). Special-token text becomes the special token unless
-        `allowed_special` excludes it; `disallowed_special` text raises."""
-        specials = {c for c, _, s in self.added if s}
-        allowed = specials if allowed_special == "all" else set(allowed_special) & specials
-        disallowed = specials - allowed if disallowed_special == "all" else set(disallowed_special)
-        for d in disallowed:
-            if d in text:
-                raise ValueError(f"text contains the special token {d!r}, which is disallowed")
-        matchable = [(c, i) for c, i, s in self.added if not s or c in allowed]
-        ids: list[int] = []
-        pos = 0
-        if matchable:
-            id_of = dict(matchable)
-            for m in _alternation(tuple(c for c, _ in matchable)).finditer(text):
-                ids += self._encode_plain(text[pos:m.start()])
-                ids.append(id_of[m.group()])
-                pos = m.end()
-        ids += self._encode_plain(text[pos:])
-        return ids
-
-    def _encode_plain(self, text: str) -> list[int]:
-        if not text:
-            return []
-        for form in self.normalizers:
-            text = unicodedata.normalize(form, text)
-        pieces = [text]
-        for pat in self.splits:
-            pieces = split_isolated(pieces, _compiled(pat))
-        ids: list[int] = []
-        for p in pieces:
-            ids += self.encoding.encode_ordinary(p)
-        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
-            bad = sorted({self.encoding.decode_single_token_bytes(i) for i in ids if i >= self.vocab_size})
-            raise ValueError(f"text contains bytes {bad} that this model's vocabulary "
-                             f"({self.vocab_size} tokens) cannot represent")
-        return ids
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled(pattern: str) -> "regex.Pattern":
-    return regex.compile(pattern)
-
-
-@functools.lru_cache(maxsize=64)
-def _alternation(contents: tuple[str, ...]) -> "regex.Pattern":
-    # Longest first: at the leftmost position the longest added token wins (leftmost-longest).
-    return regex.compile("|".join(regex.escape(c) for c in sorted(contents, key=len, reverse=True)))
+from jaxinfer.text import bpe, spm
+from jaxinfer.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer, TokenizerError
 
 
 # --- reading the file ------------------------------------------------------------------------------
@@ -139,16 +54,14 @@ def _token_text(v) -> Optional[str]:
     return v.get("content") if isinstance(v, dict) else v
 
 
-def _added_tokens(tj: dict, normalizer: Optional[dict]) -> list[dict]:
+def _added_tokens(tj: dict) -> list[bpe.AddedToken]:
     out = []
     for t in tj.get("added_tokens") or []:
         for opt in ("lstrip", "rstrip", "single_word"):
             if t.get(opt):
                 raise TokenizerError(f"added token {t['content']!r} has {opt}=true, which jaxinfer does not implement")
-        if t.get("normalized") and normalizer is not None and not t.get("special"):
-            raise TokenizerError(f"added token {t['content']!r} is matched after the normalizer "
-                                 "(normalized=true), which jaxinfer does not implement")
-        out.append(t)
+        special = bool(t.get("special"))
+        out.append(bpe.AddedToken(t["content"], int(t["id"]), special, bool(t.get("normalized", not special))))
     return out
 
 
@@ -169,15 +82,7 @@ def from_tokenizer_json(tj: dict, *, tokenizer_config: Optional[dict] = None,
       TokenizerError: a component jaxinfer cannot reproduce exactly, named.
     """
     model = tj.get("model") or {}
-    if model.get("type") != "BPE":
-        raise TokenizerError(f"tokenizer model {model.get('type')!r} is not supported: jaxinfer reproduces "
-                             "BPE only (byte-level, or SentencePiece-style with byte_fallback); "
-                             "WordPiece, Unigram and WordLevel are refused")
-    if model.get("dropout"):
-        raise TokenizerError(f"BPE dropout={model['dropout']} is random; jaxinfer tokenizes deterministically")
-    for opt in ("continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(opt):
-            raise TokenizerError(f"BPE {opt}={model[opt]!r} is not implemented")
+    _check_bpe(model)
     cfg = tokenizer_config or {}
     pre = _flatten(tj.get("pre_tokenizer"), "pretokenizers")
     norms = _flatten(tj.get("normalizer"), "normalizers")
@@ -199,7 +104,20 @@ def from_tokenizer_json(tj: dict, *, tokenizer_config: Optional[dict] = None,
                                template_tokens=special)
 
 
-def _special_ids(tj: dict, cfg: dict, id_of: dict[str, int]) -> tuple[Optional[int], Optional[int], bool]:
+def _check_bpe(model: dict) -> None:
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"tokenizer model {model.get('type')!r} is not supported: jaxinfer reproduces "
+                             "BPE only (byte-level, or SentencePiece-style with byte_fallback); "
+                             "WordPiece, Unigram and WordLevel are refused")
+    if model.get("dropout"):
+        raise TokenizerError(f"BPE dropout={model['dropout']} is random; jaxinfer tokenizes deterministically")
+    for opt in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(opt):
+            raise TokenizerError(f"BPE {opt}={model[opt]!r} is not implemented")
+
+
+def _special_ids(tj: dict, cfg: dict, id_of: dict[str, int]) -> dict:
+    """bos_id, eos_id and add_bos (the Tokenizer fields) from tokenizer_config and the post-processor."""
     bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
     bos_id, eos_id = id_of.get(bos) if bos else None, id_of.get(eos) if eos else None
     first = None  # the special token the post-processor puts before a single text
@@ -209,54 +127,55 @@ def _special_ids(tj: dict, cfg: dict, id_of: dict[str, int]) -> tuple[Optional[i
     add_bos = bool(cfg["add_bos_token"]) if "add_bos_token" in cfg else first is not None and first == bos
     if add_bos and bos_id is None and first is not None:
         bos_id = id_of.get(first)
-    return bos_id, eos_id, add_bos and bos_id is not None
+    return {"bos_id": bos_id, "eos_id": eos_id, "add_bos": add_bos and bos_id is not None}
 
 
-def _byte_level(tj, model, pre, norms, cfg, name) -> HFTokenizer:
+# --- byte-level BPE --------------------------------------------------------------------------------
+
+def _byte_level(tj, model, pre, norms, cfg, name) -> bpe.ByteLevelTokenizer:
     if model.get("byte_fallback"):
         raise TokenizerError("byte-level BPE with byte_fallback is not implemented")
+    added = _added_tokens(tj)
+    added_ids = {t.id for t in added}
+    vocab = model["vocab"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    special = _special_ids(tj, cfg, {**vocab, **{t.content: t.id for t in added}})
+    return bpe.build(((i, tok) for tok, i in vocab.items() if i not in added_ids), merges, added,
+                     byte_level_steps(pre, norms), name=name,
+                     stop_ids=tuple(i for i in (special["eos_id"],) if i is not None), **special)
+
+
+def byte_level_steps(pre: list[dict], norms: list[dict]) -> bpe.PreTokenizer:
+    """A flattened tokenizer.json normalizer and pre-tokenizer as `bpe.PreTokenizer` steps."""
     forms = []
     for n in norms:
-        if n.get("type") not in UNICODE_FORMS:
+        if n.get("type") not in bpe.UNICODE_FORMS:
             raise TokenizerError(f"normalizer {n.get('type')!r} is not implemented (jaxinfer implements "
-                                 f"{', '.join(UNICODE_FORMS)} and Sequence of them)")
+                                 f"{', '.join(bpe.UNICODE_FORMS)} and Sequence of them)")
         forms.append(n["type"])
-    splits: list[str] = []
-    pat = None
-    for k, p in enumerate(pre):
+    text: list[str] = []
+    after: Optional[list[str]] = None  # steps after ByteLevel, once it is seen
+    for p in pre:
         kind = p.get("type")
+        steps = text if after is None else after
         if kind == "ByteLevel":
-            if k != len(pre) - 1:
-                raise TokenizerError("ByteLevel pre-tokenizer before another step is not implemented")
+            if after is not None:
+                raise TokenizerError("two ByteLevel pre-tokenizer steps are not implemented")
             if p.get("add_prefix_space"):
                 raise TokenizerError("ByteLevel add_prefix_space=true is not implemented")
-            pat = _GPT2 if p.get("use_regex", True) else r"[\s\S]+"
+            if p.get("use_regex", True):
+                text.append(bpe.GPT2_SPLIT)
+            after = []
         elif kind == "Split":
-            splits.append(_split_regex(p))
+            steps.append(_split_regex(p))
         elif kind == "Digits":
-            splits.append(r"\p{N}" if p.get("individual_digits") else r"\p{N}+")
+            steps.append(bpe.DIGIT_SPLIT if p.get("individual_digits") else bpe.DIGITS_SPLIT)
+        elif kind == "Punctuation":
+            steps.append(_punctuation_regex(p))
         else:
-            raise TokenizerError(f"pre-tokenizer {kind!r} is not implemented for byte-level BPE "
-                                 "(jaxinfer implements Split, Digits, ByteLevel and Sequence of them)")
-    added = _added_tokens(tj, tj.get("normalizer"))
-    added_ids = {t["id"] for t in added}
-    decoder = _byte_decoder()
-    vocab = model["vocab"]
-    ranks = byte_level_ranks((i, tok) for tok, i in vocab.items() if i not in added_ids)
-    n_vocab = max([*vocab.values(), *added_ids]) + 1
-    for b in range(256):  # bytes the vocab cannot spell: ids past it; encode rejects them
-        ranks.setdefault(bytes([b]), n_vocab + b)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    _check_merge_order(merges, ranks, decoder)
-    special = {t["content"]: t["id"] for t in added}
-    enc = tiktoken.Encoding(name=name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special)
-    id_of = {**vocab, **special}
-    bos_id, eos_id, add_bos = _special_ids(tj, cfg, id_of)
-    added_rows = tuple(sorted(((t["content"], t["id"], bool(t.get("special"))) for t in added),
-                              key=lambda r: -len(r[0])))
-    return HFTokenizer(encoding=enc, bos_id=bos_id, eos_id=eos_id,
-                       stop_ids=tuple(i for i in (eos_id,) if i is not None), vocab_size=n_vocab,
-                       splits=tuple(splits), normalizers=tuple(forms), added=added_rows, add_bos=add_bos)
+            raise TokenizerError(f"pre-tokenizer {kind!r} is not implemented for byte-level BPE (jaxinfer "
+                                 "implements Split, Digits, Punctuation, ByteLevel and Sequence of them)")
+    return bpe.PreTokenizer(normalizers=tuple(forms), text_splits=tuple(text), byte_splits=tuple(after or ()))
 
 
 def _split_regex(p: dict) -> str:
@@ -271,11 +190,31 @@ def _split_regex(p: dict) -> str:
     raise TokenizerError(f"Split pattern {pattern!r} is neither Regex nor String")
 
 
+def _punctuation_regex(p: dict) -> str:
+    behavior = p.get("behavior", "Isolated")
+    if behavior not in ("Isolated", "Contiguous"):
+        raise TokenizerError(f"Punctuation pre-tokenizer with behavior={behavior!r} is not implemented "
+                             "(jaxinfer implements Isolated and Contiguous)")
+    return bpe.PUNCT_CLASS + ("+" if behavior == "Contiguous" else "")
+
+
+# --- SentencePiece-style BPE -----------------------------------------------------------------------
+
 def _sentencepiece(tj, model, pre, norms, cfg, name) -> spm.SentencePieceTokenizer:
     """SentencePiece-style BPE: Metaspace or Prepend/Replace "▁", byte_fallback."""
     if not model.get("byte_fallback"):
         raise TokenizerError("SentencePiece-style BPE without byte_fallback (unknown characters become "
                              "<unk>) is not implemented")
+    prefix = _spm_prefix(tj, pre, norms)
+    added = _added_tokens(tj)
+    tokens, types = _spm_table(model, added)
+    priority = _spm_priority(model, tokens, types)
+    special = _special_ids(tj, cfg, {**model["vocab"], **{t.content: t.id for t in added}})
+    return spm.build(tokens, types, priority, prefix=prefix, name=name, **special)
+
+
+def _spm_prefix(tj: dict, pre: list[dict], norms: list[dict]) -> str:
+    """The leading-space rule ("never", "first", "each") the normalizer and Metaspace step describe."""
     kinds = [n.get("type") for n in norms]
     replaces_space = any(n.get("type") == "Replace" and n.get("pattern") == {"String": " "}
                          and n.get("content") == "\u2581" for n in norms)
@@ -300,20 +239,30 @@ def _sentencepiece(tj, model, pre, norms, cfg, name) -> spm.SentencePieceTokeniz
             continue  # splits on " " after every " " became "▁": a no-op
         else:
             raise TokenizerError(f"pre-tokenizer {p.get('type')!r} is not implemented for SentencePiece-style BPE")
-    added = _added_tokens(tj, None)
+    return prefix
+
+
+def _spm_table(model: dict, added: list[bpe.AddedToken]) -> tuple[list[str], list[int]]:
+    """(tokens, GGUF token types) by id; ids the file leaves unused are never produced."""
     vocab: dict[str, int] = model["vocab"]
-    n = max([*vocab.values(), *(t["id"] for t in added)]) + 1
-    tokens = [""] * n
-    types = [_UNKNOWN] * n  # ids the file leaves unused are never produced
+    n = max([*vocab.values(), *(t.id for t in added)]) + 1
+    tokens, types = [""] * n, [UNKNOWN] * n
     for t, i in vocab.items():
         tokens[i] = t
         is_byte = len(t) == 6 and t.startswith("<0x") and t.endswith(">")
-        types[i] = _BYTE if is_byte else _NORMAL
+        types[i] = BYTE if is_byte else NORMAL
     if model.get("unk_token") in vocab:
-        types[vocab[model["unk_token"]]] = _UNKNOWN
+        types[vocab[model["unk_token"]]] = UNKNOWN
     for t in added:
-        tokens[t["id"]] = t["content"]
-        types[t["id"]] = _CONTROL if t.get("special") else _USER_DEFINED
+        tokens[t.id] = t.content
+        types[t.id] = CONTROL if t.special else USER_DEFINED
+    return tokens, types
+
+
+def _spm_priority(model: dict, tokens: list[str], types: list[int]) -> list[int]:
+    """Token ids in merges-list order. A multi-character token no merge forms is never produced (its
+    type becomes UNKNOWN in `types`)."""
+    vocab = model["vocab"]
     priority, seen = [], set()
     for m in model.get("merges") or []:
         a, b = m.split(" ", 1) if isinstance(m, str) else m
@@ -323,10 +272,7 @@ def _sentencepiece(tj, model, pre, norms, cfg, name) -> spm.SentencePieceTokeniz
         if i not in seen:
             seen.add(i)
             priority.append(i)
-    for i, t in enumerate(tokens):  # a multi-character token no merge forms: never produced
-        if types[i] == _NORMAL and len(t) > 1 and i not in seen:
-            types[i] = _UNKNOWN
-    id_of = {**vocab, **{t["content"]: t["id"] for t in added}}
-    bos_id, eos_id, add_bos = _special_ids(tj, cfg, id_of)
-    return spm.build(tokens, types, priority, bos_id=bos_id, eos_id=eos_id, prefix=prefix, name=name,
-                     add_bos=add_bos)
+    for i, t in enumerate(tokens):
+        if types[i] == NORMAL and len(t) > 1 and i not in seen:
+            types[i] = UNKNOWN
+    return priority

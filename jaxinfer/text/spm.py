@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import AbstractSet, Collection, Literal, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import regex
 import tiktoken
 
-from jaxinfer.text.tokenizer import TokenizerData
-from jaxinfer.text.tokenizer import Tokenizer, TokenizerError
+from jaxinfer.text.tokenizer import (BYTE, CONTROL, NORMAL, USER_DEFINED, Disallowed, Special, Tokenizer,
+                                     TokenizerData, TokenizerError)
 
 SPACE = "\u2581"  # ▁, SentencePiece's space
-_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
 PREFIX_RULES = ("never", "first", "each")
 
 
@@ -52,7 +51,7 @@ def _alternation(alts: tuple[str, ...]) -> "regex.Pattern":
 
 
 def _token_bytes(tok: str, ttype: int) -> bytes:
-    if ttype == _BYTE:
+    if ttype == BYTE:
         return bytes([int(tok[3:5], 16)])  # "<0x41>"
     return tok.replace(SPACE, " ").encode("utf-8")
 
@@ -64,7 +63,6 @@ class SentencePieceTokenizer(Tokenizer):
     ids_of_rank: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), repr=False, compare=False)
     bytes_of_id: tuple[bytes, ...] = dataclasses.field(default=(), repr=False, compare=False)
     special_of_id: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    add_bos: bool = True  # Gemma expects <bos> first; `generate` prepends it to text prompts
     prefix: str = "never"  # the leading-space rule: "never", "first" or "each" (see `build`)
     added_texts: tuple[str, ...] = ()  # user-defined tokens, longest first
 
@@ -72,9 +70,8 @@ class SentencePieceTokenizer(Tokenizer):
     def n_vocab(self) -> int:
         return len(self.bytes_of_id)
 
-    def encode(self, text: str, *, allowed_special: Union[Literal["all"], AbstractSet[str]] = "all",
-               disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> list[int]:
-        """Token ids of `text` (no BOS; generate adds it when the model wants one)."""
+    def encode(self, text: str, *, allowed_special: Special = "all", disallowed_special: Disallowed = ()) -> list[int]:
+        """Token ids of `text` (no BOS: see `encode_prompt`)."""
         text = text.replace(SPACE, " ")
         if self.prefix == "first" and text and not text.startswith(" "):
             if self._added_at(text, allowed_special) is None:
@@ -127,9 +124,6 @@ class SentencePieceTokenizer(Tokenizer):
             raise ValueError(f"token ids {bad[:5]} outside [0, {n})")
         return [self.bytes_of_id[i] for i in ids]
 
-    def _special_text(self, i: Optional[int]) -> str:
-        return "" if i is None else self.bytes_of_id[i].decode("utf-8", errors="replace")
-
 
 def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer:
     """The tiktoken-backed tokenizer of a SentencePiece BPE GGUF vocabulary (Llama 2, Mistral, Gemma).
@@ -137,7 +131,7 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer
     As llama.cpp reads these files: merge priority is the token's score (higher first, ties to the
     lower id; where the file has no scores, the id), and `tokenizer.ggml.add_space_prefix`
     (default true, Gemma's files say false) puts a space before the text and after every
-    special or user-defined token.
+    special or user-defined token. BOS goes first unless `tokenizer.ggml.add_bos_token` is false.
 
     Args:
       data: `tokenizer.ggml.*` data with model "llama" and byte-fallback tokens.
@@ -150,16 +144,96 @@ def from_gguf(data: TokenizerData, name: str = "gguf") -> SentencePieceTokenizer
     # of spaces are user-defined with a placeholder score of -1000; as merges they must come
     # before the ordinary pieces they are made of.)
     types = data.token_types
-    priority = sorted(range(len(data.tokens)), key=lambda i: (types[i] != _USER_DEFINED, -scores[i], i))
+    priority = sorted(range(len(data.tokens)), key=lambda i: (types[i] != USER_DEFINED, -scores[i], i))
     prefix = "each" if data.add_space_prefix in (None, True) else "never"
-    return build(data.tokens, data.token_types, priority, bos_id=data.bos_id, eos_id=data.eos_id,
-                 extra_stop_ids=data.extra_eos_ids, chat_template=data.chat_template, prefix=prefix, name=name)
+    return build(data.tokens, data.token_types, priority, prefix=prefix, name=name, bos_id=data.bos_id,
+                 eos_id=data.eos_id, stop_ids=data.extra_eos_ids, chat_template=data.chat_template,
+                 add_bos=data.add_bos is not False)
 
 
-def build(tokens: Sequence[str], types: Sequence[int], priority: Sequence[int], *, bos_id: Optional[int],
-          eos_id: Optional[int], extra_stop_ids: Sequence[int] = (), chat_template: Optional[str] = None,
-          prefix: str = "never", name: str = "spm", add_bos: bool = True,
-          template_tokens: tuple = ()) -> SentencePieceTokenizer:
+@dataclasses.dataclass(frozen=True)
+class _Vocab:
+    """A SentencePiece vocabulary sorted by what each token is."""
+
+    byte_id: dict[int, int]  # byte value -> its <0xNN> token id
+    specials: dict[str, int]  # control tokens, by text
+    added: dict[bytes, int]  # user-defined tokens, matched whole
+    normal: dict[bytes, int]  # pieces the merges may form; the first id wins on a duplicate spelling
+    bytes_of_id: tuple[bytes, ...]
+
+
+def _sort_vocab(tokens: Sequence[str], types: Sequence[int]) -> _Vocab:
+    if sum(t == BYTE for t in types) != 256:
+        raise TokenizerError("a SentencePiece vocabulary needs all 256 <0xNN> byte-fallback tokens")
+    byte_id, specials, added, normal = {}, {}, {}, {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty == BYTE:
+            byte_id[_token_bytes(t, ty)[0]] = i
+        elif ty == CONTROL:
+            specials[t] = i
+        elif ty == USER_DEFINED and t.strip(" "):  # runs of spaces are ordinary merges (▁▁...)
+            added[t.encode("utf-8")] = i
+        elif ty in (NORMAL, USER_DEFINED):
+            normal.setdefault(_token_bytes(t, ty), i)
+        # unknown / unused types are never produced by the encoder
+    bytes_of_id = tuple(_token_bytes(t, ty) if ty != CONTROL else t.encode("utf-8") for t, ty in zip(tokens, types))
+    return _Vocab(byte_id, specials, added, normal, bytes_of_id)
+
+
+class _Ranks:
+    """tiktoken ranks under construction, each with the model ids its rank stands for."""
+
+    def __init__(self, byte_id: dict[int, int]):
+        self.byte_id = byte_id
+        self.ranks: dict[bytes, int] = {}
+        self.ids_of_rank: list[tuple[int, ...]] = []
+
+    def fallback(self, b: bytes) -> tuple[int, ...]:
+        return tuple(self.byte_id[x] for x in b)
+
+    def add(self, b: bytes, ids: tuple[int, ...]) -> None:
+        self.ranks[b] = len(self.ids_of_rank)
+        self.ids_of_rank.append(ids)
+
+    def add_or_claim(self, b: bytes, i: int) -> None:
+        """Rank `b` as token `i`; if `b` already holds a rank (a byte or synthetic prefix), `i` takes it."""
+        if b in self.ranks:
+            self.ids_of_rank[self.ranks[b]] = (i,)
+        else:
+            self.add(b, (i,))
+
+
+def _rank_bands(v: _Vocab, priority: Sequence[int]) -> _Ranks:
+    """The three bands of the module doc, then the user-defined tokens."""
+    r = _Ranks(v.byte_id)
+    for x in range(256):  # band 1: a one-byte token if the vocab has it, else its byte-fallback token
+        b = bytes([x])
+        i = v.added.get(b, v.normal.get(b))
+        r.add(b, (i,) if i is not None else r.fallback(b))
+    chars = sorted((i, b) for b, i in v.normal.items() if len(b) > 1 and len(b.decode("utf-8")) == 1)
+    for i, b in chars:  # band 2: multi-byte characters, after their byte prefixes
+        for k in range(2, len(b)):
+            if b[:k] not in r.ranks:
+                r.add(b[:k], r.fallback(b[:k]))  # only survives when the character is not in the vocab
+        r.add_or_claim(b, i)
+    for i in priority:  # band 3: longer tokens in merge-priority order
+        b = v.bytes_of_id[i]
+        if v.normal.get(b) == i and b not in r.ranks:
+            r.add(b, (i,))
+    for b, i in v.added.items():
+        r.add_or_claim(b, i)
+    return r
+
+
+def _split_pattern(added_texts: Sequence[str]) -> str:
+    """User-defined tokens whole (longest first, as leftmost-longest matching does), and everything
+    between them as one piece: SentencePiece has no pre-tokenizer."""
+    alt = "|".join(regex.escape(a) for a in added_texts)
+    return f"(?:{alt})|(?:(?!{alt})[\\s\\S])+" if added_texts else r"[\s\S]+"
+
+
+def build(tokens: Sequence[str], types: Sequence[int], priority: Sequence[int], *, prefix: str = "never",
+          name: str = "spm", **fields) -> SentencePieceTokenizer:
     """A SentencePiece BPE vocabulary as a tiktoken.Encoding (the three rank bands of the module doc).
 
     Args:
@@ -171,84 +245,29 @@ def build(tokens: Sequence[str], types: Sequence[int], priority: Sequence[int], 
         token: Metaspace prepend_scheme="first") or "each" (a space before every stretch of text
         between added tokens: SentencePiece's dummy prefix as llama.cpp applies it, and the legacy
         Prepend("▁") normalizer).
+      name: the encoding's name.
+      **fields: `Tokenizer` fields (bos_id, eos_id, chat_template, template_tokens, add_bos -- default
+        True --, stop_ids beyond eos and <end_of_turn>, which always stop).
     """
     if prefix not in PREFIX_RULES:
         raise ValueError(f"prefix must be one of {PREFIX_RULES}, got {prefix!r}")
-    toks = list(tokens)
-    if sum(t == _BYTE for t in types) != 256:
-        raise TokenizerError("a SentencePiece vocabulary needs all 256 <0xNN> byte-fallback tokens")
-    byte_id = {}
-    specials: dict[str, int] = {}
-    added: dict[bytes, int] = {}  # user-defined tokens, matched whole
-    normal: dict[bytes, int] = {}
-    for i, (t, ty) in enumerate(zip(toks, types)):
-        if ty == _BYTE:
-            byte_id[_token_bytes(t, ty)[0]] = i
-        elif ty == _CONTROL:
-            specials[t] = i
-        elif ty == _USER_DEFINED and t.strip(" "):  # runs of spaces are ordinary merges (▁▁...)
-            added[t.encode("utf-8")] = i
-        elif ty in (_NORMAL, _USER_DEFINED):
-            b = _token_bytes(t, ty)
-            normal.setdefault(b, i)  # first (highest-priority) id wins on a duplicate spelling
-        # unknown / unused types are never produced by the encoder
-    bytes_of_id = tuple(_token_bytes(t, ty) if ty != _CONTROL else t.encode("utf-8")
-                        for t, ty in zip(toks, types))
-
-    ranks: dict[bytes, int] = {}
-    ids_of_rank: list[tuple[int, ...]] = []
-
-    def fallback(b: bytes) -> tuple[int, ...]:
-        return tuple(byte_id[x] for x in b)
-
-    def add(b: bytes, ids: tuple[int, ...]) -> None:
-        ranks[b] = len(ids_of_rank)
-        ids_of_rank.append(ids)
-
-    # Band 1: single bytes (a one-byte token if the vocab has it, else its byte-fallback token).
-    for x in range(256):
-        b = bytes([x])
-        i = added.get(b, normal.get(b))
-        add(b, (i,) if i is not None else fallback(b))
-    # Band 2: multi-byte characters and their byte prefixes.
-    chars = sorted((i, b) for b, i in normal.items() if len(b) > 1 and len(b.decode("utf-8")) == 1)
-    for i, b in chars:
-        for k in range(2, len(b)):
-            if b[:k] not in ranks:
-                add(b[:k], fallback(b[:k]))  # only survives when the character is not in the vocab
-        if b in ranks:  # was a synthetic prefix of another character
-            ids_of_rank[ranks[b]] = (i,)
-        else:
-            add(b, (i,))
-    # Band 3: longer tokens in merge-priority order, then user-defined tokens.
-    for i in priority:
-        b = bytes_of_id[i]
-        if normal.get(b) == i and b not in ranks:
-            add(b, (i,))
-    for b, i in added.items():
-        if b in ranks:
-            ids_of_rank[ranks[b]] = (i,)
-        else:
-            add(b, (i,))
+    v = _sort_vocab(tokens, types)
+    r = _rank_bands(v, priority)
     special_ranks = {}
-    for t, i in specials.items():
-        special_ranks[t] = len(ids_of_rank)
-        ids_of_rank.append((i,))
-
-    # Split: user-defined tokens whole (longest first, as leftmost-longest matching does), and
-    # everything between them as one piece -- SentencePiece has no pre-tokenizer.
-    alts = sorted((b.decode("utf-8") for b in added), key=len, reverse=True)
-    alt = "|".join(regex.escape(a) for a in alts)
-    pat = f"(?:{alt})|(?:(?!{alt})[\\s\\S])+" if alts else r"[\s\S]+"
-    enc = tiktoken.Encoding(name=name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special_ranks)
-    stop = tuple(sorted({i for i in (eos_id, specials.get("<end_of_turn>"), *extra_stop_ids) if i is not None}))
-    if chat_template is None and "<start_of_turn>" in specials:
-        chat_template = GEMMA_CHAT_TEMPLATE
-    return SentencePieceTokenizer(encoding=enc, bos_id=bos_id, eos_id=eos_id, stop_ids=stop,
-                                  chat_template=chat_template, vocab_size=len(toks), template_tokens=template_tokens,
-                                  ids_of_rank=tuple(ids_of_rank), bytes_of_id=bytes_of_id,
-                                  special_of_id={i: t for t, i in specials.items()}, add_bos=add_bos,
-                                  prefix=prefix, added_texts=tuple(alts))
+    for t, i in v.specials.items():
+        special_ranks[t] = len(r.ids_of_rank)
+        r.ids_of_rank.append((i,))
+    added_texts = tuple(sorted((b.decode("utf-8") for b in v.added), key=len, reverse=True))
+    enc = tiktoken.Encoding(name=name, pat_str=_split_pattern(added_texts), mergeable_ranks=r.ranks,
+                            special_tokens=special_ranks)
+    stop = {fields.get("eos_id"), v.specials.get("<end_of_turn>"), *fields.pop("stop_ids", ())} - {None}
+    if fields.get("chat_template") is None and "<start_of_turn>" in v.specials:
+        fields["chat_template"] = GEMMA_CHAT_TEMPLATE
+    fields.setdefault("add_bos", True)  # Llama 2, Mistral and Gemma all expect BOS first
+    return SentencePieceTokenizer(encoding=enc, stop_ids=tuple(sorted(stop)), vocab_size=len(tokens),
+                                  ids_of_rank=tuple(r.ids_of_rank), bytes_of_id=v.bytes_of_id,
+                                  special_of_id={i: t for t, i in v.specials.items()}, prefix=prefix,
+                                  added_texts=added_texts, **fields)
 
 
 # Gemma's chat format (the GGUF carries no template): turns in <start_of_turn>role ... <end_of_turn>,

@@ -2,7 +2,11 @@
 
 Layout of a checkpoint folder (e.g. `checkpoints/gemma3-270m/`):
   params/                  orbax PyTree checkpoint of the params (layers stacked on L)
-  tokenizer.json           the tokenizer data (`gguf_io.TokenizerData`), if the model has one
+  tokenizer.json           a GGUF's tokenizer data (`TokenizerData` as JSON), if it came from a GGUF
+  hf_tokenizer/            a Hugging Face folder's tokenizer files, copied unchanged (tokenizer.json,
+                           tokenizer_config.json, chat_template.jinja, generation_config.json,
+                           config.json), if it came from one: the checkpoint tokenizes, renders
+                           chats and stops exactly as the folder did
   jaxinfer_checkpoint.json the marker, written last: format version, config, dtype, source, the
                            shape of every tensor and the size of every file in the folder
 
@@ -28,7 +32,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -37,23 +41,24 @@ import numpy as np
 from jaxinfer.model import params as P
 from jaxinfer.model.config import DTYPES, ModelConfig
 from jaxinfer.text.tokenizer import TokenizerData
+from jaxinfer.weights import gguf as gguf_io
+from jaxinfer.weights import hf as hf_io
+from jaxinfer.weights import load_tokenizer as lt
+from jaxinfer.weights import source as sources
 from jaxinfer.weights.hub import sha256_file
+from jaxinfer.weights.source import is_checkpoint  # noqa: F401  (part of this module's interface)
 
 FORMAT = "jaxinfer-checkpoint"
 VERSION = 1
-MARKER = "jaxinfer_checkpoint.json"
-TOKENIZER_FILE = "tokenizer.json"
+MARKER = sources.CHECKPOINT_MARKER
+TOKENIZER_FILE = lt.TOKENIZER_DATA_FILE
+HF_TOKENIZER_DIR = lt.HF_TOKENIZER_DIR
 PARAMS_DIR = "params"
 PARTIAL = ".partial-"  # infix of the temporary folder a save writes into
 
 
 class CheckpointError(ValueError):
     """A folder is not a complete, consistent jaxinfer checkpoint."""
-
-
-def is_checkpoint(path: os.PathLike) -> bool:
-    """Whether `path` is a folder holding a finished checkpoint (the marker file exists)."""
-    return (Path(path) / MARKER).is_file()
 
 
 def _tree_paths(tree) -> dict[str, Any]:
@@ -93,7 +98,7 @@ def _file_sizes(root: Path) -> dict[str, int]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
-def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[TokenizerData] = None, *,
+def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Union[TokenizerData, os.PathLike, None] = None, *,
          dtype: Optional[str] = None, source: Optional[str] = None, overwrite: bool = False,
          checksums: bool = True) -> Path:
     """Write a checkpoint atomically: the folder `path` appears only when it is complete.
@@ -102,7 +107,8 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
       path: destination folder (must not exist unless `overwrite`).
       cfg: the model config (stored in the marker; its dtype field is set to the stored dtype).
       params: params pytree (numpy or jax arrays) matching `params.param_specs(cfg)`.
-      tokenizer: tokenizer data to store beside the weights, or None.
+      tokenizer: what to store beside the weights: a GGUF's tokenizer data, a Hugging Face folder
+        whose tokenizer files are copied (`HF_TOKENIZER_DIR`), or None.
       dtype: stored dtype ("float32", "bfloat16", "float16"); default `cfg.dtype`.
       source: where the weights came from (recorded in the marker).
       overwrite: replace an existing checkpoint at `path` (never anything else: see
@@ -111,8 +117,6 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
     Returns:
       The checkpoint folder.
     """
-    import orbax.checkpoint as ocp
-
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -126,34 +130,11 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
     tmp = dest.parent / f".{dest.name}{PARTIAL}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        dt = jnp.dtype(dtype)
-        arrays = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / PARAMS_DIR, arrays)
-            ckptr.wait_until_finished()
-        del arrays
-        if tokenizer is not None:
-            (tmp / TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(tokenizer), ensure_ascii=False))
-        sizes = _file_sizes(tmp)
-        marker = {
-            "format": FORMAT,
-            "version": VERSION,
-            "config": dataclasses.asdict(cfg),
-            "dtype": dtype,
-            "source": source,
-            "tensors": {k: list(v.shape) for k, v in _tree_paths(params).items()},
-            "files": sizes,
-            "sha256": {f: sha256_file(tmp / f) for f in sizes} if checksums else None,
-        }
-        _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
+        _write_arrays(tmp, params, dtype)
+        _write_tokenizer(tmp, tokenizer)
+        _write_marker(tmp, cfg, params, source, checksums)
         check_replaceable(dest, overwrite)  # again: the folder may have changed during the save
-        if dest.exists():  # overwrite: move the old one aside first so `dest` is never half-new
-            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        _publish(tmp, dest)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
@@ -161,6 +142,51 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Optional[Tokeni
                                         "(nothing was left behind); free some space or choose another --out") from e
         raise
     return dest
+
+
+def _write_arrays(tmp: Path, params, dtype: str) -> None:
+    import orbax.checkpoint as ocp
+
+    dt = jnp.dtype(dtype)
+    arrays = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype=dt), params)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp / PARAMS_DIR, arrays)
+        ckptr.wait_until_finished()
+
+
+def _write_tokenizer(tmp: Path, tokenizer: Union[TokenizerData, os.PathLike, None]) -> None:
+    if isinstance(tokenizer, TokenizerData):
+        (tmp / TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(tokenizer), ensure_ascii=False))
+    elif tokenizer is not None:
+        lt.copy_hf_tokenizer(str(tokenizer), str(tmp / HF_TOKENIZER_DIR))
+
+
+def _write_marker(tmp: Path, cfg: ModelConfig, params, source: Optional[str], checksums: bool) -> None:
+    """The marker, last: format version, config, dtype, source, every tensor's shape, every file's size."""
+    sizes = _file_sizes(tmp)
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": dataclasses.asdict(cfg),
+        "dtype": cfg.dtype,
+        "source": source,
+        "tensors": {k: list(v.shape) for k, v in _tree_paths(params).items()},
+        "files": sizes,
+        "sha256": {f: sha256_file(tmp / f) for f in sizes} if checksums else None,
+    }
+    _write_synced(tmp / MARKER, json.dumps(marker, indent=1))
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    """Rename the finished folder to `dest`; an old checkpoint there is moved aside first, so `dest`
+    is never half-new."""
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -236,20 +262,12 @@ def read_config(path: os.PathLike) -> ModelConfig:
 
 
 def read_tokenizer(path: os.PathLike) -> Optional[TokenizerData]:
-    """The tokenizer data stored in a checkpoint, or None if it has none."""
-    f = Path(path) / TOKENIZER_FILE
-    if not f.exists():
-        return None
+    """The GGUF tokenizer data stored in a checkpoint, or None if it has none (a checkpoint of a
+    Hugging Face folder keeps the folder's files instead: see `jaxinfer.load_tokenizer`)."""
     try:
-        raw = json.loads(f.read_text(encoding="utf-8"))
-        raw["extra_eos_ids"] = tuple(raw.get("extra_eos_ids", ()))
-        if raw.get("model") == "llama" and "add_space_prefix" not in raw:
-            # Written before the field existed, when the one SentencePiece vocabulary jaxinfer read
-            # was Gemma's, whose GGUF says add_space_prefix = false: keep tokenizing as it did.
-            raw["add_space_prefix"] = False
-        return TokenizerData(**raw)
-    except (ValueError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid tokenizer data: {e}") from e
+        return lt.read_tokenizer_data(str(Path(path) / TOKENIZER_FILE))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _check_files(folder: Path, meta: dict, verify: Optional[bool]) -> None:
@@ -349,34 +367,58 @@ class Converted:
     bytes_on_disk: int
 
 
-def read_source(source: str, *, cache: Optional[str] = None, progress=None):
+@dataclasses.dataclass(frozen=True)
+class SourceModel:
+    """A model source read into host memory (`read_source`)."""
+
+    config: ModelConfig
+    params: dict  # float32 numpy, canonical layout
+    tokenizer: Union[TokenizerData, str, None]  # a GGUF's tokenizer data, or a folder of HF tokenizer files
+    kind: str  # "gguf", "known", "huggingface" or "checkpoint"
+
+
+def require_model(src: sources.Source, given: str) -> sources.Source:
+    """`src` when it holds weights, else CheckpointError saying what it is."""
+    if src.has_weights:
+        return src
+    if src.kind == "tokenizer_folder":
+        raise CheckpointError(f"{given} is neither a finished jaxinfer checkpoint (it has no {MARKER}) nor a "
+                              "Hugging Face model folder (config.json + model.safetensors or "
+                              "model.safetensors.index.json)")
+    raise CheckpointError(f"{given} is a tokenizer alone ({src.kind}), not a model with weights; "
+                          "jaxinfer.load_tokenizer reads it")
+
+
+def read_source(source: str, *, cache: Optional[str] = None, progress=None) -> SourceModel:
     """Read any model source into numpy params.
 
     Args:
-      source: a .gguf file, a known model name, a Hugging Face folder or a jaxinfer checkpoint.
+      source: a .gguf file, a known model name, a Hugging Face folder or hub id, or a jaxinfer checkpoint.
       cache: model cache folder for known names.
       progress: optional callback(done, total) per tensor read.
     Returns:
-      (config, params as float32 numpy, tokenizer data or None, kind of source).
+      A `SourceModel`.
     """
-    from jaxinfer.weights import gguf as gguf_io
-    from jaxinfer.weights import hf as hf_io
-    from jaxinfer.weights.load import resolve_source
-
-    src = resolve_source(source, cache)  # ValueError listing the known names if unknown
+    src = require_model(sources.classify(source, cache=cache), source)
     if src.kind == "checkpoint":
         cfg, params, tok = restore(src.path, "float32")
-        return cfg, jax.tree.map(np.asarray, params), tok, "checkpoint"
+        hf_dir = Path(src.path) / HF_TOKENIZER_DIR
+        return SourceModel(cfg, jax.tree.map(np.asarray, params), str(hf_dir) if hf_dir.is_dir() else tok,
+                           "checkpoint")
     if src.kind == "huggingface":
+        lt.tokenizer_of(src)  # a tokenizer jaxinfer refuses fails here, before the slow read
         cfg = hf_io.read_config(src.path)
-        return cfg, hf_io.read_params(src.path, cfg, progress), None, "huggingface"
+        return SourceModel(cfg, hf_io.read_params(src.path, cfg, progress), src.path, "huggingface")
     g = gguf_io.read_gguf(src.path, name=src.name, progress=progress)
-    return g.config, g.params, g.tokenizer, src.kind
+    return SourceModel(g.config, g.params, g.tokenizer, "known" if src.known else "gguf")
 
 
 def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite: bool = False,
             cache: Optional[str] = None, progress=None) -> Converted:
     """Convert a GGUF file, known model name, Hugging Face folder or checkpoint into a checkpoint.
+
+    The source's tokenizer goes with it: a GGUF's tokenizer data, or a Hugging Face folder's
+    tokenizer files (tokenizer, chat template, stop ids), so the checkpoint loads as the same model.
 
     Args:
       source: see `read_source`.
@@ -392,9 +434,9 @@ def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out = Path(out)
     check_replaceable(out.absolute(), overwrite)  # before the (slow) read
-    cfg, params, tok, kind = read_source(source, cache=cache, progress=progress)
-    cfg = cfg.replace(name=out.name)
-    path = save(out, cfg, params, tok, dtype=dtype, source=str(source), overwrite=overwrite)
+    m = read_source(source, cache=cache, progress=progress)
+    cfg = m.config.replace(name=out.name)
+    path = save(out, cfg, m.params, m.tokenizer, dtype=dtype, source=str(source), overwrite=overwrite)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return Converted(path=path, config=cfg.replace(dtype=dtype), source_kind=kind,
-                     n_params=P.count(params), bytes_on_disk=size)
+    return Converted(path=path, config=cfg.replace(dtype=dtype), source_kind=m.kind,
+                     n_params=P.count(m.params), bytes_on_disk=size)

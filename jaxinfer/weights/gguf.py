@@ -27,7 +27,7 @@ class GGUFError(ValueError):
     """A file is not a readable GGUF model (bad magic, truncated, missing tensors)."""
 
 
-def _open(path: str):
+def open_gguf(path: str):
     import gguf
 
     if not os.path.isfile(path):
@@ -157,6 +157,7 @@ def read_tokenizer(reader) -> TokenizerData:
         eos_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
         chat_template=_field(reader, "tokenizer.chat_template"),
         add_space_prefix=_opt_bool(_field(reader, "tokenizer.ggml.add_space_prefix")),
+        add_bos=_opt_bool(_field(reader, "tokenizer.ggml.add_bos_token")),
     )
 
 
@@ -180,67 +181,60 @@ def read_params(reader, cfg: ModelConfig, arch: str,
                 progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """Dequantize every tensor into the jaxinfer params layout (numpy float32, layers stacked)."""
     tensors = {t.name: t for t in reader.tensors}
-    L, D, N, K, H = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     total = len(tensors) - (ROPE_FREQS in tensors)  # rope_freqs is read with the config
     done = 0
 
-    def get(name: str) -> np.ndarray:
+    def get(name: str, shape: Optional[tuple] = None) -> np.ndarray:
         nonlocal done
         if name not in tensors:
             raise GGUFError(f"GGUF is missing tensor {name!r}")
         arr = dequantize(tensors[name])
+        if shape is not None and arr.shape != shape:
+            raise GGUFError(f"tensor {name!r} has shape {arr.shape}, expected {shape}")
         done += 1
         if progress:
             progress(done, total)
         return arr
 
-    def expect(name, arr, shape):
-        if arr.shape != shape:
-            raise GGUFError(f"tensor {name!r} has shape {arr.shape}, expected {shape}")
-        return arr
-
-    permute = arch == "llama"  # llama.cpp permutes Q/K only for the llama architecture
     layers: dict[str, list[np.ndarray]] = {}
-
-    def add(key, arr):
-        layers.setdefault(key, []).append(arr)
-
-    for i in range(L):
-        p = f"blk.{i}."
-        wq = expect(p + "attn_q.weight", get(p + "attn_q.weight"), (N * H, D))
-        wk = expect(p + "attn_k.weight", get(p + "attn_k.weight"), (K * H, D))
-        if permute:
-            wq, wk = unpermute_qk(wq, N), unpermute_qk(wk, K)
-        wv = expect(p + "attn_v.weight", get(p + "attn_v.weight"), (K * H, D))
-        wo = expect(p + "attn_output.weight", get(p + "attn_output.weight"), (D, N * H))
-        add("attn_norm", get(p + "attn_norm.weight"))
-        add("wq", wq.T.reshape(D, N, H))
-        add("wk", wk.T.reshape(D, K, H))
-        add("wv", wv.T.reshape(D, K, H))
-        add("wo", wo.T.reshape(N, H, D))
-        add("ffn_norm", get(p + "ffn_norm.weight"))  # Gemma 3: pre_feedforward_layernorm
-        add("w_gate", expect(p + "ffn_gate.weight", get(p + "ffn_gate.weight"), (cfg.ffn_dim, D)).T)
-        add("w_up", expect(p + "ffn_up.weight", get(p + "ffn_up.weight"), (cfg.ffn_dim, D)).T)
-        add("w_down", expect(p + "ffn_down.weight", get(p + "ffn_down.weight"), (D, cfg.ffn_dim)).T)
-        if cfg.qkv_bias:
-            add("bq", get(p + "attn_q.bias").reshape(N, H))
-            add("bk", get(p + "attn_k.bias").reshape(K, H))
-            add("bv", get(p + "attn_v.bias").reshape(K, H))
-        if cfg.qk_norm:
-            add("q_norm", get(p + "attn_q_norm.weight"))
-            add("k_norm", get(p + "attn_k_norm.weight"))
-        if cfg.post_norms:
-            add("post_attn_norm", get(p + "post_attention_norm.weight"))
-            add("post_ffn_norm", get(p + "post_ffw_norm.weight"))
-
+    for i in range(cfg.n_layers):
+        for key, arr in _layer_params(get, cfg, f"blk.{i}.", permute=arch == "llama").items():
+            layers.setdefault(key, []).append(arr)
+    V, D = cfg.vocab_size, cfg.d_model
     params = {
-        "embed": expect("token_embd.weight", get("token_embd.weight"), (cfg.vocab_size, D)),
+        "embed": get("token_embd.weight", (V, D)),
         "layers": {k: np.stack(v) for k, v in layers.items()},
         "final_norm": get("output_norm.weight"),
     }
     if not cfg.tie_embeddings:
-        params["lm_head"] = expect("output.weight", get("output.weight"), (cfg.vocab_size, D)).T
+        params["lm_head"] = get("output.weight", (V, D)).T
     return params
+
+
+def _layer_params(get: Callable, cfg: ModelConfig, p: str, permute: bool) -> dict[str, np.ndarray]:
+    """One layer's weights, named and shaped as jaxinfer's (`p` is the GGUF prefix "blk.{i}.").
+
+    permute: undo llama.cpp's Q/K row permutation (it permutes only for the llama architecture).
+    """
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    wq, wk = get(p + "attn_q.weight", (N * H, D)), get(p + "attn_k.weight", (K * H, D))
+    if permute:
+        wq, wk = unpermute_qk(wq, N), unpermute_qk(wk, K)
+    wv, wo = get(p + "attn_v.weight", (K * H, D)), get(p + "attn_output.weight", (D, N * H))
+    out = {"attn_norm": get(p + "attn_norm.weight"),
+           "wq": wq.T.reshape(D, N, H), "wk": wk.T.reshape(D, K, H), "wv": wv.T.reshape(D, K, H),
+           "wo": wo.T.reshape(N, H, D),
+           "ffn_norm": get(p + "ffn_norm.weight"),  # Gemma 3: pre_feedforward_layernorm
+           "w_gate": get(p + "ffn_gate.weight", (F, D)).T, "w_up": get(p + "ffn_up.weight", (F, D)).T,
+           "w_down": get(p + "ffn_down.weight", (D, F)).T}
+    if cfg.qkv_bias:
+        out.update(bq=get(p + "attn_q.bias").reshape(N, H), bk=get(p + "attn_k.bias").reshape(K, H),
+                   bv=get(p + "attn_v.bias").reshape(K, H))
+    if cfg.qk_norm:
+        out.update(q_norm=get(p + "attn_q_norm.weight"), k_norm=get(p + "attn_k_norm.weight"))
+    if cfg.post_norms:
+        out.update(post_attn_norm=get(p + "post_attention_norm.weight"), post_ffn_norm=get(p + "post_ffw_norm.weight"))
+    return out
 
 
 @dataclasses.dataclass
@@ -254,7 +248,7 @@ class GGUFModel:
 def read_gguf(path: str, name: Optional[str] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> GGUFModel:
     """Read a whole GGUF model: config, dequantized params (float32 numpy) and tokenizer data."""
-    reader = _open(path)
+    reader = open_gguf(path)
     try:
         arch = _field(reader, "general.architecture")
         cfg = read_config(reader, name or os.path.basename(path))

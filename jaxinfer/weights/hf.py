@@ -143,6 +143,17 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
     except ValueError as e:
         raise HFError(f"{path} is not valid JSON: {e}") from e
     mt = raw.get("model_type")
+    _refuse_unsupported(raw, mt, path)
+    cfg = _common_fields(raw, path, name or hf_cache.snapshot_repo_id(folder) or folder.name)
+    cfg.update(_family_fields(raw, mt, cfg, path))
+    try:
+        return ModelConfig(**cfg)
+    except ValueError as e:
+        raise HFError(f"{path}: {e}") from e
+
+
+def _refuse_unsupported(raw: dict, mt: Optional[str], path: Path) -> None:
+    """Model types, biases, quantization and attention variants jaxinfer does not implement, by name."""
     if mt == "gemma3" and "text_config" in raw:
         raise HFError(f"{path}: multimodal Gemma3ForConditionalGeneration is not supported; "
                       "use the text-only model (model_type 'gemma3_text')")
@@ -157,7 +168,13 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
     for key in ("attn_logit_softcapping", "attention_chunk_size"):  # attention variants
         if mt != "gemma3_text" and raw.get(key) is not None:
             raise HFError(f"{path}: {key} = {raw[key]!r} is not implemented for {mt}")
+    act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise HFError(f"{path}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
 
+
+def _common_fields(raw: dict, path: Path, name: str) -> dict:
+    """ModelConfig fields every family reads the same way."""
     def need(key):
         if key not in raw:
             raise HFError(f"{path}: missing {key!r}")
@@ -168,8 +185,9 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
     eos = raw.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    cfg = dict(
-        name=name or hf_cache.snapshot_repo_id(folder) or folder.name,
+    act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+    return dict(
+        name=name,
         vocab_size=int(need("vocab_size")),
         d_model=d_model,
         n_layers=int(need("num_hidden_layers")),
@@ -179,36 +197,35 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
         ffn_dim=int(need("intermediate_size")),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_seq_len=int(raw.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", mt == "gemma3_text")),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", raw.get("model_type") == "gemma3_text")),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos,
+        activation="silu" if act == "silu" else "gelu_tanh",
     )
-    act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
-    if act not in ("silu", "gelu_pytorch_tanh"):
-        raise HFError(f"{path}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
-    cfg["activation"] = "silu" if act == "silu" else "gelu_tanh"
+
+
+def _family_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
+    """RoPE, window and block-variant fields of one family (Gemma 3, or the Llama-like ones)."""
+    out: dict = {}
     if mt == "gemma3_text":
-        cfg.update(_rope_fields(_rope(raw, "full_attention", 1_000_000.0, path), "rope_theta"))
-        cfg.update(_rope_fields(_rope(raw, "sliding_attention", 10_000.0, path), "rope_local_theta"))
+        out.update(_rope_fields(_rope(raw, "full_attention", 1_000_000.0, path), "rope_theta"))
+        out.update(_rope_fields(_rope(raw, "sliding_attention", 10_000.0, path), "rope_local_theta"))
         if raw.get("attn_logit_softcapping") is not None:
             raise HFError(f"{path}: attn_logit_softcapping is not supported")
         if raw.get("use_bidirectional_attention"):
             raise HFError(f"{path}: use_bidirectional_attention is not supported")
-        cfg.update(qk_norm=True, post_norms=True, scale_embeddings=True,
+        out.update(qk_norm=True, post_norms=True, scale_embeddings=True,
                    query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or cfg["head_dim"]),
                    final_logit_softcap=raw.get("final_logit_softcapping"))
-        cfg.update(_gemma_layer_pattern(raw, cfg["n_layers"], path))
-    else:
-        cfg.update(_rope_fields(_rope(raw, "", 10_000.0, path), "rope_theta"))
-        window = _uniform_window(raw, mt, cfg["n_layers"], path)
-        if window is not None:
-            cfg["sliding_window"] = window  # every layer local (Mistral)
-        cfg["qkv_bias"] = mt == "qwen2"
-        cfg["qk_norm"] = mt == "qwen3"  # per-head RMSNorm on q and k before RoPE
-    try:
-        return ModelConfig(**cfg)
-    except ValueError as e:
-        raise HFError(f"{path}: {e}") from e
+        out.update(_gemma_layer_pattern(raw, cfg["n_layers"], path))
+        return out
+    out.update(_rope_fields(_rope(raw, "", 10_000.0, path), "rope_theta"))
+    window = _uniform_window(raw, mt, cfg["n_layers"], path)
+    if window is not None:
+        out["sliding_window"] = window  # every layer local (Mistral)
+    out["qkv_bias"] = mt == "qwen2"
+    out["qk_norm"] = mt == "qwen3"  # per-head RMSNorm on q and k before RoPE
+    return out
 
 
 def _gemma_layer_pattern(raw: dict, n_layers: int, path: Path) -> dict:
