@@ -28,7 +28,7 @@ def _random_case(B, V, seed):
 class ApplyBitmaskTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy(self):
-        for V in (1, 31, 32, 33, 100, 49152):
+        for V in (1, 33, 49152):  # one word, a partial last word, SmolLM2's vocabulary
             logits, mask = _random_case(3, V, seed=V)
             got = np.asarray(self.variant(bm.apply_token_bitmask)(jnp.asarray(logits), jnp.asarray(mask)))
             np.testing.assert_array_equal(got, _np_apply(logits, mask), err_msg=f"V={V}")

@@ -242,6 +242,18 @@ def test_bitmask_applies_on_device(tok, compiler):
     assert set(np.nonzero(np.isfinite(masked))[0].tolist()) == _allowed(m)
 
 
+def test_gguf_tokenizer_gives_the_same_masks(tok, compiler):
+    """The tokenizer `jaxinfer.load_tokenizer("smollm2-135m")` reads from the GGUF (a different
+    Tokenizer class, control tokens from GGUF token types) compiles to the same masks."""
+    gguf = C.Compiler(jaxinfer.load_tokenizer("smollm2-135m"), V_MODEL, stop_ids=[0, 2])
+    c = C.json_schema(SCHEMAS[0])
+    a, b = compiler.matcher(c), gguf.matcher(c)
+    for t in tok.encode('{"name": "Ann", "age": 7, "pet": null}'):
+        assert _allowed(a) == _allowed(b)
+        assert a.consume(t) and b.consume(t)
+    assert a.is_stopped and b.is_stopped
+
+
 def test_compiled_once_and_cache_bounded(tok):
     comp = C.Compiler(tok, cache_size=2)
     assert comp.vocab_size == tok.vocab_size and comp.stop_ids == tok.stop_ids

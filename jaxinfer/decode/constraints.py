@@ -215,6 +215,13 @@ def special_token_texts(tokenizer) -> frozenset[str]:
     return frozenset(p.decode("utf-8", errors="replace") for p in tokenizer.pieces(special_token_ids(tokenizer)))
 
 
+def _piece(tokenizer, i: int) -> bytes:
+    try:
+        return tokenizer.pieces([i])[0]
+    except (KeyError, ValueError):
+        return b""
+
+
 class _Vocabulary:
     """What llguidance's LLTokenizer reads from a tokenizer: one byte string per model id, the
     special ids, the end-of-sequence id, and a text -> ids function (used for forced tokens)."""
@@ -223,7 +230,11 @@ class _Vocabulary:
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         known = min(vocab_size, tokenizer.vocab_size or tokenizer.n_vocab)
-        self.tokens = tokenizer.pieces(range(known)) + [b""] * (vocab_size - known)  # b"": never allowed
+        try:
+            pieces = tokenizer.pieces(range(known))
+        except (KeyError, ValueError):  # ids the encoding skips
+            pieces = [_piece(tokenizer, i) for i in range(known)]
+        self.tokens = pieces + [b""] * (vocab_size - known)  # b"": never allowed
         self.special_token_ids = [i for i in special_token_ids(tokenizer) if i < known]
         self.eos_token_id = stop_ids[0]
         self.bos_token_id = tokenizer.bos_id
