@@ -175,7 +175,9 @@ def test_forced_tokens_rollback_and_validate(tok, compiler):
     assert _allowed(m) == {0, 2}  # in error only the stop ids remain
 
 
-def test_batched_and_draft_masks_equal_single_ones(tok, compiler):
+@pytest.mark.parametrize("threads", [1, 2])  # rows in turn, and llguidance's thread pool
+def test_batched_and_draft_masks_equal_single_ones(tok, compiler, threads):
+    compiler = C.Compiler(tok, V_MODEL, stop_ids=[0, 2], threads=threads)
     cs = [C.json_object(), None, C.regex("[0-9]{2,4}"), C.choice(["left", "right"])]
     ms = [compiler.matcher(c) if c else None for c in cs]
     assert ms[0].consume_tokens(tok.encode('{"a": '))
