@@ -148,6 +148,7 @@ def test_special_tokens_are_not_text(tok, compiler):
     assert m.consume_tokens(tok.encode("<|im_end|>x", allowed_special=set(), disallowed_special=()))
     assert m.is_stopped
     # ... and a grammar asks for the control token by name
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= C.special_token_texts(tok)
     m = compiler.matcher(C.grammar("start: <|im_end|>"))
     assert _allowed(m) == {2}
     with pytest.raises(ValueError, match="unknown special token"):

@@ -469,9 +469,8 @@ def tool_call_constraint(tokenizer, tools: Sequence[Mapping[str, Any]], tool_cho
             raise ValueError(f"tool {name!r} parameters: {e}") from None
     key = _ARGS_KEY[fmt]
     schemas = [_call_schema(n, p, key) for n, p in chosen]
-    special = {t: i for i, t in zip(constraints.special_token_ids(tokenizer),
-                                   tokenizer.pieces(constraints.special_token_ids(tokenizer)))}
-    special = {t.decode("utf-8", "replace"): i for t, i in special.items()}
+    ids = constraints.special_token_ids(tokenizer)
+    special = {p.decode("utf-8", "replace"): i for i, p in zip(ids, tokenizer.pieces(ids))}
 
     def lit(text: str) -> str:  # a control token by id, ordinary text as a string
         return f"<[{special[text]}]>" if text in special else json.dumps(text)
