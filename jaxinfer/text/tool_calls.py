@@ -1,0 +1,491 @@
+"""Tool calls: a model's own tool-call text <-> OpenAI's `tool_calls`, whole or streamed, and the
+constraint that makes the model call a tool.
+
+Formats (detected from the chat template the model was trained with):
+
+  hermes   Qwen2.5, Qwen3 (and Hermes-style templates): one block per call,
+             <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
+  llama3   Llama 3.1 / 3.2 / 3.3 JSON tool calling: the whole reply is one call,
+             {"name": "f", "parameters": {...}}, optionally after <|python_tag|>
+             (several calls separated by ";" are accepted when parsing)
+  mistral  Mistral (v3 tokenizer templates): [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
+  json     no format in the template (SmolLM2-135M-Instruct's template ignores `tools`): used
+           only to force a call, as vLLM does: [{"name": "f", "arguments": {...}}, ...]
+
+`arguments` in the result is the JSON text the model wrote for the arguments value, unchanged, so
+streamed fragments concatenate to exactly the non-streamed string. Text outside the calls is the
+message `content` (None when only whitespace).
+
+Not supported: Llama's built-in tools (<|python_tag|>brave_search.call(...)), Mistral's newer
+[TOOL_CALLS]name[ARGS]{...} layout, pythonic tool calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+import string
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+FORMATS = ("hermes", "llama3", "mistral", "json")
+_ARGS_KEY = {"hermes": "arguments", "llama3": "parameters", "mistral": "arguments", "json": "arguments"}
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+_TOOL_CALLS = "[TOOL_CALLS]"
+# the head of a call object written name-first: `{"name": "f", "arguments": ` up to the value
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(arguments|parameters)"\s*:\s*(?=\S)')
+_FIRST_KEY = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"')
+
+
+def detect_format(chat_template: Optional[str]) -> Optional[str]:
+    """The tool-call format a chat template teaches, or None when it has none.
+
+    Args:
+      chat_template: the model's Jinja chat template text (Tokenizer.chat_template).
+    Returns:
+      "hermes", "llama3", "mistral", or None.
+    """
+    t = chat_template or ""
+    if _TOOL_CALLS in t:
+        return "mistral"
+    if _HERMES_OPEN in t and _HERMES_CLOSE in t:
+        return "hermes"
+    if "<|start_header_id|>" in t and '"parameters"' in t:
+        return "llama3"
+    return None
+
+
+def new_call_id(fmt: str) -> str:
+    """A fresh tool-call id: OpenAI-style `call_` + 24 random characters; 9 alphanumerics for
+    Mistral, whose chat templates refuse any other length."""
+    alphabet = string.ascii_letters + string.digits
+    n = 9 if fmt == "mistral" else 24
+    tail = "".join(secrets.choice(alphabet) for _ in range(n))
+    return tail if fmt == "mistral" else "call_" + tail
+
+
+# -- scanning JSON values that are still being written ------------------------------------------
+
+
+class _ValueScan:
+    """Finds where a JSON value starting at `start` ends, resuming as the text grows."""
+
+    def __init__(self, start: int):
+        self.start = self.pos = start
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.end: Optional[int] = None
+
+    def advance(self, text: str, final: bool) -> Optional[int]:
+        if self.end is not None:
+            return self.end
+        if text[self.start] not in "{[":  # a scalar: complete once something follows it
+            try:
+                _, end = json.JSONDecoder().raw_decode(text, self.start)
+            except ValueError:
+                return None
+            if end < len(text) or final:
+                self.end = end
+            return self.end
+        i = self.pos
+        while i < len(text):
+            ch = text[i]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i + 1
+                    break
+            i += 1
+        self.pos = i
+        return self.end
+
+
+@dataclasses.dataclass
+class _Call:
+    start: int  # index of the call object's "{"
+    obj: _ValueScan
+    name: Optional[str] = None
+    args: Optional[_ValueScan] = None  # the arguments value, when written name-first
+    id: Optional[str] = None
+    sent_args: int = 0  # characters of arguments already streamed
+    whole_args: Optional[str] = None  # arguments from a complete object written in another order
+
+
+class ToolCallParser:
+    """Model text in, OpenAI tool-call deltas out (`feed` per text delta, then `finish`).
+
+    The same parser gives the whole result (`parse_tool_calls`), so streamed deltas always add
+    up to the non-streamed answer.
+    """
+
+    def __init__(self, fmt: str, *, call_id: Optional[Callable[[], str]] = None):
+        """Args:
+          fmt: one of FORMATS (see `detect_format`).
+          call_id: makes each call's id; default `new_call_id(fmt)`.
+        """
+        if fmt not in FORMATS:
+            raise ValueError(f"tool-call format {fmt!r} is not one of {', '.join(FORMATS)}")
+        self.fmt = fmt
+        self._call_id = call_id or (lambda: new_call_id(fmt))
+        self._text = ""
+        self._pos = 0  # text before this is settled (emitted as content, or consumed by a call)
+        self._marker_at = 0  # end of the last call marker (<tool_call>, [TOOL_CALLS]) seen
+        self._state = "start"
+        self._calls: list[_Call] = []
+        self._content: list[str] = []  # content emitted so far (leading whitespace dropped)
+        self._held_ws = ""  # trailing whitespace held until more content follows it
+
+    # -- public API --
+
+    def feed(self, delta: str) -> list[dict]:
+        """Consume more model text.
+
+        Returns:
+          Deltas in order: {"content": str} or {"tool_call": {"index", "id", "type",
+          "function": {"name", "arguments"}}} (first delta of a call: id, type and name, arguments
+          "") then {"tool_call": {"index", "function": {"arguments": fragment}}}.
+        """
+        self._text += delta
+        return self._run(final=False)
+
+    def finish(self) -> list[dict]:
+        """The output is complete: flush what was held back (same kinds of deltas as `feed`)."""
+        return self._run(final=True)
+
+    @property
+    def content(self) -> Optional[str]:
+        """The content so far (None while empty)."""
+        return "".join(self._content) or None
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The tool calls so far, as OpenAI's message.tool_calls entries."""
+        out = []
+        for c in self._calls:
+            if c.name is None:
+                continue
+            if c.whole_args is not None:
+                args = c.whole_args
+            else:
+                end = c.args.end if c.args.end is not None else len(self._text)
+                args = self._text[c.args.start:end]
+            out.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
+        return out
+
+    # -- the state machine --
+
+    def _run(self, final: bool) -> list[dict]:
+        out: list[dict] = []
+        while True:
+            before = (self._state, self._pos, len(self._calls))
+            out += getattr(self, "_st_" + self._state)(final)
+            if (self._state, self._pos, len(self._calls)) == before:
+                return out
+
+    def _st_start(self, final):
+        rest = self._text[self._pos:]
+        stripped = rest.lstrip()
+        if self.fmt == "hermes":
+            self._state = "content"
+        elif self.fmt == "mistral":
+            self._state = "content"
+        elif not stripped:
+            if final:
+                self._state = "content"
+        elif self.fmt == "llama3":
+            if stripped.startswith(_PYTHON_TAG):
+                self._pos += len(rest) - len(stripped) + len(_PYTHON_TAG)
+                self._state = "open"
+            elif _PYTHON_TAG.startswith(stripped) and not final:
+                pass  # could still become <|python_tag|>
+            elif stripped.startswith("{"):
+                m = _FIRST_KEY.match(stripped)
+                if m and m.group(1) == "name":
+                    self._pos += len(rest) - len(stripped)
+                    self._state = "open"
+                elif m or final:
+                    self._state = "content_only"
+            else:
+                self._state = "content_only"
+        else:  # json: a bare array
+            if stripped.startswith("["):
+                self._pos += len(rest) - len(stripped) + 1
+                self._state = "open"
+            else:
+                self._state = "content_only"
+        return []
+
+    def _st_content_only(self, final):
+        return self._emit_content(len(self._text), final)
+
+    def _st_content(self, final):
+        marker = _HERMES_OPEN if self.fmt == "hermes" else _TOOL_CALLS
+        at = self._text.find(marker, self._pos)
+        if at < 0:
+            end = len(self._text)
+            if not final:  # hold back what could be the start of the marker
+                for k in range(min(len(marker) - 1, end - self._pos), 0, -1):
+                    if marker.startswith(self._text[end - k:]):
+                        end -= k
+                        break
+            return self._emit_content(end, final)
+        out = self._emit_content(at, final)
+        self._pos = self._marker_at = at + len(marker)
+        if self.fmt == "mistral":
+            self._state = "mistral_array"
+        else:
+            self._state = "open"
+        return out
+
+    def _st_mistral_array(self, final):
+        rest = self._text[self._pos:]
+        stripped = rest.lstrip()
+        if stripped.startswith("["):
+            self._pos += len(rest) - len(stripped) + 1
+            self._state = "open"
+        elif stripped or final:  # not the layout we know: the marker and what follows are content
+            self._pos = self._marker_at - len(_TOOL_CALLS)
+            self._state = "content_only"
+        return []
+
+    def _st_open(self, final):
+        rest = self._text[self._pos:]
+        stripped = rest.lstrip()
+        if stripped.startswith("{"):
+            start = self._pos + len(rest) - len(stripped)
+            self._calls.append(_Call(start=start, obj=_ValueScan(start)))
+            self._pos = start
+            self._state = "call"
+        elif stripped or final:  # no call object: the text is content
+            if self.fmt == "hermes":  # keep the marker as text, look for the next one after it
+                self._pos = self._marker_at - len(_HERMES_OPEN)
+                out = self._emit_content(self._marker_at, final)
+                self._state = "content"
+                return out
+            self._state = "content_only"
+        return []
+
+    def _st_call(self, final):
+        i = len(self._calls) - 1
+        c = self._calls[i]
+        out = []
+        if c.name is None:
+            m = _HEAD.match(self._text, c.start)
+            if m:
+                c.name = json.loads(f'"{m.group(1)}"')
+                c.id = self._call_id()
+                c.args = _ValueScan(m.end())
+                out.append({"tool_call": {"index": self._index(i), "id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": ""}}})
+        if c.args is not None:
+            end = c.args.advance(self._text, final)
+            out += self._args_delta(i, end if end is not None else len(self._text))
+        obj_end = c.obj.advance(self._text, final)
+        if obj_end is None:
+            return out
+        if c.name is None:  # complete but not written name-first: parse it whole
+            try:
+                obj = json.loads(self._text[c.start:obj_end])
+            except ValueError:
+                obj = None
+            args = obj.get(_ARGS_KEY[self.fmt], obj.get("arguments")) if isinstance(obj, dict) else None
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and args is not None:
+                c.name, c.id = obj["name"], self._call_id()
+                c.whole_args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                out.append({"tool_call": {"index": self._index(i), "id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.whole_args}}})
+            else:  # not a call after all: its text is content
+                self._calls.pop()
+                out += self._emit_content(obj_end, final)
+        self._pos = obj_end
+        self._state = "after"
+        return out
+
+    def _st_after(self, final):
+        rest = self._text[self._pos:]
+        stripped = rest.lstrip()
+        skip = len(rest) - len(stripped)
+        if self.fmt == "hermes":
+            at = self._text.find(_HERMES_CLOSE, self._pos)
+            if at >= 0:
+                self._pos = at + len(_HERMES_CLOSE)
+                self._state = "content"
+            elif final:
+                self._pos = len(self._text)
+            return []
+        if not stripped:
+            return []
+        sep = ";" if self.fmt == "llama3" else ","
+        if stripped[0] == sep:
+            self._pos += skip + 1
+            self._state = "open"
+        elif stripped[0] == "]" and self.fmt != "llama3":
+            self._pos += skip + 1
+            self._state = "content_only"
+        else:
+            self._pos += skip
+            self._state = "content_only"
+        return []
+
+    # -- helpers --
+
+    def _index(self, i: int) -> int:
+        return sum(1 for c in self._calls[:i] if c.name is not None)
+
+    def _args_delta(self, i: int, end: int) -> list[dict]:
+        c = self._calls[i]
+        frag = self._text[c.args.start + c.sent_args:end]
+        if not frag:
+            return []
+        c.sent_args += len(frag)
+        return [{"tool_call": {"index": self._index(i), "function": {"arguments": frag}}}]
+
+    def _emit_content(self, end: int, final: bool) -> list[dict]:
+        piece = self._text[self._pos:end] if end > self._pos else ""
+        self._pos = max(self._pos, end)
+        text = self._held_ws + piece
+        if not self._content:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._held_ws = text[len(body):]
+        if not body:
+            return []
+        self._content.append(body)
+        return [{"content": body}]
+
+
+def parse_tool_calls(text: str, fmt: Optional[str], *, call_id: Optional[Callable[[], str]] = None
+                     ) -> tuple[Optional[str], list[dict]]:
+    """Split a finished model reply into content and OpenAI tool calls.
+
+    Args:
+      text: the decoded reply (special tokens kept as text, e.g. "[TOOL_CALLS]").
+      fmt: one of FORMATS, or None (no tool format: all of it is content).
+      call_id: makes each call's id; default `new_call_id(fmt)`.
+    Returns:
+      (content or None, [{"id", "type": "function", "function": {"name", "arguments"}}, ...]).
+    """
+    if fmt is None:
+        return (text.strip() or None), []
+    p = ToolCallParser(fmt, call_id=call_id)
+    p.feed(text)
+    p.finish()
+    return p.content, p.tool_calls
+
+
+# -- forcing a call -----------------------------------------------------------------------------
+
+
+def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict]]:
+    """(name, parameters schema) of each OpenAI tool; ValueError naming a malformed one."""
+    out = []
+    for k, t in enumerate(tools or ()):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping):
+            raise ValueError(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ValueError(f"tools[{k}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+        params = fn.get("parameters")
+        if params is None:  # OpenAI: no parameters means an empty parameter list
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
+        if not isinstance(params, Mapping):
+            raise ValueError(f"tools[{k}].function.parameters must be a JSON schema object")
+        out.append((name, dict(params)))
+    names = [n for n, _ in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"tools name the function(s) {dup} more than once")
+    return out
+
+
+def _call_schema(name: str, params: dict, args_key: str) -> dict:
+    from jaxinfer.decode import constraints
+
+    return {"x-guidance": {"whitespace_pattern": constraints.JSON_WHITESPACE},
+            "type": "object", "properties": {"name": {"const": name}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def tool_call_constraint(tokenizer, tools: Sequence[Mapping[str, Any]], tool_choice: Any,
+                         fmt: Optional[str] = None):
+    """The constraint that makes the reply a tool call in the model's format, with arguments
+    that validate against the function's `parameters` schema.
+
+    Args:
+      tokenizer: the model's Tokenizer (its chat template picks the format; control tokens such
+        as `[TOOL_CALLS]` are named by id in the grammar).
+      tools: OpenAI `tools`: [{"type": "function", "function": {"name", "description",
+        "parameters"}}, ...].
+      tool_choice: "none" or "auto" (no constraint: returns None), "required" (one or more calls
+        to any of the tools; one for the llama3 format), or {"type": "function", "function":
+        {"name": ...}} (exactly one call to that function).
+      fmt: one of FORMATS; default `detect_format(tokenizer.chat_template)`, else "json".
+    Returns:
+      A jaxinfer.constraints Constraint, or None.
+    Raises:
+      ValueError: malformed tools or tool_choice, an unknown function name, or a parameters
+        schema the constraint engine cannot enforce (the tool and keyword are named).
+    """
+    from jaxinfer.decode import constraints
+
+    if tool_choice in (None, "none", "auto"):
+        return None
+    funcs = _functions(tools)
+    if not funcs:
+        raise ValueError(f"tool_choice {tool_choice!r} needs at least one tool in `tools`")
+    if tool_choice == "required":
+        chosen, single = funcs, False
+    elif isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
+        name = tool_choice["function"].get("name")
+        chosen = [f for f in funcs if f[0] == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
+                             f"({', '.join(n for n, _ in funcs)})")
+        single = True
+    else:
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
+                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
+    fmt = fmt or detect_format(tokenizer.chat_template) or "json"
+    if fmt not in FORMATS:
+        raise ValueError(f"tool-call format {fmt!r} is not one of {', '.join(FORMATS)}")
+    for name, params in chosen:  # each parameters schema on its own, for an error that names the tool
+        try:
+            constraints.json_schema(params)
+        except ValueError as e:
+            raise ValueError(f"tool {name!r} parameters: {e}") from None
+    key = _ARGS_KEY[fmt]
+    schemas = [_call_schema(n, p, key) for n, p in chosen]
+    ids = constraints.special_token_ids(tokenizer)
+    special = {p.decode("utf-8", "replace"): i for i, p in zip(ids, tokenizer.pieces(ids))}
+
+    def lit(text: str) -> str:  # a control token by id, ordinary text as a string
+        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+
+    fn_rules = [f"fn_{k}: %json {json.dumps(s, ensure_ascii=False)}" for k, s in enumerate(schemas)]
+    fn = "fn: " + " | ".join(f"fn_{k}" for k in range(len(schemas)))
+    if fmt == "hermes":
+        calls = "call" if single else 'call ("\\n" call)*'
+        lark = [f"start: {calls}", f'call: {lit(_HERMES_OPEN)} "\\n" fn "\\n" {lit(_HERMES_CLOSE)}', fn, *fn_rules]
+    elif fmt == "llama3":
+        lark = ["start: fn", fn, *fn_rules]
+    else:
+        array = {"x-guidance": {"whitespace_pattern": constraints.JSON_WHITESPACE}, "type": "array",
+                 "items": {"anyOf": [{k: v for k, v in s.items() if k != "x-guidance"} for s in schemas]},
+                 "minItems": 1, **({"maxItems": 1} if single else {})}
+        head = f"{lit(_TOOL_CALLS)} " if fmt == "mistral" else ""
+        lark = [f"start: {head}%json {json.dumps(array, ensure_ascii=False)}"]
+    return constraints.grammar("\n".join(lark))
