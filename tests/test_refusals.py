@@ -479,3 +479,18 @@ def test_chat_ids_start_with_bos_when_the_model_wants_one(tiny_model):
     tok = dataclasses.replace(tok, bos_id=256)
     ids = chat_ids(tok, [{"role": "user", "content": "hi"}])
     assert ids[:2] == [256, 257] and ids.count(256) == 1
+
+
+def test_private_use_characters_in_a_chat_message_are_plain_text(tiny_model):
+    """U+E000/U+E001 (the renderer's old placeholders) in a message: rendered as the template writes
+    them. The tokenizer is byte-level without merges, so the whole rendering encoded at once is the
+    reference."""
+    from jaxinfer.decode.requests import chat_ids
+
+    tok = tiny_model.tokenizer
+    for content in ["a \ue000 b \ue001 c", "\ue0000\ue000", "".join(map(chr, range(0xE000, 0xE010)))]:
+        messages = [{"role": "system", "content": "be \ue001"}, {"role": "user", "content": content}]
+        want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), allowed_special="all",
+                          disallowed_special=())
+        assert chat_ids(tok, messages) == want
+
