@@ -232,17 +232,104 @@ def _add_serve(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or folder")
     p.add_argument("--served-name", help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port in [0, 65535]; 0 = a free one (the URL printed "
+                   "at start says which)")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before a 429")
     p.add_argument("--kv-memory", help="KV pool size, e.g. 2GiB (default: the engine's)")
     p.add_argument("--max-len", type=int, help="longest prompt + max_tokens of one request (default: the model's "
-                   "context); without --kv-memory the pool holds --max-slots requests of this length")
+                   "context; never more than the KV pool holds); without --kv-memory the pool holds --max-slots "
+                   "requests of this length")
     p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
     p.add_argument("--kv-cache", choices=["int8"], help="KV-cache dtype (default: the param dtype)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+
+
+MAX_KV_MEMORY = 1 << 50  # 1 PiB: more than any device holds; a larger --kv-memory is a typo
+
+
+def _parse_bytes(text: str) -> int:
+    """--kv-memory: '2GiB', '512MiB', '1.5GB', '1000000' -> bytes (finite, >= 1 byte, <= 1 PiB)."""
+    import math
+
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    s = text.strip().lower()
+    num = s.rstrip("abgikm")
+    unit = s[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        value = math.nan
+    if not 1 <= value <= MAX_KV_MEMORY:  # also refuses nan and inf ("1e400")
+        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or a byte count, at least 1 byte and at "
+                         f"most 1PiB, got {text!r}")
+    return int(value)
+
+
+def _check_serve_flags(args):
+    """The serve flags that need no model, checked: returns (kv_memory bytes or None, mesh or None)."""
+    from jaxinfer.decode.requests import check_int
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0 = a free port), got {args.port}")
+    check_int("--max-slots", args.max_slots, 1)
+    check_int("--max-waiting", args.max_waiting, 0)
+    check_int("--max-body-bytes", args.max_body_bytes, 1)
+    if args.max_len is not None:  # its upper bound (the model's context) needs the config
+        check_int("--max-len", args.max_len, 1)
+    kv_memory = _parse_bytes(args.kv_memory) if args.kv_memory is not None else None
+    mesh = None
+    if args.mesh is not None:
+        from jaxinfer import sharding
+
+        mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
+    return kv_memory, mesh
+
+
+def _serve(args) -> int:
+    """`jaxinfer serve`: check the flags and bind the port, then load, warm up and serve until SIGTERM /
+    Ctrl-C. Everything that can be refused without the model is refused before the (slow) load."""
+    try:
+        import uvicorn
+
+        from jaxinfer.serve import server
+    except ImportError as e:
+        raise RuntimeError(f"jaxinfer serve needs the [serve] extra ({e}): pip install 'jaxinfer[serve]'")
+    import logging
+
+    import jaxinfer
+
+    kv_memory, mesh = _check_serve_flags(args)
+    sock = server.bind_socket(args.host, args.port)  # a busy port or a foreign address fails here
+    handler = logging.StreamHandler(sys.stderr)  # refused requests, one line each
+    handler.setFormatter(logging.Formatter("jaxinfer serve: %(message)s"))
+    try:
+        from jaxinfer.compile_cache import enable_persistent_cache
+
+        enable_persistent_cache(None)
+        _announce_fetch(args.model)
+        model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
+        engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
+        print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
+        engine.warmup()
+        limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
+                               max_body_bytes=args.max_body_bytes)
+        name = args.served_name or args.model
+        app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits)
+        config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="warning",
+                                timeout_graceful_shutdown=None)  # (re)configures logging: add ours after
+        server.log.addHandler(handler)
+        server.log.propagate = False  # the handler above prints them; not twice through the root logger
+        print(f"jaxinfer serve: {server.url_of(sock)}/v1 (model '{name}', at most {server.context_limit(engine)} "
+              "tokens per request)", file=sys.stderr)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        server.log.removeHandler(handler)
+        server.log.propagate = True
+        sock.close()
+    return 0
 
 
 def _add_convert(sub) -> None:
@@ -305,11 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "convert":
             return _convert(args)
         if args.command == "serve":
-            try:
-                from jaxinfer.serve import server
-            except ImportError as e:
-                raise RuntimeError(f"jaxinfer serve needs the [serve] extra ({e}): pip install 'jaxinfer[serve]'")
-            return server.run(args)
+            return _serve(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2

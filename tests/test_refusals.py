@@ -478,3 +478,93 @@ def test_chat_ids_start_with_bos_when_the_model_wants_one(tiny_model):
     tok = dataclasses.replace(tiny_model.tokenizer, bos_id=256, add_bos=True)  # like Gemma's tokenizer
     ids = chat_ids(tok, [{"role": "user", "content": "hi"}])
     assert ids[:2] == [256, 257] and ids.count(256) == 1
+
+
+def test_private_use_characters_in_a_chat_message_are_plain_text(tiny_model):
+    """U+E000/U+E001 (natural placeholder choices) in a message: rendered as the template writes
+    them. The tokenizer is byte-level without merges, so the whole rendering encoded at once is the
+    reference."""
+    from jaxinfer.decode.requests import chat_ids
+
+    tok = tiny_model.tokenizer
+    for content in ["a \ue000 b \ue001 c", "\ue0000\ue000", "".join(map(chr, range(0xE000, 0xE010)))]:
+        messages = [{"role": "system", "content": "be \ue001"}, {"role": "user", "content": content}]
+        want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), allowed_special="all",
+                          disallowed_special=())
+        assert chat_ids(tok, messages) == want
+
+
+# 9. `jaxinfer serve`: bad flags, a busy port, a foreign address: refused before the load -----------
+
+@pytest.mark.parametrize("flags,match", [
+    (["--port", "70000"], r"--port must be in \[0, 65535\] \(0 = a free port\), got 70000"),
+    (["--port", "-1"], r"--port must be in \[0, 65535\]"),
+    (["--kv-memory", "1e400"], "--kv-memory must be a size like 2GiB.*got '1e400'"),
+    (["--kv-memory", "nan"], "--kv-memory must be.*got 'nan'"),
+    (["--kv-memory", "inf"], "--kv-memory must be.*got 'inf'"),
+    (["--kv-memory", "0GiB"], "at least 1 byte"),
+    (["--kv-memory", "2PiB"], "--kv-memory must be"),
+    (["--max-body-bytes", "-1"], "--max-body-bytes must be an int >= 1, got -1"),
+    (["--max-len", "0"], "--max-len must be an int >= 1, got 0"),
+    (["--max-slots", "0"], "--max-slots must be an int >= 1, got 0"),
+    (["--max-waiting", "-1"], "--max-waiting must be an int >= 0, got -1"),
+    (["--host", "192.0.2.1", "--port", "0"], "cannot listen on 192.0.2.1:0: .*no such address"),
+])
+def test_serve_bad_flags_refused_before_loading(no_load, capsys, flags, match):
+    import re
+
+    pytest.importorskip("uvicorn")
+    assert cli.main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_serve_refuses_a_busy_port_before_loading(no_load, capsys):
+    import socket
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "another program listens there" in err, err
+
+
+def test_serve_port_0_binds_a_free_port_before_the_load_and_announces_it(tiny_model, monkeypatch, capsys):
+    """--port 0: the port is bound before the load (nobody else can take it meanwhile), the URL
+    printed is the real one, and uvicorn serves on that very socket."""
+    import socket
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from jaxinfer import compile_cache
+    from jaxinfer.serve import server
+
+    bound, at_load, served = [], [], []
+
+    def bind(host, port):
+        bound.append(real_bind(host, port))
+        return bound[-1]
+
+    def load(*a, **k):
+        at_load.append([s.getsockname()[1] for s in bound])
+        return tiny_model
+
+    real_bind = server.bind_socket
+    monkeypatch.setattr(server, "bind_socket", bind)
+    monkeypatch.setattr(jaxinfer, "load", load)
+    monkeypatch.setattr(compile_cache, "enable_persistent_cache", lambda *a: None)
+    # uvicorn's logging setup closes the handlers of other libraries (absl's writes to the stream
+    # pytest captures when it was imported); the real command runs it, this test need not.
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(
+        (sockets[0].getsockname()[1], self.config.app)))
+    assert cli.main(["serve", "--port", "0", "--max-slots", "1", "--max-len", "64", "--served-name", "t"]) == 0
+    port, app = served[0]
+    assert port != 0 and at_load == [[port]]
+    err = capsys.readouterr().err
+    assert f"http://127.0.0.1:{port}/v1 (model 't', at most 64 tokens per request)" in err, err
+    assert app.state.server.context == 64
+    with socket.socket() as probe:  # the CLI closed its socket when uvicorn returned
+        probe.bind(("127.0.0.1", port))

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import jaxinfer  # noqa: E402
-from jaxinfer.decode.requests import chat_ids  # noqa: E402
+from jaxinfer.decode.requests import chat_ids, encode_text  # noqa: E402
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
 from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
 from jaxinfer.model.forward import Model  # noqa: E402
@@ -356,6 +356,165 @@ def test_metrics_are_prometheus_text(served):
         assert _metric(text, name) >= 0
     assert _metric(text, "jaxinfer_time_to_first_token_seconds_count") > 0
     assert 'jaxinfer_time_to_first_token_seconds_bucket{le="+Inf"}' in text
+
+
+# ---- limits that agree: one context bound for defaults, validation and /v1/models --------------
+
+@pytest.fixture(scope="module")
+def small(served, model):
+    """A second server whose KV pool (4 pages of 16 tokens: 64 tokens) holds less than the model's
+    context (512), as `jaxinfer serve --kv-memory` makes it."""
+    per_page = served.engine.stats().bytes_per_token * 16
+    engine = srv.make_engine(model, max_slots=2, kv_memory=5 * per_page, page_size=16, prefill_chunk=64)
+    app = srv.create_app(engine, model, model_name=NAME, limits=srv.Limits(max_slots=2, max_waiting=1))
+    server, thread, url = start_server(app)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+def test_limits_agree_on_the_pools_context(small, model):
+    """A chat without max_tokens runs up to the pool's 64 tokens (the plain openai call works);
+    /v1/models says 64; beyond it OpenAI's context_length_exceeded, naming the right parameter."""
+    assert small.models.list().data[0].max_model_len == 64
+    assert small.models.retrieve(NAME).max_model_len == 64
+    messages = [{"role": "user", "content": "Count to ten."}]
+    r = small.chat.completions.create(model=NAME, messages=messages, temperature=0)
+    assert r.usage.prompt_tokens == len(chat_ids(model.tokenizer, messages)) and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens <= 64 and (r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 64)
+    with pytest.raises(openai.BadRequestError) as e:
+        small.chat.completions.create(model=NAME, messages=messages, max_tokens=100)
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert "64" in e.value.message and "100" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        small.completions.create(model=NAME, prompt=[5] * 64, max_tokens=1)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError) as e:
+        small.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 100}])
+    assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+    # A completion without max_tokens gets OpenAI's 16, cut to the room left.
+    c = small.completions.create(model=NAME, prompt=[5] * 60, temperature=0)
+    assert c.usage.completion_tokens <= 4
+
+
+def test_a_request_that_can_never_be_admitted_is_400_not_429(served):
+    """n=16 choices on a server that admits 4 + 2: retrying cannot help, so no 429."""
+    r = served.post("/v1/completions", {"model": NAME, "prompt": "x", "n": 16, "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "n" and "at most 6" in err["message"], err
+
+
+def test_models_retrieve(served):
+    m = served.client.models.retrieve(NAME)
+    assert m.id == NAME and m.max_model_len == 512
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("gpt-4")
+    r = served.get("/v1/no-such-endpoint")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+# ---- odd input: always a 400 with OpenAI's error object, naming the field -----------------------
+
+def _raw(served, path, text):
+    """POST a body written by hand (a lone surrogate, NaN, huge numbers: what json= cannot send)."""
+    return served.post(path, content=text.encode("utf-8"), headers={"Content-Type": "application/json"})
+
+
+CHAT_HI = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+def odd(id_, text, param, words, path="completions"):
+    return pytest.param(text, path, param, words, id=id_)
+
+
+ODD_BODIES = [  # (raw JSON body, path, param, words in the message)
+    odd("400-digit-temperature", '{"prompt": "x", "temperature": 1%s}' % ("0" * 400), "temperature",
+        "401 digits"),
+    odd("inf-temperature", '{"prompt": "x", "temperature": 1e400}', "temperature", "inf"),
+    odd("nan", '{"prompt": "x", "top_p": NaN}', None, "NaN"),
+    odd("5000-digit-int", '{"prompt": "x", "max_tokens": 1%s}' % ("0" * 5000), None, "not valid JSON"),
+    odd("deep-nesting", '{"prompt": %s1%s}' % ("[" * 20000, "]" * 20000), None, "not valid JSON"),
+    odd("surrogate-prompt", '{"prompt": "a\\ud800b"}', "prompt", "lone surrogate U+D800"),
+    odd("surrogate-prompt-list", '{"prompt": ["ok", "\\udfff"]}', "prompt", "prompt[1]"),
+    odd("surrogate-stop", '{"prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop", "stop[1]"),
+    odd("surrogate-chat", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content",
+        "lone surrogate", "chat/completions"),
+    odd("seed-2**32", '{"prompt": "x", "seed": 4294967296}', "seed", "[0, 2**32)"),
+    odd("seed--2**32", '{"prompt": "x", "seed": -4294967296}', "seed", "[0, 2**32)"),
+    odd("float-in-flat-ids", '{"prompt": [1, 2, 3, 4.5]}', "prompt", "prompt[3]"),
+    odd("float-in-nested-ids", '{"prompt": [[1, 2], [3, 4.5]]}', "prompt", "prompt[1][1]"),
+    odd("model-list", '{"model": [], "prompt": "x"}', "model", "string"),
+    odd("chat-echo", '{%s, "echo": true}' % CHAT_HI, "echo", "echo", "chat/completions"),
+    odd("long-stop", '{"prompt": "x", "stop": ["%s"]}' % ("s" * 257), "stop", "at most 256 characters"),
+    odd("33-stops", '{"prompt": "x", "stop": %s}' % json.dumps([f"s{i}" for i in range(33)]), "stop", "at most 32"),
+    odd("num_beams-4", '{"prompt": "x", "num_beams": 4}', "num_beams", "beam search"),
+    odd("max_new_tokens-disagrees", '{"prompt": "x", "max_tokens": 5, "max_new_tokens": 6}', "max_new_tokens",
+        "same limit"),
+    odd("chat-max_new_tokens-disagrees", '{%s, "max_completion_tokens": 5, "max_new_tokens": 6}' % CHAT_HI,
+        "max_new_tokens", "same limit", "chat/completions"),
+]
+
+
+@pytest.mark.parametrize("text,path,param,words", ODD_BODIES)
+def test_odd_bodies_are_400_json_naming_the_field(served, text, path, param, words):
+    r = _raw(served, "/v1/" + path, text)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_lone_surrogate_text_is_refused_by_the_python_api_too(model):
+    with pytest.raises(ValueError, match="lone surrogate"):
+        jaxinfer.generate(model, ["a\ud800b"], max_new_tokens=1)
+
+
+def test_harness_spellings_and_many_stops_are_accepted(served, model):
+    """lm-evaluation-harness sends `until` + EOS as 5+ stop strings, and may carry num_beams: 1
+    and max_new_tokens from a task's generation_kwargs: all accepted, each meaning what it says."""
+    full = generate_text(model, "Tell me", 24).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stops = ["\n\n\n\n", "Question:", "</s>", "<|im_end|>", stop, "<|endoftext|>"]
+    r = served.post("/v1/completions", {"model": NAME, "prompt": "Tell me", "max_new_tokens": 24, "temperature": 0,
+                                        "stop": stops, "num_beams": 1, "seed": 1234})
+    assert r.status_code == 200, r.text
+    cut = min(full.find(s) for s in stops if s in full)
+    assert r.json()["choices"][0]["text"] == full[:cut] and r.json()["choices"][0]["finish_reason"] == "stop"
+    r = served.post("/v1/completions", {"model": NAME, "prompt": "Tell me", "max_tokens": 7, "max_new_tokens": 7,
+                                        "temperature": 0})
+    assert r.json()["choices"][0]["text"] == generate_text(model, "Tell me", 7).text
+
+
+def test_private_use_characters_in_a_chat_message_work(served, model):
+    """U+E000/U+E001 in a message are plain text (the renderer's placeholder avoids them)."""
+    content = "keys: \ue000 and \ue001, \ue0020\ue002"
+    messages = [{"role": "user", "content": content}]
+    ids = chat_ids(model.tokenizer, messages)
+    body = encode_text(model.tokenizer, content)
+    assert any(ids[i:i + len(body)] == body for i in range(len(ids)))  # the content, encoded as itself
+    r = served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == generate_text(model, ids, 4).text
+
+
+def test_rejections_are_logged_and_counted(served, caplog):
+    """One log line per refusal (status, param, code, message) and a counter per status and code."""
+    def rejected(text, status, code):
+        key = f'jaxinfer_requests_rejected_total{{status="{status}",code="{code}"}} '
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+    before = served.get("/metrics").text
+    with caplog.at_level("WARNING", logger="jaxinfer.serve"):
+        r = served.post("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 600})
+        assert r.status_code == 400
+        assert served.post("/v1/completions", {"model": "gpt-4", "prompt": "x"}).status_code == 404
+    after = served.get("/metrics").text
+    assert rejected(after, 400, "context_length_exceeded") == rejected(before, 400, "context_length_exceeded") + 1
+    assert rejected(after, 404, "model_not_found") == rejected(before, 404, "model_not_found") + 1
+    total = "jaxinfer_http_requests_rejected_total"
+    assert _metric(after, total) >= _metric(before, total) + 2
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "jaxinfer.serve"]
+    assert any("400" in m and "param=max_tokens" in m and "code=context_length_exceeded" in m and "600" in m
+               for m in lines), lines
+    assert any("404" in m and "code=model_not_found" in m for m in lines), lines
 
 
 def test_sigterm_drains_running_requests(model):

@@ -166,15 +166,19 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
     """Ids of a conversation rendered with the tokenizer's chat template, where the control tokens
     are only those the template itself writes: each message's content is encoded as plain text.
 
-    The template is rendered with a private-use placeholder per message; the text between
-    placeholders (the template's own) is encoded with special tokens, the contents without.
+    The template is rendered with a placeholder per message, built from a private-use character
+    that occurs in no message and not in the template; the text between placeholders (the
+    template's own) is encoded with special tokens, the contents without.
     """
-    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
     for i, m in enumerate(messages):
         if not isinstance(m.get("content"), str):
             raise TypeError(f"message {i} content must be a string, got {type(m.get('content')).__name__}")
-        if "\ue000" in m["content"] or "\ue001" in m["content"]:
-            raise ValueError(f"message {i} holds U+E000/U+E001, which jaxinfer reserves for rendering chats")
+    used = set(tokenizer.chat_template or "").union(*(m["content"] for m in messages))
+    mark = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in used), None)
+    if mark is None:
+        raise ValueError("the messages use every private-use character (U+E000..U+F8FF); one must be free "
+                         "to tell message contents from the chat template's text")
+    marks = [f"{mark}{i}{mark}" for i in range(len(messages))]
     rendered = tokenizer.apply_chat_template([dict(m, content=mk) for m, mk in zip(messages, marks)],
                                              add_generation_prompt=add_generation_prompt)
     ids: list[int] = []

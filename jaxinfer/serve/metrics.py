@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping, Optional
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -42,14 +43,34 @@ def engine_stats(engine) -> dict:
     return {METRIC_NAMES[k]: v for k, v in s.items() if k in METRIC_NAMES}
 
 
-def render(stats: dict, in_flight: int, counts: dict, ttft: Histogram, tpot: Histogram) -> str:
-    """Prometheus text exposition format (version 0.0.4), every name prefixed jaxinfer_."""
+def render(stats: dict, in_flight: int, counts: dict, ttft: Histogram, tpot: Histogram,
+           rejected: Optional[Mapping[tuple[int, str], int]] = None) -> str:
+    """Prometheus text exposition format (version 0.0.4), every name prefixed jaxinfer_.
+
+    Args:
+      stats: the engine's metrics (`engine_stats`).
+      in_flight: engine requests the server has submitted and not finished.
+      counts: the server's counters, exposed as jaxinfer_http_<name>.
+      ttft, tpot: time to first token and time per output token.
+      rejected: refused requests per (HTTP status, error code), exposed as
+        jaxinfer_requests_rejected_total{status, code}.
+    Returns:
+      the text of GET /metrics.
+    """
     lines = []
     for k, v in stats.items():
         lines += [f"# TYPE jaxinfer_{k} {'counter' if k.endswith('_total') else 'gauge'}", f"jaxinfer_{k} {v}"]
     lines += ["# TYPE jaxinfer_http_in_flight gauge", f"jaxinfer_http_in_flight {in_flight}"]
     for k, v in counts.items():
         lines += [f"# TYPE jaxinfer_http_{k} counter", f"jaxinfer_http_{k} {v}"]
+    lines += ["# TYPE jaxinfer_requests_rejected_total counter"]
+    lines += [f'jaxinfer_requests_rejected_total{{status="{status}",code="{_label(code)}"}} {n}'
+              for (status, code), n in sorted((rejected or {}).items())]
     lines += ttft.lines("jaxinfer_time_to_first_token_seconds")
     lines += tpot.lines("jaxinfer_time_per_output_token_seconds")
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -2,9 +2,10 @@
 
 Pure functions over dicts; nothing here touches the engine or the network. Every refusal names
 the parameter (OpenAI's error object: message, type, param, code). A parameter that would change
-the result but is not implemented (logit_bias, tools, response_format with a schema, penalties...)
-is refused with a 400 naming it, never silently ignored; parameters that change nothing
-(user, metadata, ...) are accepted.
+the result but is not implemented (logit_bias, tools, response_format with a schema, penalties,
+beam search...) is refused with a 400 naming it, never silently ignored; parameters that change
+nothing (user, metadata, num_beams: 1, ...) are accepted, and so are the spellings other servers
+and harnesses use for the same thing (max_new_tokens for max_tokens).
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import dataclasses
 import secrets
 from typing import Any, Optional
 
-from jaxinfer.decode.requests import chat_ids, check_token_ids
+from jaxinfer.decode.requests import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import SamplingParams
 
-MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Stop strings: vLLM and SGLang take any number; lm-evaluation-harness appends the EOS string to a
+# task's `until` list, so 5+ is common. Each is checked against the tail of the text per token, so
+# their count and length bound the per-token work.
+MAX_STOP = 32
+MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
 MAX_N = 16
 
-# Accepted and without effect on the tokens.
+# Accepted and without effect on the tokens (or validated below).
 _HARMLESS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream",
              "stream_options", "n", "seed", "stop", "temperature", "top_p", "top_k", "min_p", "max_tokens",
-             "echo", "logprobs", "top_logprobs", "max_completion_tokens", "prompt", "messages"}
+             "max_new_tokens", "echo", "logprobs", "top_logprobs", "max_completion_tokens", "prompt", "messages",
+             "num_beams"}
 
 
 class ApiError(Exception):
@@ -34,7 +40,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
-                              404: "not_found_error", 413: "invalid_request_error",
+                              404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                               429: "rate_limit_error"}.get(status, "server_error")
 
     def body(self) -> dict:
@@ -65,6 +71,12 @@ class Job:
 
 # ---- typed field readers ---------------------------------------------------------------------
 
+def _show(v: Any) -> str:
+    """A short printable form of a client's value (a 400-digit number or a long string is cut)."""
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _get(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
     v = body.get(name, default)
     if v is None:
@@ -72,22 +84,34 @@ def _get(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
     if isinstance(v, bool) and bool not in kinds:
         raise bad(name, f"'{name}' must be {what}, got {v!r}", "invalid_type")
     if not isinstance(v, kinds):
-        raise bad(name, f"'{name}' must be {what}, got {type(v).__name__} {v!r:.60}", "invalid_type")
+        raise bad(name, f"'{name}' must be {what}, got {type(v).__name__} {_show(v)}", "invalid_type")
     return v
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = float(_get(body, name, (int, float), default, "a number"))
-    if not lo <= v <= hi:
-        raise bad(name, f"'{name}' must be in [{lo}, {hi}], got {v}")
-    return v
+    v = _get(body, name, (int, float), default, "a number")
+    # Compared before any float(): a 400-digit integer does not fit a float (OverflowError).
+    if not (lo <= v <= hi):  # also false for NaN
+        raise bad(name, f"'{name}' must be a number in [{lo}, {hi}], got {_show(v)}")
+    return float(v)
 
 
 def _int(body: dict, name: str, default: Optional[int], lo: int, hi: int) -> Optional[int]:
     v = _get(body, name, (int,), default, "an integer")
     if v is not None and not lo <= v <= hi:
-        raise bad(name, f"'{name}' must be an integer in [{lo}, {hi}], got {v}")
+        raise bad(name, f"'{name}' must be an integer in [{lo}, {hi}], got {_show(v)}")
     return v
+
+
+def check_unicode(text: str, param: str, what: Optional[str] = None) -> str:
+    """`text` if it is valid Unicode; a 400 naming `param` for a lone surrogate (JSON "\\ud800"),
+    which the tokenizer would otherwise silently replace."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(param, f"'{what or param}' holds a lone surrogate U+{ord(text[e.start]):04X} at character "
+                  f"{e.start}; send valid Unicode (UTF-16 surrogates come in pairs)") from None
+    return text
 
 
 def _refuse_unimplemented(body: dict, extra_allowed: set) -> None:
@@ -119,13 +143,16 @@ def _refuse_unimplemented(body: dict, extra_allowed: set) -> None:
         refuse("min_tokens", "a minimum length is not implemented")
     if body.get("ignore_eos"):
         refuse("ignore_eos", "generation always stops at the model's end-of-sequence tokens")
+    nb = body.get("num_beams")
+    if nb is not None and not (type(nb) is int and nb == 1):
+        refuse("num_beams", f"beam search is not implemented; only num_beams: 1 (sampling), got {_show(nb)}")
     for name in body:
         if name in ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format",
                     "frequency_penalty", "presence_penalty", "repetition_penalty", "suffix", "best_of",
                     "min_tokens", "ignore_eos"):
             continue
         if name not in _HARMLESS and name not in extra_allowed:
-            raise bad(name, f"unrecognized request argument '{name}'", "unknown_parameter")
+            raise bad(name, f"unrecognized request argument {_show(name)}", "unknown_parameter")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -137,8 +164,20 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise bad("stop", "'stop' must be a non-empty string or a list of non-empty strings", "invalid_type")
     if len(v) > MAX_STOP:
-        raise bad("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(v)}")
+        raise bad("stop", f"'stop' takes at most {MAX_STOP} strings, got {len(v)}")
+    for i, s in enumerate(v):
+        check_unicode(s, "stop", f"stop[{i}]")
+        if len(s) > MAX_STOP_CHARS:
+            raise bad("stop", f"a stop string is at most {MAX_STOP_CHARS} characters; stop[{i}] has {len(s)}")
     return tuple(v)
+
+
+def _seed(body: dict) -> Optional[int]:
+    v = _get(body, "seed", (int,), None, "an integer")
+    if v is not None and not 0 <= v < SEED_LIMIT:
+        raise bad("seed", f"'seed' {_show(v)} is out of range: a seed is an integer in [0, 2**32) "
+                  f"(0 to {SEED_LIMIT - 1})")
+    return v
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -150,13 +189,30 @@ def _sampling(body: dict) -> SamplingParams:
                           top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999))
 
 
-def _encode(model, text: str, where: str) -> list[int]:
+def _encode(model, text: str, what: str) -> list[int]:
     if not text:
-        raise bad(where, f"'{where}' is empty; a prompt needs at least one token")
-    try:  # special-token text in a prompt is plain text, as in generate (issue 13)
+        raise bad("prompt", f"'{what}' is empty; a prompt needs at least one token")
+    check_unicode(text, "prompt", what)
+    try:  # special-token text in a prompt is plain text, as in generate
         return model.tokenizer.encode_prompt(text)
     except ValueError as e:
-        raise bad(where, str(e)) from None
+        raise bad("prompt", str(e)) from None
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _ids(q: list, vocab: int, what: str) -> list[int]:
+    """A list of token ids; a non-integer element is named by its own index."""
+    for j, t in enumerate(q):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad("prompt", f"{what}[{j}] must be an integer token id, got {type(t).__name__} {_show(t)}",
+                      "invalid_type")
+    try:
+        return check_token_ids(q, vocab, what)
+    except ValueError as e:
+        raise bad("prompt", str(e)) from None
 
 
 def _prompts(body: dict, model) -> list[list[int]]:
@@ -170,19 +226,16 @@ def _prompts(body: dict, model) -> list[list[int]]:
     if not isinstance(p, list) or not p:
         raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                   "token-id lists (non-empty)", "invalid_type")
-    try:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return [check_token_ids(p, vocab, "prompt")]
-        out = []
-        for i, q in enumerate(p):
-            if isinstance(q, str):
-                out.append(_encode(model, q, "prompt"))
-            elif isinstance(q, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in q):
-                out.append(check_token_ids(q, vocab, f"prompt[{i}]"))
-            else:
-                raise bad("prompt", f"prompt[{i}] must be a string or a list of token ids", "invalid_type")
-    except ValueError as e:
-        raise bad("prompt", str(e)) from None
+    if _is_number(p[0]):  # a flat list of token ids: one prompt
+        return [_ids(p, vocab, "prompt")]
+    out = []
+    for i, q in enumerate(p):
+        if isinstance(q, str):
+            out.append(_encode(model, q, f"prompt[{i}]"))
+        elif isinstance(q, list) and q:
+            out.append(_ids(q, vocab, f"prompt[{i}]"))
+        else:
+            raise bad("prompt", f"prompt[{i}] must be a string or a non-empty list of token ids", "invalid_type")
     return out
 
 
@@ -205,6 +258,7 @@ def _messages(body: dict, model) -> list[list[int]]:
             c = "".join(x["text"] for x in c)
         if not isinstance(c, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string", "invalid_type")
+        check_unicode(c, f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
         clean.append({"role": role, "content": c})
     if model.tokenizer is None or not model.tokenizer.chat_template:
@@ -215,13 +269,57 @@ def _messages(body: dict, model) -> list[list[int]]:
         raise bad("messages", str(e)) from None
 
 
-def parse(body: Any, model, *, chat: bool) -> Job:
+def _max_tokens(body: dict, chat: bool) -> tuple[Optional[int], str]:
+    """The requested length and the name it came under. max_new_tokens (vLLM's and the harnesses'
+    spelling) and chat's max_completion_tokens mean max_tokens; two that disagree are refused."""
+    names = (("max_completion_tokens",) if chat else ()) + ("max_tokens", "max_new_tokens")
+    given = []
+    for name in names:
+        lo = 1 if chat or name == "max_completion_tokens" else 0  # 0 is the completions scoring call
+        v = _int(body, name, None, lo, 1 << 30)
+        if v is not None:
+            given.append((name, v))
+    for name, v in given[1:]:
+        if v != given[0][1]:
+            raise bad(name, f"'{given[0][0]}' is {given[0][1]} and '{name}' is {v}: they name the same limit; "
+                      "send one of them")
+    return (given[0][1], given[0][0]) if given else (None, "max_tokens")
+
+
+def _fit(prompts: list[list[int]], max_tokens: Optional[int], length_param: str, context: int, chat: bool) -> int:
+    """max_tokens within the context: the default is the room left (chat) or 16 (completions, as
+    OpenAI), cut to the room left; an explicit one beyond it is refused as OpenAI refuses it."""
+    longest = max(len(p) for p in prompts)
+    need = 0 if max_tokens == 0 else 1
+    if longest + need > context:
+        where = "messages" if chat else "prompt"
+        room = f"at most {context - need} prompt tokens" + (" leave room for one new token" if need else "")
+        raise bad(where, f"the {'conversation' if chat else 'prompt'} has {longest} tokens; this server's context "
+                  f"is {context} tokens (prompt + max_tokens), so {room}", "context_length_exceeded")
+    if max_tokens is None:
+        return context - longest if chat else min(16, context - longest)
+    if longest + max_tokens > context:
+        raise bad(length_param, f"the prompt has {longest} tokens and {length_param} is {max_tokens}: "
+                  f"{longest + max_tokens} is beyond this server's context of {context} tokens; ask for at most "
+                  f"{context - longest}", "context_length_exceeded")
+    return max_tokens
+
+
+def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job:
     """Validate a /v1/completions (chat=False) or /v1/chat/completions body against `model`.
 
-    Raises ApiError (400) naming the parameter at fault.
+    Args:
+      body: the decoded JSON body.
+      model: the served Model (its tokenizer, chat template and vocabulary).
+      chat: True for /v1/chat/completions.
+      context: the most tokens (prompt + max_tokens) one request may hold; default the model's
+        context length.
+    Returns:
+      the Job. Raises ApiError (400) naming the parameter at fault.
     """
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object", "invalid_json")
+    context = model.config.max_seq_len if context is None else context
     _refuse_unimplemented(body, set())
     if chat and "prompt" in body:
         raise bad("prompt", "'prompt' belongs to /v1/completions; chat takes 'messages'", "unknown_parameter")
@@ -234,7 +332,10 @@ def parse(body: Any, model, *, chat: bool) -> Job:
     if so and not stream:
         raise bad("stream_options", "'stream_options' is only allowed with stream: true")
     n = _int(body, "n", 1, 1, MAX_N)
-    echo = False if chat else bool(_get(body, "echo", (bool,), False, "a boolean"))
+    echo = bool(_get(body, "echo", (bool,), False, "a boolean"))
+    if chat and echo:
+        raise bad("echo", "'echo' is not supported by /v1/chat/completions (it would change the reply's text); "
+                  "use /v1/completions to score or echo a prompt", "unsupported_parameter")
     if chat:
         want = bool(_get(body, "logprobs", (bool,), False, "a boolean"))
         top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -246,24 +347,14 @@ def parse(body: Any, model, *, chat: bool) -> Job:
     if logprobs is not None and stream:
         raise bad("logprobs", "logprobs are not streamed by this server; use stream: false",
                   "unsupported_parameter")
-    if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 30)
-    else:
-        max_tokens = _int(body, "max_tokens", None if chat else 16, 0, 1 << 30)
-    longest = max(len(p) for p in prompts)
-    if max_tokens is None:  # chat without a limit: up to the end of the context
-        max_tokens = max(1, model.config.max_seq_len - longest)
-    if max_tokens == 0 and not echo:
-        raise bad("max_tokens", "'max_tokens' must be >= 1 (0 is only the scoring call: echo: true)")
-    if max_tokens == 0 and stream:
+    asked, length_param = _max_tokens(body, chat)
+    if asked == 0 and not echo:
+        raise bad(length_param, f"'{length_param}' must be >= 1 (0 is only the scoring call: echo: true)")
+    if asked == 0 and stream:
         raise bad("stream", "the scoring call (max_tokens: 0) is not streamed")
-    ctx = model.config.max_seq_len
-    if longest + max_tokens > ctx:
-        raise bad("max_tokens", f"the prompt has {longest} tokens and max_tokens is {max_tokens}: "
-                  f"{longest + max_tokens} is beyond the model's context of {ctx} tokens",
-                  "context_length_exceeded")
-    seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    max_tokens = _fit(prompts, asked, length_param, context, chat)
+    seed = _seed(body)
     return Job(prompts=prompts, max_tokens=max_tokens, sampling=_sampling(body),
-               seed=(seed if seed is not None else secrets.randbits(31)) % (1 << 32), seed_given=seed is not None,
+               seed=seed if seed is not None else secrets.randbits(31), seed_given=seed is not None,
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
                include_usage=include_usage, chat=chat)

@@ -1,36 +1,55 @@
 """`jaxinfer serve`: OpenAI's HTTP API over the engine, on Starlette + uvicorn.
 
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream: true,
-ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
-The request side (validation, refusals) lives in protocol.py, the response bodies in
-responses.py, the Prometheus text in metrics.py; this module admits requests, talks to the engine and keeps the counters.
+ending with `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
+(Prometheus text). The request side (validation, refusals) lives in protocol.py, the response
+bodies in responses.py, the Prometheus text in metrics.py; this module admits requests, talks to
+the engine and keeps the counters. The `jaxinfer serve` command itself is in jaxinfer/cli.py.
 
-Faults: a bad body is a 400 with OpenAI's error object; a body over `max_body_bytes` a 413;
-without the bearer token (when an api key is set) a 401; more requests than `max_slots +
-max_waiting` in flight a 429 with Retry-After; a client that goes away mid-request has its
-engine requests cancelled; a request that fails inside the engine fails alone (500 / an error
-event). On SIGTERM uvicorn stops accepting connections and finishes the running requests before
-the engine stops.
+One number bounds a request: `context_limit(engine)`, the most tokens (prompt + max_tokens) it
+may hold; the chat default for max_tokens, validation and /v1/models' max_model_len all use it.
+
+Faults: a bad body is a 400 with OpenAI's error object (one that can never fit, too); a body
+over `max_body_bytes` a 413; without the bearer token (when an api key is set) a 401; more
+requests than `max_slots + max_waiting` in flight a 429 with Retry-After; a client that goes
+away mid-request has its engine requests cancelled; a request that fails inside the engine fails
+alone (500 / an error event). Every refusal is logged (one line on the `jaxinfer.serve` logger)
+and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
+finishes the running requests before the engine stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import errno
 import json
+import logging
+import socket
 import time
 from typing import Optional
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxinfer.serve import metrics as mx
 from jaxinfer.serve import protocol as proto
 from jaxinfer.serve import responses as rsp
 from jaxinfer.serve.protocol import ApiError
+
+log = logging.getLogger("jaxinfer.serve")
+
+
+def context_limit(engine) -> int:
+    """The most tokens (prompt + max_tokens) one request may hold in `engine`: its max_len, and
+    no more than its whole page pool holds."""
+    return min(engine.max_len, engine.pool.capacity * engine.page_size)
+
 
 @dataclasses.dataclass
 class Limits:
@@ -48,6 +67,8 @@ class ServerState:
         self.ttft, self.tpot = mx.Histogram(mx.TTFT_BUCKETS), mx.Histogram(mx.TPOT_BUCKETS)
         self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
                        "requests_rejected_total": 0}
+        self.rejected: collections.Counter = collections.Counter()  # (status, code) -> refusals
+        self.context = context_limit(engine)
         self.healthy = False
 
 
@@ -64,9 +85,14 @@ async def _read_json(req: HttpRequest, limit: int):
             raise ApiError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
         chunks.append(c)
     try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise proto.bad(None, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        return json.loads(b"".join(chunks), parse_constant=_not_json)
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, NaN, a number of 4,300+ digits, deep nesting
+        raise proto.bad(None, f"the request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}",
+                        "invalid_json") from None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _check_auth(st: ServerState, req: HttpRequest) -> None:
@@ -74,17 +100,32 @@ def _check_auth(st: ServerState, req: HttpRequest) -> None:
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
 
 
-def _error(e: ApiError) -> JSONResponse:
+def _error(e: ApiError) -> Response:
+    """OpenAI's error object. ASCII JSON: a message may quote a client's lone surrogate."""
     headers = {"Retry-After": "1"} if e.status == 429 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return Response(json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json")
+
+
+def _reject(st: ServerState, http: HttpRequest, e: ApiError) -> Response:
+    """Refuse a request: log one line, count it by status and code, answer with the error object."""
+    st.rejected[(e.status, e.code or "")] += 1
+    st.counts["requests_rejected_total"] += 1
+    message = e.message if len(e.message) <= 500 else e.message[:497] + "..."
+    log.warning("rejected %s %s %s: %s param=%s code=%s: %s", http.method, http.url.path, e.status, e.type,
+                e.param, e.code, message.encode("utf-8", "backslashreplace").decode("utf-8"))
+    return _error(e)
 
 
 def _submit(st: ServerState, job: proto.Job) -> list:
     """One engine request per choice (prompt p, sample i -> index p * n + i, seed + i)."""
     n_req = len(job.prompts) * job.n
     bound = st.limits.max_slots + st.limits.max_waiting
+    if n_req > bound:  # a 429 would ask the client to retry what can never be admitted
+        param = "n" if job.n > 1 else "prompt"
+        raise proto.bad(param, f"this request needs {n_req} engine requests ({len(job.prompts)} prompt(s) x n="
+                        f"{job.n}); the server admits at most {bound} at once ({st.limits.max_slots} running + "
+                        f"{st.limits.max_waiting} waiting)")
     if st.in_flight + n_req > bound:
-        st.counts["requests_rejected_total"] += 1
         raise ApiError(429, f"{st.in_flight} requests are in flight; the server admits {bound} "
                        f"({st.limits.max_slots} running + {st.limits.max_waiting} waiting)", code="queue_full")
     reqs = []
@@ -155,15 +196,14 @@ async def _generate(http: HttpRequest, chat: bool):
     try:
         _check_auth(st, http)
         body = await _read_json(http, st.limits.max_body_bytes)
-        if isinstance(body, dict) and body.get("model") not in (None, st.model_name):
-            raise ApiError(404, f"model '{body.get('model')}' is not served here; this server has "
-                           f"'{st.model_name}'", param="model", code="model_not_found")
-        job = proto.parse(body, st.model, chat=chat)
+        if isinstance(body, dict):
+            _check_model(st, body.get("model"))
+        job = proto.parse(body, st.model, chat=chat, context=st.context)
         if job.max_tokens == 0:  # the scoring call: no engine, one uncached forward per prompt
             return JSONResponse(await asyncio.to_thread(rsp.score, st.model, st.model_name, job))
         reqs = _submit(st, job)
     except ApiError as e:
-        return _error(e)
+        return _reject(st, http, e)
     trackers = [_Tracker(st) for _ in reqs]
     if job.stream:
         return StreamingResponse(_stream(st, job, reqs, trackers), media_type="text/event-stream",
@@ -233,23 +273,45 @@ async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
             t.cancel()
 
 
+def _check_model(st: ServerState, name) -> None:
+    """`model` (optional) must be a string naming the served model."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise proto.bad("model", f"'model' must be a string, got {type(name).__name__}", "invalid_type")
+    if name != st.model_name:
+        raise ApiError(404, f"model {name[:200]!r} is not served here; this server has {st.model_name!r}",
+                       param="model", code="model_not_found")
+
+
 def _authorized(handler):
     """`handler` behind the bearer-token check (a 401 error object without it, when --api-key is set)."""
     async def wrapped(http: HttpRequest):
+        st: ServerState = http.app.state.server
         try:
-            _check_auth(http.app.state.server, http)
+            _check_auth(st, http)
+            return await handler(http)
         except ApiError as e:
-            return _error(e)
-        return await handler(http)
+            return _reject(st, http, e)
     return wrapped
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+            "max_model_len": st.context}
 
 
 @_authorized
 async def models(http: HttpRequest):
     st: ServerState = http.app.state.server
-    return JSONResponse({"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0,
-                                                     "owned_by": "jaxinfer",
-                                                     "max_model_len": st.model.config.max_seq_len}]})
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+@_authorized
+async def retrieve_model(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    _check_model(st, http.path_params["model_id"])
+    return JSONResponse(_model_card(st))
 
 
 async def health(http: HttpRequest):
@@ -262,7 +324,7 @@ async def health(http: HttpRequest):
 @_authorized
 async def metrics(http: HttpRequest):
     st: ServerState = http.app.state.server
-    text = mx.render(mx.engine_stats(st.engine), st.in_flight, st.counts, st.ttft, st.tpot)
+    text = mx.render(mx.engine_stats(st.engine), st.in_flight, st.counts, st.ttft, st.tpot, st.rejected)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -292,33 +354,27 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
             if manage_engine:
                 await asyncio.to_thread(engine.stop)
 
+    async def http_error(http: HttpRequest, exc: HTTPException):  # an unknown path or method
+        return _reject(st, http, ApiError(exc.status_code, f"{http.method} {http.url.path}: {exc.detail}",
+                                          code="not_found" if exc.status_code == 404 else "method_not_allowed"))
+
+    async def server_error(http: HttpRequest, exc: Exception):  # a bug: still OpenAI's error object
+        st.counts["requests_failed_total"] += 1
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = st
     return app
 
 
-# ---- `jaxinfer serve` ----------------------------------------------------------------------------
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-    s = text.strip().lower()
-    num = s.rstrip("abgikm")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1
-    if unit not in units or value <= 0:
-        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or a byte count, got {text!r}")
-    return int(value * units[unit])
-
+# ---- running it ----------------------------------------------------------------------------------
 
 def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256,
                 max_len: Optional[int] = None):
@@ -332,57 +388,63 @@ def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: i
                   max_len=max_len)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free port), not yet listening.
+
+    Binding first makes a busy port or an address this machine does not have fail at once, before
+    anything slow; uvicorn listens on the socket later (`uvicorn.Server.run(sockets=[sock])`).
+
+    Args:
+      host: an IP address or a name of this machine ("127.0.0.1", "::1", "0.0.0.0", "localhost").
+      port: 0..65535.
+    Returns:
+      the bound socket. Raises ValueError naming host and port and what to do.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535] (0 = a free port), got {port!r}")
+    try:
+        family, kind, proto_, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"host {host!r} is not an address or a name this machine can resolve ({e})") from None
+    sock = socket.socket(family, kind, proto_)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port at once
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: "another program listens there: stop it or pick another port (0 = a free one)",
+                errno.EADDRNOTAVAIL: "this machine has no such address: use 127.0.0.1 (this machine only) or "
+                                     "0.0.0.0 (all interfaces)",
+                errno.EACCES: "ports below 1024 need privileges: pick a port >= 1024"}.get(e.errno, "")
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}" + (f"; {hint}" if hint else "")) from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """http://host:port of a bound socket (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
     """Run `app` with uvicorn on a background thread (tests, load tests). port 0 = a free one.
 
     Returns (uvicorn.Server, thread, base url); `server.should_exit = True` stops it gracefully.
     """
-    import socket
     import threading
 
     import uvicorn
 
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+    sock = bind_socket(host, port)
+    url = url_of(sock)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level="warning",
                                            timeout_graceful_shutdown=None))
-    thread = threading.Thread(target=server.run, name="jaxinfer-serve", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxinfer-serve", daemon=True)
     thread.start()
     t0 = time.perf_counter()
     while not server.started:
         if not thread.is_alive() or time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"the server on {host}:{port} did not start")
+            raise RuntimeError(f"the server on {url} did not start")
         time.sleep(0.02)
-    return server, thread, f"http://{host}:{port}"
-
-
-def run(args) -> int:
-    """The `jaxinfer serve` command: load, warm up, then serve until SIGTERM / Ctrl-C."""
-    import sys
-
-    import uvicorn
-
-    import jaxinfer
-    from jaxinfer.compile_cache import enable_persistent_cache
-
-    kv_memory = parse_bytes(args.kv_memory) if args.kv_memory else None
-    if args.max_slots < 1 or args.max_waiting < 0:
-        raise ValueError("--max-slots must be >= 1 and --max-waiting >= 0")
-    mesh = None
-    if args.mesh is not None:
-        from jaxinfer import sharding
-
-        mesh = sharding.make_mesh(**sharding.parse_mesh_spec(args.mesh))
-    enable_persistent_cache(None)
-    model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
-    engine = make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
-    print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
-    engine.warmup()
-    limits = Limits(max_slots=args.max_slots, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
-    app = create_app(engine, model, model_name=args.served_name or args.model, api_key=args.api_key, limits=limits)
-    print(f"jaxinfer serve: http://{args.host}:{args.port}/v1 (model '{args.served_name or args.model}')",
-          file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
-    return 0
+    return server, thread, url
