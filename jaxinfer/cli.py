@@ -312,6 +312,7 @@ def _serve(args) -> int:
         _announce_fetch(args.model)
         model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
+        print(f"jaxinfer serve: {engine.describe()}", file=sys.stderr)
         print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
         engine.warmup()
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,

@@ -145,7 +145,7 @@ class Engine:
           page_size: positions per KV page.
           kv_memory: pool size in bytes; or n_pages: in pages (at most one of them). Default: a
             memory budget (`default_kv_memory`), capped at what max_slots requests of max_len
-            tokens can use. One extra page is the trash page.
+            tokens can use. One page of it is the trash page.
           max_len: longest context (prompt + max_new_tokens) of one request; default the model's,
             capped at what the pool holds.
           prefill_chunk: most prompt tokens prefilled per step (across requests).
@@ -168,8 +168,8 @@ class Engine:
                                               and np.isfinite(kv_memory)):
                 raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
             budget = int(kv_memory) if kv_memory is not None else min(default_kv_memory(model),
-                                                                       max_slots * want_len * bpt)
-            n_pages = budget // (bpt * page_size) + 1
+                                                                       (max_slots * want_len + page_size) * bpt)
+            n_pages = budget // (bpt * page_size)  # the whole pool, trash page included, within the budget
         if n_pages < 2:
             raise ValueError(f"the pool needs at least 2 pages (one is the trash page), got {n_pages} "
                              f"(kv_memory={kv_memory!r} at {bpt} bytes per token, page_size={page_size})")

@@ -40,15 +40,16 @@ from starlette.routing import Route
 from jaxinfer.serve import metrics as mx
 from jaxinfer.serve import protocol as proto
 from jaxinfer.serve import responses as rsp
+from jaxinfer.serve.engine import EngineDead
 from jaxinfer.serve.protocol import ApiError
 
 log = logging.getLogger("jaxinfer.serve")
 
 
 def context_limit(engine) -> int:
-    """The most tokens (prompt + max_tokens) one request may hold in `engine`: its max_len, and
-    no more than its whole page pool holds."""
-    return min(engine.max_len, engine.pool.capacity * engine.page_size)
+    """The most tokens (prompt + max_tokens) one request may hold in `engine`: its max_len, which
+    the engine already caps at what its page pool holds."""
+    return engine.max_len
 
 
 @dataclasses.dataclass
@@ -129,15 +130,23 @@ def _submit(st: ServerState, job: proto.Job) -> list:
         raise ApiError(429, f"{st.in_flight} requests are in flight; the server admits {bound} "
                        f"({st.limits.max_slots} running + {st.limits.max_waiting} waiting)", code="queue_full")
     reqs = []
+    # Prompt logprobs come from the prefill that reads the prompt; the scoring call always has them.
+    scored = job.echo and (job.logprobs is not None or job.max_tokens == 0)
     try:
         for ids in job.prompts:
             for i in range(job.n):
                 reqs.append(st.engine.submit(ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
-                                             seed=(job.seed + i) % (1 << 32), stop=list(job.stop)))
+                                             seed=(job.seed + i) % (1 << 32), stop=list(job.stop),
+                                             logprobs=job.logprobs or 0,
+                                             prompt_logprobs=(job.logprobs or 0) if scored else None))
     except ValueError as e:
         for r in reqs:
             r.cancel()
         raise proto.bad("prompt" if not job.chat else "messages", str(e)) from None
+    except EngineDead as e:
+        for r in reqs:
+            r.cancel()
+        raise ApiError(503, str(e), code="engine_unavailable") from None
     st.in_flight += len(reqs)
     return reqs
 
@@ -199,9 +208,7 @@ async def _generate(http: HttpRequest, chat: bool):
         if isinstance(body, dict):
             _check_model(st, body.get("model"))
         job = proto.parse(body, st.model, chat=chat, context=st.context)
-        if job.max_tokens == 0:  # the scoring call: no engine, one uncached forward per prompt
-            return JSONResponse(await asyncio.to_thread(rsp.score, st.model, st.model_name, job))
-        reqs = _submit(st, job)
+        reqs = _submit(st, job)  # the scoring call (echo, max_tokens 0) too: admitted, paged, cancellable
     except ApiError as e:
         return _reject(st, http, e)
     trackers = [_Tracker(st) for _ in reqs]
@@ -318,6 +325,8 @@ async def health(http: HttpRequest):
     st: ServerState = http.app.state.server
     if not st.healthy:
         return JSONResponse({"status": "starting"}, status_code=503)
+    if st.engine.dead is not None:
+        return JSONResponse({"status": "engine failed", "error": st.engine.dead[:500]}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -376,16 +385,12 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
 
 # ---- running it ----------------------------------------------------------------------------------
 
-def make_engine(model, *, max_slots: int, kv_memory: Optional[int], page_size: int = 16, prefill_chunk: int = 256,
-                max_len: Optional[int] = None):
-    """The continuous-batching Engine (jaxinfer.serve.engine) for `model`.
-
-    Without kv_memory the pool holds max_slots requests of max_len tokens (default: the model's
-    whole context, which for an 8k-context model is gigabytes: pass max_len or kv_memory)."""
+def make_engine(model, *, max_slots: int, kv_memory: Optional[int] = None, max_len: Optional[int] = None, **options):
+    """The continuous-batching Engine (jaxinfer.serve.engine) for `model`: its pool sized from
+    kv_memory bytes, or by default from a share of the free memory (see `Engine`)."""
     from jaxinfer.serve.engine import Engine
 
-    return Engine(model, max_slots=max_slots, page_size=page_size, kv_memory=kv_memory, prefill_chunk=prefill_chunk,
-                  max_len=max_len)
+    return Engine(model, max_slots=max_slots, kv_memory=kv_memory, max_len=max_len, **options)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
