@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxinfer.model import cache as kv
 from jaxinfer.model import config
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
@@ -191,12 +192,14 @@ def test_memory_report_llama3_70b_on_8_devices():
     norms = (cfg.n_layers * 2 * cfg.d_model + cfg.d_model) * 2
     assert r.weights_total == cfg.n_params * 2
     assert r.weights_per_device == (r.weights_total - norms) // 8 + norms
-    assert r.cache_total == 2 * 80 * 8 * 128 * 2 * 8192  # 327,680 B/token x 8,192 tokens
+    # 327,680 B/token x (8,192 tokens + the trash page of 16): the pool's pages x page_size x bytes per token
+    assert r.cache_total == 2 * 80 * 8 * 128 * 2 * (8192 + 16) == kv.cache_bytes(cfg, 1, 8192)
     assert r.cache_per_device == r.cache_total // 8  # 8 kv heads, one per device
     print(f"llama3-70b bf16 on model=8: weights {r.weights_per_device / 2**30:.2f} GiB/device "
           f"(of {r.weights_total / 2**30:.1f}), 8,192-token cache {r.cache_per_device / 2**20:.0f} MiB/device")
     r24 = shd.memory_report(cfg, 2, 4, batch_size=2, max_len=8192)
-    assert r24.cache_per_device == 2 * r.cache_total // 8  # 2 rows over data=2, 8 kv heads over model=4
+    # 2 rows over data=2 (each data shard holds its rows' pages and its own trash page), 8 kv heads over model=4
+    assert r24.cache_total == 2 * r.cache_total and r24.cache_per_device == 2 * r.cache_total // 8
 
 
 def test_cli_rejects_a_bad_mesh_before_loading(capsys):

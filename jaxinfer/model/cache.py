@@ -214,7 +214,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, page
     if groups < 1 or batch_size % groups:
         raise ValueError(f"groups must divide batch_size {batch_size}, got {groups}")
     W = table_width(max_len, page_size)
-    pool = init_pool(cfg, closed_batch_pages(batch_size, max_len, page_size, groups), page_size, dtype)
+    pool = init_pool(cfg, closed_batch_pages(batch_size, max_len, page_size, groups), page_size, dtype,
+                     batch_size=batch_size, width=W)
     return pool.with_rows(contiguous_table(batch_size, W, groups), jnp.zeros((batch_size,), jnp.int32))
 
 
