@@ -115,7 +115,7 @@ def serve_engine(engine, work, page_size, bpt):
         longest = max((len(s.prompt) + s.max_new_tokens for s in running), default=0)
         kv_contig.append(len(running) * bucket(longest, MIN_KV_BUCKET) * bpt if running else 0)
         for i, h in handles.items():
-            n = len(h.token_ids)
+            n = h.n_tokens
             if n and "t_first" not in reqs[i]:
                 reqs[i]["t_first"] = now
             if h.done and "t_last" not in reqs[i]:

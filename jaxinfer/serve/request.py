@@ -66,6 +66,12 @@ class Request:
     def error(self) -> Optional[str]:
         return self._error
 
+    @property
+    def n_tokens(self) -> int:
+        """Tokens handed out so far."""
+        with self._cond:
+            return sum(len(d.token_ids) for d in self._deltas)
+
     def cancel(self) -> None:
         """Stop this request: it ends with finish_reason "cancelled" at the engine's next step
         (its slot and pages are freed then). A finished request is left as it is."""
