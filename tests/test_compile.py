@@ -4,6 +4,7 @@ cache bucket, reuses the compiled prefill and decode programs; the persistent ca
 
 
 import jax
+import numpy as np
 import pytest
 
 import jaxinfer
@@ -50,6 +51,63 @@ def test_compile_counter_counts_built_executables(tiny_model):
     assert c2.count == 0
     f(jax.numpy.ones(6)).block_until_ready()  # a compile after the block is not counted
     assert c2.count == 0
+
+
+def test_compile_counter_counts_only_its_own_thread():
+    """A compile on another thread (an Engine's loop) while a counter is active on this one is
+    not counted; a counter active on that thread counts it; each compile's seconds once."""
+    import threading
+
+    other = {}
+
+    def compile_elsewhere():
+        with compile_cache.CompileCounter() as c:
+            jax.jit(lambda x: x - 7)(np.ones(9, np.float32)).block_until_ready()
+        other["counter"] = c
+
+    with compile_cache.CompileCounter() as here:
+        t = threading.Thread(target=compile_elsewhere)
+        t.start()
+        t.join()
+        assert here.count == 0 and here.seconds == 0.0
+        jax.jit(lambda x: x + 7)(np.ones(9, np.float32)).block_until_ready()
+    assert other["counter"].count == 1 and other["counter"].seconds > 0
+    assert here.count == 1 and here.seconds > 0
+
+
+def test_compile_counter_sums_each_compile_second_once():
+    """The counter's seconds equal what JAX reports for tracing, lowering and compiling."""
+    reported = []
+
+    def listen(event, duration_s, **kwargs):
+        if event in compile_cache._COMPILE_STAGE_EVENTS:
+            reported.append(duration_s)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with compile_cache.CompileCounter() as c:
+            jax.jit(lambda x: x * 11)(np.ones(4, np.float32)).block_until_ready()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert c.count == 1 and c.seconds == pytest.approx(sum(reported))
+
+
+def test_compile_counter_listeners_leave_with_the_block():
+    """After the block, an exception included, the counter hears nothing more; it is not re-entrant."""
+    c = compile_cache.CompileCounter()
+    with pytest.raises(ZeroDivisionError):
+        with c:
+            jax.monitoring.record_event_duration_secs(compile_cache.BACKEND_COMPILE_EVENT, 0.5)
+            1 / 0
+    assert (c.count, c.seconds) == (1, 0.5)
+    jax.monitoring.record_event_duration_secs(compile_cache.BACKEND_COMPILE_EVENT, 0.5)
+    jax.monitoring.record_event(compile_cache.CACHE_HIT_EVENT)
+    assert (c.count, c.seconds, c.cache_hits) == (1, 0.5, 0)
+    with c:
+        with pytest.raises(RuntimeError, match="already active"):
+            c.__enter__()
+    jax.monitoring.record_event_duration_secs(compile_cache.BACKEND_COMPILE_EVENT, 0.5)
+    assert c.count == 1
 
 
 def test_persistent_cache_dir(tmp_path, monkeypatch):
