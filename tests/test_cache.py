@@ -11,6 +11,7 @@ from jaxinfer.model import cache as kv
 from jaxinfer.model import config as C
 from jaxinfer.model import forward as mdl
 from jaxinfer.model.params import init_params
+from tests.tolerances import assert_close, smollm2_fp32_error
 
 
 def test_llama3_8b_fp16_bytes_per_token():
@@ -60,15 +61,13 @@ class CachedDecodeTest(chex.TestCase):
                                      global_every=2, rope_local_theta=100.0)):
             params = init_params(cfg, jax.random.key(0))
             full, cached = _cached_vs_uncached(params, cfg, [5, 17, 99, 3, 42, 7, 200, 11], self.variant)
-            np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
+            assert_close(cached, full, what="tiny: cached vs uncached")
 
 
 def test_cached_equals_uncached_real_model(smollm2):
     ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     full, cached = _cached_vs_uncached(smollm2.params, smollm2.config, ids, jax.jit)
-    diff = np.abs(cached - full).max()
-    print(f"cached vs uncached max |logit diff| {diff:.2e}")
-    assert diff < 1e-3
+    assert_close(cached, full, fp32_error=smollm2_fp32_error(), what="SmolLM2: cached vs uncached")
     np.testing.assert_array_equal(cached.argmax(-1), full.argmax(-1))
 
 
@@ -82,11 +81,11 @@ def test_prefill_attending_to_filled_slots_only_is_the_same(kv_dtype):
     fwd = jax.jit(lambda c, n: mdl.forward(params, ids, pos, c, cfg, kv_len=n), static_argnums=1)
     full_logits, full = fwd(kv.init_cache(cfg, 2, 64, kv_dtype), None)
     part_logits, part = fwd(kv.init_cache(cfg, 2, 64, kv_dtype), 8)
-    np.testing.assert_allclose(part_logits, full_logits, atol=1e-5, rtol=1e-5)  # summation order only
-    np.testing.assert_allclose(part.k, full.k, atol=1e-5)
+    assert_close(part_logits, full_logits, what=f"{kv_dtype} cache: kv_len=T vs all slots")  # summation order only
+    assert_close(part.k, full.k, what=f"{kv_dtype} cache: kv_len=T vs all slots, keys")
     # Decoding on from either cache gives the same next logits.
     step = lambda c: mdl.forward(params, ids[:, :1], jnp.full((2, 1), 8), c, cfg)[0]
-    np.testing.assert_allclose(step(part), step(full), atol=1e-5, rtol=1e-5)
+    assert_close(step(part), step(full), what=f"{kv_dtype} cache: next step from either cache")
     with pytest.raises(ValueError, match=r"kv_len must be in \[1, 64\]"):
         mdl.forward(params, ids, pos, kv.init_cache(cfg, 2, 64), cfg, kv_len=65)
 
