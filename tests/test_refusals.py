@@ -1,4 +1,4 @@
-"""What jaxinfer refuses, and why (issue 13): nothing lost, nothing silently wrong.
+"""What jaxinfer refuses, and why: nothing lost, nothing silently wrong.
 
 Each test checks the error type and message, and where it matters that nothing was loaded or
 compiled before the refusal.
