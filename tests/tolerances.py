@@ -24,12 +24,14 @@ arithmetic's: the error is one bfloat16 rounding unit of the scale, eps(bfloat16
 Why it holds on any CPU: ours and the reference are each one float32 evaluation of the same
 function, so |ours - want| <= |ours - exact| + |want - exact|, and each term is the rounding error
 of that function, of the size the float64 run measured. A CPU or compiler setting moves which
-roundings happen, not their size. Measured (max |ours - want| / error, default XLA flags and with
-fast-math, 128/512-bit vectors, fast min/max, 8 host devices; see the parity tests' output):
-SmolLM2-135M 0.9-1.6, Gemma 3 270M 0.5-1.5, the tiny transformers models 0.5-1.5 -- and the
-reference itself, rerun on another CPU than the one that wrote it, moves by 0.7-1.5 of its error.
-SAFETY = 8 leaves room for a machine that rounds less kindly than any of these; a real bug (a
-wrong RoPE variant, norm epsilon or sliding window) moves logits by 1e-3 to 1, far above it.
+roundings happen, not their size. Measured as max |ours - want| / error, with default XLA flags
+and with fast-math on, 128- and 512-bit vectors, fast min/max, XNNPACK and single-threaded Eigen,
+and 8 host devices: SmolLM2-135M 1.1-1.8, Gemma 3 270M 1.4-2.1, the tiny transformers models
+0.8-1.7 (bfloat16 weights: 1.2-1.8 bfloat16 units); and transformers itself, rerun on another CPU
+than the one that wrote the golden files, moves by 0.3-0.9 of its error. SAFETY = 8 leaves room
+for a machine that rounds less kindly than any of these, and stays far below what a real bug does:
+a wrong RoPE scaling or a missing sliding window moves the tiny models' logits by more than 0.1
+(tests/test_families.py), a thousand times their tolerance.
 
 The tight checks stay exact: argmax and greedy tokens identical, checkpoints bit for bit.
 """
