@@ -1,1 +1,1 @@
-"""Runnable walkthrough experiments (see WALKTHROUGH.md)."""
+"""Runnable experiments: the walkthrough (README.md, "The walkthrough"), benchmarks and the device check."""

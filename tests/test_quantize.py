@@ -17,6 +17,7 @@ from jaxinfer.model import forward as mdl
 from jaxinfer.model import params as P
 from jaxinfer.model import quantize as Q
 from jaxinfer.model.params import init_params
+from tests.tolerances import assert_close
 
 HELDOUT = os.path.join(os.path.dirname(__file__), "..", "experiments", "data", "pydoc_heldout.txt")
 
@@ -83,9 +84,7 @@ def test_quantized_forward_equals_forward_on_dequantized_weights(mode, head):
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
     fwd = jax.jit(lambda params: mdl.forward(params, tokens, pos, None, cfg)[0])
     got, want = fwd(qp), fwd(Q.dequantize(qp))
-    diff = float(jnp.max(jnp.abs(got - want)))
-    print(f"{mode}/{head}: max |quantized - dequantized-float| = {diff:.2e}")
-    assert diff < 1e-4
+    assert_close(got, want, what=f"{mode}/{head}: quantized vs dequantized-float forward")
     # and the quantized tree is smaller and still one pytree the layer scan slices on L
     assert P.nbytes(qp) < 0.3 * P.nbytes(p)
     for leaf in jax.tree.leaves(qp["layers"]):

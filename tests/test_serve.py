@@ -14,6 +14,7 @@ from jaxinfer.model import config
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
+from tests.tolerances import assert_close, smollm2_fp32_error
 
 SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20),
             SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05)]
@@ -75,10 +76,12 @@ def run_staggered(engine, specs):
     return [r.result() for r in reqs]
 
 
-def assert_same(got, want):
+def assert_same(got, want, fp32_error=None):
+    """Tokens, text and finish reason identical; logprobs within the parity tolerance (`fp32_error`:
+    the model's measured float32 error, None for the tiny random models)."""
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w.token_ids, f"request {i}: {g.token_ids} != {w.token_ids}"
-        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-3)
+        assert_close(g.logprobs, w.logprobs, fp32_error=fp32_error, what=f"request {i} logprobs vs generate")
         assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
 
 
@@ -207,7 +210,7 @@ def test_background_thread_and_async_stream(model, specs_and_ref):
         engine.stop()
     for (toks, lps), w in zip(out, want[:4]):
         assert toks == w.token_ids
-        np.testing.assert_allclose(lps, w.logprobs, atol=1e-3)
+        assert_close(lps, w.logprobs, what="streamed logprobs vs generate")
 
 
 @pytest.mark.slow
@@ -226,4 +229,4 @@ def test_identity_real_smollm2(smollm2):
             reqs.append(engine.submit(p, max_new_tokens=12, sampling=settings[i % 2], seed=7 + i))
             engine.step()
         engine.run_until_idle()
-        assert_same([r.result() for r in reqs], ref)
+        assert_same([r.result() for r in reqs], ref, fp32_error=smollm2_fp32_error())

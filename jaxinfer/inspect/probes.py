@@ -1,7 +1,7 @@
 """Look inside a run: attention weights, next-token distributions, darts and token counts.
 
 Read-only views on the very functions generation uses (`model.forward`, `sampling.sample`), for
-experiments and teaching. Shape letters are defined in `jaxinfer.config`.
+experiments and teaching. Shape letters are defined in `jaxinfer.model.config`.
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@ Uses nothing from jaxinfer: transformers' own GGUF loader reads gemma-3-270m-q4_
 builds the config from the GGUF metadata plus Gemma3TextConfig defaults) and records
 
   gemma3_logits.npz        per prompt: ids (BOS first), a 512-wide slice of the fp32 logits
-                           (top-64 + a fixed random fill), full-vocab argmax and logsumexp, and a
-                           32-token greedy continuation.
+                           (top-64 + a fixed random fill), full-vocab argmax and logsumexp, a
+                           32-token greedy continuation, and the reference's own float32 error per
+                           position (logits_fp32_error_i: max |fp32 - fp64|).
   gemma3_reference.json    prompts, greedy text, versions, GGUF sha256, the HF model config.
   gemma3_tokenizer.json    [{"text", "ids"}]: HF tokenizer ids (no BOS) on a varied corpus.
 
-Run:  python tests/golden/make_gemma_reference.py [--gguf PATH] [--out DIR]
-Needs: torch (CPU), transformers (GGUF support), gguf, numpy. About a minute.
+Run:  python tests/golden/make_gemma_reference.py [--gguf PATH] [--out DIR] [--float64-only]
+Needs: torch (CPU), transformers (GGUF support), gguf, accelerate, numpy. A few minutes.
+--float64-only adds the float32-error arrays to the existing gemma3_logits.npz and changes nothing else.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ DEFAULT_GGUF = os.path.expanduser("~/.cache/jaxinfer/gemma-3-270m-q4_k_m.gguf") 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from make_reference import TOKENIZER_TEXTS as SMOLLM_TEXTS  # noqa: E402  (the varied corpus)
-from make_reference import load_hf_gguf, select_columns, sha256, version  # noqa: E402  (same golden format)
+from make_reference import float64_errors, load_hf_gguf, select_columns, sha256, version  # noqa: E402  (same golden format)
+from float64_reference import update_npz  # noqa: E402
 
 SEED, N_NEW = 0, 32  # columns per position: make_reference.TOP_K and .M
 
@@ -62,7 +65,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=DEFAULT_GGUF)
     ap.add_argument("--out", default=HERE)
+    ap.add_argument("--float64-only", action="store_true",
+                    help="only add the float32-error arrays to the existing gemma3_logits.npz")
     args = ap.parse_args()
+    if args.float64_only:
+        npz_path = os.path.join(args.out, "gemma3_logits.npz")
+        with np.load(npz_path) as f:
+            update_npz(npz_path, float64_errors(load_hf_gguf(args.gguf)[1], {k: f[k] for k in f.files}))
+        return
     t0 = time.time()
     torch.manual_seed(SEED)
     tok, model = load_hf_gguf(args.gguf)
@@ -98,6 +108,7 @@ def main() -> None:
             arrays[f"greedy_{i}"] = np.asarray(greedy, np.int32)
             meta.append({"text": text, "ids": ids, "greedy_ids": greedy, "greedy_text": tok.decode(greedy),
                          "greedy_matches_teacher_forced_argmax": tf == greedy})
+    arrays.update(float64_errors(model, arrays))
     np.savez_compressed(os.path.join(args.out, "gemma3_logits.npz"), **arrays)
     keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_activation", "rms_norm_eps",
@@ -109,7 +120,8 @@ def main() -> None:
         "gguf_sha256": sha256(args.gguf),
         "versions": {"python": platform.python_version(), "transformers": version("transformers"),
                      "torch": torch.__version__, "gguf": version("gguf"), "tokenizers": version("tokenizers")},
-        "npz_keys": "ids_i (BOS first), vocab_idx_i [T,512], logits_i [T,512], argmax_i [T], lse_i [T], greedy_i [32]",
+        "npz_keys": "ids_i (BOS first), vocab_idx_i [T,512], logits_i [T,512], argmax_i [T], lse_i [T], greedy_i [32], "
+                    "logits_fp32_error_i [T] (max |fp32 - fp64|, float64_reference.py)",
         "prompts": meta,
         "model_config": {k: getattr(cfg, k, None) for k in keep},
         "attn_implementation": getattr(cfg, "_attn_implementation", None),

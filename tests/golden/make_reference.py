@@ -5,13 +5,16 @@ This script deliberately uses nothing from the jaxinfer package: it loads the Sm
 Q4_1 GGUF through transformers' own GGUF loader (dequantised to fp32 on CPU) and records
 
   smollm2_logits.npz       per-prompt ids, a 512-wide slice of the fp32 logits, full-vocab argmax and
-                           logsumexp, a 32-token greedy continuation, and final-position hidden states.
+                           logsumexp, a 32-token greedy continuation, final-position hidden states, and
+                           the reference's own float32 error per position: max |fp32 - fp64| of
+                           those logits (float64_reference.py).
   smollm2_reference.json   prompts, ids, greedy ids/text, versions, GGUF sha256, and the facts about
                            the HF tokenizer/model that the JAX side has to match.
   smollm2_tokenizer.json   [{"text", "ids", "decoded", "roundtrip", "ids_smollm_pre", "smollm_pre_differs"}]
 
-Run:  python tests/golden/make_reference.py [--gguf PATH] [--out DIR]
-Needs: torch (CPU is fine), transformers (GGUF support), gguf, numpy.  Takes well under a minute.
+Run:  python tests/golden/make_reference.py [--gguf PATH] [--out DIR] [--float64-only]
+Needs: torch (CPU is fine), transformers (GGUF support), gguf, accelerate, numpy.  About a minute.
+--float64-only adds the float32-error arrays to the existing smollm2_logits.npz and changes nothing else.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from float64_reference import float64_logits, float64_model, fp32_error, update_npz  # noqa: E402
 
 DEFAULT_GGUF = "/root/.cache/jaxinfer/SmolLM2-135M-Instruct.Q4_1.gguf"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -198,11 +204,29 @@ def select_columns(logits: torch.Tensor, fill: np.ndarray) -> np.ndarray:
     return np.stack(rows).astype(np.int32)
 
 
+def float64_errors(model, arrays: dict) -> dict:
+    """The reference's float32 error per prompt i: logits_fp32_error_i [T] (float32), from the stored
+    ids_i, vocab_idx_i, logits_i and one float64 forward pass each. (A logsumexp moves by at most the
+    largest logit error, so the logits' error bounds the lse_i too.)"""
+    model64, out = float64_model(model), {}
+    for i in range(len([k for k in arrays if k.startswith("ids_")])):
+        l64 = float64_logits(model64, arrays[f"ids_{i}"].tolist())
+        out[f"logits_fp32_error_{i}"] = fp32_error(arrays[f"logits_{i}"], l64, arrays[f"vocab_idx_{i}"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=DEFAULT_GGUF, help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--out", default=HERE, help="output directory (default: this script's folder)")
+    ap.add_argument("--float64-only", action="store_true",
+                    help="only add the float32-error arrays to the existing smollm2_logits.npz")
     args = ap.parse_args()
+    if args.float64_only:
+        npz_path = os.path.join(args.out, "smollm2_logits.npz")
+        with np.load(npz_path) as f:
+            update_npz(npz_path, float64_errors(load_hf_gguf(args.gguf)[1], {k: f[k] for k in f.files}))
+        return
 
     t_start = time.time()
     torch.manual_seed(SEED)
@@ -293,6 +317,7 @@ def main() -> None:
                 }
             )
 
+    arrays.update(float64_errors(model, arrays))
     npz_path = os.path.join(args.out, "smollm2_logits.npz")
     np.savez_compressed(npz_path, **arrays)
 
@@ -323,6 +348,8 @@ def main() -> None:
                 "argmax_{i}": "int32 [T] full-vocab argmax per position",
                 "lse_{i}": "float32 [T] full-vocab logsumexp per position (computed in float64)",
                 "greedy_{i}": f"int32 [{N_NEW}] greedy continuation (pure argmax, EOS neither stops nor is masked)",
+                "logits_fp32_error_{i}": "float32 [T] max over the stored columns of |logits_i - the same "
+                "logits from a float64 forward pass| (float64_reference.py): the reference's own float error",
                 "hidden_last_{i}": f"float32 [{cfg.num_hidden_layers + 1}, {cfg.hidden_size}] hidden state at the "
                 "last prompt position: [0]=token embedding, [l]=residual stream after layer l (1..L-1), "
                 "[L]=after final RMSNorm",

@@ -10,9 +10,13 @@ config (so nothing GGUF-specific remains) and `save_pretrained` writes the folde
   hf_smollm2/tensors.json   {name: [shape, sha256 of the fp32 bytes]} of transformers' model.safetensors
   hf_smollm2/reference.npz  ids [T]; per position 256 logit columns (top 64 + a fixed random fill)
                             vocab_idx/logits [T, 256], full-vocab argmax [T]; greedy [16]
-                            -- from the model re-read from the saved folder, fp32, eager attention
+                            -- from the model re-read from the saved folder, fp32, eager attention;
+                            logits_fp32_error [T]: max |fp32 - fp64| of those logits per position,
+                            the reference's own float error (float64_reference.py)
 
-Run:  python tests/golden/make_smollm2_hf.py [--gguf PATH]     (needs torch + transformers + gguf)
+Run:  python tests/golden/make_smollm2_hf.py [--gguf PATH] [--float64-only]
+      (needs torch + transformers + gguf + accelerate; --float64-only adds logits_fp32_error to the
+      existing reference.npz and changes nothing else)
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from float64_reference import float64_logits, float64_model, fp32_error, update_npz  # noqa: E402
 
 DEFAULT_GGUF = os.path.expanduser("~/.cache/jaxinfer/SmolLM2-135M-Instruct.Q4_1.gguf")
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_smollm2")
@@ -40,11 +48,19 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=DEFAULT_GGUF)
+    ap.add_argument("--float64-only", action="store_true",
+                    help="only add logits_fp32_error to the existing hf_smollm2/reference.npz")
     args = ap.parse_args()
     gguf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf),
                                                       dtype=torch.float32)
     plain = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32, attn_implementation="eager")
     plain.load_state_dict(gguf_model.state_dict())
+    if args.float64_only:  # the saved folder holds exactly these weights (tensors.json)
+        path = os.path.join(OUT, "reference.npz")
+        with np.load(path) as ref:
+            err = fp32_error(ref["logits"], float64_logits(float64_model(plain), ref["ids"].tolist()), ref["vocab_idx"])
+        update_npz(path, {"logits_fp32_error": err})
+        return
     with tempfile.TemporaryDirectory() as tmp:
         plain.save_pretrained(tmp, safe_serialization=True, max_shard_size="2GB")
         os.makedirs(OUT, exist_ok=True)
@@ -73,7 +89,9 @@ def main() -> None:
     np.savez_compressed(os.path.join(OUT, "reference.npz"), ids=ids.astype(np.int32), vocab_idx=idx,
                         logits=np.take_along_axis(logits, idx, 1).astype(np.float32),
                         argmax=logits.argmax(-1).astype(np.int32),
-                        greedy=gen[0, len(ids):].numpy().astype(np.int32))
+                        greedy=gen[0, len(ids):].numpy().astype(np.int32),
+                        logits_fp32_error=fp32_error(np.take_along_axis(logits, idx, 1),
+                                                     float64_logits(float64_model(model), ids.tolist()), idx))
     print("wrote", sorted(os.listdir(OUT)), "tensors:", len(table))
 
 

@@ -7,7 +7,9 @@ Qwen2 biases are really exercised), saves it with `save_pretrained` (config.json
 qwen2 sharded into several files with an index) and records, in fp32 with eager attention:
 
   tiny_hf/<family>/reference.npz   ids [T], logits [T, V] (full vocab), greedy [32] (pure argmax),
-                                   inv_freq [H/2] (RoPE-scaled families)
+                                   inv_freq [H/2] (RoPE-scaled families), logits_fp32_error [T]
+                                   (max |fp32 - fp64| logit per position: the reference's own
+                                   float error, float64_reference.py)
   tiny_hf/<family>/meta.json       prompt length, smallest top-1/top-2 logit gap, versions
 
 Families: llama (Llama 3 style: rope theta 5e5, untied head), mistral (sliding window 8 on every
@@ -20,7 +22,9 @@ factor 4), qwen3 (per-head QK-norm, head_dim 24 != hidden / heads, no biases), q
 0.5B style: q/k/v biases, tied embeddings, use_sliding_window false with a sliding_window set).
 The prompt has 24 tokens (48 for the RoPE-scaled ones), so every sliding window really hides keys.
 
-Run:  python tests/golden/make_tiny_hf.py [family ...]   (a few seconds; needs torch + transformers)
+Run:  python tests/golden/make_tiny_hf.py [--float64-only] [family ...]
+      (a few seconds; needs torch + transformers; --float64-only adds logits_fp32_error to the
+      existing reference.npz files from the saved models and changes nothing else)
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ import importlib.metadata as md
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from float64_reference import float64_logits, float64_model, fp32_error, update_npz  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_hf")
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 128
@@ -84,6 +92,19 @@ def perturb(model, family: str, g: torch.Generator) -> None:
                 p.copy_(noise / np.sqrt(p.shape[-1]))
 
 
+def add_float64(families) -> None:
+    """logits_fp32_error of each saved family, from its folder and its stored float32 logits."""
+    from transformers import AutoModelForCausalLM
+
+    for family in families or configs():
+        out = os.path.join(HERE, family)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+        with np.load(os.path.join(out, "reference.npz")) as ref:
+            err = fp32_error(ref["logits"], float64_logits(float64_model(model), ref["ids"].tolist()))
+        update_npz(os.path.join(out, "reference.npz"), {"logits_fp32_error": err})
+        print(family, "max fp32 error", float(err.max()))
+
+
 def main(families) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -116,6 +137,7 @@ def main(families) -> None:
             extra["inv_freq"] = model.model.rotary_emb.inv_freq.float().numpy()
         np.savez_compressed(os.path.join(out, "reference.npz"), ids=np.asarray(ids, np.int32),
                             logits=logits.numpy().astype(np.float32), greedy=np.asarray(greedy, np.int32),
+                            logits_fp32_error=fp32_error(logits.numpy(), float64_logits(float64_model(model), ids)),
                             **extra)
         meta = {"family": family, "model_type": cfg.model_type, "prompt_tokens": n_prompt,
                 "greedy_matches_teacher_forced_argmax": tf.argmax(-1).tolist() == greedy,
@@ -129,6 +151,8 @@ def main(families) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if "--float64-only" in args:
+        add_float64([a for a in args if a != "--float64-only"])
+    else:
+        main(args)
