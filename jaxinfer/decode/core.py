@@ -30,18 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import sampling as smp
+from jaxinfer.decode.bitmask import apply_token_bitmask, mask_words
 from jaxinfer.model import forward as mdl
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
 
 MIN_STOP_SLOTS = 8  # stop-id arrays are padded to a power of two >= this (few programs)
+MIN_BIAS_SLOTS = 16  # logit_bias entries per row are padded to a power of two >= this
 
 
 @struct.dataclass
 class Rows:
-    """Per-row settings and progress, all [B] arrays (stop_ids [B, M])."""
+    """Per-row settings and progress, all [B] arrays (stop_ids [B, M], mask [B, W])."""
 
     sampling: smp.RowParams  # temperature, top_k, top_p, min_p per row
     keys: jax.Array  # [B] typed PRNG keys, one per request (the step is folded in when sampling)
@@ -49,6 +52,8 @@ class Rows:
     stop_ids: jax.Array  # [B, M] int32: token ids that end the row (-1 pads)
     budget: jax.Array  # [B] int32: tokens the row may still sample
     finished: jax.Array  # [B] bool: the row sampled a stop token
+    controls: pen.PenaltyRows  # logit bias, penalties, min_tokens, ignore_eos per row
+    mask: jax.Array  # [B, W] int32: allowed next tokens, packed bits (all ones: unconstrained)
 
     @property
     def live(self) -> jax.Array:
@@ -63,6 +68,20 @@ class DecodeState:
     cache: KVCache
     tokens: jax.Array  # [B] int32: each row's last sampled token, its next input
     rows: Rows
+    counts: pen.TokenCounts  # [B, V] tokens generated and in the prompt (what the penalties read)
+    history: Optional[jax.Array] = None  # [B, S] int32 each row's tokens by position (logits processors only)
+
+
+@struct.dataclass
+class ProcessorInput:
+    """What a logits processor sees besides the logits."""
+
+    tokens: jax.Array  # [B, S] int32: each row's tokens by position (prompt, then generated)
+    lengths: jax.Array  # [B] int32: positions filled in `tokens`
+    steps: jax.Array  # [B] int32: tokens each row has generated
+
+
+LogitsProcessor = Callable[[jax.Array, ProcessorInput], jax.Array]
 
 
 @struct.dataclass
@@ -84,6 +103,72 @@ def stop_array(stop_ids: list[tuple[int, ...]]) -> np.ndarray:
     for b, s in enumerate(stop_ids):
         out[b, :len(s)] = s
     return out
+
+
+def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[int, ...]], eos_ids: tuple[int, ...],
+                 vocab_size: int) -> pen.PenaltyRows:
+    """Per-row logit controls from each row's SamplingParams and extra stop ids (host side).
+
+    Widths are padded to MIN_BIAS_SLOTS / MIN_STOP_SLOTS buckets so requests rarely change the
+    programs' shapes."""
+    settings = [pen.PenaltySettings(frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+                                    repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_tokens,
+                                    ignore_eos=sp.ignore_eos, logit_bias=sp.logit_bias, stop_token_ids=tuple(st))
+                for sp, st in zip(samplings, extra_stops)]
+    m = max([MIN_BIAS_SLOTS] + [len(sp.logit_bias) for sp in samplings])
+    rows = pen.stack(settings, eos_ids, vocab_size, bias_slots=1 << (m - 1).bit_length())
+    stops = np.asarray(rows.stop_ids)
+    wide = np.full((stops.shape[0], max(MIN_STOP_SLOTS, stops.shape[1])), -1, np.int32)
+    wide[:, :stops.shape[1]] = stops
+    eos = np.asarray(rows.eos_ids)
+    eos_wide = np.full((eos.shape[0], max(MIN_STOP_SLOTS, eos.shape[1])), -1, np.int32)
+    eos_wide[:, :eos.shape[1]] = eos
+    return rows.replace(stop_ids=wide, eos_ids=eos_wide)
+
+
+def no_mask(batch: int, vocab_size: int) -> np.ndarray:
+    """[B, W] int32 bitmask allowing every token."""
+    return np.full((batch, mask_words(vocab_size)), -1, np.int32)
+
+
+def host_counts(prompts: list[list[int]], vocab_size: int, generated: Optional[list[list[int]]] = None
+                ) -> pen.TokenCounts:
+    """TokenCounts of host numpy arrays: each row's prompt tokens and generated tokens so far."""
+    B = len(prompts)
+    counts = np.zeros((B, vocab_size), np.int32)
+    in_prompt = np.zeros((B, vocab_size), bool)
+    for b, p in enumerate(prompts):
+        in_prompt[b, np.asarray(p, np.int64)] = True
+        for t in (generated[b] if generated else ()):
+            counts[b, t] += 1
+    n = np.array([len(g) for g in generated] if generated else [0] * B, np.int32)
+    return pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=n)
+
+
+def _controlled(logits: jax.Array, rows: Rows, counts: pen.TokenCounts) -> jax.Array:
+    """The logits the sampler sees: penalties and bias, then the constraint's mask, each skipped
+    (`lax.cond`) when no row uses it. [B, V] -> [B, V] float32."""
+    c = rows.controls
+    penalized = jnp.any((c.frequency_penalty != 0) | (c.presence_penalty != 0) | (c.repetition_penalty != 1)
+                        | (c.min_tokens > 0) | c.ignore_eos | jnp.any(c.bias_values != 0, axis=-1))
+    logits = logits.astype(jnp.float32)
+    logits = jax.lax.cond(penalized, lambda x: pen.apply_penalties(x, counts, c), lambda x: x, logits)
+    masked = jnp.any(rows.mask != -1)
+    return jax.lax.cond(masked, lambda x: apply_token_bitmask(x, rows.mask), lambda x: x, logits)
+
+
+def select_tokens(logits: jax.Array, rows: Rows, counts: pen.TokenCounts,
+                processor: Optional[LogitsProcessor] = None, processor_input: Optional[ProcessorInput] = None):
+    """Each row's next token from its logits [B, V]: controls, the logits processor, the sampler.
+
+    Returns (tokens [B] int32, logprobs [B] of the sampled distribution's logits, those logits [B, V]).
+    """
+    x = _controlled(logits, rows, counts)
+    if processor is not None:
+        with jax.named_scope("logits_processor"):
+            x = processor(x, processor_input).astype(jnp.float32)
+    tok, lp = smp.sample(x, smp.step_keys(rows.keys, rows.steps), rows.sampling)
+    return tok, lp, x
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -117,8 +202,9 @@ class PrefillOut:
 
 
 def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array, n_real: jax.Array,
-            rows: Rows, next_tokens: jax.Array, cfg: ModelConfig, n_top: int = 0,
-            prompt_logprobs: bool = False) -> tuple[KVCache, PrefillOut]:
+            last: jax.Array, rows: Rows, counts: pen.TokenCounts, next_tokens: jax.Array, cfg: ModelConfig,
+            n_top: int = 0, prompt_logprobs: bool = False, processor: Optional[LogitsProcessor] = None,
+            history: Optional[jax.Array] = None):
     """Write a chunk of prompt tokens into the cache and sample each row's next token.
 
     Args:
@@ -127,38 +213,45 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
       tokens: [B, C] chunk tokens, right-padded; row b's real tokens are tokens[b, :n_real[b]].
       starts: [B] position of each row's first chunk token (the row's filled length).
       n_real: [B] real tokens per row (0 for a row that only pads the batch).
+      last: [B] bool: the row's prompt ends in this chunk (its sample is kept, its counts advance).
       rows: per-row sampling state; the sample after the chunk uses fold_in(key, steps).
+      counts: the rows' TokenCounts (prompt tokens seen; what the penalties read).
       next_tokens: [B, C] the token that follows each chunk position (for prompt logprobs only).
       cfg: model config (static).
       n_top: top alternatives per sampled / scored position (static).
       prompt_logprobs: also score next_tokens at every chunk position (static).
+      processor, history: a logits processor (static) and the rows' tokens by position [B, S].
     Returns:
-      (cache with lengths starts + n_real, PrefillOut). The sample is valid for rows whose
-      prompt ends in this chunk; the caller keeps it for those only.
+      (cache with lengths starts + n_real, counts, PrefillOut). The sample is valid for rows
+      with `last`; the caller keeps it for those only.
     """
     B, C = tokens.shape
     cache = cache.replace(lengths=starts.astype(jnp.int32))
     positions = mdl.default_positions(B, C, starts)
-    last = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
+    lastpos = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
     with jax.named_scope("prefill"):
         logits, cache = mdl.forward(params, tokens, positions, cache, cfg,
-                                    logit_index=None if prompt_logprobs else last, n_new=n_real)
-    final = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0] if prompt_logprobs else logits[:, 0]
-    tok, lp = smp.sample(final, smp.step_keys(rows.keys, rows.steps), rows.sampling)
-    first = _emitted(tok, lp, (n_real > 0).astype(jnp.int32), final, n_top)
+                                    logit_index=None if prompt_logprobs else lastpos, n_new=n_real)
+    final = (jnp.take_along_axis(logits, lastpos[:, None, None], axis=1)[:, 0] if prompt_logprobs
+             else logits[:, 0])
+    pin = None if processor is None else ProcessorInput(tokens=history, lengths=starts + n_real, steps=rows.steps)
+    tok, lp, x = select_tokens(final, rows, counts, processor, pin)
+    first = _emitted(tok, lp, last.astype(jnp.int32), x, n_top)
+    counts = counts.update(tok, last)
     if prompt_logprobs:
         logp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]
         plp = jnp.take_along_axis(logp, next_tokens[..., None], axis=-1)[..., 0]
         ptop_lp, ptop = jax.lax.top_k(logp, n_top) if n_top else (jnp.zeros((B, C, 0)), jnp.zeros((B, C, 0), jnp.int32))
     else:
         plp, ptop, ptop_lp = jnp.zeros((B, 0)), jnp.zeros((B, 0, 0), jnp.int32), jnp.zeros((B, 0, 0))
-    return cache, PrefillOut(first=first, prompt_logprobs=plp, prompt_top_ids=ptop.astype(jnp.int32),
-                             prompt_top_logprobs=ptop_lp)
+    return cache, counts, PrefillOut(first=first, prompt_logprobs=plp, prompt_top_ids=ptop.astype(jnp.int32),
+                                     prompt_top_logprobs=ptop_lp)
 
 
 # Decode ---------------------------------------------------------------------------------------
 
-def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0):
+def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0,
+                processor: Optional[LogitsProcessor] = None):
     """One token per live row: forward each row's last token, sample the next.
 
     Rows that are not live still run (fixed shapes) but keep their token, length and counters.
@@ -167,14 +260,21 @@ def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int
     rows = state.rows
     live = rows.live
     cache = state.cache
-    logits, cache = mdl.forward(params, state.tokens[:, None], cache.lengths[:, None], cache, cfg,
+    at = cache.lengths  # [B] position of each row's input token
+    logits, cache = mdl.forward(params, state.tokens[:, None], at[:, None], cache, cfg,
                                 n_new=live.astype(jnp.int32))
-    tok, lp = smp.sample(logits[:, 0], smp.step_keys(rows.keys, rows.steps), rows.sampling)
+    pin = None if processor is None else ProcessorInput(tokens=state.history, lengths=at + 1, steps=rows.steps)
+    tok, lp, x = select_tokens(logits[:, 0], rows, state.counts, processor, pin)
     tok = jnp.where(live, tok, state.tokens)
+    history = state.history
+    if history is not None:  # the sampled token goes to the position after the input's
+        B = tok.shape[0]
+        history = history.at[jnp.arange(B), jnp.minimum(at + 1, history.shape[1] - 1)].set(
+            jnp.where(live, tok, history[jnp.arange(B), jnp.minimum(at + 1, history.shape[1] - 1)]))
     rows = rows.replace(steps=rows.steps + live, budget=rows.budget - live,
                         finished=rows.finished | (live & is_stop(tok, rows.stop_ids)))
-    return DecodeState(cache=cache, tokens=tok, rows=rows), _emitted(tok, lp, live.astype(jnp.int32), logits[:, 0],
-                                                                     n_top)
+    state = DecodeState(cache=cache, tokens=tok, rows=rows, counts=state.counts.update(tok, live), history=history)
+    return state, _emitted(tok, lp, live.astype(jnp.int32), x, n_top)
 
 
 def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable] = None):
@@ -199,12 +299,14 @@ def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable]
     return jax.lax.scan(body, state, None, length=n_steps)
 
 
-def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0):
+def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0,
+           processor: Optional[LogitsProcessor] = None):
     """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1])."""
     with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, n_top), state, n_steps,
+        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor), state, n_steps,
                            live=lambda s: jnp.any(s.rows.live))
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs"), donate_argnames=("cache",))
-decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top"), donate_argnames=("state",))
+prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor"),
+                      donate_argnames=("cache",))
+decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor"), donate_argnames=("state",))

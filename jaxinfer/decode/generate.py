@@ -15,6 +15,7 @@ blocks of the cache).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -24,11 +25,12 @@ import numpy as np
 
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.decode import core
+from jaxinfer.decode import constraints, core
+from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
-                                      check_sequence, completion_for, pack_prompts, prompt_ids, request_keys,
-                                      stop_ids_for)
+                                      check_sequence, check_token_ids, completion_for, eos_ids_for, pack_prompts,
+                                      prompt_ids, request_keys, stop_ids_for)
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
@@ -48,21 +50,26 @@ def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
     return shd.init_cache(model.config, mesh, batch, max_len)
 
 
-def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int) -> core.Rows:
-    """Rows of a closed batch: one setting, one stop set, one budget for every row."""
-    B = keys.shape[0]  # host arrays: they travel with the first call, no device op compiles for them
+def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int,
+                 eos_ids: tuple[int, ...] = (), extra_stops: tuple[int, ...] = (), vocab_size: int = 1) -> core.Rows:
+    """Rows of a closed batch: one setting, one stop set, one budget for every row (host arrays:
+    they travel with the first call, no device op compiles for them)."""
+    B = keys.shape[0]
     return core.Rows(sampling=smp.row_params(sampling, B), keys=keys, steps=np.zeros((B,), np.int32),
                      stop_ids=core.stop_array([stop_ids] * B), budget=np.full((B,), budget, np.int32),
-                     finished=np.zeros((B,), bool))
+                     finished=np.zeros((B,), bool),
+                     controls=core.controls_for([sampling] * B, [tuple(extra_stops)] * B, eos_ids, vocab_size),
+                     mask=core.no_mask(B, vocab_size))
 
 
 def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
-                    cfg: ModelConfig, chunk: int, progress: Optional[Callable[[int, int], None]] = None):
+                    counts, cfg: ModelConfig, chunk: int, progress: Optional[Callable[[int, int], None]] = None,
+                    processor: Optional[core.LogitsProcessor] = None, history=None):
     """Read right-padded prompts tokens [B, Tb] into the cache, `chunk` positions per program call.
 
     Row b's first token is sampled in the chunk that holds its last prompt token. progress(done,
     total) is called after each chunk with prompt positions read.
-    Returns (cache, first tokens [B] and their logprobs [B] as numpy).
+    Returns (cache, counts, first tokens [B] and their logprobs [B] as numpy).
     """
     B, Tb = tokens.shape
     total = int(lengths.max())
@@ -74,13 +81,88 @@ def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengt
             break  # only padding left
         n_real = np.clip(lengths - lo, 0, chunk).astype(np.int32)
         starts = np.minimum(lengths, lo).astype(np.int32)
-        cache, out = core.prefill_jit(params, cache, tokens[:, lo:lo + chunk], starts, n_real, rows, zeros, cfg)
         ends_here = (lengths > lo) & (lengths <= lo + chunk)
+        cache, counts, out = core.prefill_jit(params, cache, tokens[:, lo:lo + chunk], starts, n_real, ends_here, rows,
+                                              counts, zeros, cfg, processor=processor, history=history)
         first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
         first_lp = np.where(ends_here, shd.to_host(out.first.logprobs)[:, 0], first_lp)
         if progress:
             progress(min(lo + chunk, total), total)
-    return cache, first, first_lp
+    return cache, counts, first, first_lp
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A closed batch, checked and packed on the host (before anything compiles)."""
+
+    ids: list[list[int]]  # each prompt's ids
+    tokens: np.ndarray  # [B, Tb] right-padded prompts
+    lengths: np.ndarray  # [B]
+    stop_ids: tuple[int, ...]  # ids that end a row
+    max_new_tokens: int
+    chunk: int  # prefill chunk
+    max_len: int  # S: positions per row in the cache
+    rows: core.Rows
+    counts: pen.TokenCounts
+
+
+def _prepare(model: Model, prompts: Prompts, key, seed, max_new_tokens: int, sampling: SamplingParams,
+             stop_at_eos: bool, stop_tokens: Sequence[int], chunk_size: int, allow_special: bool,
+             prefill_chunk_size: Optional[int]) -> _Batch:
+    cfg = model.config
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("chunk_size", chunk_size, 1)
+    if prefill_chunk_size is not None and (check_int("prefill_chunk_size", prefill_chunk_size, 1)
+                                           & (prefill_chunk_size - 1)):
+        raise ValueError(f"prefill_chunk_size must be a power of two (prompts are padded to one), "
+                         f"got {prefill_chunk_size}")
+    check_sampling(sampling)
+    if sampling.constraint is not None and model.tokenizer is None:
+        raise ValueError("a constraint needs a model with a tokenizer (its token texts)")
+    ids = prompt_ids(model, prompts, allow_special)
+    check_context(ids, max_new_tokens, 0, cfg)
+    check_token_ids(list(stop_tokens) or [0], cfg.vocab_size, "stop_tokens")
+    stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens, sampling.ignore_eos)
+    keys = request_keys(len(ids), key, seed, sampling)
+    tokens, lengths = pack_prompts(ids)
+    Tb = tokens.shape[1]
+    rows = initial_rows(keys, sampling, stop_ids, max_new_tokens, eos_ids_for(model), tuple(stop_tokens),
+                        cfg.vocab_size)
+    return _Batch(ids=ids, tokens=tokens, lengths=lengths, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
+                  chunk=Tb if prefill_chunk_size is None else min(Tb, prefill_chunk_size),
+                  max_len=bucket(max(Tb, int(lengths.max()) + max_new_tokens), MIN_KV_BUCKET), rows=rows,
+                  counts=core.host_counts(ids, cfg.vocab_size))
+
+
+def _history(batch: _Batch, first: np.ndarray) -> np.ndarray:
+    """[B, S] each row's tokens by position: its prompt, then its first sampled token."""
+    h = np.zeros((len(batch.ids), batch.max_len), np.int32)
+    h[:, :batch.tokens.shape[1]] = batch.tokens
+    h[np.arange(len(batch.ids)), batch.lengths] = first
+    return h
+
+
+class _Constrained:
+    """The host side of constrained rows: a grammar matcher per row, a token mask before each step."""
+
+    def __init__(self, model: Model, batch: _Batch, constraint):
+        compiler = constraints.Compiler(model.tokenizer, model.config.vocab_size, stop_ids=batch.stop_ids)
+        self.matchers = [compiler.matcher(constraint) for _ in batch.ids]
+        self.complete = np.zeros((len(batch.ids),), bool)  # the grammar admits nothing more
+        self.vocab = model.config.vocab_size
+
+    def masks(self, live: np.ndarray) -> np.ndarray:
+        out = core.no_mask(len(self.matchers), self.vocab)
+        for b, m in enumerate(self.matchers):
+            if live[b]:
+                m.fill_bitmask(out[b])
+        return out
+
+    def consume(self, b: int, token: int) -> None:
+        m = self.matchers[b]
+        if not m.consume(token):
+            raise RuntimeError(f"row {b}: the sampled token {token} broke the constraint ({m.error})")
+        self.complete[b] |= m.is_stopped
 
 
 def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
@@ -89,7 +171,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              stop_tokens: Sequence[int] = (), chunk_size: int = 32,
              on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
-             on_prefill: Optional[Callable[[int, int], None]] = None) -> Output:
+             on_prefill: Optional[Callable[[int, int], None]] = None,
+             logits_processor: Optional[core.LogitsProcessor] = None) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -99,7 +182,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       seed: an int (every row) or one int per prompt; row b samples with key(seed_b).
         One of key/seed is required unless sampling is greedy.
       max_new_tokens: tokens to generate per prompt (>= 1).
-      sampling: SamplingParams (default greedy).
+      sampling: SamplingParams (default greedy): the sampler's settings, logit bias, penalties,
+        min_tokens / ignore_eos, and a constraint (`jaxinfer.constraints`).
       stop_at_eos: stop a row at the tokenizer's stop ids (eos, <|endoftext|>) or stop_tokens.
       stop_tokens: extra token ids that end a row.
       chunk_size: decode steps per jitted scan call (streaming granularity).
@@ -111,64 +195,83 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       prefill_chunk_size: prompts padded beyond this many tokens are read in chunks of it (a
         power of two), bounding prefill memory; None reads every prompt in one pass.
       on_prefill: optional callback(done, total) after each prefill chunk (prompt tokens read).
+      logits_processor: a pure JAX function (logits [B, V], `core.ProcessorInput`) -> logits [B, V]
+        applied after the sampling controls and before the sampler, traced into the same prefill
+        and decode programs (a new function object means new programs: define it once).
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
     t0 = time.perf_counter()
     cfg = model.config
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    chunk_size = check_int("chunk_size", chunk_size, 1)
-    if prefill_chunk_size is not None and (check_int("prefill_chunk_size", prefill_chunk_size, 1)
-                                           & (prefill_chunk_size - 1)):
-        raise ValueError(f"prefill_chunk_size must be a power of two (prompts are padded to one), "
-                         f"got {prefill_chunk_size}")
-    check_sampling(sampling)
-    ids = prompt_ids(model, prompts, allow_special)
-    check_context(ids, max_new_tokens, 0, cfg)
-    stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
-    keys = request_keys(len(ids), key, seed, sampling)
-
-    B = len(ids)
-    tokens, lengths = pack_prompts(ids)
-    Tb = tokens.shape[1]
-    chunk = Tb if prefill_chunk_size is None else min(Tb, prefill_chunk_size)
-    S = bucket(max(Tb, int(lengths.max()) + max_new_tokens), MIN_KV_BUCKET)
-
+    batch = _prepare(model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, chunk_size,
+                     allow_special, prefill_chunk_size)
+    B = len(batch.ids)
+    constrained = _Constrained(model, batch, sampling.constraint) if sampling.constraint is not None else None
     with CompileCounter() as compiles:
-        rows = initial_rows(keys, sampling, stop_ids, max_new_tokens)
-        cache, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows, cfg,
-                                                 chunk, on_prefill)
+        rows = batch.rows
+        if constrained is not None:
+            rows = rows.replace(mask=constrained.masks(np.ones((B,), bool)))
+        history = _history(batch, np.zeros((B,), np.int32)) if logits_processor is not None else None
+        cache, counts, first, first_lp = prefill_prompts(model.params, new_cache(model, B, batch.max_len),
+                                                         batch.tokens, batch.lengths, rows, batch.counts, cfg,
+                                                         batch.chunk, on_prefill, logits_processor, history)
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
         if on_tokens:
             on_tokens([[int(t)] for t in first])
-        finished = np.isin(first, stop_ids)
-        state = core.DecodeState(cache=cache, tokens=first,
-                                 rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1, finished=finished))
-        out_tokens, out_lps = [first[:, None]], [first_lp[:, None]]
-        live = ~finished & (max_new_tokens > 1)
-        while live.any():
-            state, em = core.decode_jit(model.params, state, cfg, chunk_size)
-            toks = shd.to_host(em.tokens)[:, :, 0].T  # [B, n]
-            lps = shd.to_host(em.logprobs)[:, :, 0].T
-            count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
-            out_tokens.append(np.where(count > 0, toks, -1))
-            out_lps.append(lps)
-            live = ~shd.to_host(state.rows.finished) & (shd.to_host(state.rows.budget) > 0)
-            if on_tokens:
-                on_tokens([[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)])
+        finished = np.isin(first, batch.stop_ids)
+        if constrained is not None:
+            for b in range(B):
+                constrained.consume(b, int(first[b]))
+        state = core.DecodeState(cache=cache, tokens=first, counts=counts,
+                                 rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1, finished=finished),
+                                 history=_history(batch, first) if logits_processor is not None else None)
+        out_tokens, out_lps = _decode(model, state, batch, constrained, first, first_lp, chunk_size, on_tokens,
+                                      logits_processor)
         t_end = time.perf_counter()
 
-    all_toks, all_lps = np.concatenate(out_tokens, axis=1), np.concatenate(out_lps, axis=1)
-    completions = []
-    for b in range(B):
-        keep = all_toks[b] >= 0
-        completions.append(completion_for(model, ids[b], all_toks[b][keep][:max_new_tokens],
-                                          all_lps[b][keep][:max_new_tokens], stop_ids))
-    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
+    completions = [completion_for(model, batch.ids[b], out_tokens[b][:batch.max_new_tokens],
+                                  out_lps[b][:batch.max_new_tokens], batch.stop_ids,
+                                  complete=constrained is not None and bool(constrained.complete[b]))
+                   for b in range(B)]
+    timings = Timings.of_run(t0, t_first, t_end, int(batch.lengths.sum()), completions, None, compiles.count,
                              compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
                              n_cache_loads=compiles.cache_hits)
     return Output(completions=completions, timings=timings)
+
+
+def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: Optional[_Constrained],
+            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor):
+    """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
+    constraint: one step per scan, each row's mask computed on the host from its grammar."""
+    B = len(batch.ids)
+    out_tokens = [[int(t)] for t in first]
+    out_lps = [[float(x)] for x in first_lp]
+    remaining = np.full((B,), batch.max_new_tokens - 1, np.int32)
+    finished = np.isin(first, batch.stop_ids)
+    complete = constrained.complete if constrained is not None else np.zeros((B,), bool)
+    live = ~finished & ~complete & (remaining > 0)
+    while live.any():
+        if constrained is not None:  # one step: the mask of the next token needs this one
+            state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
+                                                          budget=np.minimum(remaining, 1)))
+        state, em = core.decode_jit(model.params, state, model.config, chunk_size, processor=processor)
+        toks = shd.to_host(em.tokens)[:, :, 0].T  # [B, n]
+        lps = shd.to_host(em.logprobs)[:, :, 0].T
+        count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
+        new = [[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)]
+        for b in range(B):
+            out_tokens[b] += new[b]
+            out_lps[b] += [float(x) for x, c in zip(lps[b], count[b]) if c]
+            if constrained is not None:
+                for t in new[b]:
+                    constrained.consume(b, t)
+        remaining -= count.sum(axis=1).astype(np.int32)
+        finished = shd.to_host(state.rows.finished)
+        live = ~finished & ~complete & (remaining > 0)
+        if on_tokens:
+            on_tokens(new)
+    return out_tokens, out_lps
 
 
 def _uncached_logits(params, tokens, cfg):

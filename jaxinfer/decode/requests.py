@@ -67,16 +67,17 @@ def pack_prompts(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], logprobs: Sequence[float],
-                   stop_ids: Sequence[int]) -> "Completion":
+                   stop_ids: Sequence[int], complete: bool = False) -> "Completion":
     """One row's Completion: its generated tokens [N] and their logprobs [N], cut after the first stop.
 
     The stop token stays in `token_ids` (and its logprob in `logprobs`) but not in `text`.
+    `complete`: the row ended because its constraint's grammar was complete ("stop").
     """
     row = [int(t) for t in tokens]
     stops = set(stop_ids)
     n = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
-    reason = "stop" if n and row[n - 1] in stops else "length"
-    text_ids = row[: n - 1] if reason == "stop" else row[:n]
+    reason = "stop" if (n and row[n - 1] in stops) or complete else "length"
+    text_ids = row[: n - 1] if n and row[n - 1] in stops else row[:n]
     text = model.tokenizer.decode(text_ids) if model.tokenizer is not None else ""
     return Completion(prompt_ids=list(prompt_ids), token_ids=row[:n], text=text,
                       logprobs=[float(x) for x in logprobs[:n]], finish_reason=reason)
@@ -222,11 +223,19 @@ def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> l
     return out
 
 
-def stop_ids_for(model: Model, stop_at_eos: bool, stop_tokens: Sequence[int]) -> tuple[int, ...]:
-    """The token ids that end a row: the tokenizer's stop ids (or the config's eos) plus stop_tokens."""
+def eos_ids_for(model: Model) -> tuple[int, ...]:
+    """The model's own end-of-sequence ids: the tokenizer's stop ids, else the config's eos."""
+    base = model.tokenizer.stop_ids if model.tokenizer is not None else (model.config.eos_token_id,)
+    return tuple(sorted({int(t) for t in base if t is not None}))
+
+
+def stop_ids_for(model: Model, stop_at_eos: bool, stop_tokens: Sequence[int], ignore_eos: bool = False
+                 ) -> tuple[int, ...]:
+    """The token ids that end a row: the model's eos ids (unless ignore_eos) plus stop_tokens;
+    none at all without stop_at_eos."""
     if not stop_at_eos:
         return ()
-    base = model.tokenizer.stop_ids if model.tokenizer is not None else (model.config.eos_token_id,)
+    base = () if ignore_eos else eos_ids_for(model)
     return tuple(sorted({int(t) for t in (*base, *stop_tokens) if t is not None}))
 
 

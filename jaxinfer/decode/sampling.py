@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jaxinfer.decode import penalties as pen
+from jaxinfer.decode.constraints import Constraint
 
 _NEG_INF = -jnp.inf
 # Temperatures below this are greedy: dividing logits by a smaller one overflows float32 to
@@ -34,12 +37,26 @@ GREEDY_BELOW = 1e-5
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to turn logits into a token. Hashable: a static argument of jitted steps."""
+    """How to turn logits into a token. Hashable: a static argument of jitted steps.
+
+    The controls after min_p act on the logits before the sampler sees them, in this order:
+    logit_bias, repetition_penalty, frequency and presence penalties, min_tokens / ignore_eos
+    bans (`penalties.apply_penalties`), then the constraint's token mask
+    (`bitmask.apply_token_bitmask`). A constrained sample is the unconstrained distribution
+    renormalised over the allowed tokens, drawn with the same key per step.
+    """
 
     temperature: float = 1.0  # 0 (or below 1e-5) means greedy (argmax); > 1 flattens, < 1 sharpens
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set whose probability mass reaches p; 1 = off
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI: logit - count x this, counted over generated tokens
+    presence_penalty: float = 0.0  # OpenAI: logit - this, for tokens generated at least once
+    repetition_penalty: float = 1.0  # transformers: seen (prompt or generated) logit l -> l/p if l > 0 else l*p
+    min_tokens: int = 0  # stop tokens are banned until this many tokens were generated
+    ignore_eos: bool = False  # never end at the model's end-of-sequence ids (they are banned)
+    logit_bias: Any = ()  # token id -> bias in [-100, 100] (a mapping; kept as sorted (id, bias) pairs)
+    constraint: Optional[Constraint] = None  # JSON schema / regex / grammar / choice (`jaxinfer.constraints`)
 
     def __post_init__(self):
         def number(x) -> bool:  # a finite real number; bool is not one here
@@ -53,10 +70,23 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (number(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        pen.PenaltySettings(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                            ignore_eos=self.ignore_eos)  # each checked, the error names it
+        object.__setattr__(self, "logit_bias", pen.check_logit_bias(self.logit_bias))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise TypeError(f"constraint must be built by jaxinfer.constraints (json_schema, regex, grammar, "
+                            f"choice, json_object), got {type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logit control besides the constraint is on (bias, penalties, min_tokens, ignore_eos)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.ignore_eos or self.logit_bias)
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -304,6 +304,10 @@ def _check(model: Model, method: str, draft: Optional[Draft], k, max_ngram, max_
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {model.config.vocab_size}")
     check_sampling(sampling)
+    if sampling.constraint is not None or sampling.penalized:
+        raise ValueError("speculative decoding takes the sampler's settings only (temperature, top_k, top_p, "
+                         "min_p); use jaxinfer.generate for constraints, logit_bias, penalties, min_tokens "
+                         "or ignore_eos")
     return (check_int("k", k, 1, 16), check_int("max_ngram", max_ngram, 1),
             check_int("max_new_tokens", max_new_tokens, 1), check_int("rounds_per_chunk", rounds_per_chunk, 1))
 
@@ -342,13 +346,14 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     S = bucket(max(tokens.shape[1], int(lengths.max()) + max_new_tokens + 2 * k + 2), MIN_KV_BUCKET)
     chunk = tokens.shape[1]
     with CompileCounter() as compiles:
-        rows = initial_rows(keys, sampling, stop_ids, max_new_tokens)
-        cache, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows, cfg,
-                                                 chunk)
+        rows = initial_rows(keys, sampling, stop_ids, max_new_tokens, vocab_size=cfg.vocab_size)
+        counts = core.host_counts(ids, cfg.vocab_size)
+        cache, _, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows,
+                                                    counts, cfg, chunk)
         draft_cache = None
         if method == "draft":
-            draft_cache, _, _ = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), tokens, lengths,
-                                                rows, draft.config, chunk)
+            draft_cache, _, _, _ = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), tokens,
+                                                   lengths, rows, counts, draft.config, chunk)
         hist = np.zeros((B, S), np.int32)
         hist[:, :tokens.shape[1]] = tokens
         hist[np.arange(B), lengths] = first

@@ -33,14 +33,15 @@ import itertools
 import os
 import threading
 import traceback
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding as shd
-from jaxinfer.decode import core
+from jaxinfer.decode import constraints, core
+from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import requests as rq
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
@@ -49,7 +50,7 @@ from jaxinfer.model.forward import Model
 from jaxinfer.model.params import nbytes as params_nbytes
 from jaxinfer.serve.pages import PagePool
 from jaxinfer.serve.request import Delta, Request
-from jaxinfer.serve.scheduler import Chunk, Plan, Scheduler, Seq
+from jaxinfer.serve.scheduler import Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
 MIN_CHUNK = 16  # smallest prefill chunk bucket
@@ -101,6 +102,10 @@ class _Live:
     n_top: int  # top alternatives per generated token (0 = none)
     prompt_logprobs: Optional[int]  # None = off; else top alternatives per scored prompt position
     score_from: int  # first prompt position to score
+    extra_stops: tuple[int, ...] = ()  # the request's own stop ids (min_tokens holds them off too)
+    matcher: Optional[Any] = None  # the constraint's grammar matcher (constraints.Matcher)
+    counts: Optional[np.ndarray] = None  # [V] int32 tokens generated (penalized requests only)
+    in_prompt: Optional[np.ndarray] = None  # [V] bool tokens in the prompt (penalized requests only)
     logprobs: list = dataclasses.field(default_factory=list)
     top: list = dataclasses.field(default_factory=list)
     prompt_lps: dict = dataclasses.field(default_factory=dict)  # position -> (logprob, top list)
@@ -193,6 +198,9 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.dead: Optional[str] = None  # why the engine stopped working, once it has
+        self._compiler = None  # constraints.Compiler, built when the first constrained request comes
+        self._touched: set[int] = set()  # requests of the device call under way (failed together)
+        self.eos_ids = rq.eos_ids_for(model)
         self.tokens_generated = self.requests_finished = self.requests_failed = self.steps = self.scans = 0
 
     def _new_pool(self) -> kv.KVCache:
@@ -241,11 +249,16 @@ class Engine:
             raise ValueError("prompt must be a string or one list of token ids")
         ids = rq.prompt_ids(self.model, [prompt])[0]
         score_from = rq.check_int("score_from", score_from, 1, max(1, len(ids)))
-        stop_ids = rq.stop_ids_for(self.model, stop_at_eos, stop_tokens)
-        bad = [t for t in stop_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad or len(stop_ids) > MAX_STOP_TOKENS:
+        extra = tuple(int(t) for t in stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
+        if (extra is None or any(not 0 <= t < self.cfg.vocab_size for t in extra)
+                or len(extra) > MAX_STOP_TOKENS):
             raise ValueError(f"stop_tokens must be at most {MAX_STOP_TOKENS} token ids in [0, {self.cfg.vocab_size}), "
                              f"got {list(stop_tokens)[:8]!r}")
+        stop_ids = rq.stop_ids_for(self.model, stop_at_eos, extra, sampling.ignore_eos)
+        bad = [t for t, _ in sampling.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+        matcher = self._constraints().matcher(sampling.constraint) if sampling.constraint is not None else None
         self.check_fits(len(ids), max_new_tokens)
         key_data = _key_data(key, seed, sampling)
         rid = next(self._ids)
@@ -256,12 +269,25 @@ class Engine:
                              recompute_from=score_from if prompt_logprobs is not None else None),
                      req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
                      detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
-                     prompt_logprobs=prompt_logprobs, score_from=score_from)
+                     prompt_logprobs=prompt_logprobs, score_from=score_from, extra_stops=extra, matcher=matcher)
+        if sampling.penalized:
+            live.counts = np.zeros((self.cfg.vocab_size,), np.int32)
+            live.in_prompt = np.zeros((self.cfg.vocab_size,), bool)
+            live.in_prompt[np.asarray(ids, np.int64)] = True
         with self._inbox_lock:
             self._inbox.append(("submit", live))
         with self._wake:
             self._wake.notify_all()
         return req
+
+    def _constraints(self):
+        """The constraint compiler for this model's vocabulary (built on first use, ~0.3 s)."""
+        if self._compiler is None:
+            if self.model.tokenizer is None:
+                raise ValueError("a constraint needs a model with a tokenizer (its token texts)")
+            self._compiler = constraints.Compiler(self.model.tokenizer, self.cfg.vocab_size,
+                                                  stop_ids=rq.eos_ids_for(self.model))
+        return self._compiler
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise ValueError if a request of this size can never run in this engine."""
@@ -284,7 +310,7 @@ class Engine:
             self._drain_inbox()
             if self.dead is not None or self.scheduler.idle():
                 return False
-            plan = None
+            self._touched: set[int] = set()  # requests of the device call under way
             try:
                 plan = self.scheduler.schedule(self._steps_wanted())
                 if plan.prefill:
@@ -292,12 +318,15 @@ class Engine:
                 if plan.decode:
                     self._run_decode(plan.decode, plan.steps)
             except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
-                self._recover(plan, e)
+                self._recover(self._touched, e)
             self.steps += 1
             return True
 
     def _steps_wanted(self) -> int:
-        """Decode steps for this scan: fewer while requests wait for a slot."""
+        """Decode steps for this scan: one while a constrained request decodes (its next mask needs
+        its last token), fewer while requests wait for a slot."""
+        if any(lv.matcher is not None for lv in self._live.values()):
+            return 1
         return self.busy_decode_steps if self.scheduler.waiting else self.decode_steps
 
     def run_until_idle(self) -> None:
@@ -353,60 +382,66 @@ class Engine:
         with self._step_lock:
             _key_data(None, 0, smp.GREEDY), _key_data(jax.random.key(0), None, smp.GREEDY)  # submit's key ops
             n = 0
+            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             for R in self.row_buckets:
                 for C in self.chunks:
-                    self._prefill_call(self._blank_rows(R), np.zeros((R, C), np.int32), np.zeros((R,), np.int32),
-                                       np.zeros((R,), np.int32), np.zeros((R, self.width), np.int32),
-                                       np.zeros((R, C), np.int32), 0, False)
+                    rows, counts = self._device_rows([None] * R, z(R))
+                    self._prefill_call(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width),
+                                       z(R, C), 0, False)
                     n += 1
             if scoring:
                 for C in self.chunks:
-                    self._prefill_call(self._blank_rows(1), np.zeros((1, C), np.int32), np.zeros((1,), np.int32),
-                                       np.zeros((1,), np.int32), np.zeros((1, self.width), np.int32),
-                                       np.zeros((1, C), np.int32), MAX_TOP_LOGPROBS, True)
+                    rows, counts = self._device_rows([None], z(1))
+                    self._prefill_call(rows, counts, z(1, C), z(1), z(1), np.zeros((1,), bool), z(1, self.width),
+                                       z(1, C), MAX_TOP_LOGPROBS, True)
                     n += 1
             for n_top in (0, MAX_TOP_LOGPROBS) if logprobs else (0,):
                 S = self.max_slots
-                out = self._decode_call(self._blank_rows(S), np.zeros((S,), np.int32), np.zeros((S,), np.int32),
-                                        np.zeros((S, self.width), np.int32), n_top)
-                jax.block_until_ready(out)
+                rows, counts = self._device_rows([None] * S, z(S))
+                jax.block_until_ready(self._decode_call(rows, counts, z(S), z(S), z(S, self.width), n_top))
                 n += 1
         return n
 
     # ---- device calls -------------------------------------------------------------------------
-    def _blank_rows(self, R: int) -> dict:
-        return dict(temperature=np.zeros((R,), np.float32), top_k=np.zeros((R,), np.int32),
-                    top_p=np.ones((R,), np.float32), min_p=np.zeros((R,), np.float32),
-                    key_data=np.zeros((R, self._key_size), np.uint32), steps=np.zeros((R,), np.int32),
-                    stop_ids=np.full((R, core.MIN_STOP_SLOTS), -1, np.int32), budget=np.zeros((R,), np.int32))
+    def _device_rows(self, lives: list, budgets: np.ndarray, masks: Optional[np.ndarray] = None):
+        """core.Rows and TokenCounts for a batch whose row i runs lives[i] (None: an idle row)."""
+        R, V = len(lives), self.cfg.vocab_size
+        samplings = [lv.sampling if lv is not None else smp.GREEDY for lv in lives]
+        key_data = np.zeros((R, self._key_size), np.uint32)
+        steps = np.zeros((R,), np.int32)
+        counts, in_prompt = np.zeros((R, V), np.int32), np.zeros((R, V), bool)
+        for i, lv in enumerate(lives):
+            if lv is None:
+                continue
+            key_data[i], steps[i] = lv.key_data, len(lv.seq.generated)
+            if lv.counts is not None:
+                counts[i], in_prompt[i] = lv.counts, lv.in_prompt
+        rows = core.Rows(sampling=smp.row_params(samplings), keys=jax.random.wrap_key_data(key_data), steps=steps,
+                         stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives]),
+                         budget=np.asarray(budgets, np.int32), finished=np.zeros((R,), bool),
+                         controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
+                                                                for lv in lives], self.eos_ids, V),
+                         mask=masks if masks is not None else core.no_mask(R, V))
+        return rows, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)
 
-    def _fill_row(self, rows: dict, i: int, lv: _Live, budget: int) -> None:
-        sp = lv.sampling
-        rows["temperature"][i], rows["top_k"][i], rows["top_p"][i], rows["min_p"][i] = (
-            sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-        rows["key_data"][i], rows["steps"][i], rows["budget"][i] = lv.key_data, len(lv.seq.generated), budget
-        if len(lv.stop_ids) > rows["stop_ids"].shape[1]:
-            wide = core.stop_array([lv.stop_ids])
-            pad = np.full((rows["stop_ids"].shape[0], wide.shape[1]), -1, np.int32)
-            pad[:, :rows["stop_ids"].shape[1]] = rows["stop_ids"]
-            rows["stop_ids"] = pad
-        rows["stop_ids"][i, :len(lv.stop_ids)] = lv.stop_ids
-
-    def _rows(self, rows: dict) -> core.Rows:
-        R = rows["budget"].shape[0]
-        return core.Rows(sampling=smp.RowParams(temperature=rows["temperature"], top_k=rows["top_k"],
-                                                top_p=rows["top_p"], min_p=rows["min_p"]),
-                         keys=jax.random.wrap_key_data(rows["key_data"]), steps=rows["steps"],
-                         stop_ids=rows["stop_ids"], budget=rows["budget"], finished=np.zeros((R,), bool))
-
-    def _prefill_call(self, rows, tokens, starts, n_real, table, next_tokens, n_top, prompt_logprobs):
-        cache = self.cache.with_rows(table, starts)
-        self.cache, out = core.prefill_jit(self.model.params, cache, tokens, starts, n_real, self._rows(rows),
-                                           next_tokens, self.cfg, n_top, prompt_logprobs)
+    def _masks(self, lives: list) -> Optional[np.ndarray]:
+        """Each constrained row's allowed next tokens (None when no row is constrained)."""
+        if not any(lv is not None and lv.matcher is not None for lv in lives):
+            return None
+        out = core.no_mask(len(lives), self.cfg.vocab_size)
+        for i, lv in enumerate(lives):
+            if lv is not None and lv.matcher is not None:
+                lv.matcher.fill_bitmask(out[i])
         return out
 
-    def _decode_call(self, rows, tokens, lengths, table, n_top):
-        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=self._rows(rows))
+    def _prefill_call(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, prompt_logprobs):
+        cache = self.cache.with_rows(table, starts)
+        self.cache, _, out = core.prefill_jit(self.model.params, cache, tokens, starts, n_real, last, rows, counts,
+                                              next_tokens, self.cfg, n_top, prompt_logprobs)
+        return out
+
+    def _decode_call(self, rows, counts, tokens, lengths, table, n_top):
+        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=rows, counts=counts)
         state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, n_top)
         self.cache = state.cache
         return em
@@ -433,21 +468,23 @@ class Engine:
         tokens = np.zeros((R, C), np.int32)
         next_tokens = np.zeros((R, C), np.int32)
         starts, n_real = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
+        last = np.zeros((R,), bool)
         table = np.zeros((R, self.width), np.int32)
-        rows = self._blank_rows(R)
+        lives = [None] * R
         n_top = 0
         for i, ch in enumerate(chunks):
-            lv = self._live[ch.seq.rid]
+            lv = lives[i] = self._live[ch.seq.rid]
             ctx = ch.seq.context
             tokens[i, :ch.n] = ctx[ch.start:ch.start + ch.n]
             nxt = ctx[ch.start + 1:ch.start + ch.n + 1]
             next_tokens[i, :len(nxt)] = nxt
-            starts[i], n_real[i] = ch.start, ch.n
+            starts[i], n_real[i], last[i] = ch.start, ch.n, ch.last
             self._table_row(table, i, ch.seq)
-            self._fill_row(rows, i, lv, max(1, ch.seq.remaining))
             n_top = max(n_top, lv.n_top)
         n_top = MAX_TOP_LOGPROBS if (n_top or scoring) else 0
-        out = self._prefill_call(rows, tokens, starts, n_real, table, next_tokens, n_top, scoring)
+        self._touched = {ch.seq.rid for ch in chunks}
+        rows, counts = self._device_rows(lives, np.ones((R,), np.int32), self._masks(lives))
+        out = self._prefill_call(rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, scoring)
         first_tok, first_lp = shd.to_host(out.first.tokens)[:, 0], shd.to_host(out.first.logprobs)[:, 0]
         first_top = (shd.to_host(out.first.top_ids)[:, 0], shd.to_host(out.first.top_logprobs)[:, 0])
         if scoring:
@@ -474,15 +511,17 @@ class Engine:
         S = self.max_slots
         tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
         table = np.zeros((S, self.width), np.int32)
-        rows = self._blank_rows(S)
+        lives, budgets = [None] * S, np.zeros((S,), np.int32)
         n_top = 0
         for s in seqs:
-            lv = self._live[s.rid]
+            lv = lives[s.slot] = self._live[s.rid]
             tokens[s.slot], lengths[s.slot] = s.generated[-1], s.computed
             self._table_row(table, s.slot, s)
-            self._fill_row(rows, s.slot, lv, min(steps, s.remaining))
+            budgets[s.slot] = min(steps, s.remaining)
             n_top = max(n_top, lv.n_top)
-        em = self._decode_call(rows, tokens, lengths, table, MAX_TOP_LOGPROBS if n_top else 0)
+        self._touched = {s.rid for s in seqs}
+        rows, counts = self._device_rows(lives, budgets, self._masks(lives))
+        em = self._decode_call(rows, counts, tokens, lengths, table, MAX_TOP_LOGPROBS if n_top else 0)
         self.scans += 1
         toks, lps, count = shd.to_host(em.tokens)[:, :, 0], shd.to_host(em.logprobs)[:, :, 0], shd.to_host(em.count)
         if n_top:
@@ -497,12 +536,9 @@ class Engine:
             self._emit(lv, toks[:n, s.slot].tolist(), lps[:n, s.slot].tolist(), tops)
 
     # ---- faults -------------------------------------------------------------------------------
-    def _recover(self, plan: Optional[Plan], error: Exception) -> None:
-        """A step raised: fail the requests it touched, then make the engine usable again."""
+    def _recover(self, touched: set[int], error: Exception) -> None:
+        """A step raised: fail the requests of the call that failed, then make the engine usable again."""
         message = f"{type(error).__name__}: {error}"
-        touched = set()
-        if plan is not None:
-            touched = {c.seq.rid for c in plan.prefill} | {s.rid for s in plan.decode}
         for rid in list(touched):
             lv = self._live.get(rid)
             if lv is not None:
@@ -557,13 +593,17 @@ class Engine:
         for t in tokens:
             self.scheduler.sampled(seq, t)
             kept.append(t)
+            if lv.counts is not None:
+                lv.counts[t] += 1
             if t in lv.stop_ids:
                 reason = "stop"
+            elif lv.matcher is not None and (not lv.matcher.consume(t) or lv.matcher.is_stopped):
+                reason = "stop"  # the grammar is complete (a token it refused cannot be sampled)
             elif len(seq.generated) >= seq.max_new_tokens:
                 reason = "length"
             new = ""
-            if lv.detok is not None:
-                new = (lv.detok.add([t]) if reason != "stop" else "") + (lv.detok.flush() if reason else "")
+            if lv.detok is not None:  # a stop token's own text is not part of the output
+                new = (lv.detok.add([t]) if t not in lv.stop_ids else "") + (lv.detok.flush() if reason else "")
             lv.text += new
             if lv.stop is not None and new:
                 at = lv.stop.feed(new)
