@@ -157,7 +157,7 @@ def main(argv=None, model=None) -> dict:
     engine = srv.make_engine(model, max_slots=args.max_slots, kv_memory=None, prefill_chunk=64,
                              max_len=args.max_prompt + args.max_new)  # a pool sized for this load
     t = time.perf_counter()
-    engine.warmup()
+    engine.warmup(logprobs=True, scoring=True)
     print(f"engine warmup {time.perf_counter() - t:.1f} s")
     app = srv.create_app(engine, model, model_name="m", limits=srv.Limits(args.max_slots, args.max_waiting))
     server, thread, url = srv.serve_in_thread(app)

@@ -314,7 +314,7 @@ def _serve(args) -> int:
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
         print(f"jaxinfer serve: {engine.describe()}", file=sys.stderr)
         print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
-        engine.warmup()
+        engine.warmup(logprobs=True, scoring=True)
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
                                max_body_bytes=args.max_body_bytes)
         name = args.served_name or args.model

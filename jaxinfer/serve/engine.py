@@ -183,7 +183,7 @@ class Engine:
         self.prefill_chunk, self.decode_steps, self.busy_decode_steps = prefill_chunk, decode_steps, busy_decode_steps
         self.width = kv.table_width(self.max_len, page_size)
         self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 4) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
-        self.row_buckets = _buckets(1, max_slots, 4)
+        self.row_buckets = sorted({1, max_slots})  # prefill rows per call: one request, or every slot
         self.pool = PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
         self.n_pages = n_pages
@@ -373,9 +373,10 @@ class Engine:
                     if not self._inbox and not self._stopping:
                         self._wake.wait(timeout=0.05)
 
-    def warmup(self, *, logprobs: bool = True, scoring: bool = True) -> int:
+    def warmup(self, *, logprobs: bool = False, scoring: bool = False) -> int:
         """Build the programs serving uses: prefill for every (rows, chunk) bucket and the decode
-        scan (with and without top logprobs; scoring prefills with prompt logprobs).
+        scan; with `logprobs` also the decode scan that returns top logprobs, with `scoring` the
+        prefills that return prompt logprobs (what an HTTP server needs).
 
         Returns the number of programs. After this, serving compiles nothing.
         """
@@ -451,19 +452,24 @@ class Engine:
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
         """Run this iteration's prompt chunks: scoring requests one per call (they return logits at
-        every position), the others together, in row buckets."""
+        every position); the others in one call of max_slots rows, or one call each when that pads
+        fewer tokens (on a CPU prefill is bound by compute, so padded rows cost their full price)."""
         scoring = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is not None]
         plain = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is None]
         for c in scoring:
             self._prefill_group([c], True)
-        i = 0
-        while i < len(plain):
-            R = next((r for r in self.row_buckets if r >= len(plain) - i), self.row_buckets[-1])
-            self._prefill_group(plain[i:i + R], False)
-            i += R
+        if not plain:
+            return
+        bucket = lambda n: next(c for c in self.chunks if c >= n)  # noqa: E731
+        together = self.row_buckets[-1] * bucket(max(c.n for c in plain))
+        if len(plain) > 1 and together <= sum(bucket(c.n) for c in plain):
+            self._prefill_group(plain, False)
+        else:
+            for c in plain:
+                self._prefill_group([c], False)
 
     def _prefill_group(self, chunks: list[Chunk], scoring: bool) -> None:
-        R = 1 if scoring else next(r for r in self.row_buckets if r >= len(chunks))
+        R = next(r for r in self.row_buckets if r >= len(chunks))
         C = next(c for c in self.chunks if c >= max(ch.n for ch in chunks))
         tokens = np.zeros((R, C), np.int32)
         next_tokens = np.zeros((R, C), np.int32)
