@@ -27,7 +27,7 @@ CONFIGS = {
                            activation="gelu_tanh", scale_embeddings=True, sliding_window=4,
                            global_every=2, rope_local_theta=100.0),
 }
-LAYOUTS = {"unstacked": layout.unstack_layers, "unstacked+fused": layout.cpu_decode_params}
+LAYOUTS = ("cpu",)  # every layout besides the canonical one (`ModelConfig.layout`)
 
 
 def _bias(params, cfg):
@@ -40,26 +40,26 @@ def _bias(params, cfg):
     return dict(params, layers=lay)
 
 
-@pytest.mark.parametrize("lay", sorted(LAYOUTS))
+@pytest.mark.parametrize("lay", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_same_logits_uncached_and_cached(name, lay):
     cfg = CONFIGS[name]
     params = _bias(init_params(cfg, jax.random.key(0)), cfg)
-    fast = LAYOUTS[lay](params)
-    fwd = jax.jit(lambda p, t, pos, c, n=None: mdl.forward(p, t, pos, c, cfg, n_new=n))
+    fast, fast_cfg = layout.convert(params, cfg, lay), cfg.replace(layout=lay)
+    fwd = jax.jit(lambda p, t, pos, c, cfg, n=None: mdl.forward(p, t, pos, c, cfg, n_new=n), static_argnums=4)
     ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [8, 1, 2, 250, 9, 31]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    ref, _ = fwd(params, ids, pos, None)
-    got, _ = fwd(fast, ids, pos, None)
+    ref, _ = fwd(params, ids, pos, None, cfg)
+    got, _ = fwd(fast, ids, pos, None, fast_cfg)
     assert_close(got, ref, what=f"{name} {lay} vs canonical, uncached")
     # Rows at different lengths write different cache slots (the per-row cache write).
     lengths = jnp.asarray([4, 2])
     caches = []
-    for p in (params, fast):
+    for p, c in ((params, cfg), (fast, fast_cfg)):
         cache = kv.init_cache(cfg, 2, 16)
-        _, cache = fwd(p, ids[:, :4], pos[:, :4], cache, lengths)  # row 1 keeps 2 of its 4 tokens
+        _, cache = fwd(p, ids[:, :4], pos[:, :4], cache, c, lengths)  # row 1 keeps 2 of its 4 tokens
         step_pos = lengths[:, None]
-        lg, cache = fwd(p, ids[:, 4:5], step_pos, cache)
+        lg, cache = fwd(p, ids[:, 4:5], step_pos, cache, c)
         caches.append((lg, cache))
     assert_close(caches[1][0], caches[0][0], what=f"{name} {lay} vs canonical, cached step")
     assert_close(caches[1][1].k, caches[0][1].k, what=f"{name} {lay} vs canonical, cached keys")
@@ -91,41 +91,34 @@ def test_real_model_keeps_reference_parity(smollm2, golden_dir):
     assert out.completions[0].token_ids == data["greedy_0"].tolist()[:16]
 
 
-def test_leaves_canonical_params_alone():
-    cfg = C.tiny()
-    params = init_params(cfg, jax.random.key(0))
-    fast = layout.unstack_layers(params)
-    assert params["layers"]["wq"].shape == (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim)
-    assert len(fast["layers"]) == cfg.n_layers
-    assert fast["layers"][1]["wq"].shape == (cfg.d_model, cfg.n_heads, cfg.head_dim)
-    assert layout.unstack_layers(fast) is fast  # idempotent
-    back = layout.stack_layers(fast)
-    for k, v in params["layers"].items():
-        np.testing.assert_array_equal(back["layers"][k], v)
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fused_layout_round_trips_to_canonical(name):
+def test_convert_round_trips_and_matches_the_declared_specs(name):
+    """convert is one function both ways; the result has exactly the tree param_specs declares."""
+    from jaxinfer.model.params import abstract_params
+
     cfg = CONFIGS[name]
     params = _bias(init_params(cfg, jax.random.key(3)), cfg)
-    fast = layout.cpu_decode_params(params)
+    fast = layout.convert(params, cfg, "cpu")
+    cpu = cfg.replace(layout="cpu")
+    want = abstract_params(cpu)
+    assert jax.tree.structure(fast) == jax.tree.structure(want)
+    jax.tree.map(lambda a, w: np.testing.assert_equal(a.shape, w.shape), fast, want)
     lp = fast["layers"][0]
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     assert lp["w_qkv"].shape == (cfg.d_model, (N + 2 * K) * H)
     assert lp["w_gate_up"].shape == (cfg.d_model, 2 * cfg.ffn_dim)
-    assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(lp)
-    back = layout.to_canonical(fast, cfg)
-    assert set(back["layers"]) == set(params["layers"])
-    for k, v in params["layers"].items():
-        np.testing.assert_array_equal(back["layers"][k], v)
+    assert layout.convert(params, cfg, "canonical") is params  # already there: nothing copied
+    back = layout.convert(fast, cpu, "canonical")
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    jax.tree.map(np.testing.assert_array_equal, back, params)  # bit for bit
 
 
 def test_fusing_quantized_weights_is_refused_clearly():
     from jaxinfer.model.quantize import quantize
     cfg = C.tiny()
-    q = layout.unstack_layers(quantize(init_params(cfg, jax.random.key(0)), cfg, "int8"))
-    with pytest.raises(ValueError, match="per-layer float wq"):
-        layout.fuse_projections(q["layers"][0])
+    q = quantize(init_params(cfg, jax.random.key(0)), cfg, "int8")
+    with pytest.raises(ValueError, match="CPU decode layout needs float weights"):
+        layout.convert(q, cfg, "cpu")
 
 
 # The layout decision lives in the library: load(layout=...) -----------------------------------
@@ -142,14 +135,12 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def test_load_picks_the_cpu_layout_on_cpu_and_canonical_when_asked(tiny_ckpt):
-    from jaxinfer.model.params import is_canonical
-
     assert jax.default_backend() == "cpu"
     auto = jaxinfer.load(tiny_ckpt)  # layout="auto": the CPU decode layout on a CPU backend
     canon = jaxinfer.load(tiny_ckpt, layout="canonical")
-    assert not is_canonical(auto.params) and "w_qkv" in auto.params["layers"][0]
-    assert is_canonical(canon.params)
-    assert is_canonical(jaxinfer.load(tiny_ckpt, quant="int8").params)  # quantized weights: canonical
+    assert auto.config.layout == "cpu" and "w_qkv" in auto.params["layers"][0]
+    assert canon.config.layout == "canonical"
+    assert jaxinfer.load(tiny_ckpt, quant="int8").config.layout == "canonical"  # quantized weights: canonical
     prompts = [[5, 6, 7, 8], [9, 10]]
     a = jaxinfer.generate(auto, prompts, max_new_tokens=8, stop_at_eos=False, chunk_size=4)
     b = jaxinfer.generate(canon, prompts, max_new_tokens=8, stop_at_eos=False, chunk_size=4)
@@ -173,6 +164,6 @@ def test_cpu_layout_refused_where_canonical_params_are_needed(tiny_ckpt, tmp_pat
     with pytest.raises(ValueError, match="layout must be one of"):
         jaxinfer.load(tiny_ckpt, layout="fast")
     # The canonical params come back exactly.
-    back = layout.to_canonical(m.params, m.config)
+    back = layout.convert(m.params, m.config, "canonical")
     ref = jaxinfer.load(tiny_ckpt, layout="canonical").params
     jax.tree.map(np.testing.assert_array_equal, back, ref)

@@ -48,7 +48,7 @@ from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.forward import Model
-from jaxinfer.model.params import Params, is_canonical
+from jaxinfer.model.params import Params
 
 METHODS = ("lookup", "draft")
 # A round's key is folded with these for the acceptance uniforms and the corrected token, so they
@@ -70,7 +70,8 @@ def truncated_draft(model: Model, n_layers: int) -> Draft:
         raise ValueError(f"n_layers must be in [1, {model.config.n_layers}], got {n_layers}")
     layers = model.params["layers"]
     # Stacked layers are sliced on their L axis; the CPU layout's tuple is cut after n_layers.
-    layers = jax.tree.map(lambda w: w[:n_layers], layers) if is_canonical(model.params) else layers[:n_layers]
+    layers = (jax.tree.map(lambda w: w[:n_layers], layers) if model.config.layout == "canonical"
+              else layers[:n_layers])
     return Draft(config=model.config.replace(n_layers=n_layers, name=f"{model.config.name}-first{n_layers}"),
                  params={**model.params, "layers": layers})
 

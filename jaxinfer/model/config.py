@@ -17,6 +17,7 @@ from typing import Optional
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("linear", "llama3")  # see `jaxinfer.model.rope`
 DTYPES = ("float32", "bfloat16", "float16")
+LAYOUTS = ("canonical", "cpu")  # how the params tree is laid out (`jaxinfer.model.params.param_specs`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,8 @@ class ModelConfig:
     eos_token_id: Optional[int] = None
     dtype: str = "float32"  # parameter and activation dtype
     kv_dtype: Optional[str] = None  # KV-cache element dtype ("int8" adds scales); None = dtype
+    layout: str = "canonical"  # params tree: "canonical" (layers stacked on L) or "cpu" (one dict per layer,
+    #                            fused q/k/v and gate/up projections; `jaxinfer.model.layout`)
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
@@ -70,6 +73,8 @@ class ModelConfig:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.kv_dtype is not None and self.kv_dtype not in DTYPES + ("int8",):
             raise ValueError(f"kv_dtype must be None or one of {DTYPES + ('int8',)}, got {self.kv_dtype!r}")
         if isinstance(self.rope_freq_divisors, list):  # restored from JSON: keep the config hashable
@@ -89,11 +94,6 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
 
     # Derived sizes --------------------------------------------------------------------------
-    @property
-    def q_per_kv(self) -> int:
-        """G: query heads that share one kv head."""
-        return self.n_heads // self.n_kv_heads
-
     @property
     def embed_scale(self) -> float:
         return math.sqrt(self.d_model) if self.scale_embeddings else 1.0

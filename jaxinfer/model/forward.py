@@ -24,7 +24,7 @@ from jaxinfer.model import rope as rope_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params, is_canonical
+from jaxinfer.model.params import Params
 
 if TYPE_CHECKING:  # the model runs on token ids; only its holder refers to a tokenizer
     from jaxinfer.text.tokenizer import Tokenizer
@@ -93,10 +93,10 @@ def _activation(cfg: ModelConfig):
 def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
     """Queries [B, T, N, H], keys and values [B, T, K, H] from normed inputs h [B, T, D].
 
-    A layer holds wq [D, N, H], wk and wv [D, K, H], or (the CPU decode layout, see
-    `jaxinfer.layout`) one fused w_qkv [D, (N + 2K) * H]: one matmul instead of three.
+    A layer holds wq [D, N, H], wk and wv [D, K, H], or (cfg.layout "cpu", see
+    `jaxinfer.model.layout`) one fused w_qkv [D, (N + 2K) * H]: one matmul instead of three.
     """
-    if "w_qkv" not in lp:
+    if cfg.layout == "canonical":
         return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
                 linear("BTD,DKH->BTKH", h, lp["wv"]))
     return split_qkv(linear("BTD,DE->BTE", h, lp["w_qkv"]), cfg)
@@ -117,9 +117,9 @@ def split_qkv(x: jax.Array, cfg: ModelConfig):
 def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D].
 
-    The layer holds w_gate and w_up [D, F], or one fused w_gate_up [D, 2F] (gate first).
+    The layer holds w_gate and w_up [D, F], or (cfg.layout "cpu") one fused w_gate_up [D, 2F] (gate first).
     """
-    if "w_gate_up" in lp:
+    if cfg.layout == "cpu":
         gate, up = jnp.split(linear("BTD,DF->BTF", x, lp["w_gate_up"]), 2, axis=-1)
     else:
         gate = linear("BTD,DF->BTF", x, lp["w_gate"])
@@ -135,16 +135,16 @@ def _layer_meta(cfg: ModelConfig):
     return jnp.arange(cfg.n_layers, dtype=jnp.int32), theta, local
 
 
-def run_layers(block: Callable, carry, layers, meta):
+def run_layers(block: Callable, carry, layers, meta, cfg: ModelConfig):
     """Apply `block(carry, (layer_params, *meta_i)) -> (carry, out)` for every layer, in order.
 
-    The one place that knows both params layouts: layers stacked on a leading L axis (the
-    canonical layout) run as one `lax.scan`, so compile time does not grow with depth; a tuple of
-    per-layer dicts (the CPU decode layout, `jaxinfer.model.layout`) runs as an unrolled loop
-    that reads each weight in place (XLA's CPU backend copies a layer's slice out of a stacked
-    array before a matmul). Returns (carry, outs stacked over L).
+    The one place that runs both params layouts, as `cfg.layout` declares: layers stacked on a
+    leading L axis ("canonical") run as one `lax.scan`, so compile time does not grow with depth;
+    a tuple of per-layer dicts ("cpu", `jaxinfer.model.layout`) runs as an unrolled loop that
+    reads each weight in place (XLA's CPU backend copies a layer's slice out of a stacked array
+    before a matmul). Returns (carry, outs stacked over L).
     """
-    if is_canonical({"layers": layers}):
+    if cfg.layout == "canonical":
         return jax.lax.scan(block, carry, (layers, *meta))
     outs = []
     for i, lp in enumerate(layers):
@@ -250,7 +250,7 @@ def _forward(params, tokens, positions, cache, cfg, *, logit_index, n_new, colle
             x = x + h
         return (x, c), (probs if collect_attention else None)
 
-    (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg))
+    (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg), cfg)
 
     with jax.named_scope("logits"):
         if logit_index is not None:

@@ -1,4 +1,4 @@
-"""Weight layout for fast decoding on CPU: one array per layer, fused projections.
+"""The CPU decode layout: one array per layer, fused projections (declared by `cfg.layout = "cpu"`).
 
 Decoding one token multiplies a few activation rows by every weight matrix, so it is bound by
 how fast the weights stream from memory. Profiling a batch-1 SmolLM2-135M decode step (the
@@ -38,70 +38,55 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.forward import split_qkv
-from jaxinfer.model.forward import Model
-from jaxinfer.model.params import Params
+from jaxinfer.model.config import LAYOUTS, ModelConfig
+from jaxinfer.model.forward import Model, split_qkv
+from jaxinfer.model.params import FUSED, Params
 
 
-def unstack_layers(params: Params) -> Params:
-    """A params tree whose "layers" is a tuple of L per-layer dicts (one copy of the weights).
+def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
+    """The same weights in another layout: from the one `cfg.layout` declares to `layout`.
 
-    `model.forward` runs such a tree as an unrolled Python loop instead of `lax.scan`.
-
-    Args:
-      params: params with layer weights stacked on a leading L axis (already unstacked params
-        are returned as they are).
-    Returns:
-      A new params tree; the input is not modified.
-    """
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        return params
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return dict(params, layers=tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n)))
-
-
-def stack_layers(params: Params) -> Params:
-    """Inverse of `unstack_layers`: layer weights stacked on a leading L axis again."""
-    layers = params["layers"]
-    if not isinstance(layers, (list, tuple)):
-        return params
-    return dict(params, layers=jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers))
-
-
-_FUSED_RANKS = {"wq": 3, "wk": 3, "wv": 3, "w_gate": 2, "w_up": 2}  # per-layer ranks of the fused weights
-
-
-def fuse_projections(layer: Params) -> Params:
-    """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up.
+    canonical -> cpu: the layer weights are unstacked into one dict per layer, and each layer's
+    wq/wk/wv become w_qkv [D, (N + 2K) * H] (q heads, then k, then v) and w_gate/w_up become
+    w_gate_up [D, 2F] (gate first). cpu -> canonical is the inverse; a round trip gives the
+    weights back bit for bit. One copy of the layer weights is made; the input is not modified.
 
     Args:
-      layer: one layer's dict: wq [D, N, H], wk and wv [D, K, H], w_gate and w_up [D, F]
-        (float arrays), plus norms and biases, which are kept as they are.
+      params: a params tree in the layout `cfg.layout` declares (float weights).
+      cfg: its config.
+      layout: one of LAYOUTS.
     Returns:
-      A new dict with w_qkv [D, (N + 2K) * H] (columns: q heads, then k, then v) and
-      w_gate_up [D, 2F] (gate columns first) in place of the five matrices.
+      The params tree in `layout` (pair it with cfg.replace(layout=layout)).
     """
-    if "w_qkv" in layer:
-        return layer
-    for name, rank in _FUSED_RANKS.items():
-        if not isinstance(layer[name], (jax.Array, np.ndarray)) or layer[name].ndim != rank:
-            raise ValueError(f"fuse_projections needs a per-layer float {name}, got {type(layer[name]).__name__} "
-                             f"of shape {getattr(layer[name], 'shape', None)}")
-    out = {k: v for k, v in layer.items() if k not in _FUSED_RANKS}
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if cfg.layout == layout:
+        return params
+    if layout == "cpu":
+        stacked = params["layers"]
+        n = cfg.n_layers
+        per_layer = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
+        return dict(params, layers=tuple(_fuse(lp) for lp in per_layer))
+    layers = [_unfuse(lp, cfg) for lp in params["layers"]]
+    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *layers))
+
+
+def _fuse(layer: Params) -> Params:
+    """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up."""
+    for name in FUSED:
+        if not isinstance(layer[name], jax.Array) and not hasattr(layer[name], "__array__"):
+            raise ValueError(f"the CPU decode layout needs float weights, got {type(layer[name]).__name__} for "
+                             f"{name}")
+    out = {k: v for k, v in layer.items() if k not in FUSED}
     D = layer["wq"].shape[0]
     out["w_qkv"] = jnp.concatenate([layer[n].reshape(D, -1) for n in ("wq", "wk", "wv")], axis=-1)
     out["w_gate_up"] = jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
     return out
 
 
-def unfuse_projections(layer: Params, cfg: ModelConfig) -> Params:
-    """Inverse of `fuse_projections` (the canonical per-layer weights again)."""
-    if "w_qkv" not in layer:
-        return layer
+def _unfuse(layer: Params, cfg: ModelConfig) -> Params:
+    """Inverse of `_fuse` (the canonical per-layer weights again)."""
     out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up")}
     out["wq"], out["wk"], out["wv"] = split_qkv(layer["w_qkv"], cfg)  # the columns as the model splits them
     out["w_gate"], out["w_up"] = jnp.split(layer["w_gate_up"], 2, axis=-1)
@@ -109,25 +94,17 @@ def unfuse_projections(layer: Params, cfg: ModelConfig) -> Params:
 
 
 def for_cpu_decode(model: Model) -> Model:
-    """The same model in the CPU decode layout: layers unstacked, projections fused (module doc).
+    """The same model in the CPU decode layout (module doc): config and params converted together.
 
     Args:
       model: a loaded `Model` with canonical (stacked, float) params.
     Returns:
-      A new `Model` sharing config and tokenizer; the layer weights are copied once.
+      A new `Model` sharing the tokenizer; the layer weights are copied once.
     """
-    return dataclasses.replace(model, params=cpu_decode_params(model.params))
+    return to_layout(model, "cpu")
 
 
-def cpu_decode_params(params: Params) -> Params:
-    """The params-tree transform behind `for_cpu_decode`: unstack the layers, fuse each one's projections."""
-    params = unstack_layers(params)
-    return dict(params, layers=tuple(fuse_projections(lp) for lp in params["layers"]))
-
-
-def to_canonical(params: Params, cfg: ModelConfig) -> Params:
-    """Canonical params (stacked, unfused) from params in the CPU decode layout."""
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        params = dict(params, layers=tuple(unfuse_projections(lp, cfg) for lp in layers))
-    return stack_layers(params)
+def to_layout(model: Model, layout: str) -> Model:
+    """`model` with its params in `layout` and its config declaring it (see `convert`)."""
+    return dataclasses.replace(model, params=convert(model.params, model.config, layout),
+                               config=model.config.replace(layout=layout))

@@ -5,7 +5,7 @@ Random init, `jax.eval_shape` targets, checkpoint restore targets and sharding r
 from it. Params are a nested dict; per-layer weights are stacked on a leading L axis so the layer
 loop is one `lax.scan`.
 
-Layout (shape letters as in `jaxinfer.config`):
+Layout (shape letters as in `jaxinfer.model.config`; the canonical layout, see `param_specs`):
   embed        [V, D]
   layers/
     attn_norm  [L, D]        ffn_norm   [L, D]
@@ -42,30 +42,43 @@ class ParamSpec:
 
 
 def param_specs(cfg: ModelConfig) -> Params:
-    """Nested dict of ParamSpec describing every weight of `cfg`."""
+    """Nested dict of ParamSpec describing every weight of `cfg`, in the layout `cfg.layout` declares.
+
+    "canonical": per-layer weights stacked on a leading L axis (one dict of [L, ...] arrays).
+    "cpu": a tuple of L per-layer dicts in which wq, wk, wv are one w_qkv [D, (N + 2K) * H]
+    (q heads, then k, then v) and w_gate, w_up one w_gate_up [D, 2F] (gate first); see
+    `jaxinfer.model.layout`. The rest of the tree is the same in both.
+    """
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.ffn_dim, cfg.vocab_size)
-    layers = {
-        "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
-        "wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
-        "wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-        "wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-        "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
-        "ffn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
-        "w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffn")),
-        "w_up": ParamSpec((L, D, F), ("layers", "embed", "ffn")),
-        "w_down": ParamSpec((L, F, D), ("layers", "ffn", "embed")),
+    layer = {
+        "attn_norm": ParamSpec((D,), ("embed",), "ones"),
+        "wq": ParamSpec((D, N, H), ("embed", "heads", "head_dim")),
+        "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed")),
+        "ffn_norm": ParamSpec((D,), ("embed",), "ones"),
+        "w_gate": ParamSpec((D, F), ("embed", "ffn")),
+        "w_up": ParamSpec((D, F), ("embed", "ffn")),
+        "w_down": ParamSpec((F, D), ("ffn", "embed")),
     }
     if cfg.qkv_bias:
-        layers["bq"] = ParamSpec((L, N, H), ("layers", "heads", "head_dim"), "zeros")
-        layers["bk"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-        layers["bv"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        layer["bq"] = ParamSpec((N, H), ("heads", "head_dim"), "zeros")
+        layer["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
+        layer["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
     if cfg.qk_norm:
-        layers["q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
-        layers["k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), "ones")
+        layer["q_norm"] = ParamSpec((H,), ("head_dim",), "ones")
+        layer["k_norm"] = ParamSpec((H,), ("head_dim",), "ones")
     if cfg.post_norms:
-        layers["post_attn_norm"] = ParamSpec((L, D), ("layers", "embed"), "ones")
-        layers["post_ffn_norm"] = ParamSpec((L, D), ("layers", "embed"), "ones")
+        layer["post_attn_norm"] = ParamSpec((D,), ("embed",), "ones")
+        layer["post_ffn_norm"] = ParamSpec((D,), ("embed",), "ones")
+    if cfg.layout == "cpu":
+        fused = {k: v for k, v in layer.items() if k not in FUSED}
+        fused["w_qkv"] = ParamSpec((D, (N + 2 * K) * H), ("embed", "qkv"))
+        fused["w_gate_up"] = ParamSpec((D, 2 * F), ("embed", "gate_up"))
+        layers = tuple(dict(fused) for _ in range(L))
+    else:
+        layers = {k: ParamSpec((L,) + v.shape, ("layers",) + v.axes, v.init) for k, v in layer.items()}
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "layers": layers,
@@ -74,6 +87,9 @@ def param_specs(cfg: ModelConfig) -> Params:
     if not cfg.tie_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
     return specs
+
+
+FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # canonical weights that the "cpu" layout fuses
 
 
 def _is_spec(x) -> bool:
@@ -123,18 +139,12 @@ def _fan_in(spec: ParamSpec) -> int:
     return shape[0]
 
 
-def is_canonical(params: Params) -> bool:
-    """True for the canonical layout (layer weights stacked on a leading L axis, one dict), False
-    for the CPU decode layout of `jaxinfer.model.layout` (a tuple of per-layer dicts)."""
-    return not isinstance(params["layers"], tuple)
-
-
-def require_canonical(params: Params, what: str) -> None:
-    """Raise ValueError if `params` are in the CPU decode layout: `what` works on canonical params."""
-    if not is_canonical(params):
-        raise ValueError(f"{what} needs params in the canonical layout (layers stacked on L), but these are in "
-                         "the CPU decode layout; load with layout='canonical' or convert with "
-                         "jaxinfer.layout.to_canonical(params, cfg)")
+def require_layout(cfg: ModelConfig, layout: str, what: str) -> None:
+    """Raise ValueError unless `cfg` declares `layout`: `what` works on params in that layout."""
+    if cfg.layout != layout:
+        raise ValueError(f"{what} needs params in the {layout} layout (layers stacked on L), but these are in the "
+                         f"{cfg.layout} layout; load with layout='{layout}' or convert with "
+                         f"jaxinfer.layout.convert(params, cfg, '{layout}')")
 
 
 def count(params: Params) -> int:

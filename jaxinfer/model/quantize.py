@@ -44,7 +44,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params, require_canonical
+from jaxinfer.model.params import Params, require_layout
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -219,7 +219,7 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
         raise ValueError(f"head must be 'int8', 'int4' or 'none', got {head!r}")
     if isinstance(params.get("embed"), QuantizedWeight):
         raise ValueError("params are already quantized")
-    require_canonical(params, "quantize")
+    require_layout(cfg, "canonical", "quantize")
 
     def layer_weight(name, w):
         if name not in _N_INPUT_AXES:

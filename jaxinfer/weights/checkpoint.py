@@ -120,7 +120,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Union[Tokenizer
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    P.require_canonical(params, "checkpoint.save")
+    P.require_layout(cfg, "canonical", "checkpoint.save")
     dest = Path(path).absolute()
     check_replaceable(dest, overwrite)
     cfg = cfg.replace(dtype=dtype)

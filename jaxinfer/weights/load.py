@@ -13,7 +13,7 @@ from jaxinfer import sharding
 from jaxinfer.model import quantize
 from jaxinfer.model.config import DTYPES
 from jaxinfer.model.forward import Model
-from jaxinfer.model.layout import cpu_decode_params
+from jaxinfer.model import layout as layouts
 from jaxinfer.model.params import Params
 from jaxinfer.weights import checkpoint
 from jaxinfer.weights import gguf as gguf_io
@@ -68,7 +68,7 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
     if quant is not None:
         model = dataclasses.replace(model, params=quantize.quantize(model.params, model.config, quant))
     if layout == "cpu" or (layout == "auto" and quant is None and mesh is None and jax.default_backend() == "cpu"):
-        model = dataclasses.replace(model, params=cpu_decode_params(model.params))
+        model = layouts.to_layout(model, "cpu")
     return model
 
 
