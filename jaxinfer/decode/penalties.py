@@ -68,8 +68,8 @@ class TokenCounts:
         B = self.generated.shape[0]
         chex.assert_shape(tokens, (B,))
         step = jnp.ones((B,), jnp.int32) if active is None else active.astype(jnp.int32)
-        counts = self.counts.at[jnp.arange(B), tokens].add(step)
-        return self.replace(counts=counts, generated=self.generated + step)
+        counts = jnp.asarray(self.counts).at[jnp.arange(B), tokens].add(step)  # host arrays are welcome too
+        return self.replace(counts=counts, generated=jnp.asarray(self.generated) + step)
 
     def insert(self, row: int, prompt: jax.Array, length: jax.Array) -> "TokenCounts":
         """Row `row` restarted for a new request whose prompt is prompt[:length].

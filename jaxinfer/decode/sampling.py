@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence, Union
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,6 +203,8 @@ def sample(logits: jax.Array, keys: jax.Array, params: Union[SamplingParams, Row
     Returns:
       tokens [B] int32 and their log-probabilities [B] (log_softmax of the given logits).
     """
+    chex.assert_rank(logits, 2)
+    chex.assert_shape(keys, logits.shape[:1])
     with jax.named_scope("sampling"):
         rp = _rows(params, logits.shape[0])
         greedy_tok = jnp.argmax(logits, axis=-1)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -286,6 +287,9 @@ def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer, starts: jax.
       layer: layer index (int or scalar array).
       starts: [B] first position per row.
     """
+    chex.assert_equal_shape([k, v])
+    chex.assert_shape(k, (cache.page_table.shape[0], None, cache.k.shape[3], cache.k.shape[4]))
+    chex.assert_shape(starts, k.shape[:1])
     with jax.named_scope("cache_write"):
         pages, offsets = locate(cache.page_table, cache.page_size, starts, k.shape[1])
         if not cache.quantized:

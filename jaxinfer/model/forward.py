@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -179,9 +180,24 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     Returns:
       (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
     """
+    _check_inputs(tokens, positions, cache, logit_index, n_new)
     logits, cache, _ = _forward(params, tokens, positions, cache, cfg, logit_index=logit_index, n_new=n_new,
                                 collect_attention=False)
     return logits, cache
+
+
+def _check_inputs(tokens, positions, cache, logit_index, n_new) -> None:
+    """Shapes and dtypes at the forward's boundary (checked while tracing: free at run time)."""
+    chex.assert_rank(tokens, 2)
+    chex.assert_type([tokens, positions], int)
+    chex.assert_equal_shape([tokens, positions])
+    B = tokens.shape[0]
+    if cache is not None:
+        chex.assert_shape(cache.lengths, (B,))
+        chex.assert_shape(cache.page_table, (B, None))
+    for x in (logit_index, n_new):
+        if x is not None:
+            chex.assert_shape(x, (B,))
 
 
 def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
@@ -193,6 +209,7 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     Returns (logits [B, T, V], cache or None, probs [L, B, N, T, S]) where S is the T tokens
     themselves without a cache, else the cache's max_len positions.
     """
+    _check_inputs(tokens, positions, cache, None, None)
     return _forward(params, tokens, positions, cache, cfg, logit_index=None, n_new=None, collect_attention=True)
 
 
