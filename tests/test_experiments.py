@@ -76,3 +76,15 @@ def test_matvec_benchmark_runs(tmp_path):
     assert sum(c.startswith("size") for c in cases) == 6 and sum(c.startswith("dtype") for c in cases) == 3
     assert all(r["GBps"] > 0 and r["n_matmuls"] >= 2 for r in rows)
     assert json.loads(next(tmp_path.glob("matvec-*.json")).read_text())["rows"] == rows
+
+
+def test_profile_attributes_time_to_the_named_stages(tmp_path):
+    """experiments/profile.py: the trace's XLA ops land in the data path's named stages."""
+    from experiments import profile
+
+    r = profile.main(["--smoke", "--out", str(tmp_path)])
+    for prog in ("prefill", "decode"):
+        stages = r["stages"][prog]
+        assert {"attention", "mlp", "logits", "paged_attention", "sampling"} <= set(stages), sorted(stages)
+        assert abs(sum(s["share"] for s in stages.values()) - 1) < 1e-6
+    assert (tmp_path / "profile.json").exists()

@@ -1,0 +1,201 @@
+"""Where the time goes: a profiler trace of one prefill and a few decode steps, read per named stage.
+
+    python experiments/profile.py                       # SmolLM2-135M, the default load
+    python experiments/profile.py --prompt-tokens 512 --decode-steps 16
+    python experiments/profile.py --smoke               # a tiny random model (the smoke test)
+
+Every stage of the data path runs under a `jax.named_scope` (embed, attention with its
+cache_write and paged_attention, mlp, logits, sampling; prefill and decode around them), so the
+XLA ops of the compiled programs carry the stage in their metadata (`op_name`). This script
+writes a `jax.profiler` trace of one prefill chunk and one decode scan (open <out>/profile/ in
+TensorBoard's profile plugin or the .trace.json.gz in Perfetto), then attributes every XLA op
+the trace timed to its innermost stage through the compiled HLO, and prints the time per stage
+and its top ops: the researcher's view of where a token's time goes.
+
+Writes <out>/profile.json (the per-stage table) next to the trace.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxinfer  # noqa: E402
+from experiments import common  # noqa: E402
+from jaxinfer.decode import core  # noqa: E402
+from jaxinfer.decode import generate as gen  # noqa: E402
+from jaxinfer.decode import sampling as smp  # noqa: E402
+from jaxinfer.model import cache as kv  # noqa: E402
+
+# Innermost first: an op in attention/cache_write counts as cache_write.
+STAGES = ("cache_write", "paged_attention", "sampling", "embed", "attention", "mlp", "logits")
+
+
+def stage_of(op_name: str) -> str:
+    """The innermost named stage in an op's scope path; a layer scan's slicing of its stacked
+    weights (the canonical layout) is "layer_slices"; anything else is "other"."""
+    parts = op_name.split("/")
+    for part in reversed(parts):
+        if part in STAGES:
+            return part
+    if "jit(dynamic_index_in_dim)" in parts:
+        return "layer_slices"
+    return "other"
+
+
+CONTAINERS = ("while", "conditional", "call")  # ops whose timed span contains other timed ops
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the scope path it was traced under (its op_name metadata), in a
+    compiled module. A fusion without metadata (e.g. an XNNPACK matmul fusion) takes the scope of
+    the ops inside its computation; control-flow containers map to "" (their body ops are timed
+    on their own, so counting them too would count twice)."""
+    comp, inside, instrs, users = None, collections.defaultdict(list), [], {}
+    for line in hlo_text.splitlines():
+        head = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and "=" not in line.split("{")[0]:
+            comp = head.group(1)
+            continue
+        m = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = \S+ (\w[\w\-]*)\(", line)
+        if not m:
+            continue
+        name, opcode = m.group(1), m.group(2)
+        meta = re.search(r'op_name="([^"]*)"', line)
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        operands = re.findall(r"%([\w.\-]+)", line.split("=", 1)[1].split("metadata=")[0])
+        instrs.append((name, opcode, meta.group(1) if meta else "", calls.group(1) if calls else None))
+        for o in operands:
+            users.setdefault(o, []).append(name)
+        if meta and comp is not None:
+            inside[comp].append(meta.group(1))
+    out = {}
+    for name, opcode, scope, called in instrs:
+        if opcode in CONTAINERS:
+            scope = ""
+        elif not scope and called is not None and inside.get(called):
+            scope = collections.Counter(inside[called]).most_common(1)[0][0]
+        out[name] = scope
+    for name, opcode, scope, _ in instrs:  # still unnamed: the scope of the first named user
+        if not scope and opcode not in CONTAINERS:
+            out[name] = next((out[u] for u in users.get(name, ()) if out.get(u)), "")
+    return out
+
+
+def trace_events(folder: str) -> list[dict]:
+    """The timed XLA op events of the newest Perfetto trace under `folder`."""
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+
+
+def per_stage(events: list[dict], names: dict[str, dict[str, str]]) -> dict:
+    """Microseconds per program and stage, with each stage's top ops."""
+    table: dict = {}
+    for e in events:
+        module, op = e["args"].get("hlo_module", ""), e["args"]["hlo_op"]
+        prog = next((p for p in names if p in module), None)
+        if prog is None:
+            continue
+        if op not in names[prog] or (not names[prog][op] and op.split(".")[0] in CONTAINERS):
+            continue  # not an op of this program, or a container whose body is timed op by op
+        scope = names[prog][op]
+        st = stage_of(scope)
+        row = table.setdefault(prog, {}).setdefault(st, {"us": 0.0, "ops": collections.Counter()})
+        row["us"] += e["dur"]
+        row["ops"][scope.split("/")[-1] or op] += e["dur"]
+    out = {}
+    for prog, stages in table.items():
+        total = sum(s["us"] for s in stages.values())
+        out[prog] = {st: {"ms": s["us"] / 1e3, "share": s["us"] / total,
+                          "top_ops": [(k, round(v / 1e3, 3)) for k, v in s["ops"].most_common(4)]}
+                     for st, s in sorted(stages.items(), key=lambda kv_: -kv_[1]["us"])}
+    return out
+
+
+def main(argv=None, model=None) -> dict:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompt_tokens, args.decode_steps = 16, 4
+        if model is None:
+            from jaxinfer.model import config as C
+            from jaxinfer.model.forward import Model
+            from jaxinfer.model.params import init_params
+
+            cfg = C.tiny(name="tiny-profile")
+            model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+    if model is None:
+        model = jaxinfer.load(args.model)  # the default load (on a CPU: the CPU decode layout)
+    cfg, B, T = model.config, args.batch, args.prompt_tokens
+    if model.tokenizer is not None:
+        text = open(os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")).read()
+        ids = np.asarray(model.tokenizer.encode(text)[:B * T], np.int32).reshape(B, T)
+    else:
+        ids = (np.arange(B * T, dtype=np.int32) % cfg.vocab_size).reshape(B, T)
+    counts = core.host_counts(ids.tolist(), cfg.vocab_size)
+    lengths = np.full((B,), T, np.int32)
+
+    def rows():  # fresh each time: the decode scan donates its state, keys included
+        return gen.initial_rows(smp.row_keys(np.arange(B)), smp.GREEDY, (), args.decode_steps + 1,
+                                vocab_size=cfg.vocab_size)
+
+    def prefill_args():
+        return (model.params, kv.init_cache_jit(cfg, B, T + args.decode_steps + 1), ids, np.zeros((B,), np.int32),
+                lengths, np.ones((B,), bool), rows(), counts, np.zeros_like(ids))
+
+    def decode_state():
+        cache, _, out = core.prefill_jit(*prefill_args(), cfg)
+        r = rows()
+        return core.DecodeState(cache=cache, tokens=np.asarray(out.first.tokens[:, 0]), counts=counts,
+                                rows=r.replace(steps=r.steps + 1, budget=r.budget - 1))
+
+    def run():
+        state, em = core.decode_jit(model.params, decode_state(), cfg, args.decode_steps)
+        return jax.block_until_ready(em)
+
+    run()  # compile both programs outside the trace
+    names = {"prefill": op_names(core.prefill_jit.lower(*prefill_args(), cfg).compile().as_text()),
+             "decode": op_names(core.decode_jit.lower(model.params, decode_state(), cfg,
+                                                      args.decode_steps).compile().as_text())}
+    folder = os.path.join(args.out, "profile")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        run()
+    wall = time.perf_counter() - t0
+    table = per_stage(trace_events(folder), names)
+    for prog, stages in table.items():
+        what = f"{T}-token prompt x {B}" if prog == "prefill" else f"{args.decode_steps} steps x {B} rows"
+        print(f"\n{prog} ({what}): time per stage (XLA ops the trace timed)")
+        for st, row in stages.items():
+            ops = ", ".join(f"{k} {v:.2f} ms" for k, v in row["top_ops"])
+            print(f"  {st:16s} {row['ms']:9.2f} ms  {100 * row['share']:5.1f}%   top: {ops}")
+    result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
+                  layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\ntrace in {folder} (TensorBoard profile plugin, or the .trace.json.gz in Perfetto)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
