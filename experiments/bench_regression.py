@@ -1,0 +1,91 @@
+"""`generate` speed before and after a change: two source trees side by side in one run.
+
+    git worktree add /tmp/old <commit>               # the tree to compare against
+    python experiments/bench_regression.py --old /tmp/old
+    python experiments/bench_regression.py --old /tmp/old --smoke
+
+Each measurement runs in a fresh subprocess that imports jaxinfer from one tree, loads the
+default model (`jaxinfer.load`, on a CPU the CPU decode layout), warms up, and times: prefill
+tokens/s for a 128- and a 512-token prompt (batch 1, time to first token), and decode tokens/s at
+batch 1 and batch 8 (128 new tokens, greedy, no early stop; `Timings.decode_tokens_per_s`, compile
+time excluded). Trees alternate round by round (old, new, old, new ...), so a noisy neighbour slows
+both alike; the table reports medians and new/old ratios. Writes <out>/bench_regression.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+WORKER = r"""
+import json, os, sys, time
+import jaxinfer
+model = jaxinfer.load(sys.argv[1])
+text = open(sys.argv[2]).read()
+ids = model.tokenizer.encode(text)
+new = int(sys.argv[3])
+out = {}
+for n in (128, 512):
+    p = ids[:n]
+    jaxinfer.generate(model, [p], max_new_tokens=1, stop_at_eos=False)  # compile
+    t = jaxinfer.generate(model, [p], max_new_tokens=1, stop_at_eos=False).timings
+    out[f"prefill_{n}_tokens_per_s"] = n / t.ttft_s
+for b in (1, 8):
+    prompts = [ids[i * 40:(i + 1) * 40] for i in range(b)]
+    jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False)  # compile
+    t = jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False).timings
+    out[f"decode_b{b}_tokens_per_s"] = t.decode_tokens_per_s
+print("RESULT " + json.dumps(out))
+"""
+
+
+def measure(tree: str, model: str, new_tokens: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree)
+    text = os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")
+    res = subprocess.run([sys.executable, "-c", WORKER, model, text, str(new_tokens)], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=3600)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"worker in {tree} failed:\n{res.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None) -> dict:
+    from experiments import common
+
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--old", required=True, help="source tree of the version to compare against")
+    p.add_argument("--new", default=ROOT, help="source tree of the new version (default: this one)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.new_tokens = 1, 8
+    runs = {"old": [], "new": []}
+    for r in range(args.rounds):
+        for name in ("old", "new"):
+            runs[name].append(measure(getattr(args, name), args.model, args.new_tokens))
+            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[name][-1].items()))
+    keys = list(runs["new"][0])
+    table = {k: dict(old=float(np.median([x[k] for x in runs["old"]])),
+                     new=float(np.median([x[k] for x in runs["new"]]))) for k in keys}
+    for k, v in table.items():
+        v["ratio"] = v["new"] / v["old"]
+        print(f"{k:28s} old {v['old']:8.1f}  new {v['new']:8.1f}  new/old {v['ratio']:.2f}x")
+    result = dict(old_tree=os.path.abspath(args.old), new_tree=os.path.abspath(args.new), rounds=args.rounds,
+                  table=table, runs=runs)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_regression.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
