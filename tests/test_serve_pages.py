@@ -129,3 +129,22 @@ def test_preemption_takes_the_newest_and_recomputes_its_context():
     assert preempted == [b] and b.state == "waiting" and b.computed == 0 and b.pages == []
     assert b.context == [4, 5, 6] + b.generated  # recomputed later from prompt + tokens so far
     assert a.state == DECODE
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    """Two requests with the same 3-page prefix arrive together: the second waits until the
+    first has computed those pages, then takes them from the prefix cache."""
+    sched = Scheduler(PagePool(20, 4), n_slots=2, prefill_chunk=4, prefix_cache=True)
+    shared = list(range(10, 22))
+    a = Seq(rid=0, prompt=shared + [1, 2], max_new_tokens=2)
+    b = Seq(rid=1, prompt=shared + [3], max_new_tokens=2)
+    sched.add(a), sched.add(b)
+    plan = sched.schedule()
+    assert plan.admitted == [a] and b.state == "waiting"  # b's first page is a's to compute
+    while b.state == "waiting":
+        for c in plan.prefill:
+            sched.prefilled(c)
+            if c.last:
+                sched.sampled(c.seq, 7)
+        plan = sched.schedule()
+    assert b.cached_tokens == 12 and sched.pool.hit_pages == 3  # all three shared pages reused

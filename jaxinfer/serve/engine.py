@@ -53,7 +53,7 @@ from jaxinfer.serve.request import Delta, Request
 from jaxinfer.serve.scheduler import Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
-MIN_CHUNK = 16  # smallest prefill chunk bucket
+MIN_CHUNK = 32  # smallest prefill chunk bucket (chunks are padded to powers of two from here)
 MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
 MAX_STOP_TOKENS = 64  # stop token ids per request
 CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host memory available
@@ -182,7 +182,7 @@ class Engine:
         self.max_len = min(want_len, (n_pages - 1) * page_size)
         self.prefill_chunk, self.decode_steps, self.busy_decode_steps = prefill_chunk, decode_steps, busy_decode_steps
         self.width = kv.table_width(self.max_len, page_size)
-        self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 4) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
+        self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 2) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
         self.row_buckets = sorted({1, max_slots})  # prefill rows per call: one request, or every slot
         self.pool = PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
@@ -391,11 +391,12 @@ class Engine:
                                        z(R, C), 0, False)
                     n += 1
             if scoring:
-                for C in self.chunks:
-                    rows, counts = self._device_rows([None], z(1))
-                    self._prefill_call(rows, counts, z(1, C), z(1), z(1), np.zeros((1,), bool), z(1, self.width),
-                                       z(1, C), MAX_TOP_LOGPROBS, True)
-                    n += 1
+                for R in self.row_buckets:
+                    for C in self.chunks:
+                        rows, counts = self._device_rows([None] * R, z(R))
+                        self._prefill_call(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width),
+                                           z(R, C), MAX_TOP_LOGPROBS, True)
+                        n += 1
             for n_top in (0, MAX_TOP_LOGPROBS) if logprobs else (0,):
                 S = self.max_slots
                 rows, counts = self._device_rows([None] * S, z(S))
@@ -451,22 +452,21 @@ class Engine:
         table[i, :len(seq.pages)] = seq.pages
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
-        """Run this iteration's prompt chunks: scoring requests one per call (they return logits at
-        every position); the others in one call of max_slots rows, or one call each when that pads
-        fewer tokens (on a CPU prefill is bound by compute, so padded rows cost their full price)."""
-        scoring = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is not None]
-        plain = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is None]
-        for c in scoring:
-            self._prefill_group([c], True)
-        if not plain:
-            return
+        """Run this iteration's prompt chunks, scoring requests (whose programs also return the
+        prompt's logprobs) apart from the others: each kind in one call of max_slots rows, or
+        one call per chunk when that pads fewer tokens (on a CPU prefill is bound by compute, so
+        padded rows cost their full price)."""
         bucket = lambda n: next(c for c in self.chunks if c >= n)  # noqa: E731
-        together = self.row_buckets[-1] * bucket(max(c.n for c in plain))
-        if len(plain) > 1 and together <= sum(bucket(c.n) for c in plain):
-            self._prefill_group(plain, False)
-        else:
-            for c in plain:
-                self._prefill_group([c], False)
+        for scoring in (True, False):
+            group = [c for c in chunks if (self._live[c.seq.rid].prompt_logprobs is not None) == scoring]
+            if not group:
+                continue
+            together = self.row_buckets[-1] * bucket(max(c.n for c in group))
+            if len(group) > 1 and together <= sum(bucket(c.n) for c in group):
+                self._prefill_group(group, scoring)
+            else:
+                for c in group:
+                    self._prefill_group([c], scoring)
 
     def _prefill_group(self, chunks: list[Chunk], scoring: bool) -> None:
         R = next(r for r in self.row_buckets if r >= len(chunks))

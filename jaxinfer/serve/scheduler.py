@@ -45,7 +45,6 @@ class Seq:
     computed: int = 0
     slot: Optional[int] = None
     state: str = WAITING
-    admitted_at: int = -1  # admission counter: the newest admitted is preempted first
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     recompute_from: Optional[int] = None  # prompt logprobs wanted from this position: no cache hits after it
@@ -85,7 +84,6 @@ class Scheduler:
         self.waiting: list[Seq] = []  # sorted by rid
         self.running: list[Seq] = []  # sorted by admitted_at
         self._free_slots = list(range(n_slots))
-        self._admissions = 0
         self.preemptions = 0
 
     @property
@@ -142,14 +140,21 @@ class Scheduler:
         self.add(seq)
 
     def _admit(self) -> list[Seq]:
-        admitted = []
+        admitted, deferred = [], []
+        coming = self._pages_coming() if self.prefix_cache else set()
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
             ctx = seq.context
-            cached = []
+            cached, hashes = [], []
             if self.prefix_cache:  # full pages only, and never the last token (its logits are needed)
                 usable = len(ctx) - 1 if seq.recompute_from is None else max(0, seq.recompute_from - 1)
-                cached = self.pool.match(prefix_hashes(ctx, self.page_size, usable // self.page_size))
+                hashes = prefix_hashes(ctx, self.page_size, usable // self.page_size)
+                cached = self.pool.match(hashes)
+                if len(cached) < len(hashes) and hashes[len(cached)] in coming:
+                    # its next prefix page is being computed by a request admitted earlier: wait
+                    # for it (a step or two) instead of computing the same keys twice
+                    deferred.append(self.waiting.pop(0))
+                    continue
             need = pages_for(len(ctx), self.page_size) - len(cached)
             held_evictable = sum(self.pool.refcount[p] == 0 for p in cached)
             if need > self.pool.available() - held_evictable:
@@ -160,11 +165,23 @@ class Scheduler:
             seq.computed = seq.cached_tokens = len(cached) * self.page_size
             seq.slot = self._free_slots.pop(0)
             seq.state = PREFILL
-            seq.admitted_at = self._admissions
-            self._admissions += 1
             self.running.append(seq)
             admitted.append(seq)
+            coming |= set(hashes[len(cached):])  # what this one will compute, for the ones after it
+        for seq in deferred:
+            bisect.insort(self.waiting, seq, key=lambda s: s.rid)
         return admitted
+
+    def _pages_coming(self) -> set[bytes]:
+        """Prefix keys of the full prompt pages that requests still prefilling will compute."""
+        out = set()
+        for seq in self.running:
+            if seq.state == PREFILL:
+                n = (len(seq.prompt) - 1) // self.page_size
+                done = seq.computed // self.page_size
+                if done < n:
+                    out.update(prefix_hashes(seq.prompt, self.page_size, n)[done:])
+        return out
 
     def _chunks(self) -> list[Chunk]:
         budget, out = self.prefill_chunk, []
