@@ -43,6 +43,11 @@ TASKS = ["jaxinfer_mc", "jaxinfer_ppl", "jaxinfer_gen", "jaxinfer_gen_until5", "
 MAX_LENGTH = 96  # the context every backend gets: each rolling document takes two windows
 SERVED_NAME = "smollm2-135m-hf"
 MAX_SLOTS = 8
+MAX_GEN_TOKS = 24  # the generation tasks' max_gen_toks
+CONCURRENT = 8  # local-completions' num_concurrent: requests in flight (the server's slots)
+PREFILL_CHUNK = 128  # jaxinfer's prefill buckets 16, 64, 128: a 97-token window is not padded to 256
+# The server's context is what the harness needs (a 97-token window + the 1 token lm-eval asks for
+# when scoring): the engine's decode step slows down with its context width (see README).
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -127,7 +132,7 @@ def worker(kind: str, folder: str, url: str, limit, out: str, tasks_run: list[st
         from jaxinfer.compile_cache import CompileCounter
 
         counter = CompileCounter().__enter__()
-        lm = harness.JaxinferLM(model=folder, max_slots=MAX_SLOTS, max_length=MAX_LENGTH)
+        lm = harness.JaxinferLM(model=folder, max_slots=MAX_SLOTS, max_length=MAX_LENGTH, prefill_chunk=PREFILL_CHUNK)
     elif kind == "hf":
         from lm_eval.models.huggingface import HFLM
 
@@ -135,10 +140,12 @@ def worker(kind: str, folder: str, url: str, limit, out: str, tasks_run: list[st
     else:
         from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-        # an API model's max_length counts one token less, and its windows one less again
+        # An API model's max_length counts one token less, and its windows one less again. It cuts
+        # generation contexts to max_length - max_gen_toks whatever a task's max_new_tokens says:
+        # the default 256 would leave none of 97 tokens.
         lm = LocalCompletionsAPI(model=SERVED_NAME, base_url=url + "/v1/completions", tokenizer_backend="huggingface",
-                                 tokenizer=folder, max_length=MAX_LENGTH + 2, num_concurrent=MAX_SLOTS,
-                                 tokenized_requests=True, max_retries=1, timeout=600)
+                                 tokenizer=folder, max_length=MAX_LENGTH + 2, max_gen_toks=MAX_GEN_TOKS,
+                                 num_concurrent=CONCURRENT, tokenized_requests=True, max_retries=1, timeout=600)
     load_s = time.perf_counter() - t0
     tm = TaskManager(include_path=TASK_DIR)
     tasks = {}
@@ -187,7 +194,7 @@ def start_server(folder: str, log_path: str):
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", "--model", folder, "--served-name", SERVED_NAME,
                              "--host", "127.0.0.1", "--port", "0", "--max-slots", str(MAX_SLOTS),
-                             "--max-len", "1024", "--max-waiting", "4096"],
+                             "--max-len", str(MAX_LENGTH + 2), "--max-waiting", "4096"],
                             cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0, url = time.perf_counter(), None
     while time.perf_counter() - t0 < SERVER_START_S:

@@ -102,6 +102,22 @@ def test_identical_pairs_are_scored_once_and_results_are_reproducible(model):
     assert jaxinfer.score(engine, pairs) == first
 
 
+def test_one_token_choices_are_read_off_the_leaders_alternatives(model):
+    """Choices of one token after the same context: those among the first choice's 20 most likely
+    tokens take their logprob from its prefill; the others get a request of their own."""
+    engine = engine_for(model)
+    ctx = model.tokenizer.encode("Question: which colour is the sky? Answer:")
+    order = np.argsort(-np.asarray(jaxinfer.logits(model, ctx))[-1])
+    choices = [int(order[5]), int(order[0]), int(order[19]), int(order[-1])]  # 2nd and 3rd: read off
+    before = engine.stats().requests_finished
+    scores = jaxinfer.score(engine, [(ctx, [t]) for t in choices])
+    assert engine.stats().requests_finished - before == 2
+    for t, s in zip(choices, scores):
+        want, greedy, tol = reference(model, ctx, [t])
+        np.testing.assert_allclose(s.token_logprobs, want, atol=tol)
+        assert s.is_greedy == greedy == (t == int(order[0]))
+
+
 def test_long_pairs_lose_context_from_the_left(model):
     ctx, cont = list(range(10, 70)), [5, 6, 7]
     engine = engine_for(model)

@@ -19,8 +19,10 @@ Model arguments (`--model_args key=value,...`):
   model          (required) anything `jaxinfer.load` takes: a known name, a .gguf file, a
                  Hugging Face folder, a jaxinfer checkpoint
   max_slots      requests the engine runs together (default 8)
-  max_length     the model's context as the harness sees it (default: the model's): rolling
-                 windows are this long, longer inputs lose tokens from the left, as in `--model hf`
+  max_length     the model's context as the harness sees it (default 2048, as lm-eval's API
+                 models; at most the model's): rolling windows are this long, longer inputs lose
+                 tokens from the left, as in `--model hf`. The engine is sized for it, and its decode
+                 step slows down with the context width: pass what the tasks need
   kv_memory      KV pool size, e.g. 2GiB (default: the engine's)
   prefill_chunk  prompt tokens prefilled per engine step (default 512)
   dtype, quant, kv_cache   as `jaxinfer.load`
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 1234  # lm-eval's API models send this seed with every request
 DEFAULT_MAX_GEN_TOKS = 256  # `--model hf`'s default
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's API models' default context
 # generation settings read here; anything else in a task's generation_kwargs is refused by name
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
 _IGNORED_KEYS = ("do_sample",)  # folded into temperature by normalize_gen_kwargs
@@ -99,7 +102,7 @@ class JaxinferLM(TemplateLM):
         from jaxinfer.serve.engine import Engine
 
         if not isinstance(model, jaxinfer.Model):
-            if str(compile_cache).lower() != "none":
+            if compile_cache is None or str(compile_cache).lower() != "none":
                 from jaxinfer.compile_cache import enable_persistent_cache
 
                 try:
@@ -113,7 +116,7 @@ class JaxinferLM(TemplateLM):
         if model.tokenizer is None:
             raise ValueError("lm-eval needs the model's tokenizer; this model has none")
         context = model.config.max_seq_len
-        self._max_length = context if max_length is None else int(max_length)
+        self._max_length = min(DEFAULT_MAX_LENGTH, context) if max_length is None else int(max_length)
         if not 2 <= self._max_length <= context:
             raise ValueError(f"max_length must be in [2, {context}] (the model's context), got {max_length!r}")
         # + 1: a pair of max_length + 1 tokens is scored (the last token is never an input in the

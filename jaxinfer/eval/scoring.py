@@ -11,7 +11,10 @@ prompts share a long preamble across questions. The engine's prefix cache reuses
 pages of a prompt prefix that an earlier request has already prefilled, but requests admitted in
 the same step cannot share with each other. So the pairs are released to the engine in order of
 dependence: a pair waits until the earlier pair with which it shares the most full pages (its
-"leader") has finished; pairs without a leader start at once. Identical pairs are scored once.
+"leader") has finished; pairs without a leader start at once. Identical pairs are scored once,
+and a one-token continuation of exactly its leader's context is read off the leader's 20 most
+likely tokens at that position when it is among them (the same distribution; lm-eval's Hugging
+Face model shares that forward pass too), so it needs no request of its own.
 
 Tokenization of string pairs follows lm-evaluation-harness's `TemplateLM` for causal models
 (`_encode_pair` and `loglikelihood`), so that its numbers and ours are comparable:
@@ -37,6 +40,7 @@ from typing import Optional, Sequence, Union
 
 from jaxinfer.decode.requests import check_int, check_token_ids
 from jaxinfer.model.forward import Model
+from jaxinfer.serve.engine import MAX_TOP_LOGPROBS
 from jaxinfer.serve.pages import prefix_hashes
 
 Text = Union[str, Sequence[int]]
@@ -159,7 +163,7 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
     Returns:
       One Score per pair, in order.
     """
-    from jaxinfer.serve.engine import Engine  # the engine imports the decode core: only when scoring
+    from jaxinfer.serve.engine import Engine
 
     engine = model if isinstance(model, Engine) else Engine(
         model, max_slots=max_slots, kv_memory=kv_memory,
@@ -188,6 +192,11 @@ def _run(engine, jobs: list[tuple[list[int], list[int]]], max_in_flight: int,
     prompts = [c + x for c, x in jobs]
     starts = [len(c) for c, _ in jobs]
     lead = leaders(prompts, starts, engine.page_size)
+    first_with: dict[tuple, int] = {}
+    for i, (c, x) in enumerate(jobs):  # a one-token continuation waits for its context's first pair
+        j = first_with.setdefault(tuple(c), i)
+        if j != i and len(x) == 1:
+            lead[i] = j
     followers: dict[int, list[int]] = {}
     ready = []
     for i, j in enumerate(lead):
@@ -195,15 +204,35 @@ def _run(engine, jobs: list[tuple[list[int], list[int]]], max_in_flight: int,
             ready.append(i)
         else:
             followers.setdefault(j, []).append(i)
+    # A one-token continuation of the same context as its leader may be read off the leader's
+    # top alternatives at that position (the distribution is the same): no request of its own.
+    top_k = [MAX_TOP_LOGPROBS if any(_reads_off(jobs[i], jobs[f]) for f in followers.get(i, ())) else 1
+             for i in range(len(jobs))]
     ready.reverse()  # a stack: pop() takes the earliest
     deadline = None if timeout is None else time.perf_counter() + timeout
     running: dict[int, object] = {}
     out: list[Optional[Score]] = [None] * len(jobs)
+
+    def finished(i: int, comp) -> None:
+        out[i] = _score_of(comp, jobs[i])
+        first = comp.prompt_top_logprobs[starts[i]]
+        new = []
+        for f in followers.pop(i, []):
+            lp = dict(first).get(jobs[f][1][0]) if _reads_off(jobs[i], jobs[f]) else None
+            if lp is None:
+                new.append(f)
+                continue
+            out[f] = Score(logprob=lp, token_logprobs=[lp], is_greedy=first[0][0] == jobs[f][1][0],
+                           context_ids=list(jobs[f][0]), continuation_ids=list(jobs[f][1]))
+            new += followers.pop(f, [])  # it computed nothing: its own followers go as they are
+        ready.extend(reversed(new))
+
     try:
         while ready or running:
             while ready and len(running) < max_in_flight:
                 i = ready.pop()
-                running[i] = engine.submit(prompts[i], max_new_tokens=0, prompt_logprobs=1, score_from=starts[i])
+                running[i] = engine.submit(prompts[i], max_new_tokens=0, prompt_logprobs=top_k[i],
+                                           score_from=starts[i])
             if engine.running:  # a background loop steps the engine: wait for any request to end
                 next(iter(running.values())).result(timeout=None if deadline is None else
                                                     max(0.0, deadline - time.perf_counter()))
@@ -212,15 +241,18 @@ def _run(engine, jobs: list[tuple[list[int], list[int]]], max_in_flight: int,
             for i, req in list(running.items()):
                 if req.done:
                     del running[i]
-                    out[i] = _score_of(req.result(), jobs[i])
-                    new = followers.pop(i, [])
-                    ready.extend(reversed(new))
+                    finished(i, req.result())
             if deadline is not None and time.perf_counter() > deadline:
                 raise TimeoutError(f"scoring did not finish within {timeout} s")
     finally:
         for req in running.values():
             req.cancel()
     return out
+
+
+def _reads_off(leader: tuple[list[int], list[int]], follower: tuple[list[int], list[int]]) -> bool:
+    """The follower is one token after exactly the leader's context."""
+    return len(follower[1]) == 1 and follower[0] == leader[0]
 
 
 def _score_of(comp, job: tuple[list[int], list[int]]) -> Score:
