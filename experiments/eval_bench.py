@@ -87,8 +87,10 @@ def make_folder(dst: str) -> str:
     json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"), indent=2)
     shutil.copy(os.path.join(GOLDEN, "hf_smollm2", "generation_config.json"), tmp)
     text = os.path.join(GOLDEN, "hf_text", "smollm2")
-    with lzma.open(os.path.join(text, "tokenizer.json.xz"), "rb") as f, open(os.path.join(tmp, "tokenizer.json"), "wb") as g:
-        g.write(f.read())
+    with lzma.open(os.path.join(text, "tokenizer.json.xz"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(tmp, "tokenizer.json"), "wb") as g:
+        g.write(data)
     for name in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(text, name), tmp)
     open(os.path.join(tmp, "DONE"), "w").close()
@@ -295,7 +297,8 @@ def main() -> None:
     folder = make_folder(args.folder)
     tmp = os.path.join(ROOT, "experiments", "out", "eval_bench")
     os.makedirs(tmp, exist_ok=True)
-    results = {"tasks": args.tasks.split(","), "max_length": MAX_LENGTH, "max_slots": MAX_SLOTS, "limit": args.limit, "folder": folder}
+    results = {"tasks": args.tasks.split(","), "max_length": MAX_LENGTH, "max_slots": MAX_SLOTS, "limit": args.limit,
+               "folder": folder}
     for kind in args.backends.split(","):
         if kind == "hf":
             results[kind] = run_worker(args.hf_python, kind, folder, "", args.limit, tmp, args.tasks)

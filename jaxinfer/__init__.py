@@ -26,6 +26,6 @@ from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY", "SamplingParams", "sample",
-           "speculative", "sharding", "quantize", "layout"]
+           "generate", "logits", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
+           "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout"]
 __version__ = "0.1.0"

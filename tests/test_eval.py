@@ -165,7 +165,8 @@ def _tasks(tmp_path):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     def data(name):
-        return f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / name}.jsonl\ntest_split: test\n"
+        return (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / name}.jsonl\n"
+                "test_split: test\n")
 
     (tmp_path / "t_mc.yaml").write_text(
         "task: t_mc\n" + data("mc") + "output_type: multiple_choice\ndescription: \"Answer the questions.\\n\\n\"\n"
@@ -198,7 +199,7 @@ def _check_loglikelihoods(model, res, max_length):
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     for s in res["samples"]["t_mc"]:
-        for (ctx, cont), resp in zip((a.args for a in _instances(s)), s["resps"]):
+        for (ctx, cont), resp in zip(s["arguments"], s["resps"]):
             ctx_ids, cont_ids = _harness_pair(tok, ctx, cont)
             want, greedy, tol = reference(model, ctx_ids, cont_ids)
             assert abs(resp[0][0] - want.sum()) <= tol * len(want), (ctx, cont, resp, want.sum())
@@ -213,15 +214,6 @@ def _check_loglikelihoods(model, res, max_length):
         assert abs(s["resps"][0][0] - total) <= tol_sum, (s["resps"][0][0], total)
         windows = max(windows, n)
     return windows
-
-
-class _Args:
-    def __init__(self, args):
-        self.args = args
-
-
-def _instances(sample):
-    return [_Args(tuple(a)) for a in sample["arguments"]]
 
 
 def _harness_pair(tok, context, continuation):
