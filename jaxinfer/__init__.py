@@ -7,6 +7,7 @@ The folders follow the data path a prompt takes:
                                         layout.py (CPU decode layout), quantize.py
   decode/    logits -> tokens, looped   sampling.py, requests.py, generate.py, speculative.py
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings)
+  eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
 
@@ -14,6 +15,7 @@ from jaxinfer.decode import speculative
 from jaxinfer.decode.generate import generate, logits
 from jaxinfer.decode.requests import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
+from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
 from jaxinfer.model import layout, quantize
 from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
@@ -24,6 +26,6 @@ from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "Model", "load", "load_tokenizer", "attention", "GREEDY", "SamplingParams", "sample",
-           "speculative", "sharding", "quantize", "layout"]
+           "generate", "logits", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
+           "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout"]
 __version__ = "0.1.0"

@@ -449,10 +449,8 @@ ODD_BODIES = [  # (raw JSON body, path, param, words in the message)
     odd("long-stop", '{"prompt": "x", "stop": ["%s"]}' % ("s" * 257), "stop", "at most 256 characters"),
     odd("33-stops", '{"prompt": "x", "stop": %s}' % json.dumps([f"s{i}" for i in range(33)]), "stop", "at most 32"),
     odd("num_beams-4", '{"prompt": "x", "num_beams": 4}', "num_beams", "beam search"),
-    odd("max_new_tokens-disagrees", '{"prompt": "x", "max_tokens": 5, "max_new_tokens": 6}', "max_new_tokens",
-        "same limit"),
-    odd("chat-max_new_tokens-disagrees", '{%s, "max_completion_tokens": 5, "max_new_tokens": 6}' % CHAT_HI,
-        "max_new_tokens", "same limit", "chat/completions"),
+    odd("chat-max_completion_tokens-disagrees", '{%s, "max_completion_tokens": 5, "max_tokens": 6}' % CHAT_HI,
+        "max_tokens", "same limit", "chat/completions"),
 ]
 
 
@@ -483,6 +481,17 @@ def test_harness_spellings_and_many_stops_are_accepted(served, model):
     r = served.post("/v1/completions", {"model": NAME, "prompt": "Tell me", "max_tokens": 7, "max_new_tokens": 7,
                                         "temperature": 0})
     assert r.json()["choices"][0]["text"] == generate_text(model, "Tell me", 7).text
+    # local-completions sends max_tokens (max_gen_toks or its default 256) beside a task's own
+    # max_new_tokens: max_new_tokens wins, as in `--model hf`
+    for body in ({"max_tokens": 256, "max_new_tokens": 5}, {"max_tokens": 3, "max_new_tokens": 5}):
+        r = served.post("/v1/completions", {"model": NAME, "prompt": "Tell me", "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        want = generate_text(model, "Tell me", 5)
+        assert r.json()["usage"]["completion_tokens"] == len(want.token_ids), (body, r.json())
+        assert r.json()["choices"][0]["text"] == want.text
+    r = served.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=9,
+                                              temperature=0, extra_body={"max_new_tokens": 3})
+    assert r.usage.completion_tokens <= 3
 
 
 def test_private_use_characters_in_a_chat_message_work(served, model):

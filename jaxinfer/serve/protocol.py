@@ -5,7 +5,8 @@ the parameter (OpenAI's error object: message, type, param, code). A parameter t
 the result but is not implemented (logit_bias, tools, response_format with a schema, penalties,
 beam search...) is refused with a 400 naming it, never silently ignored; parameters that change
 nothing (user, metadata, num_beams: 1, ...) are accepted, and so are the spellings other servers
-and harnesses use for the same thing (max_new_tokens for max_tokens).
+and harnesses use for the same thing (max_new_tokens for max_tokens; beside max_tokens it wins,
+as lm-evaluation-harness's `--model hf` lets a task's max_new_tokens win).
 """
 
 from __future__ import annotations
@@ -270,20 +271,28 @@ def _messages(body: dict, model) -> list[list[int]]:
 
 
 def _max_tokens(body: dict, chat: bool) -> tuple[Optional[int], str]:
-    """The requested length and the name it came under. max_new_tokens (vLLM's and the harnesses'
-    spelling) and chat's max_completion_tokens mean max_tokens; two that disagree are refused."""
+    """The requested length and the name it came under.
+
+    max_new_tokens (vLLM's and the harnesses' spelling) and chat's max_completion_tokens mean
+    max_tokens. When max_new_tokens is sent beside another of them, max_new_tokens wins:
+    lm-evaluation-harness's local-completions always sends max_tokens (a task's max_gen_toks, else
+    its default of 256) and passes a task's own generation_kwargs, max_new_tokens included, in the
+    same body; `--model hf` generates max_new_tokens in that case, and so does this server. Chat's
+    max_completion_tokens and max_tokens that disagree are refused (neither is more specific).
+    """
     names = (("max_completion_tokens",) if chat else ()) + ("max_tokens", "max_new_tokens")
-    given = []
+    given = {}
     for name in names:
         lo = 1 if chat or name == "max_completion_tokens" else 0  # 0 is the completions scoring call
         v = _int(body, name, None, lo, 1 << 30)
         if v is not None:
-            given.append((name, v))
-    for name, v in given[1:]:
-        if v != given[0][1]:
-            raise bad(name, f"'{given[0][0]}' is {given[0][1]} and '{name}' is {v}: they name the same limit; "
-                      "send one of them")
-    return (given[0][1], given[0][0]) if given else (None, "max_tokens")
+            given[name] = v
+    if "max_new_tokens" in given:
+        return given["max_new_tokens"], "max_new_tokens"
+    if len(set(given.values())) > 1:
+        raise bad("max_tokens", f"'max_completion_tokens' is {given['max_completion_tokens']} and 'max_tokens' is "
+                  f"{given['max_tokens']}: they name the same limit; send one of them")
+    return next(((v, k) for k, v in given.items()), (None, "max_tokens"))
 
 
 def _fit(prompts: list[list[int]], max_tokens: Optional[int], length_param: str, context: int, chat: bool) -> int:

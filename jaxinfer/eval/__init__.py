@@ -1,0 +1,11 @@
+"""Evaluation: scoring continuations, and lm-evaluation-harness on the engine.
+
+  scoring.py   score(model, pairs): log p(continuation | context) for many pairs at once, on the
+               serving engine (batched, prefix-shared); the harness's tokenization rule
+  harness.py   the `jaxinfer` model of lm-evaluation-harness (needs the [eval] extra)
+  __main__.py  `python -m jaxinfer.eval ...`: lm-eval's own command line with that model registered
+"""
+
+from jaxinfer.eval.scoring import Score, encode_pair, score
+
+__all__ = ["Score", "encode_pair", "score"]
