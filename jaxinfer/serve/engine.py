@@ -457,16 +457,17 @@ class Engine:
         one call per chunk when that pads fewer tokens (on a CPU prefill is bound by compute, so
         padded rows cost their full price)."""
         bucket = lambda n: next(c for c in self.chunks if c >= n)  # noqa: E731
-        for scoring in (True, False):
-            group = [c for c in chunks if (self._live[c.seq.rid].prompt_logprobs is not None) == scoring]
+        scoring = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is not None]
+        plain = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is None]
+        for group, scored in ((scoring, True), (plain, False)):
             if not group:
                 continue
             together = self.row_buckets[-1] * bucket(max(c.n for c in group))
             if len(group) > 1 and together <= sum(bucket(c.n) for c in group):
-                self._prefill_group(group, scoring)
+                self._prefill_group(group, scored)
             else:
                 for c in group:
-                    self._prefill_group([c], scoring)
+                    self._prefill_group([c], scored)
 
     def _prefill_group(self, chunks: list[Chunk], scoring: bool) -> None:
         R = next(r for r in self.row_buckets if r >= len(chunks))
