@@ -75,7 +75,8 @@ async def one_request(client, url, body, disconnect: bool) -> dict:
     return r
 
 
-async def drive(url: str, work: list[dict], concurrency: int, time_limit: float) -> tuple[list[dict], float]:
+async def drive(url: str, work: list[dict], concurrency: int, time_limit: float,
+                request_timeout: float = 600.0) -> tuple[list[dict], float]:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -85,7 +86,7 @@ async def drive(url: str, work: list[dict], concurrency: int, time_limit: float)
     t0 = time.perf_counter()
 
     async def client_loop():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout)) as client:
             while not queue.empty() and time.perf_counter() - t0 < time_limit:
                 w = queue.get_nowait()
                 res = await one_request(client, url, w["body"], w["disconnect"])

@@ -1,7 +1,7 @@
 """Serving side by side with llama.cpp: the same streaming client workload against `jaxinfer serve`
 and llama.cpp's own `llama-server`, one after the other, on identical F32 weights.
 
-    python experiments/load_vs_llamacpp.py                     # 48 requests, 8 clients (about 30 min, 2 cores)
+    python experiments/load_vs_llamacpp.py                     # 48 requests, 8 clients (see README_llamacpp.md)
     python experiments/load_vs_llamacpp.py --requests 12       # a shorter run
     python experiments/load_vs_llamacpp.py --smoke             # 4 tiny requests per server
     python experiments/load_vs_llamacpp.py --no-llama          # jaxinfer only
@@ -9,21 +9,24 @@ and llama.cpp's own `llama-server`, one after the other, on identical F32 weight
 Servers, each a subprocess on 127.0.0.1 (a free port), started, measured and stopped before the next:
   jaxinfer   `python -m jaxinfer serve --model M --max-slots S` (plus --jaxinfer-args), the default
              load (Q4_1 GGUF dequantized to float32); measured after its own warm-up;
-  llama.cpp  `llama-server -m F32.gguf -np S -c CTX -t 2` (experiments/llamacpp_peer.py says where
-             it and the F32 GGUF of the same weights live); skipped, with the reason, when missing.
+  llama.cpp  `llama-server -m F32.gguf -np S -c CTX -t 2` (-t: --llama-threads), where
+             experiments/llamacpp_peer.py says it and the F32 GGUF of the same weights live;
+             skipped, with the reason, when either is missing.
 Workload (one seeded list, sent identically to both): --requests streaming greedy /v1/completions
 requests from --concurrency clients, each client sending its next request when the last one ends;
 prompts are token ids (slices of experiments/data/pydoc_heldout.txt under jaxinfer's tokenizer,
 lengths uniform in [--min-prompt, --max-prompt]), so both servers read the same tokens; max_tokens
 uniform in [--min-new, --max-new]. `jaxinfer serve` always stops at end-of-sequence (it refuses
-`ignore_eos`), so neither server is asked to ignore it: greedy decoding of identical weights stops
-both at the same place, and mid-document prompts rarely reach an end-of-sequence token at all.
+`ignore_eos`), so neither server is asked to ignore it: mid-document prompts rarely reach an
+end-of-sequence token, and greedy decoding of identical weights stops both at the same place unless
+float32 sums taken in another order flip a near-tie between two tokens.
 Output token totals (the servers' own usage counts) and the number of identical completions are
 reported to check that the two did the same work. Two short untimed requests warm each server.
 Reported per server: output tokens/s over the run's wall time, TTFT p50/p99 (first non-empty text
 chunk), total output tokens, errors, peak server RSS; and the ratio jaxinfer / llama.cpp.
-Bounded: at most --requests requests, none started after --time-limit s, each request times out
-after 600 s, a server that is not healthy within --start-timeout s is given up.
+Bounded: at most --requests requests, none started after --time-limit s, a request fails after
+--request-timeout s without a byte from the server, a server not healthy within --start-timeout s
+is given up (and every server is stopped at the end, also on an error).
 
 Writes <out>/load_vs_llamacpp.json (--out, default experiments/figures) and each server's log
 beside it (load_vs_llamacpp.<server>.log).
@@ -36,6 +39,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -128,7 +132,7 @@ async def drive_sampling(server: Server, url: str, work: list[dict], args) -> tu
 
     sampler = asyncio.create_task(sample())
     try:
-        results, wall = await drive(url, work, args.concurrency, args.time_limit)
+        results, wall = await drive(url, work, args.concurrency, args.time_limit, args.request_timeout)
     finally:
         sampler.cancel()
     return results, wall, float(np.nanmax(peak))
@@ -183,9 +187,11 @@ def main(argv=None) -> dict:
     p.add_argument("--min-new", type=int, default=8)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--ctx", type=int, default=8192, help="llama-server -c (all slots together)")
-    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--jaxinfer-args", default="", help="extra flags for `jaxinfer serve`, e.g. '--max-len 1024'")
     p.add_argument("--time-limit", type=float, default=3600.0, help="no new request after this many s (per server)")
+    p.add_argument("--request-timeout", type=float, default=1800.0,
+                   help="a request fails after this many s without a byte from the server")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="s for a server to load and warm up")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--out", default=str(ROOT / "experiments" / "figures"), help="folder for the JSON and logs")
@@ -234,7 +240,7 @@ def main(argv=None) -> dict:
     if not skip:
         qport = free_port()
         qserver = Server("llama.cpp", [peer.server, "-m", peer.gguf, "-np", str(args.slots), "-c", str(args.ctx),
-                                       "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(qport),
+                                       "-t", str(args.llama_threads), "--host", "127.0.0.1", "--port", str(qport),
                                        "--alias", MODEL_NAME],
                          qport, out / "load_vs_llamacpp.llamacpp.log")
         summary["llamacpp"] = run_server(qserver, work, warm, args)
@@ -256,4 +262,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the server subprocess is stopped
     main()

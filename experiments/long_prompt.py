@@ -1,7 +1,7 @@
 """Long prompts side by side with llama.cpp: time to first token and prefill memory at 2k, 4k and 8k
 tokens, on identical F32 weights and identical token ids.
 
-    python experiments/long_prompt.py                      # 2048, 4096, 8000 tokens (about 40 min, 2 cores)
+    python experiments/long_prompt.py                      # 2048, 4096, 8000 tokens (see README_llamacpp.md)
     python experiments/long_prompt.py --lengths 2048       # one length
     python experiments/long_prompt.py --smoke              # 64 tokens, a few seconds per engine
     python experiments/long_prompt.py --no-llama           # jaxinfer only
