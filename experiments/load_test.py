@@ -10,7 +10,7 @@ lengths (held-out text) and mixed max_tokens, and drop a fraction `--disconnect`
 after the first token. Bounded: at most --requests requests, no new one after --time-limit s.
 Reports unexpected errors (anything but a deliberate disconnect), TTFT p50/p99, output tokens/s,
 the process RSS before and after, and the KV pages still in use once idle (should be 0).
-llama-cpp-python's server runs side by side only when it is installed (it is not built here).
+The same kind of load side by side with llama.cpp's own server: experiments/load_vs_llamacpp.py.
 
 Writes <out>/load_test.json and .png (TTFT distribution; tokens/s over time).
 """
@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 
-from experiments import common
-from experiments.common import plt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import common  # noqa: E402
+from experiments.common import plt  # noqa: E402
 
 
 def prompts_from_text(tokenizer, n: int, lo: int, hi: int, rng) -> list[list[int]]:
@@ -43,7 +47,7 @@ async def one_request(client, url, body, disconnect: bool) -> dict:
     import httpx
 
     t0 = time.perf_counter()
-    r = {"ttft": None, "tokens": 0, "error": None, "disconnected": False, "t_end": None}
+    r = {"ttft": None, "tokens": 0, "error": None, "disconnected": False, "t_end": None, "text": ""}
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -58,6 +62,8 @@ async def one_request(client, url, body, disconnect: bool) -> dict:
                     continue
                 if chunk.get("usage"):
                     r["tokens"] = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    r["text"] += chunk["choices"][0]["text"] or ""
                 if chunk["choices"] and chunk["choices"][0]["text"] and r["ttft"] is None:
                     r["ttft"] = time.perf_counter() - t0
                     if disconnect:
@@ -69,7 +75,8 @@ async def one_request(client, url, body, disconnect: bool) -> dict:
     return r
 
 
-async def drive(url: str, work: list[dict], concurrency: int, time_limit: float) -> tuple[list[dict], float]:
+async def drive(url: str, work: list[dict], concurrency: int, time_limit: float,
+                request_timeout: float = 600.0) -> tuple[list[dict], float]:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -79,11 +86,11 @@ async def drive(url: str, work: list[dict], concurrency: int, time_limit: float)
     t0 = time.perf_counter()
 
     async def client_loop():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout)) as client:
             while not queue.empty() and time.perf_counter() - t0 < time_limit:
                 w = queue.get_nowait()
                 res = await one_request(client, url, w["body"], w["disconnect"])
-                results.append({**res, "t_end": res["t_end"] - t0 if res["t_end"] else None})
+                results.append({**res, "id": w.get("id"), "t_end": res["t_end"] - t0 if res["t_end"] else None})
 
     async def progress():
         while True:
@@ -123,15 +130,6 @@ def wait_idle(url: str, timeout: float = 30.0) -> float:
             return 0.0
         time.sleep(0.1)
     return pages_in_use(url)
-
-
-def llama_cpp_status() -> str:
-    try:
-        import llama_cpp  # noqa: F401
-        import llama_cpp.server  # noqa: F401
-    except ImportError:
-        return "not installed"
-    return "installed (side-by-side run not implemented in this script yet)"
 
 
 def main(argv=None, model=None) -> dict:
@@ -187,7 +185,6 @@ def main(argv=None, model=None) -> dict:
         "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
         "rss_before_mb": rss_before / 2**20, "rss_after_mb": rss_after / 2**20,
         "rss_growth": rss_after / rss_before - 1, "kv_pages_in_use_after": left, "engine": metrics,
-        "llama_cpp_server": llama_cpp_status(),
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "engine"}, indent=1))
 
@@ -200,7 +197,7 @@ def main(argv=None, model=None) -> dict:
     if len(ends):
         b.plot(ends, np.cumsum(toks))
     b.set(xlabel="seconds", ylabel="output tokens (completed requests)",
-          title=f"{summary['output_tokens_per_s']:.1f} output tokens/s; llama.cpp server: {summary['llama_cpp_server']}")
+          title=f"{summary['output_tokens_per_s']:.1f} output tokens/s")
     common.save("load_test", fig, summary, args)
     return summary
 
