@@ -16,10 +16,9 @@ Workload (one seeded list, sent identically to both): --requests streaming greed
 requests from --concurrency clients, each client sending its next request when the last one ends;
 prompts are token ids (slices of experiments/data/pydoc_heldout.txt under jaxinfer's tokenizer,
 lengths uniform in [--min-prompt, --max-prompt]), so both servers read the same tokens; max_tokens
-uniform in [--min-new, --max-new]. `jaxinfer serve` always stops at end-of-sequence (it refuses
-`ignore_eos`), so neither server is asked to ignore it: mid-document prompts rarely reach an
-end-of-sequence token, and greedy decoding of identical weights stops both at the same place unless
-float32 sums taken in another order flip a near-tie between two tokens.
+uniform in [--min-new, --max-new], with `ignore_eos` (both servers take it), so every request runs
+to its max_tokens on both and the two do the same work; greedy decoding of identical weights gives
+the same tokens unless float32 sums taken in another order flip a near-tie between two tokens.
 Output token totals (the servers' own usage counts) and the number of identical completions are
 reported to check that the two did the same work. Two short untimed requests warm each server.
 Reported per server: output tokens/s over the run's wall time, TTFT p50/p99 (first non-empty text
@@ -69,6 +68,7 @@ def workload(tokenizer, args, rng, n: int) -> list[dict]:
     out = []
     for i, p in enumerate(prompts):
         body = {"model": MODEL_NAME, "prompt": [int(t) for t in p], "stream": True, "temperature": 0.0,
+                "ignore_eos": True,  # both servers run every request to its max_tokens: equal work
                 "max_tokens": int(rng.integers(args.min_new, args.max_new + 1)),
                 "stream_options": {"include_usage": True}}
         out.append({"id": i, "body": body, "disconnect": False})
