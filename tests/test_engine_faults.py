@@ -97,7 +97,7 @@ def test_unrecoverable_fault_marks_the_engine_dead(model, specs_and_ref, monkeyp
     engine = Engine(model, n_pages=40, **ENGINE)
     r = submit(engine, specs[0])
     _fault_once(monkeypatch, "prefill_jit", delete_pool=True)
-    monkeypatch.setattr(engine, "_new_pool", lambda: (_ for _ in ()).throw(MemoryError("no memory for a new pool")))
+    monkeypatch.setattr(engine.runner, "new_pool", lambda: (_ for _ in ()).throw(MemoryError("no memory for a new pool")))
     engine.step()
     assert not engine.healthy and "recovery failed" in engine.dead
     with pytest.raises(EngineError):

@@ -40,7 +40,7 @@ from typing import Optional, Sequence, Union
 
 from jaxinfer.decode.requests import check_int, check_token_ids
 from jaxinfer.model.forward import Model
-from jaxinfer.serve.engine import MAX_TOP_LOGPROBS
+from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
 from jaxinfer.serve.pages import prefix_hashes
 
 Text = Union[str, Sequence[int]]

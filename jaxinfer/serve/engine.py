@@ -33,28 +33,25 @@ import itertools
 import os
 import threading
 import traceback
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sharding as shd
-from jaxinfer.decode import constraints, core
-from jaxinfer.decode import penalties as pen
+from jaxinfer.decode import constraints
 from jaxinfer.decode import requests as rq
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import nbytes as params_nbytes
+from jaxinfer.serve.live import Live
+from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
 from jaxinfer.serve.pages import PagePool
-from jaxinfer.serve.request import Delta, Request
+from jaxinfer.serve.request import Request
 from jaxinfer.serve.scheduler import Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
-MIN_CHUNK = 32  # smallest prefill chunk bucket (chunks are padded to powers of two from here)
-MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
 MAX_STOP_TOKENS = 64  # stop token ids per request
 CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host memory available
 DEVICE_MEMORY_FRACTION = 0.85  # default KV pool on an accelerator: this share of its free memory
@@ -88,31 +85,6 @@ class EngineStats:
     healthy: bool
 
 
-@dataclasses.dataclass
-class _Live:
-    """Host-side state of one admitted request."""
-
-    seq: Seq
-    req: Request
-    key_data: np.ndarray  # [k] uint32: the request's PRNG key
-    sampling: SamplingParams
-    stop_ids: tuple[int, ...]
-    stop: Optional[StopStrings]
-    detok: Optional[Detokenizer]
-    n_top: int  # top alternatives per generated token (0 = none)
-    prompt_logprobs: Optional[int]  # None = off; else top alternatives per scored prompt position
-    score_from: int  # first prompt position to score
-    extra_stops: tuple[int, ...] = ()  # the request's own stop ids (min_tokens holds them off too)
-    matcher: Optional[Any] = None  # the constraint's grammar matcher (constraints.Matcher)
-    counts: Optional[np.ndarray] = None  # [V] int32 tokens generated (penalized requests only)
-    in_prompt: Optional[np.ndarray] = None  # [V] bool tokens in the prompt (penalized requests only)
-    logprobs: list = dataclasses.field(default_factory=list)
-    top: list = dataclasses.field(default_factory=list)
-    prompt_lps: dict = dataclasses.field(default_factory=dict)  # position -> (logprob, top list)
-    text: str = ""  # final text so far (stop strings removed)
-    sent: int = 0  # characters of text already handed out
-
-
 def default_kv_memory(model: Model) -> int:
     """The KV pool's default byte budget: DEVICE_MEMORY_FRACTION of the accelerator's free memory,
     or on a CPU CPU_MEMORY_FRACTION of the host memory available (the weights already loaded)."""
@@ -125,15 +97,6 @@ def default_kv_memory(model: Model) -> int:
     except (ValueError, OSError, AttributeError):
         available = 8 << 30
     return int(CPU_MEMORY_FRACTION * available)
-
-
-def _buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
-    """lo, lo x factor, lo x factor^2 ... while below hi, then hi itself."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= factor
-    return out + [hi]
 
 
 class Engine:
@@ -181,16 +144,14 @@ class Engine:
         self.model, self.cfg, self.max_slots, self.page_size = model, cfg, max_slots, page_size
         self.max_len = min(want_len, (n_pages - 1) * page_size)
         self.prefill_chunk, self.decode_steps, self.busy_decode_steps = prefill_chunk, decode_steps, busy_decode_steps
-        self.width = kv.table_width(self.max_len, page_size)
-        self.chunks = _buckets(MIN_CHUNK, prefill_chunk, 2) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
-        self.row_buckets = sorted({1, max_slots})  # prefill rows per call: one request, or every slot
         self.pool = PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
         self.n_pages = n_pages
-        self.cache = self._new_pool()
-        self._key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
+        self.eos_ids = rq.eos_ids_for(model)
+        self.runner = Runner(model, n_pages=n_pages, page_size=page_size, max_slots=max_slots, max_len=self.max_len,
+                             prefill_chunk=prefill_chunk, decode_steps=decode_steps, eos_ids=self.eos_ids)
         self._ids = itertools.count()
-        self._live: dict[int, _Live] = {}
+        self._live: dict[int, Live] = {}
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
@@ -200,20 +161,7 @@ class Engine:
         self.dead: Optional[str] = None  # why the engine stopped working, once it has
         self._compiler = None  # constraints.Compiler, built when the first constrained request comes
         self._touched: set[int] = set()  # requests of the device call under way (failed together)
-        self.eos_ids = rq.eos_ids_for(model)
         self.tokens_generated = self.requests_finished = self.requests_failed = self.steps = self.scans = 0
-
-    def _new_pool(self) -> kv.KVCache:
-        cache = kv.init_pool(self.cfg, self.n_pages, self.page_size, batch_size=self.max_slots, width=self.width)
-        mesh = shd.params_mesh(self.model.params)
-        if mesh is not None:  # a sharded model: pages on every device, kv heads split like wk/wv
-            spec = shd.cache_sharding(self.cfg, mesh, self.max_slots)
-            pages = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, None,
-                                                                                 spec.k.spec[3], None))
-            cache = jax.device_put(cache, dataclasses.replace(
-                spec, k=pages, v=pages, k_scale=pages if cache.quantized else None,
-                v_scale=pages if cache.quantized else None))
-        return cache
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
@@ -265,7 +213,7 @@ class Engine:
         req = Request(rid, ids, max_new_tokens, drive=self.step, running=lambda: self.running,
                       on_cancel=self._cancel)
         tok = self.model.tokenizer
-        live = _Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens,
+        live = Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens,
                              recompute_from=score_from if prompt_logprobs is not None else None),
                      req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
                      detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
@@ -286,7 +234,7 @@ class Engine:
             if self.model.tokenizer is None:
                 raise ValueError("a constraint needs a model with a tokenizer (its token texts)")
             self._compiler = constraints.Compiler(self.model.tokenizer, self.cfg.vocab_size,
-                                                  stop_ids=rq.eos_ids_for(self.model))
+                                                  stop_ids=self.eos_ids)
         return self._compiler
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
@@ -382,165 +330,60 @@ class Engine:
         """
         with self._step_lock:
             _key_data(None, 0, smp.GREEDY), _key_data(jax.random.key(0), None, smp.GREEDY)  # submit's key ops
-            n = 0
-            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-            for R in self.row_buckets:
-                for C in self.chunks:
-                    rows, counts = self._device_rows([None] * R, z(R))
-                    self._prefill_call(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width),
-                                       z(R, C), 0, False)
-                    n += 1
-            if scoring:
-                for R in self.row_buckets:
-                    for C in self.chunks:
-                        rows, counts = self._device_rows([None] * R, z(R))
-                        self._prefill_call(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width),
-                                           z(R, C), MAX_TOP_LOGPROBS, True)
-                        n += 1
-            for n_top in (0, MAX_TOP_LOGPROBS) if logprobs else (0,):
-                S = self.max_slots
-                rows, counts = self._device_rows([None] * S, z(S))
-                jax.block_until_ready(self._decode_call(rows, counts, z(S), z(S), z(S, self.width), n_top))
-                n += 1
-        return n
+            return self.runner.warmup(logprobs=logprobs, scoring=scoring)
 
     # ---- device calls -------------------------------------------------------------------------
-    def _device_rows(self, lives: list, budgets: np.ndarray, masks: Optional[np.ndarray] = None):
-        """core.Rows and TokenCounts for a batch whose row i runs lives[i] (None: an idle row)."""
-        R, V = len(lives), self.cfg.vocab_size
-        samplings = [lv.sampling if lv is not None else smp.GREEDY for lv in lives]
-        key_data = np.zeros((R, self._key_size), np.uint32)
-        steps = np.zeros((R,), np.int32)
-        counts, in_prompt = np.zeros((R, V), np.int32), np.zeros((R, V), bool)
-        for i, lv in enumerate(lives):
-            if lv is None:
-                continue
-            key_data[i], steps[i] = lv.key_data, len(lv.seq.generated)
-            if lv.counts is not None:
-                counts[i], in_prompt[i] = lv.counts, lv.in_prompt
-        rows = core.Rows(sampling=smp.row_params(samplings), keys=jax.random.wrap_key_data(key_data), steps=steps,
-                         stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives]),
-                         budget=np.asarray(budgets, np.int32), finished=np.zeros((R,), bool),
-                         controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
-                                                                for lv in lives], self.eos_ids, V),
-                         mask=masks if masks is not None else core.no_mask(R, V))
-        return rows, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)
-
-    def _masks(self, lives: list) -> Optional[np.ndarray]:
-        """Each constrained row's allowed next tokens (None when no row is constrained)."""
-        if not any(lv is not None and lv.matcher is not None for lv in lives):
-            return None
-        out = core.no_mask(len(lives), self.cfg.vocab_size)
-        for i, lv in enumerate(lives):
-            if lv is not None and lv.matcher is not None:
-                lv.matcher.fill_bitmask(out[i])
-        return out
-
-    def _prefill_call(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, prompt_logprobs):
-        cache = self.cache.with_rows(table, starts)
-        self.cache, _, out = core.prefill_jit(self.model.params, cache, tokens, starts, n_real, last, rows, counts,
-                                              next_tokens, self.cfg, n_top, prompt_logprobs)
-        return out
-
-    def _decode_call(self, rows, counts, tokens, lengths, table, n_top):
-        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=rows, counts=counts)
-        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, n_top)
-        self.cache = state.cache
-        return em
-
-    def _table_row(self, table: np.ndarray, i: int, seq: Seq) -> None:
-        table[i, :len(seq.pages)] = seq.pages
-
     def _run_prefill(self, chunks: list[Chunk]) -> None:
         """Run this iteration's prompt chunks, scoring requests (whose programs also return the
         prompt's logprobs) apart from the others: each kind in one call of max_slots rows, or
         one call per chunk when that pads fewer tokens (on a CPU prefill is bound by compute, so
         padded rows cost their full price)."""
-        bucket = lambda n: next(c for c in self.chunks if c >= n)  # noqa: E731
+        r = self.runner
         scoring = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is not None]
         plain = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is None]
         for group, scored in ((scoring, True), (plain, False)):
             if not group:
                 continue
-            together = self.row_buckets[-1] * bucket(max(c.n for c in group))
-            if len(group) > 1 and together <= sum(bucket(c.n) for c in group):
-                self._prefill_group(group, scored)
-            else:
-                for c in group:
-                    self._prefill_group([c], scored)
+            together = r.row_buckets[-1] * r.chunk_bucket(max(c.n for c in group))
+            calls = [group] if len(group) > 1 and together <= sum(r.chunk_bucket(c.n) for c in group) else \
+                [[c] for c in group]
+            for call in calls:
+                self._prefill_call(call, scored)
 
-    def _prefill_group(self, chunks: list[Chunk], scoring: bool) -> None:
-        R = next(r for r in self.row_buckets if r >= len(chunks))
-        C = next(c for c in self.chunks if c >= max(ch.n for ch in chunks))
-        tokens = np.zeros((R, C), np.int32)
-        next_tokens = np.zeros((R, C), np.int32)
-        starts, n_real = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
-        last = np.zeros((R,), bool)
-        table = np.zeros((R, self.width), np.int32)
-        lives = [None] * R
-        n_top = 0
-        for i, ch in enumerate(chunks):
-            lv = lives[i] = self._live[ch.seq.rid]
-            ctx = ch.seq.context
-            tokens[i, :ch.n] = ctx[ch.start:ch.start + ch.n]
-            nxt = ctx[ch.start + 1:ch.start + ch.n + 1]
-            next_tokens[i, :len(nxt)] = nxt
-            starts[i], n_real[i], last[i] = ch.start, ch.n, ch.last
-            self._table_row(table, i, ch.seq)
-            n_top = max(n_top, lv.n_top)
-        n_top = MAX_TOP_LOGPROBS if (n_top or scoring) else 0
+    def _prefill_call(self, chunks: list[Chunk], scoring: bool) -> None:
+        lives = [self._live[ch.seq.rid] for ch in chunks]
         self._touched = {ch.seq.rid for ch in chunks}
-        rows, counts = self._device_rows(lives, np.ones((R,), np.int32), self._masks(lives))
-        out = self._prefill_call(rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, scoring)
-        first_tok, first_lp = shd.to_host(out.first.tokens)[:, 0], shd.to_host(out.first.logprobs)[:, 0]
-        first_top = (shd.to_host(out.first.top_ids)[:, 0], shd.to_host(out.first.top_logprobs)[:, 0])
-        if scoring:
-            plp = shd.to_host(out.prompt_logprobs)
-            ptop = (shd.to_host(out.prompt_top_ids), shd.to_host(out.prompt_top_logprobs))
-        for i, ch in enumerate(chunks):
-            seq, lv = ch.seq, self._live[ch.seq.rid]
+        out = self.runner.prefill(chunks, lives, scoring)
+        for i, (ch, lv) in enumerate(zip(chunks, lives)):
+            seq = ch.seq
             if scoring:  # position p + 1 is scored by the logits at chunk position p
+                k = lv.prompt_logprobs
                 for j in range(ch.n):
                     pos = ch.start + j + 1
                     if lv.score_from <= pos < len(seq.prompt):
-                        k = lv.prompt_logprobs
-                        lv.prompt_lps[pos] = (float(plp[i, j]), list(zip(ptop[0][i, j, :k].tolist(),
-                                                                         ptop[1][i, j, :k].tolist())))
+                        lv.prompt_lps[pos] = (float(out.prompt_logprobs[i, j]),
+                                              list(zip(out.prompt_top[0][i, j, :k].tolist(),
+                                                       out.prompt_top[1][i, j, :k].tolist())))
             self.scheduler.prefilled(ch)
             if ch.last:
                 if seq.max_new_tokens == 0:
                     self._finish(lv, "length")
                 else:
-                    top = list(zip(first_top[0][i, :lv.n_top].tolist(), first_top[1][i, :lv.n_top].tolist()))
-                    self._emit(lv, [int(first_tok[i])], [float(first_lp[i])], [top])
+                    top = list(zip(out.first_top[0][i, :lv.n_top].tolist(), out.first_top[1][i, :lv.n_top].tolist()))
+                    self._emit(lv, [int(out.first[i])], [float(out.first_logprob[i])], [top])
 
     def _run_decode(self, seqs: list[Seq], steps: int) -> None:
-        S = self.max_slots
-        tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
-        table = np.zeros((S, self.width), np.int32)
-        lives, budgets = [None] * S, np.zeros((S,), np.int32)
-        n_top = 0
-        for s in seqs:
-            lv = lives[s.slot] = self._live[s.rid]
-            tokens[s.slot], lengths[s.slot] = s.generated[-1], s.computed
-            self._table_row(table, s.slot, s)
-            budgets[s.slot] = min(steps, s.remaining)
-            n_top = max(n_top, lv.n_top)
+        lives = [self._live[s.rid] for s in seqs]
         self._touched = {s.rid for s in seqs}
-        rows, counts = self._device_rows(lives, budgets, self._masks(lives))
-        em = self._decode_call(rows, counts, tokens, lengths, table, MAX_TOP_LOGPROBS if n_top else 0)
+        out = self.runner.decode(seqs, lives, steps)
         self.scans += 1
-        toks, lps, count = shd.to_host(em.tokens)[:, :, 0], shd.to_host(em.logprobs)[:, :, 0], shd.to_host(em.count)
-        if n_top:
-            top_ids, top_lps = shd.to_host(em.top_ids)[:, :, 0], shd.to_host(em.top_logprobs)[:, :, 0]
-        for s in seqs:
-            lv = self._live.get(s.rid)
-            if lv is None or lv.req.done:
+        for s, lv in zip(seqs, lives):
+            if lv.req.done:
                 continue
-            n = int(count[:, s.slot].sum())
-            tops = [list(zip(top_ids[t, s.slot, :lv.n_top].tolist(), top_lps[t, s.slot, :lv.n_top].tolist()))
-                    for t in range(n)] if lv.n_top else [[] for _ in range(n)]
-            self._emit(lv, toks[:n, s.slot].tolist(), lps[:n, s.slot].tolist(), tops)
+            n = int(out.count[:, s.slot].sum())
+            tops = ([list(zip(out.top[0][t, s.slot, :lv.n_top].tolist(), out.top[1][t, s.slot, :lv.n_top].tolist()))
+                     for t in range(n)] if lv.n_top else [[] for _ in range(n)])
+            self._emit(lv, out.tokens[:n, s.slot].tolist(), out.logprobs[:n, s.slot].tolist(), tops)
 
     # ---- faults -------------------------------------------------------------------------------
     def _recover(self, touched: set[int], error: Exception) -> None:
@@ -551,10 +394,10 @@ class Engine:
             if lv is not None:
                 self._fail(lv, message)
         try:
-            if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.cache)):
+            if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.runner.cache)):
                 # The pool was donated to the call that failed: rebuild it. Its contents are gone, so
                 # every running request is recomputed from its prompt and tokens so far.
-                self.cache = self._new_pool()
+                self.runner.cache = self.runner.new_pool()
                 self.pool.forget()
                 for seq in list(self.scheduler.running):
                     self.scheduler.preempt(seq)
@@ -572,7 +415,7 @@ class Engine:
             if item[0] == "submit":
                 item[1].req.fail(f"the engine failed: {message}")
 
-    def _fail(self, lv: _Live, message: str) -> None:
+    def _fail(self, lv: Live, message: str) -> None:
         self.scheduler.finish(lv.seq)
         self._live.pop(lv.seq.rid, None)
         self.requests_failed += 1
@@ -592,67 +435,27 @@ class Engine:
             elif item in self._live:
                 self._finish(self._live[item], "cancelled")
 
-    def _emit(self, lv: _Live, tokens: list[int], logprobs: list[float], tops: list) -> None:
-        """Record sampled tokens, one at a time; end the request on a stop token, its length or a
-        stop string (tokens the scan produced after the end are dropped)."""
-        seq, req = lv.seq, lv.req
-        kept, reason = [], None
-        for t in tokens:
-            self.scheduler.sampled(seq, t)
-            kept.append(t)
-            if lv.counts is not None:
-                lv.counts[t] += 1
-            if t in lv.stop_ids:
-                reason = "stop"
-            elif lv.matcher is not None and (not lv.matcher.consume(t) or lv.matcher.is_stopped):
-                reason = "stop"  # the grammar is complete (a token it refused cannot be sampled)
-            elif len(seq.generated) >= seq.max_new_tokens:
-                reason = "length"
-            new = ""
-            if lv.detok is not None:  # a stop token's own text is not part of the output
-                new = (lv.detok.add([t]) if t not in lv.stop_ids else "") + (lv.detok.flush() if reason else "")
-            lv.text += new
-            if lv.stop is not None and new:
-                at = lv.stop.feed(new)
-                if at is not None:
-                    lv.text, reason = lv.text[:at], "stop"
-            if reason is not None:
-                break
+    def _emit(self, lv: Live, tokens: list[int], logprobs: list[float], tops: list) -> None:
+        """Hand a request its new tokens; end it on a stop token, its length, its grammar or a stop
+        string (tokens the scan produced after the end are dropped)."""
+        kept, reason = lv.accept(tokens, logprobs, tops)
+        for t in kept:
+            self.scheduler.sampled(lv.seq, t)
+        self.tokens_generated += len(kept)
         n = len(kept)
-        self.tokens_generated += n
-        lv.logprobs += logprobs[:n]
-        lv.top += tops[:n]
         if reason is not None:
             self._finish(lv, reason, kept, logprobs[:n], tops[:n])
-            return
-        hold = lv.stop.hold if lv.stop is not None else 0
-        out = lv.text[lv.sent:len(lv.text) - hold]
-        lv.sent += len(out)
-        req.push(Delta(token_ids=kept, text=out, logprobs=list(logprobs[:n]),
-                       top_logprobs=list(tops[:n]) if lv.n_top else []))
+        else:
+            lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
 
-    def _finish(self, lv: _Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
-        req = lv.req
-        if req.done:
+    def _finish(self, lv: Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
+        if lv.req.done:
             return
         self.scheduler.finish(lv.seq)
         self._live.pop(lv.seq.rid, None)
         self.requests_finished += 1
-        if lv.detok is not None and reason == "cancelled":
-            lv.text += lv.detok.flush()
-        prompt_lps = prompt_top = None
-        if lv.prompt_logprobs is not None:
-            n = len(lv.seq.prompt)
-            prompt_lps = [lv.prompt_lps[p][0] if p in lv.prompt_lps else None for p in range(n)]
-            prompt_top = [lv.prompt_lps[p][1] if p in lv.prompt_lps else None for p in range(n)]
-        completion = rq.Completion(prompt_ids=list(req.prompt_ids), token_ids=list(lv.seq.generated),
-                                   text=lv.text, logprobs=list(lv.logprobs), finish_reason=reason,
-                                   top_logprobs=list(lv.top) if lv.n_top else None,
-                                   prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top)
-        out = lv.text[lv.sent:]
-        lv.sent = len(lv.text)
-        req.push(Delta(token_ids=list(tokens), text=out, logprobs=list(logprobs), finish_reason=reason,
-                       top_logprobs=list(tops) if lv.n_top else []), completion)
+        completion = lv.completion(reason)
+        lv.req.push(lv.delta(list(tokens), list(logprobs), list(tops), reason), completion)
 
     # ---- reporting ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -665,7 +468,7 @@ class Engine:
                            prefix_hit_tokens=pool.hit_pages * self.page_size, tokens_generated=self.tokens_generated,
                            requests_finished=self.requests_finished, requests_failed=self.requests_failed,
                            preemptions=s.preemptions, steps=self.steps, scans=self.scans, page_size=self.page_size,
-                           bytes_per_token=kv.bytes_per_token(self.cfg), pool_bytes=self.cache.nbytes,
+                           bytes_per_token=kv.bytes_per_token(self.cfg), pool_bytes=self.runner.cache.nbytes,
                            healthy=self.dead is None)
 
     def requests_that_fit(self, n_tokens: int) -> int:
@@ -676,7 +479,7 @@ class Engine:
         """The pool the seed's way: bytes per token, pages, and requests of a few lengths that fit."""
         bpt = kv.bytes_per_token(self.cfg)
         fits = ", ".join(f"{self.requests_that_fit(n)} x {n}" for n in (512, 2048, self.max_len) if n <= self.max_len)
-        return (f"KV pool {self.cache.nbytes / 2**20:.0f} MiB = {self.pool.capacity} pages x {self.page_size} tokens "
+        return (f"KV pool {self.runner.cache.nbytes / 2**20:.0f} MiB = {self.pool.capacity} pages x {self.page_size} tokens "
                 f"x {bpt} bytes/token (+1 trash page); requests that fit at once: {fits} tokens; "
                 f"weights {params_nbytes(self.model.params) / 2**20:.0f} MiB")
 

@@ -1,0 +1,131 @@
+"""The host side of one admitted request: its settings, its text so far, and what each token does.
+
+The engine keeps one `Live` per request between submit and finish. After every device call it
+hands a request its new tokens (`accept`): each token is counted for the penalties, checked
+against the stop ids and the constraint's grammar, detokenized incrementally and fed to the stop
+strings; tokens the scan produced after the end are dropped. `batch_rows` turns the live
+requests of a device call back into the decode core's per-row arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxinfer.decode import core
+from jaxinfer.decode import penalties as pen
+from jaxinfer.decode import requests as rq
+from jaxinfer.decode import sampling as smp
+from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.serve.request import Delta, Request
+from jaxinfer.serve.scheduler import Seq
+from jaxinfer.text.stream import Detokenizer, StopStrings
+
+
+@dataclasses.dataclass
+class Live:
+    """Host-side state of one admitted request."""
+
+    seq: Seq
+    req: Request
+    key_data: np.ndarray  # [k] uint32: the request's PRNG key
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]
+    stop: Optional[StopStrings]
+    detok: Optional[Detokenizer]
+    n_top: int  # top alternatives per generated token (0 = none)
+    prompt_logprobs: Optional[int]  # None = off; else top alternatives per scored prompt position
+    score_from: int  # first prompt position to score
+    extra_stops: tuple[int, ...] = ()  # the request's own stop ids (min_tokens holds them off too)
+    matcher: Optional[Any] = None  # the constraint's grammar matcher (constraints.Matcher)
+    counts: Optional[np.ndarray] = None  # [V] int32 tokens generated (penalized requests only)
+    in_prompt: Optional[np.ndarray] = None  # [V] bool tokens in the prompt (penalized requests only)
+    logprobs: list = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)
+    prompt_lps: dict = dataclasses.field(default_factory=dict)  # position -> (logprob, top list)
+    text: str = ""  # final text so far (stop strings removed)
+    sent: int = 0  # characters of text already handed out
+
+    def accept(self, tokens: list[int], logprobs: list[float], tops: list) -> tuple[list[int], Optional[str]]:
+        """Take a device call's tokens for this request, one at a time, until it ends.
+
+        Returns (the tokens kept, the finish reason or None). The scheduler is told separately.
+        """
+        kept, reason = [], None
+        done = len(self.seq.generated)
+        for t in tokens:
+            kept.append(t)
+            if self.counts is not None:
+                self.counts[t] += 1
+            if t in self.stop_ids:
+                reason = "stop"
+            elif self.matcher is not None and (not self.matcher.consume(t) or self.matcher.is_stopped):
+                reason = "stop"  # the grammar is complete (a token it refused cannot be sampled)
+            elif done + len(kept) >= self.seq.max_new_tokens:
+                reason = "length"
+            new = ""
+            if self.detok is not None:  # a stop token's own text is not part of the output
+                new = (self.detok.add([t]) if t not in self.stop_ids else "") + (self.detok.flush() if reason else "")
+            self.text += new
+            if self.stop is not None and new:
+                at = self.stop.feed(new)
+                if at is not None:
+                    self.text, reason = self.text[:at], "stop"
+            if reason is not None:
+                break
+        self.logprobs += logprobs[:len(kept)]
+        self.top += tops[:len(kept)]
+        return kept, reason
+
+    def delta(self, tokens: list[int], logprobs: list[float], tops: list, finish_reason: Optional[str] = None) -> Delta:
+        """The Delta for these tokens: the text that is final now (held back while it may still
+        turn into a stop string, unless the request is finishing)."""
+        hold = self.stop.hold if self.stop is not None and finish_reason is None else 0
+        out = self.text[self.sent:len(self.text) - hold]
+        self.sent += len(out)
+        return Delta(token_ids=list(tokens), text=out, logprobs=list(logprobs), finish_reason=finish_reason,
+                     top_logprobs=list(tops) if self.n_top else [])
+
+    def completion(self, reason: str) -> rq.Completion:
+        """The request's Completion, once it has ended for `reason`."""
+        if self.detok is not None and reason == "cancelled":
+            self.text += self.detok.flush()
+        prompt_lps = prompt_top = None
+        if self.prompt_logprobs is not None:
+            n = len(self.seq.prompt)
+            prompt_lps = [self.prompt_lps[p][0] if p in self.prompt_lps else None for p in range(n)]
+            prompt_top = [self.prompt_lps[p][1] if p in self.prompt_lps else None for p in range(n)]
+        return rq.Completion(prompt_ids=list(self.req.prompt_ids), token_ids=list(self.seq.generated), text=self.text,
+                             logprobs=list(self.logprobs), finish_reason=reason,
+                             top_logprobs=list(self.top) if self.n_top else None,
+                             prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top)
+
+
+def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int,
+               key_size: int) -> tuple[core.Rows, pen.TokenCounts]:
+    """core.Rows and TokenCounts for a device call whose row i runs lives[i] (None: an idle row);
+    constrained rows get their grammar's mask of allowed next tokens."""
+    R, V = len(lives), vocab_size
+    samplings = [lv.sampling if lv is not None else smp.GREEDY for lv in lives]
+    key_data = np.zeros((R, key_size), np.uint32)
+    steps = np.zeros((R,), np.int32)
+    counts, in_prompt = np.zeros((R, V), np.int32), np.zeros((R, V), bool)
+    mask = core.no_mask(R, V)
+    for i, lv in enumerate(lives):
+        if lv is None:
+            continue
+        key_data[i], steps[i] = lv.key_data, len(lv.seq.generated)
+        if lv.counts is not None:
+            counts[i], in_prompt[i] = lv.counts, lv.in_prompt
+        if lv.matcher is not None:
+            lv.matcher.fill_bitmask(mask[i])
+    rows = core.Rows(sampling=smp.row_params(samplings), keys=jax.random.wrap_key_data(key_data), steps=steps,
+                     stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives]),
+                     budget=np.asarray(budgets, np.int32), finished=np.zeros((R,), bool),
+                     controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
+                                                            for lv in lives], eos_ids, V),
+                     mask=mask)
+    return rows, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)
