@@ -122,3 +122,23 @@ def test_logits_processor_experiment(smollm2, tmp_path):
     assert json.loads((tmp_path / "logits_processor.json").read_text())["experiment"] == "logits_processor"
     assert r["runs"]["greedy"]["repeated_ngrams"] > 0  # greedy SmolLM2 repeats the repetitive prompt
     assert r["runs"]["no_repeat_ngram(3)"]["repeated_ngrams"] == 0
+
+
+def test_structured_bench_smoke(tmp_path, golden_dir):
+    """The benchmark's plumbing on a tiny random model with SmolLM2's tokenizer (its numbers are not checked)."""
+    import os
+
+    import jax
+
+    import jaxinfer
+    from experiments import structured_bench
+    from jaxinfer.model import config as mconfig, params as mparams
+    from jaxinfer.model.forward import Model
+
+    tok = jaxinfer.load_tokenizer(os.path.join(golden_dir, "hf_text", "smollm2", "tokenizer.json.xz"))
+    cfg = mconfig.tiny(vocab_size=tok.vocab_size, max_seq_len=1024)
+    model = Model(cfg, mparams.init_params(cfg, jax.random.key(0)), tok)
+    r = structured_bench.main(["--smoke", "--out", str(tmp_path)], model=model)
+    assert json.loads((tmp_path / "structured_bench.json").read_text())["experiment"] == "structured_bench"
+    assert r["validity"]["invalid_total"] == 0 and r["validity"]["rows"] == 4
+    assert set(r["cost_generate"]["schemas"]) == set(r["validity"]["schemas"])
