@@ -124,6 +124,7 @@ def test_logits_processor_experiment(smollm2, tmp_path):
     assert r["runs"]["no_repeat_ngram(3)"]["repeated_ngrams"] == 0
 
 
+@pytest.mark.slow
 def test_structured_bench_smoke(tmp_path, golden_dir):
     """The benchmark's plumbing on a tiny random model with SmolLM2's tokenizer (its numbers are not checked)."""
     import os
