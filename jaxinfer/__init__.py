@@ -11,7 +11,7 @@ The folders follow the data path a prompt takes:
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
 
-from jaxinfer.decode import speculative
+from jaxinfer.decode import constraints, speculative
 from jaxinfer.decode.generate import generate, logits
 from jaxinfer.decode.requests import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
@@ -27,5 +27,5 @@ from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
-           "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout"]
+           "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints"]
 __version__ = "0.1.0"

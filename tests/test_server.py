@@ -253,8 +253,8 @@ BAD_BODIES = [  # (body, status, param, words in the message)
     ({"model": NAME, "prompt": []}, 400, "prompt", "non-empty"),
     ({"model": NAME, "prompt": [10 ** 9]}, 400, "prompt", "outside"),
     ({"model": NAME}, 400, "prompt", "required"),
-    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
-    ({"model": NAME, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ({"model": NAME, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2.0, 2.0]"),
     ({"model": NAME, "prompt": "x", "best_of": 3}, 400, "best_of", "not supported"),
     ({"model": NAME, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unrecognized"),
     ({"model": NAME, "prompt": "x", "max_tokens": 600}, 400, "max_tokens", "600"),
@@ -272,8 +272,9 @@ def test_bad_completion_bodies(served, body, status, param, words):
 
 def test_bad_chat_bodies_and_refused_parameters(served):
     msgs = [{"role": "user", "content": "hi"}]
-    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    for extra, param in [({"tools": [{"type": "function"}]}, "tools"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {}}},
+                          "response_format.json_schema.name"),
                          ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
                          ({"max_completion_tokens": 0}, "max_completion_tokens")]:
         r = served.post("/v1/chat/completions", {"model": NAME, "messages": msgs, **extra})

@@ -8,7 +8,9 @@ tokens become a `Completion`. Nothing here runs on the device except building ke
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from typing import Optional, Sequence, Union
 
 import jax
@@ -163,35 +165,127 @@ def encode_text(tokenizer, text: str, allow_special: bool = False) -> list[int]:
     return tokenizer.encode(text, allowed_special=set(), disallowed_special=())
 
 
-def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Ids of a conversation rendered with the tokenizer's chat template, where the control tokens
-    are only those the template itself writes: each message's content is encoded as plain text.
+def _plain_only(tokenizer, text: str, what: str) -> None:
+    """ValueError when `text` holds control-token text (it would be a control token if written
+    into the template's own text)."""
+    if encode_text(tokenizer, text, allow_special=True) != encode_text(tokenizer, text):
+        raise ValueError(f"{what} contains control-token text (such as a turn marker); it is written into the "
+                         "prompt as the template's own text, so it may hold none")
 
-    The template is rendered with a placeholder per message, built from a private-use character
-    that occurs in no message and not in the template; the text between placeholders (the
-    template's own) is encoded with special tokens, the contents without.
-    """
+
+def _template_messages(tokenizer, messages: list[dict], hold, tool_format: Optional[str]) -> list[dict]:
+    """The messages as the template sees them: each content (and each string inside a tool call's
+    arguments) replaced by `hold(text)`; tool calls as the template reads them, or, for a template
+    that does not render tool calls, appended to the content in the JSON form a forced call takes."""
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m.get("content"), str):
-            raise TypeError(f"message {i} content must be a string, got {type(m.get('content')).__name__}")
-    used = set(tokenizer.chat_template or "").union(*(m["content"] for m in messages))
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise TypeError(f"message {i} content must be a string, got {type(content).__name__}")
+        calls = m.get("tool_calls") or []
+        if content is None and not calls:
+            raise TypeError(f"message {i} content must be a string (None only beside tool_calls)")
+        parsed = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"message {i} tool_calls[{j}] must be {{'id', 'type': 'function', "
+                                 "'function': {'name', 'arguments'}}")
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    raise ValueError(f"message {i} tool_calls[{j}] arguments are not JSON") from None
+            if not isinstance(args, dict):
+                raise ValueError(f"message {i} tool_calls[{j}] arguments must be a JSON object")
+            _plain_only(tokenizer, fn["name"], f"message {i} tool_calls[{j}] function name")
+            _plain_only(tokenizer, str(c.get("id", "")), f"message {i} tool_calls[{j}] id")
+            parsed.append((c.get("id"), fn["name"], args))
+        tm = {k: m[k] for k in ("role", "tool_call_id", "name") if k in m}
+        for k in ("tool_call_id", "name"):
+            if k in tm:
+                _plain_only(tokenizer, str(tm[k]), f"message {i} {k}")
+        if parsed and tool_format is None:  # the template ignores tool_calls: the calls become text
+            text = json.dumps([{"name": n, "arguments": a} for _, n, a in parsed], ensure_ascii=False)
+            content, parsed = (content + "\n" if content else "") + text, []
+        tm["content"] = hold(content) if content else content
+        if parsed:
+            tm["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": _hold_strings(a, hold)}}
+                                for cid, n, a in parsed]
+        out.append(tm)
+    return out
+
+
+def _hold_strings(value, hold):
+    """`value` (JSON-like) with every string, dict keys included, replaced by hold(string)."""
+    if isinstance(value, str):
+        return hold(value)
+    if isinstance(value, dict):
+        return {hold(k): _hold_strings(v, hold) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hold_strings(v, hold) for v in value]
+    return value
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+             tools: Optional[list[dict]] = None) -> list[int]:
+    """Ids of a conversation rendered with the tokenizer's chat template, where the control tokens
+    are only those the template itself writes: message contents, and the strings inside tool-call
+    arguments, are encoded as plain text.
+
+    Each such text is rendered as a placeholder built from a private-use character that occurs in
+    no message, tool and not in the template; the template's text between placeholders is encoded
+    with special tokens, the texts without. A placeholder holds a '"', so one the template wrote
+    through `tojson` (as templates write tool-call arguments) shows as '\\"' and gets the text
+    JSON-escaped, as `tojson` would have written it.
+
+    Args:
+      tokenizer: a Tokenizer with a chat template.
+      messages: [{"role", "content"}, ...]; an assistant message may carry OpenAI `tool_calls`
+        ([{"id", "type": "function", "function": {"name", "arguments"}}], arguments a JSON object
+        or its text; content None beside them) and a tool message `tool_call_id` / `name`.
+        Templates without a tool-call format (`tool_calls.detect_format`) get the calls as the
+        assistant's text, `[{"name": ..., "arguments": {...}}]`, the form a forced call takes.
+      add_generation_prompt: end with the header that starts the assistant's turn.
+      tools: OpenAI tool definitions passed to the template (as transformers' `tools=`); their
+        text, tool names and call ids may hold no control-token text (ValueError).
+    Returns:
+      The prompt's token ids (BOS first when the model wants it).
+    """
+    from jaxinfer.text.tool_calls import detect_format
+
+    if tools:
+        _plain_only(tokenizer, json.dumps(tools, ensure_ascii=False), "tools")
+    used = set(tokenizer.chat_template or "").union(json.dumps([messages, tools], ensure_ascii=False))
     mark = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in used), None)
     if mark is None:
         raise ValueError("the messages use every private-use character (U+E000..U+F8FF); one must be free "
                          "to tell message contents from the chat template's text")
-    marks = [f"{mark}{i}{mark}" for i in range(len(messages))]
-    rendered = tokenizer.apply_chat_template([dict(m, content=mk) for m, mk in zip(messages, marks)],
-                                             add_generation_prompt=add_generation_prompt)
+    pieces: list[str] = []
+
+    def hold(text: str) -> str:
+        pieces.append(text)
+        return f'{mark}{len(pieces) - 1}"{mark}'
+
+    shown = _template_messages(tokenizer, messages, hold, detect_format(tokenizer.chat_template))
+    rendered = tokenizer.apply_chat_template(shown, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
     ids: list[int] = []
-    rest = rendered
-    for m, mk in zip(messages, marks):
-        before, found, rest = rest.partition(mk)
-        if not found:
-            raise ValueError(f"the chat template dropped or changed a message ({m.get('role')!r}); "
-                             "cannot tell its content from the template's control tokens")
-        ids += encode_text(tokenizer, before, allow_special=True) + encode_text(tokenizer, m["content"])
-    ids += encode_text(tokenizer, rest, allow_special=True)
-    return tokenizer.with_bos(ids)  # BOS first when the model wants it, as `prompt_ids` does for text
+    at, found, template_text = 0, set(), []
+    for m in re.finditer(re.escape(mark) + r'(\d+)(\\?)"' + re.escape(mark), rendered):
+        k = int(m.group(1))
+        text = json.dumps(pieces[k], ensure_ascii=False)[1:-1] if m.group(2) else pieces[k]
+        template_text.append(rendered[at:m.start()])
+        ids += encode_text(tokenizer, template_text[-1], allow_special=True) + encode_text(tokenizer, text)
+        at = m.end()
+        found.add(k)
+    template_text.append(rendered[at:])
+    ids += encode_text(tokenizer, template_text[-1], allow_special=True)
+    if len(found) < len(pieces) or any(mark in t for t in template_text):
+        raise ValueError("the chat template dropped or changed a message (or a tool call's arguments); cannot "
+                         "tell its content from the template's control tokens")
+    return tokenizer.with_bos(ids)
 
 
 def prompt_ids(model: Model, prompts: Prompts, allow_special: bool = False) -> list[list[int]]:

@@ -5,7 +5,8 @@
   scheduler.py  admission, chunked prefill, preemption (pure Python)
   request.py    Request (stream / async stream / result / cancel) and Delta
   engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats
-  protocol.py, responses.py, server.py   `jaxinfer serve`: OpenAI's HTTP API over the Engine
+  protocol.py, structured.py, responses.py, server.py   `jaxinfer serve`: OpenAI's HTTP API over the
+                the Engine (structured.py: response_format, guided_*, tools -> a constraint)
 """
 
 from jaxinfer.serve.engine import Engine, EngineStats

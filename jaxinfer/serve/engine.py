@@ -237,6 +237,14 @@ class Engine:
                                                   stop_ids=self.eos_ids)
         return self._compiler
 
+    def compile_constraint(self, constraint: constraints.Constraint) -> None:
+        """Compile `constraint` for this model's vocabulary now (kept for the requests that use it).
+
+        Raises:
+          ValueError: the grammar cannot be built for this tokenizer (e.g. a control token it lacks).
+        """
+        self._constraints().compile(constraint)
+
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise ValueError if a request of this size can never run in this engine."""
         rq.check_context([[0] * n_prompt], max_new_tokens, 0, self.cfg)

@@ -2,21 +2,26 @@
 
 Pure functions over dicts; nothing here touches the engine or the network. Every refusal names
 the parameter (OpenAI's error object: message, type, param, code). A parameter that would change
-the result but is not implemented (logit_bias, tools, response_format with a schema, penalties,
-beam search...) is refused with a 400 naming it, never silently ignored; parameters that change
-nothing (user, metadata, num_beams: 1, ...) are accepted, and so are the spellings other servers
-and harnesses use for the same thing (max_new_tokens for max_tokens; beside max_tokens it wins,
-as lm-evaluation-harness's `--model hf` lets a task's max_new_tokens win).
+the result but is not implemented (beam search, best_of, suffix, the legacy `functions`) is
+refused with a 400 naming it, never silently ignored; parameters that change nothing (user,
+metadata, num_beams: 1, ...) are accepted, and so are the spellings other servers and harnesses
+use for the same thing (max_new_tokens for max_tokens: beside max_tokens it wins, as
+lm-evaluation-harness's `--model hf` lets a task's max_new_tokens win; vLLM's extra sampling
+parameters). Structured output and tools are read by structured.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import secrets
 from typing import Any, Optional
 
+from jaxinfer.decode import penalties as pen
 from jaxinfer.decode.requests import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.serve import structured
 
 # Stop strings: vLLM and SGLang take any number; lm-evaluation-harness appends the EOS string to a
 # task's `until` list, so 5+ is common. Each is checked against the tail of the text per token, so
@@ -25,12 +30,14 @@ MAX_STOP = 32
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
 MAX_N = 16
+MAX_LOGIT_BIAS = 1024  # entries; up to 16 share the warmed-up programs, each power of two above compiles once
 
 # Accepted and without effect on the tokens (or validated below).
 _HARMLESS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream",
              "stream_options", "n", "seed", "stop", "temperature", "top_p", "top_k", "min_p", "max_tokens",
              "max_new_tokens", "echo", "logprobs", "top_logprobs", "max_completion_tokens", "prompt", "messages",
-             "num_beams"}
+             "num_beams", "logit_bias", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
+             "ignore_eos", *structured.PARAMS}
 
 
 class ApiError(Exception):
@@ -68,6 +75,8 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
+    constraint_param: Optional[str] = None  # the parameter the sampling constraint came from
+    tool_format: Optional[str] = None  # chat with tools: how replies are read into tool_calls (None: plain text)
 
 
 # ---- typed field readers ---------------------------------------------------------------------
@@ -115,44 +124,29 @@ def check_unicode(text: str, param: str, what: Optional[str] = None) -> str:
     return text
 
 
-def _refuse_unimplemented(body: dict, extra_allowed: set) -> None:
+def _refuse_unimplemented(body: dict, chat: bool) -> None:
     """400 for parameters that would change the result but are not implemented, and unknown ones."""
     def refuse(name, why):
         raise bad(name, f"'{name}' is not supported by this server ({why})", "unsupported_parameter")
 
-    if body.get("logit_bias"):
-        refuse("logit_bias", "token biases are not implemented")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            refuse(name, "tool and function calling are not implemented")
-    for name in ("tool_choice", "function_call"):
+    for name in ("functions", "function_call"):
         if body.get(name) not in (None, "none"):
-            refuse(name, "tool and function calling are not implemented")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        refuse("response_format", "only {\"type\": \"text\"}; JSON modes and schemas are not implemented")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            refuse(name, "penalties are not implemented")
-    if body.get("repetition_penalty") not in (None, 1, 1.0):
-        refuse("repetition_penalty", "penalties are not implemented")
+            refuse(name, "the legacy function-calling parameters; send 'tools' and 'tool_choice'")
     if body.get("suffix"):
         refuse("suffix", "insertion is not implemented")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         refuse("best_of", "best-of reranking is not implemented")
-    if body.get("min_tokens") not in (None, 0):
-        refuse("min_tokens", "a minimum length is not implemented")
-    if body.get("ignore_eos"):
-        refuse("ignore_eos", "generation always stops at the model's end-of-sequence tokens")
     nb = body.get("num_beams")
     if nb is not None and not (type(nb) is int and nb == 1):
         refuse("num_beams", f"beam search is not implemented; only num_beams: 1 (sampling), got {_show(nb)}")
     for name in body:
-        if name in ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format",
-                    "frequency_penalty", "presence_penalty", "repetition_penalty", "suffix", "best_of",
-                    "min_tokens", "ignore_eos"):
+        if name in ("functions", "function_call", "suffix", "best_of"):
             continue
-        if name not in _HARMLESS and name not in extra_allowed:
+        if name in structured.TOOL_PARAMS:
+            if not chat and body[name] is not None:
+                raise bad(name, f"'{name}' belongs to /v1/chat/completions", "unknown_parameter")
+            continue
+        if name not in _HARMLESS:
             raise bad(name, f"unrecognized request argument {_show(name)}", "unknown_parameter")
 
 
@@ -181,13 +175,38 @@ def _seed(body: dict) -> Optional[int]:
     return v
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _logit_bias(body: dict, vocab: int) -> tuple:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} -> sorted (id, bias) pairs."""
+    lb = _get(body, "logit_bias", (dict,), {}, "an object mapping token ids to biases")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}")
+    for k, v in lb.items():
+        if not re.fullmatch(r"\d{1,9}", k) or int(k) >= vocab:
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab}) written as strings, "
+                      f"got {_show(k)}")
+        if not _is_number(v) or not pen.BIAS_RANGE[0] <= v <= pen.BIAS_RANGE[1]:
+            raise bad("logit_bias", f"logit_bias[{k!r}] must be a number in [-100, 100], got {_show(v)}")
+    try:
+        return pen.check_logit_bias({int(k): float(v) for k, v in lb.items()})
+    except ValueError as e:
+        raise bad("logit_bias", str(e)) from None
+
+
+def _sampling(body: dict, vocab: int, constraint) -> SamplingParams:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise bad("top_p", "'top_p' must be in (0, 1], got 0")
     top_k = _int(body, "top_k", 0, -1, 1 << 20)  # vLLM: -1 (or 0) = off
+    rep = _get(body, "repetition_penalty", (int, float), 1.0, "a number > 0 (1 = off)")
+    if not 0 < rep <= 1e6:
+        raise bad("repetition_penalty", f"'repetition_penalty' must be a number > 0 (1 = off), got {_show(rep)}")
     return SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
-                          top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999))
+                          top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999),
+                          frequency_penalty=_number(body, "frequency_penalty", 0.0, *pen.PENALTY_RANGE),
+                          presence_penalty=_number(body, "presence_penalty", 0.0, *pen.PENALTY_RANGE),
+                          repetition_penalty=float(rep), min_tokens=_int(body, "min_tokens", 0, 0, 1 << 30),
+                          ignore_eos=bool(_get(body, "ignore_eos", (bool,), False, "a boolean")),
+                          logit_bias=_logit_bias(body, vocab), constraint=constraint)
 
 
 def _encode(model, text: str, what: str) -> list[int]:
@@ -240,34 +259,79 @@ def _prompts(body: dict, model) -> list[list[int]]:
     return out
 
 
-def _messages(body: dict, model) -> list[list[int]]:
+def _text_content(c, where: str, *, optional: bool = False) -> Optional[str]:
+    """A message's content: a string or text parts (joined); None only where `optional`."""
+    if c is None and optional:
+        return None
+    if isinstance(c, list):  # content parts: text only
+        if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+            raise bad(where, "only text content parts are supported", "unsupported_parameter")
+        c = "".join(x["text"] for x in c)
+    if not isinstance(c, str):
+        raise bad(where, f"{where} must be a string", "invalid_type")
+    return check_unicode(c, where)
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's OpenAI tool_calls, each {id, type, function: {name, arguments}}
+    with the arguments' JSON text parsed (chat templates read them as objects)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(where, f"'{where}' must be a list", "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function":
+            raise bad(f"{where}[{j}]", f"{where}[{j}] must be {{id, type: 'function', function: {{name, arguments}}}}",
+                      "invalid_type")
+        cid, name, args = c.get("id"), fn.get("name"), fn.get("arguments")
+        if not (isinstance(cid, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", cid)):
+            raise bad(f"{where}[{j}].id", f"{where}[{j}].id must be 1-128 letters, digits, '_', '-', '.' or ':'")
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)):
+            raise bad(f"{where}[{j}].function.name", f"{where}[{j}].function.name must be 1-64 letters, digits, "
+                      "'_', '.' or '-'")
+        if isinstance(args, str):
+            check_unicode(args, f"{where}[{j}].function.arguments")
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(args, dict):
+            raise bad(f"{where}[{j}].function.arguments", f"{where}[{j}].function.arguments must be a JSON object "
+                      "(as text)", "invalid_type")
+        out.append({"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
+    return out
+
+
+def _messages(body: dict, model, tools: Optional[list]) -> list[list[int]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects",
                   "missing_required_parameter" if msgs is None else "invalid_type")
     clean = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise bad(f"messages[{i}].role", f"messages[{i}] needs a role of system, developer, user or "
-                      "assistant", "invalid_type")
-        c = m.get("content")
-        if isinstance(c, list):  # content parts: text only
-            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
-                       for x in c):
-                raise bad(f"messages[{i}].content", "only text content parts are supported",
-                          "unsupported_parameter")
-            c = "".join(x["text"] for x in c)
-        if not isinstance(c, str):
-            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string", "invalid_type")
-        check_unicode(c, f"messages[{i}].content")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role", f"messages[{i}] needs a role of system, developer, user, assistant "
+                      "or tool", "invalid_type")
         role = "system" if m["role"] == "developer" else m["role"]
-        clean.append({"role": role, "content": c})
+        calls = _tool_calls(m["tool_calls"], i) if role == "assistant" and m.get("tool_calls") else []
+        msg = {"role": role, "content": _text_content(m.get("content"), f"messages[{i}].content", optional=bool(calls))}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if not (isinstance(tid, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", tid)):
+                raise bad(f"messages[{i}].tool_call_id", f"messages[{i}] (role tool) needs the tool_call_id of the "
+                          "call it answers (1-128 letters, digits, '_', '-', '.' or ':')",
+                          "missing_required_parameter" if tid is None else "invalid_value")
+            msg["tool_call_id"] = tid
+        clean.append(msg)
     if model.tokenizer is None or not model.tokenizer.chat_template:
         raise bad("messages", "this model has no chat template; use /v1/completions")
-    try:  # control tokens only where the template writes them; each message's content is plain text
-        return [chat_ids(model.tokenizer, clean, add_generation_prompt=True)]
+    try:  # control tokens only where the template writes them; contents and arguments are plain text
+        return [chat_ids(model.tokenizer, clean, add_generation_prompt=True, tools=tools)]
     except (ValueError, TypeError) as e:
-        raise bad("messages", str(e)) from None
+        raise bad("tools" if str(e).startswith("tools ") else "messages", str(e)) from None
 
 
 def _max_tokens(body: dict, chat: bool) -> tuple[Optional[int], str]:
@@ -329,12 +393,24 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object", "invalid_json")
     context = model.config.max_seq_len if context is None else context
-    _refuse_unimplemented(body, set())
+    _refuse_unimplemented(body, chat)
     if chat and "prompt" in body:
         raise bad("prompt", "'prompt' belongs to /v1/completions; chat takes 'messages'", "unknown_parameter")
     if not chat and "messages" in body:
         raise bad("messages", "'messages' belongs to /v1/chat/completions", "unknown_parameter")
-    prompts = _messages(body, model) if chat else _prompts(body, model)
+    try:
+        constraint, constraint_param = structured.constraint_of(body)
+        tools = structured.tools_of(body, model.tokenizer) if chat else None
+    except structured.Refusal as e:
+        raise bad(e.param, str(e), e.code) from None
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise bad("tool_choice", f"tool_choice {json.dumps(body.get('tool_choice'))[:80]} constrains the reply "
+                      f"to a tool call, and so does '{constraint_param}'; send one of them")
+        constraint, constraint_param = tools.constraint, "tool_choice"
+    if constraint is not None and model.tokenizer is None:
+        raise bad(constraint_param, f"'{constraint_param}' needs a model with a tokenizer")
+    prompts = _messages(body, model, tools.tools if tools else None) if chat else _prompts(body, model)
     stream = bool(_get(body, "stream", (bool,), False, "a boolean"))
     so = _get(body, "stream_options", (dict,), {}, "an object")
     include_usage = bool(so.get("include_usage", False))
@@ -363,7 +439,14 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
         raise bad("stream", "the scoring call (max_tokens: 0) is not streamed")
     max_tokens = _fit(prompts, asked, length_param, context, chat)
     seed = _seed(body)
-    return Job(prompts=prompts, max_tokens=max_tokens, sampling=_sampling(body),
+    sampling = _sampling(body, model.config.vocab_size, constraint)
+    if sampling.min_tokens > max_tokens:
+        raise bad("min_tokens", f"'min_tokens' ({sampling.min_tokens}) is more than {length_param} ({max_tokens})")
+    if constraint is not None and max_tokens == 0:
+        raise bad(constraint_param, f"'{constraint_param}' constrains generated text; the scoring call "
+                  "(max_tokens: 0) generates none")
+    return Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling,
                seed=seed if seed is not None else secrets.randbits(31), seed_given=seed is not None,
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
-               include_usage=include_usage, chat=chat)
+               include_usage=include_usage, chat=chat, constraint_param=constraint_param,
+               tool_format=tools.reply_format if tools is not None else None)

@@ -6,6 +6,11 @@ p under the model's distribution), and the prompt tokens' logprobs (echo) by the
 read the prompt (`Engine.submit(prompt_logprobs=k)`). The scoring call (`echo: true,
 max_tokens: 0, logprobs: k`) is a request like any other that only prefills: the prompt's first
 token has no logprob (None), token j has log p(ids[j] | ids[:j]).
+
+Chat requests with tools (`Job.tool_format`) have their replies read into OpenAI's `tool_calls`
+(`text.tool_calls`): whole for a response, as deltas for a stream, by the same parser, so the
+streamed fragments add up to the non-streamed message. A reply that made calls and ended
+normally has finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Optional
 
 from jaxinfer.decode.requests import Completion
 from jaxinfer.serve.protocol import Job
+from jaxinfer.text import tool_calls as tc
 
 
 def sse(obj) -> str:
@@ -83,15 +89,28 @@ def _id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
+def _finish_reason(comp: Completion, called: bool) -> str:
+    return "tool_calls" if called and comp.finish_reason == "stop" else comp.finish_reason
+
+
+def chat_message(job: Job, comp: Completion) -> dict:
+    """The assistant message of a chat choice: its text, or its content and tool_calls."""
+    if job.tool_format is None:
+        return {"role": "assistant", "content": comp.text}
+    content, calls = tc.parse_tool_calls(comp.text, job.tool_format)
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
 def full_response(model, model_name: str, job: Job, comps: list[Completion]) -> dict:
     """The non-streamed body for choice i = prompt (i // n), sample (i % n)."""
     choices = []
     for i, c in enumerate(comps):
         prompt = job.prompts[i // job.n]
         if job.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+            message = chat_message(job, c)
+            choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(model, c, job.logprobs) if job.logprobs is not None else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": _finish_reason(c, "tool_calls" in message)})
         else:
             text = (model.tokenizer.decode(prompt) if job.echo else "") + c.text
             lp = completion_logprobs(model, c, job.logprobs, job.echo) if job.logprobs is not None else None
@@ -105,6 +124,8 @@ class StreamHead:
 
     def __init__(self, model, model_name: str, job: Job):
         self.model, self.job = model, job
+        n = len(job.prompts) * job.n
+        self.parsers = [tc.ToolCallParser(job.tool_format) for _ in range(n)] if job.tool_format else None
         self.base = {"id": _id(job.chat), "object": "chat.completion.chunk" if job.chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
         if job.include_usage:
@@ -127,11 +148,23 @@ class StreamHead:
                     for i in range(n)]
         return []
 
-    def delta(self, i: int, text: str) -> dict:
-        return self._chunk(i, {"content": text} if self.job.chat else text, None)
+    def _parsed(self, i: int, parts: list[dict]) -> list[dict]:
+        """Tool-call parser deltas -> chat chunks ({"content"} or {"tool_calls": [one call's delta]})."""
+        return [self._chunk(i, {"content": p["content"]} if "content" in p else {"tool_calls": [p["tool_call"]]},
+                            None) for p in parts]
 
-    def final(self, i: int, comp: Completion) -> dict:
-        return self._chunk(i, {} if self.job.chat else "", comp.finish_reason)
+    def deltas(self, i: int, text: str) -> list[dict]:
+        """The chunks for choice i's new text (none while a tool call's parser holds it back)."""
+        if self.parsers is not None:
+            return self._parsed(i, self.parsers[i].feed(text))
+        return [self._chunk(i, {"content": text} if self.job.chat else text, None)]
+
+    def final(self, i: int, comp: Completion) -> list[dict]:
+        """The last chunks of choice i: what a tool-call parser held back, then the finish reason."""
+        if self.parsers is not None:
+            held = self._parsed(i, self.parsers[i].finish())
+            return held + [self._chunk(i, {}, _finish_reason(comp, bool(self.parsers[i].tool_calls)))]
+        return [self._chunk(i, {} if self.job.chat else "", comp.finish_reason)]
 
     def usage(self, comps: list[Completion]) -> dict:
         return {**self.base, "choices": [], "usage": _usage(self.job, comps)}

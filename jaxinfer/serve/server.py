@@ -117,6 +117,17 @@ def _reject(st: ServerState, http: HttpRequest, e: ApiError) -> Response:
     return _error(e)
 
 
+async def _compile_constraint(st: ServerState, job: proto.Job) -> None:
+    """Compile the job's constraint for the model's vocabulary (off the event loop; kept by the
+    engine): a grammar this tokenizer cannot spell is a 400 naming the parameter."""
+    if job.sampling.constraint is None:
+        return
+    try:
+        await asyncio.to_thread(st.engine.compile_constraint, job.sampling.constraint)
+    except ValueError as e:
+        raise proto.bad(job.constraint_param, f"'{job.constraint_param}': {e}", "unsupported_value") from None
+
+
 def _submit(st: ServerState, job: proto.Job) -> list:
     """One engine request per choice (prompt p, sample i -> index p * n + i, seed + i)."""
     n_req = len(job.prompts) * job.n
@@ -208,6 +219,7 @@ async def _generate(http: HttpRequest, chat: bool):
         if isinstance(body, dict):
             _check_model(st, body.get("model"))
         job = proto.parse(body, st.model, chat=chat, context=st.context)
+        await _compile_constraint(st, job)
         reqs = _submit(st, job)  # the scoring call (echo, max_tokens 0) too: admitted, paged, cancellable
     except ApiError as e:
         return _reject(st, http, e)
@@ -263,10 +275,12 @@ async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
                 left -= 1
             elif comp is not None:
                 comps[i] = comp
-                yield rsp.sse(head.final(i, comp))
+                for chunk in head.final(i, comp):
+                    yield rsp.sse(chunk)
                 left -= 1
             elif d.text:
-                yield rsp.sse(head.delta(i, d.text))
+                for chunk in head.deltas(i, d.text):
+                    yield rsp.sse(chunk)
         if job.include_usage:
             yield rsp.sse(head.usage([c for c in comps if c is not None]))
         yield "data: [DONE]\n\n"

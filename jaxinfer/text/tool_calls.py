@@ -412,6 +412,15 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict]]:
     return out
 
 
+def check_tools(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The function names of OpenAI `tools`, each definition checked.
+
+    Raises:
+      ValueError: a malformed definition (named by its index) or a name used twice.
+    """
+    return [name for name, _ in _functions(tools)]
+
+
 def _call_schema(name: str, params: dict, args_key: str) -> dict:
     from jaxinfer.decode import constraints
 
@@ -421,7 +430,7 @@ def _call_schema(name: str, params: dict, args_key: str) -> dict:
 
 
 def tool_call_constraint(tokenizer, tools: Sequence[Mapping[str, Any]], tool_choice: Any,
-                         fmt: Optional[str] = None):
+                         fmt: Optional[str] = None, *, parallel: bool = True):
     """The constraint that makes the reply a tool call in the model's format, with arguments
     that validate against the function's `parameters` schema.
 
@@ -434,6 +443,7 @@ def tool_call_constraint(tokenizer, tools: Sequence[Mapping[str, Any]], tool_cho
         to any of the tools; one for the llama3 format), or {"type": "function", "function":
         {"name": ...}} (exactly one call to that function).
       fmt: one of FORMATS; default `detect_format(tokenizer.chat_template)`, else "json".
+      parallel: False limits "required" to one call (OpenAI's parallel_tool_calls).
     Returns:
       A jaxinfer.constraints Constraint, or None.
     Raises:
@@ -448,7 +458,7 @@ def tool_call_constraint(tokenizer, tools: Sequence[Mapping[str, Any]], tool_cho
     if not funcs:
         raise ValueError(f"tool_choice {tool_choice!r} needs at least one tool in `tools`")
     if tool_choice == "required":
-        chosen, single = funcs, False
+        chosen, single = funcs, not parallel
     elif isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
         name = tool_choice["function"].get("name")
         chosen = [f for f in funcs if f[0] == name]
