@@ -14,7 +14,6 @@ the text, and weight / KV bytes per token. Writes experiments/out/quality.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxinfer
 from jaxinfer.model import cache as kv
 from jaxinfer.model import config as C
 from jaxinfer.model import forward as mdl

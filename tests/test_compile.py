@@ -14,7 +14,6 @@ from jaxinfer.model import layout
 from jaxinfer.model.forward import Model
 from jaxinfer.model.params import init_params
 
-from jaxinfer.decode import generate as gen  # the module (jaxinfer.generate is the function)
 from tests.tolerances import assert_close
 
 

@@ -18,7 +18,6 @@ from jaxinfer.weights.gguf import GGUFError
 from jaxinfer.decode.sampling import SamplingParams
 
 from jaxinfer.decode import core, requests
-from jaxinfer.decode import generate as gen  # the module (jaxinfer.generate is the function)
 from tests.tolerances import assert_close, smollm2_fp32_error
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = ["The capital of France is", "Once upon a time", "def fibonacci(n):",

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from jaxinfer.model import cache as kv

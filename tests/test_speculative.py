@@ -1,7 +1,6 @@
 """Speculative decoding: greedy output equals plain greedy token for token (prompt lookup and a draft
 model), and under sampling the emitted tokens follow the target distribution (chi-squared)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """Tool calls: format detection, parsing (whole and streamed), and the constraint that forces a
 call, checked end to end with SmolLM2's real vocabulary and `jsonschema`."""
 
-import dataclasses
 import itertools
 import json
 import os

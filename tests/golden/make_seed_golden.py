@@ -4,7 +4,7 @@ Recorded once with the jaxinfer commit named in the output file (before the deco
 unified); tests/test_generate.py checks that today's `generate` draws the same tokens.
 Run: python tests/golden/make_seed_golden.py  (writes tests/golden/seed_golden.json)
 """
-import json, os, subprocess, sys
+import json, os, subprocess
 
 import jaxinfer
 from jaxinfer import SamplingParams
