@@ -37,7 +37,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jsonschema  # noqa: E402
-import numpy as np  # noqa: E402
 
 from experiments import common, constraint_cost  # noqa: E402
 
