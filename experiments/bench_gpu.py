@@ -31,7 +31,7 @@ from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import config as C  # noqa: E402
 from experiments import common  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
-from jaxinfer.model.forward import Model  # noqa: E402
+from jaxinfer.model.model import Model  # noqa: E402
 
 PRESETS = {"llama3_8b": C.llama3_8b, "tiny": C.tiny, "smollm2_135m": C.smollm2_135m}
 

@@ -29,7 +29,7 @@ import jaxinfer  # noqa: E402
 from jaxinfer import sharding as shd  # noqa: E402
 from jaxinfer.model import config  # noqa: E402
 from jaxinfer.model import params as prm  # noqa: E402
-from jaxinfer.model.forward import Model  # noqa: E402
+from jaxinfer.model.model import Model  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 

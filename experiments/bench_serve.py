@@ -42,7 +42,7 @@ import jaxinfer  # noqa: E402
 from experiments import common  # noqa: E402
 from jaxinfer.compile_cache import enable_persistent_cache  # noqa: E402
 from jaxinfer.decode.generate import MIN_KV_BUCKET  # noqa: E402
-from jaxinfer.decode.requests import bucket  # noqa: E402
+from jaxinfer.decode.inputs import bucket
 from jaxinfer.serve import Engine  # noqa: E402
 
 TEXT = os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")

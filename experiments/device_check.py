@@ -50,13 +50,13 @@ from experiments import common  # noqa: E402
 from experiments.device_correctness import BF16_TOL, FP32_TOL, correctness  # noqa: E402,F401
 from jaxinfer import compile_cache  # noqa: E402
 from jaxinfer.decode.generate import MIN_KV_BUCKET  # noqa: E402
-from jaxinfer.decode.requests import bucket  # noqa: E402
+from jaxinfer.decode.inputs import bucket
 from jaxinfer.inspect import roofline  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import config as C  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
-from jaxinfer.model.forward import Model  # noqa: E402
+from jaxinfer.model.model import Model  # noqa: E402
 from jaxinfer.weights import hub  # noqa: E402
 
 SECTIONS = ("environment", "correctness", "decode", "serving", "compiles")

@@ -137,7 +137,7 @@ def main(argv=None, model=None) -> dict:
         args.prompt_tokens, args.decode_steps = 16, 4
         if model is None:
             from jaxinfer.model import config as C
-            from jaxinfer.model.forward import Model
+            from jaxinfer.model.model import Model
             from jaxinfer.model.params import init_params
 
             cfg = C.tiny(name="tiny-profile")

@@ -48,7 +48,7 @@ TEMPERATURE = 0.8
 def prompt_ids(tok, schema: dict) -> list[int]:
     """A short chat turn asking for the schema's kind of object (the constraint supplies the shape;
     a prompt that spelled out the schema would only make prefill the cost being measured)."""
-    from jaxinfer.decode.requests import chat_ids
+    from jaxinfer.decode.inputs import chat_ids
 
     ask = f"Reply with a JSON object describing one {schema.get('title', 'record').lower()}."
     return chat_ids(tok, [{"role": "user", "content": ask}])

@@ -1,11 +1,15 @@
 """jaxinfer: LLM inference in JAX, readable like a textbook.
 
-The folders follow the data path a prompt takes:
-  text/      text -> tokens             tokenizer.py (tiktoken), spm.py, the chat template
+The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has the whole map):
+  text/      text -> tokens             tokenizer.py (tiktoken), spm.py, chat.py, stream.py, tool_calls.py
   weights/   files -> a Model           hub.py (fetch), gguf.py, hf.py, checkpoint.py, load.py
-  model/     tokens -> logits           config.py, params.py, forward.py, cache.py (KV cache),
-                                        layout.py (CPU decode layout), quantize.py
-  decode/    logits -> tokens, looped   sampling.py, requests.py, generate.py, speculative.py
+  model/     tokens -> logits           config.py, params.py, model.py, forward.py, attention.py,
+                                        cache.py (paged KV cache), layout.py, quantize.py, rope.py
+  decode/    logits -> tokens, looped   sampling.py, penalties.py, constraints.py, bitmask.py,
+                                        core.py (the one decode core), inputs.py, outputs.py,
+                                        generate.py, speculative.py
+  serve/     many requests at once      engine.py, runner.py, live.py, scheduler.py, pages.py,
+                                        request.py, server.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
@@ -13,14 +17,14 @@ The folders follow the data path a prompt takes:
 
 from jaxinfer.decode import constraints, speculative
 from jaxinfer.decode.generate import generate, logits
-from jaxinfer.decode.requests import Completion, Output, Timings
+from jaxinfer.decode.outputs import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
 from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
 from jaxinfer.model import layout, quantize
 from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.weights.load import load
 from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding

@@ -71,7 +71,7 @@ def _generate(args) -> int:
     # Validate cheap things before the (slow) load.
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p)
-    from jaxinfer.decode.requests import check_int, check_seed, check_text
+    from jaxinfer.decode.inputs import check_int, check_seed, check_text
 
     check_int("--max-new-tokens", args.max_new_tokens, 1)
     check_int("--chunk-size", args.chunk_size, 1)
@@ -110,7 +110,7 @@ def _generate(args) -> int:
     print(f"[loaded {args.model} in {load_s:.1f} s]", file=sys.stderr)
     if mesh is not None:
         print(sharding.plan(model.config, mesh).describe(), file=sys.stderr)
-    from jaxinfer.decode.requests import chat_ids, check_context, prompt_ids
+    from jaxinfer.decode.inputs import chat_ids, check_context, prompt_ids
 
     texts = list(args.prompt)  # what the user typed, for display
     prompts = texts
@@ -270,7 +270,7 @@ def _parse_bytes(text: str) -> int:
 
 def _check_serve_flags(args):
     """The serve flags that need no model, checked: returns (kv_memory bytes or None, mesh or None)."""
-    from jaxinfer.decode.requests import check_int
+    from jaxinfer.decode.inputs import check_int
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535] (0 = a free port), got {args.port}")

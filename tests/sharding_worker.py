@@ -120,7 +120,7 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
 
     import jaxinfer
     from jaxinfer import sharding as shd
-    from jaxinfer.model.forward import Model
+    from jaxinfer.model.model import Model
 
     assert len(jax.devices()) == 8, jax.devices()
     results = {}
@@ -172,7 +172,7 @@ def single(out_path: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.model.forward import Model
+    from jaxinfer.model.model import Model
 
     cfg, host, _, prompts = _tiny()
     model = Model(cfg, jax.tree.map(jnp.asarray, host))
@@ -188,7 +188,7 @@ def dist(out_path: str, process_id: int, num_processes: int, port: int) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
                                process_id=process_id, initialization_timeout=120)
     from jaxinfer import sharding as shd
-    from jaxinfer.model.forward import Model
+    from jaxinfer.model.model import Model
 
     assert jax.process_count() == num_processes and len(jax.devices()) == 4 * num_processes
     cfg, host, _, prompts = _tiny()  # same key on every process: identical host weights

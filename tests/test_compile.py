@@ -11,7 +11,7 @@ import jaxinfer
 from jaxinfer import compile_cache
 from jaxinfer.model import config as C
 from jaxinfer.model import layout
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 
 from tests.tolerances import assert_close

@@ -20,7 +20,7 @@ import pytest
 import jaxinfer
 from jaxinfer.eval import scoring
 from jaxinfer.model import config as mconfig, params as mparams
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.serve.engine import Engine
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "golden", "hf_text", "smollm2")

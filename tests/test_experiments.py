@@ -146,7 +146,7 @@ def test_structured_bench_smoke(tmp_path, golden_dir):
     import jaxinfer
     from experiments import structured_bench
     from jaxinfer.model import config as mconfig, params as mparams
-    from jaxinfer.model.forward import Model
+    from jaxinfer.model.model import Model
 
     tok = jaxinfer.load_tokenizer(os.path.join(golden_dir, "hf_text", "smollm2", "tokenizer.json.xz"))
     cfg = mconfig.tiny(vocab_size=tok.vocab_size, max_seq_len=1024)

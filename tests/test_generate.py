@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer.decode.requests import chat_ids
+from jaxinfer.decode.inputs import chat_ids
 from jaxinfer.weights import hub
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.weights.gguf import GGUFError
 from jaxinfer.decode.sampling import SamplingParams
 
-from jaxinfer.decode import core, requests
+from jaxinfer.decode import core, inputs
 from tests.tolerances import assert_close, smollm2_fp32_error
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
@@ -50,7 +50,7 @@ def test_decode_loop_skips_steps_once_nothing_is_live():
 
 
 def test_bucket():
-    assert [requests.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
+    assert [inputs.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
 
 
 def test_batch_of_mixed_lengths_equals_alone(smollm2):

@@ -17,7 +17,7 @@ from jaxinfer.model import cache as kv
 from jaxinfer.model import config as C
 from jaxinfer.model import layout
 from jaxinfer.model import forward as mdl
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from tests.tolerances import assert_close, smollm2_fp32_error
 

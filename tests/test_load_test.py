@@ -15,7 +15,7 @@ def test_load_test_smoke(smollm2, tmp_path):
     import jax
 
     from jaxinfer.model import config, params
-    from jaxinfer.model.forward import Model
+    from jaxinfer.model.model import Model
 
     cfg = config.tiny(vocab_size=smollm2.config.vocab_size, eos_token_id=smollm2.config.eos_token_id)
     tiny = Model(cfg, params.init_params(cfg, jax.random.key(0)), smollm2.tokenizer)  # SmolLM2's tokenizer

@@ -12,7 +12,7 @@ from jaxinfer.model import params as prm
 from jaxinfer.inspect import probes
 from jaxinfer.inspect import roofline as rl
 from jaxinfer.decode import sampling as smp
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.decode.sampling import SamplingParams
 from tests.tolerances import assert_close
 

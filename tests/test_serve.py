@@ -11,7 +11,7 @@ import jaxinfer
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import config
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
 from tests.tolerances import assert_close, smollm2_fp32_error

@@ -26,10 +26,11 @@ openai = pytest.importorskip("openai")
 
 import jaxinfer  # noqa: E402
 from jaxinfer.decode import constraints as C  # noqa: E402
-from jaxinfer.decode.requests import Completion, chat_ids  # noqa: E402
+from jaxinfer.decode.inputs import chat_ids
+from jaxinfer.decode.outputs import Completion
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
 from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
-from jaxinfer.model.forward import Model  # noqa: E402
+from jaxinfer.model.model import Model  # noqa: E402
 from jaxinfer.serve import protocol as proto, responses as rsp, server as srv  # noqa: E402
 from jaxinfer.serve.engine import Engine  # noqa: E402
 from tests.test_penalties import np_frequency_presence, np_logit_bias, np_min_tokens, np_repetition  # noqa: E402

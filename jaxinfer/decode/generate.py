@@ -28,14 +28,13 @@ from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode import constraints, core
 from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import sampling as smp
-from jaxinfer.decode.requests import (Output, Prompts, Timings, bucket, check_context, check_int, check_sampling,
-                                      check_sequence, check_token_ids, completion_for, eos_ids_for, pack_prompts,
-                                      prompt_ids, request_keys, stop_ids_for)
+from jaxinfer.decode.inputs import Prompts, bucket, check_context, check_int, check_sampling, check_sequence, check_token_ids, eos_ids_for, pack_prompts, prompt_ids, request_keys, stop_ids_for
+from jaxinfer.decode.outputs import Output, Timings, completion_for
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
 
 MIN_KV_BUCKET = 64  # smallest cache (positions per row)

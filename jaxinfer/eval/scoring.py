@@ -38,8 +38,8 @@ import dataclasses
 import time
 from typing import Optional, Sequence, Union
 
-from jaxinfer.decode.requests import check_int, check_token_ids
-from jaxinfer.model.forward import Model
+from jaxinfer.decode.inputs import check_int, check_token_ids
+from jaxinfer.model.model import Model
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
 from jaxinfer.serve.pages import prefix_hashes
 

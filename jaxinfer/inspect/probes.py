@@ -16,8 +16,8 @@ from jaxinfer.model import forward as mdl
 from jaxinfer.decode import sampling as smp
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.decode.generate import logits
-from jaxinfer.decode.requests import check_sequence, pack_prompts
-from jaxinfer.model.forward import Model
+from jaxinfer.decode.inputs import check_sequence, pack_prompts
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
 from jaxinfer.decode.sampling import SamplingParams
 

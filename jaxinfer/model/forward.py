@@ -14,8 +14,7 @@ RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import chex
 import jax
@@ -26,18 +25,6 @@ from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
-
-if TYPE_CHECKING:  # the model runs on token ids; only its holder refers to a tokenizer
-    from jaxinfer.text.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """Everything needed to run a model. Params live on device; config is static."""
-
-    config: ModelConfig
-    params: Params
-    tokenizer: Optional["Tokenizer"] = None
 
 
 def linear(eq: str, x: jax.Array, w) -> jax.Array:

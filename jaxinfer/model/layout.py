@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import LAYOUTS, ModelConfig
-from jaxinfer.model.forward import Model, split_qkv
+from jaxinfer.model.forward import split_qkv
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import FUSED, Params
 
 

@@ -39,11 +39,11 @@ import jax
 import numpy as np
 
 from jaxinfer.decode import constraints
-from jaxinfer.decode import requests as rq
+from jaxinfer.decode import inputs
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.model.params import nbytes as params_nbytes
 from jaxinfer.serve.live import Live
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
@@ -124,7 +124,7 @@ class Engine:
         cfg = model.config
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
                         ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):
-            rq.check_int(name, v, 1)
+            inputs.check_int(name, v, 1)
         if kv_memory is not None and n_pages is not None:
             raise ValueError("pass kv_memory (bytes) or n_pages, not both")
         if max_len is not None and not (isinstance(max_len, int) and 0 < max_len <= cfg.max_seq_len):
@@ -147,7 +147,7 @@ class Engine:
         self.pool = PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
         self.n_pages = n_pages
-        self.eos_ids = rq.eos_ids_for(model)
+        self.eos_ids = inputs.eos_ids_for(model)
         self.runner = Runner(model, n_pages=n_pages, page_size=page_size, max_slots=max_slots, max_len=self.max_len,
                              prefill_chunk=prefill_chunk, decode_steps=decode_steps, eos_ids=self.eos_ids)
         self._ids = itertools.count()
@@ -182,11 +182,11 @@ class Engine:
         """
         if self.dead is not None:
             raise EngineDead(f"the engine failed and takes no requests: {self.dead}")
-        max_new_tokens = rq.check_int("max_new_tokens", max_new_tokens, 0 if prompt_logprobs is not None else 1)
-        rq.check_sampling(sampling)
-        logprobs = rq.check_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
+        max_new_tokens = inputs.check_int("max_new_tokens", max_new_tokens, 0 if prompt_logprobs is not None else 1)
+        inputs.check_sampling(sampling)
+        logprobs = inputs.check_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
         if prompt_logprobs is not None:
-            prompt_logprobs = rq.check_int("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+            prompt_logprobs = inputs.check_int("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if isinstance(stop, str):
             stop = (stop,)
         stop = tuple(stop)
@@ -195,14 +195,14 @@ class Engine:
         stops = StopStrings(stop) if stop else None
         if not isinstance(prompt, str) and (len(prompt) == 0 or isinstance(prompt[0], (list, tuple))):
             raise ValueError("prompt must be a string or one list of token ids")
-        ids = rq.prompt_ids(self.model, [prompt])[0]
-        score_from = rq.check_int("score_from", score_from, 1, max(1, len(ids)))
+        ids = inputs.prompt_ids(self.model, [prompt])[0]
+        score_from = inputs.check_int("score_from", score_from, 1, max(1, len(ids)))
         extra = tuple(int(t) for t in stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
         if (extra is None or any(not 0 <= t < self.cfg.vocab_size for t in extra)
                 or len(extra) > MAX_STOP_TOKENS):
             raise ValueError(f"stop_tokens must be at most {MAX_STOP_TOKENS} token ids in [0, {self.cfg.vocab_size}), "
                              f"got {list(stop_tokens)[:8]!r}")
-        stop_ids = rq.stop_ids_for(self.model, stop_at_eos, extra, sampling.ignore_eos)
+        stop_ids = inputs.stop_ids_for(self.model, stop_at_eos, extra, sampling.ignore_eos)
         bad = [t for t, _ in sampling.logit_bias if t >= self.cfg.vocab_size]
         if bad:
             raise ValueError(f"logit_bias names token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
@@ -247,7 +247,7 @@ class Engine:
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise ValueError if a request of this size can never run in this engine."""
-        rq.check_context([[0] * n_prompt], max_new_tokens, 0, self.cfg)
+        inputs.check_context([[0] * n_prompt], max_new_tokens, 0, self.cfg)
         need = n_prompt + max_new_tokens
         if need > self.max_len:
             raise ValueError(f"prompt of {n_prompt} tokens + max_new_tokens={max_new_tokens} = {need} "
@@ -494,4 +494,4 @@ class Engine:
 
 def _key_data(key, seed, sampling: SamplingParams) -> np.ndarray:
     """The request's PRNG key data [k], derived exactly as `generate` derives row 0's key."""
-    return np.asarray(jax.random.key_data(rq.request_keys(1, key, seed, sampling)[0]))
+    return np.asarray(jax.random.key_data(inputs.request_keys(1, key, seed, sampling)[0]))

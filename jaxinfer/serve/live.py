@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxinfer.decode import core
 from jaxinfer.decode import penalties as pen
-from jaxinfer.decode import requests as rq
+from jaxinfer.decode import outputs
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.serve.request import Delta, Request
@@ -89,7 +89,7 @@ class Live:
         return Delta(token_ids=list(tokens), text=out, logprobs=list(logprobs), finish_reason=finish_reason,
                      top_logprobs=list(tops) if self.n_top else [])
 
-    def completion(self, reason: str) -> rq.Completion:
+    def completion(self, reason: str) -> outputs.Completion:
         """The request's Completion, once it has ended for `reason`."""
         if self.detok is not None and reason == "cancelled":
             self.text += self.detok.flush()
@@ -98,7 +98,7 @@ class Live:
             n = len(self.seq.prompt)
             prompt_lps = [self.prompt_lps[p][0] if p in self.prompt_lps else None for p in range(n)]
             prompt_top = [self.prompt_lps[p][1] if p in self.prompt_lps else None for p in range(n)]
-        return rq.Completion(prompt_ids=list(self.req.prompt_ids), token_ids=list(self.seq.generated), text=self.text,
+        return outputs.Completion(prompt_ids=list(self.req.prompt_ids), token_ids=list(self.seq.generated), text=self.text,
                              logprobs=list(self.logprobs), finish_reason=reason,
                              top_logprobs=list(self.top) if self.n_top else None,
                              prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top)

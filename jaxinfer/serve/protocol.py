@@ -19,7 +19,7 @@ import secrets
 from typing import Any, Optional
 
 from jaxinfer.decode import penalties as pen
-from jaxinfer.decode.requests import SEED_LIMIT, chat_ids, check_token_ids
+from jaxinfer.decode.inputs import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.serve import structured
 

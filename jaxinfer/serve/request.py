@@ -15,7 +15,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, Optional
 
-from jaxinfer.decode.requests import Completion
+from jaxinfer.decode.outputs import Completion
 
 
 class EngineError(RuntimeError):

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Optional
 
-from jaxinfer.decode.requests import Completion
+from jaxinfer.decode.outputs import Completion
 from jaxinfer.serve.protocol import Job
 from jaxinfer.text import tool_calls as tc
 

@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer import sharding as shd
 from jaxinfer.decode import core
 from jaxinfer.model import cache as kv
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.serve.live import Live, batch_rows
 from jaxinfer.serve.scheduler import Chunk, Seq
 

@@ -12,7 +12,7 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.model import quantize
 from jaxinfer.model.config import DTYPES
-from jaxinfer.model.forward import Model
+from jaxinfer.model.model import Model
 from jaxinfer.model import layout as layouts
 from jaxinfer.model.params import Params
 from jaxinfer.weights import checkpoint
