@@ -6,7 +6,7 @@ that `params.param_specs(cfg)` gives every weight, through one table, `RULES`:
 
   logical axis   mesh axis   what is split
   heads          model       wq [L, D, N, H], wo [L, N, H, D] (and bq)
-  kv_heads       model       wk, wv [L, D, K, H] and the KV cache [L, B, S, K, H]
+  kv_heads       model       wk, wv [L, D, K, H] and the KV cache pool [L, P, ps, K, H]
   ffn            model       w_gate, w_up [L, D, F], w_down [L, F, D]
   vocab          model       embed [V, D], lm_head [D, V]
   batch          data        tokens [B, T], the cache's B axis, per-row keys and lengths

@@ -264,7 +264,7 @@ def test_hermes_replies_are_read_into_tool_calls_whole_and_streamed(tok):
     ids = tok.encode(text)
     comp = Completion(prompt_ids=[1], token_ids=ids + [EOS], text=text, logprobs=[0.0] * (len(ids) + 1),
                       finish_reason="stop")
-    job = proto.Job(prompts=[[1]], max_tokens=64, sampling=SamplingParams(), seed=0, seed_given=True, n=1, stop=(),
+    job = proto.Job(prompts=[[1]], max_tokens=64, sampling=SamplingParams(), seed=0, n=1, stop=(),
                     logprobs=None, echo=False, stream=False, include_usage=False, chat=True, tool_format="hermes")
     m = types.SimpleNamespace(tokenizer=tok)
     body = rsp.full_response(m, NAME, job, [comp])

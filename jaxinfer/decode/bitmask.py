@@ -1,6 +1,6 @@
 """Packed token bitmasks on the device: which of V tokens a row may sample.
 
-B batch rows, V vocabulary (logits width), W = ceil(V / 32) int32 words per row. Token t is
+B batch rows, V vocabulary (logits width), U = ceil(V / 32) int32 words per row. Token t is
 allowed iff bit (t % 32) of word (t // 32) is set, least significant bit first: the layout
 llguidance fills (`constraints.Matcher.fill_bitmask`). An all-ones row (-1 words) allows every
 token, so unconstrained rows share the program of constrained ones.
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 
 def mask_words(vocab_size: int) -> int:
-    """W, the int32 words of one row's bitmask for a vocabulary of `vocab_size` tokens."""
+    """U, the int32 words of one row's bitmask for a vocabulary of `vocab_size` tokens."""
     return -(-vocab_size // 32)
 
 
@@ -22,19 +22,19 @@ def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
     """The allowed-token booleans of packed rows.
 
     Args:
-      bitmask: int32 [B, W].
-      vocab_size: V <= 32 * W; bits past V are ignored.
+      bitmask: int32 [B, U].
+      vocab_size: V <= 32 * U; bits past V are ignored.
     Returns:
       bool [B, V].
     """
     chex.assert_rank(bitmask, 2)
     chex.assert_type(bitmask, jnp.int32)
-    B, W = bitmask.shape
-    if not 32 * (W - 1) < vocab_size <= 32 * W:
-        raise ValueError(f"a bitmask of {W} words covers {32 * (W - 1) + 1}..{32 * W} tokens, not {vocab_size}")
+    B, U = bitmask.shape
+    if not 32 * (U - 1) < vocab_size <= 32 * U:
+        raise ValueError(f"a bitmask of {U} words covers {32 * (U - 1) + 1}..{32 * U} tokens, not {vocab_size}")
     shifts = jnp.arange(32, dtype=jnp.int32)
-    bits = jnp.right_shift(bitmask[:, :, None], shifts) & 1  # 'BW,32->BW32'; arithmetic shift keeps bit k
-    return bits.reshape(B, 32 * W)[:, :vocab_size].astype(bool)
+    bits = jnp.right_shift(bitmask[:, :, None], shifts) & 1  # 'BU,32->BU32'; arithmetic shift keeps bit k
+    return bits.reshape(B, 32 * U)[:, :vocab_size].astype(bool)
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -45,7 +45,7 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
     Args:
       logits: float [B, V].
-      bitmask: int32 [B, W], W = ceil(V / 32).
+      bitmask: int32 [B, U], U = ceil(V / 32).
     Returns:
       float [B, V], the dtype of `logits`.
     """

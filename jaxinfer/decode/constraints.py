@@ -16,7 +16,7 @@ turns constraints into per-request `Matcher`s. Each compiled constraint is kept 
 template matchers, keyed by the Constraint value) so a schema is compiled once and each request
 gets a cheap copy. A matcher, per generated token:
 
-  fill_bitmask(out [W])     the allowed next tokens, W = ceil(V / 32) int32 words, token t allowed
+  fill_bitmask(out [U])     the allowed next tokens, U = ceil(V / 32) int32 words, token t allowed
                             iff bit t % 32 of word t // 32 is set (llguidance's and
                             `bitmask.apply_token_bitmask`'s layout); ids past the tokenizer's
                             vocabulary are never allowed; stop ids only where the output may end
@@ -265,7 +265,7 @@ class Matcher:
         """Write the allowed next tokens into `out` (drops the GIL while computing).
 
         Args:
-          out: int32 [W] (or [1, W]), C-contiguous, W = ceil(V / 32). When the grammar is
+          out: int32 [U] (or [1, U]), C-contiguous, U = ceil(V / 32). When the grammar is
             complete (or the matcher is in error) only the stop ids are allowed.
         """
         row = _check_bitmask(out.reshape(1, -1) if out.ndim == 1 else out, 1, self.mask_words)
@@ -278,7 +278,7 @@ class Matcher:
 
         Args:
           draft: the K drafted token ids.
-          out: int32 [K + 1, W], C-contiguous.
+          out: int32 [K + 1, U], C-contiguous.
         """
         out = _check_bitmask(out, len(draft) + 1, self.mask_words)
         self._m.unsafe_compute_mask_ptr_with_draft_token(out.ctypes.data, self.mask_words * 4, list(draft))
@@ -423,7 +423,7 @@ class Compiler:
         return len(self._cache)
 
     def allocate_bitmask(self, batch: int) -> np.ndarray:
-        """An all-allowed int32 bitmask [batch, W] (all ones: unconstrained rows)."""
+        """An all-allowed int32 bitmask [batch, U] (all ones: unconstrained rows)."""
         return np.full((batch, self.mask_words), -1, dtype=np.int32)
 
     def fill_bitmasks(self, matchers: Sequence[Optional[Matcher]], out: np.ndarray) -> None:
@@ -431,7 +431,7 @@ class Compiler:
 
         Args:
           matchers: one per row; None for an unconstrained row (its mask is set to all ones).
-          out: int32 [B, W], C-contiguous, B = len(matchers).
+          out: int32 [B, U], C-contiguous, B = len(matchers).
         """
         out = _check_bitmask(out, len(matchers), self.mask_words)
         rows = []

@@ -44,7 +44,7 @@ MIN_BIAS_SLOTS = 16  # logit_bias entries per row are padded to a power of two >
 
 @struct.dataclass
 class Rows:
-    """Per-row settings and progress, all [B] arrays (stop_ids [B, M], mask [B, W])."""
+    """Per-row settings and progress, all [B] arrays (stop_ids [B, M], mask [B, U])."""
 
     sampling: smp.RowParams  # temperature, top_k, top_p, min_p per row
     keys: jax.Array  # [B] typed PRNG keys, one per request (the step is folded in when sampling)
@@ -53,7 +53,7 @@ class Rows:
     budget: jax.Array  # [B] int32: tokens the row may still sample
     finished: jax.Array  # [B] bool: the row sampled a stop token
     controls: pen.PenaltyRows  # logit bias, penalties, min_tokens, ignore_eos per row
-    mask: jax.Array  # [B, W] int32: allowed next tokens, packed bits (all ones: unconstrained)
+    mask: jax.Array  # [B, U] int32: allowed next tokens, packed bits (all ones: unconstrained)
 
     @property
     def live(self) -> jax.Array:
@@ -127,7 +127,7 @@ def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[in
 
 
 def no_mask(batch: int, vocab_size: int) -> np.ndarray:
-    """[B, W] int32 bitmask allowing every token."""
+    """[B, U] int32 bitmask allowing every token."""
     return np.full((batch, mask_words(vocab_size)), -1, np.int32)
 
 

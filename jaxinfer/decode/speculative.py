@@ -88,7 +88,7 @@ def load_draft(path: str, dtype: Optional[str] = "float32") -> Draft:
 class SpecState:
     cache: kv.KVCache  # target cache; lengths[b] = n: tokens of row b already in it
     draft_cache: Optional[kv.KVCache]  # draft model's cache (None for prompt lookup)
-    hist: jax.Array  # [B, M] int32: row's tokens by position; hist[b, n] is the pending token
+    hist: jax.Array  # [B, S] int32: row's tokens by position; hist[b, n] is the pending token
     rows: core.Rows  # sampling settings, keys, stop ids, budgets (steps: tokens emitted so far)
     round: jax.Array  # [] int32: rounds run so far
     proposed: jax.Array  # [B] int32: draft tokens proposed to the target
@@ -103,15 +103,15 @@ def lookup_proposals(hist: jax.Array, n: jax.Array, k: int, max_ngram: int) -> j
 
     Tries n-gram sizes max_ngram .. 1 and uses the longest that matches.
     Args:
-      hist: [B, M] tokens by position; positions 0..n[b] are known (n[b] is the pending token).
+      hist: [B, S] tokens by position; positions 0..n[b] are known (n[b] is the pending token).
       n: [B] position of the pending token.
       k: proposals per row.
       max_ngram: longest suffix to match.
     Returns:
       [B, k] int32 proposed tokens (repeats of the pending token where nothing matches).
     """
-    B, M = hist.shape
-    idx = jnp.arange(M)
+    B, S = hist.shape
+    idx = jnp.arange(S)
 
     def one_row(h, n):
         best = jnp.full((), -1, jnp.int32)  # start of the continuation
@@ -130,7 +130,7 @@ def lookup_proposals(hist: jax.Array, n: jax.Array, k: int, max_ngram: int) -> j
         out = []
         for j in range(k):
             src = c + j
-            tok = h[jnp.clip(src, 0, M - 1)]
+            tok = h[jnp.clip(src, 0, S - 1)]
             if j:
                 tok = jnp.where(src <= n, tok, jnp.stack(out)[jnp.clip(src - n - 1, 0, j - 1)])
             out.append(tok)
@@ -149,7 +149,7 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
     Args:
       params, cfg: the draft model.
       cache: draft cache holding positions < n - 1 (or more; later slots are overwritten).
-      hist: [B, M]; n: [B] pending position; keys: [B] this round's keys; sampling: per-row settings.
+      hist: [B, S]; n: [B] pending position; keys: [B] this round's keys; sampling: per-row settings.
     Returns:
       (proposals [B, k] int32, draft probabilities [B, k, V], cache).
     """
@@ -220,7 +220,7 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
 def spec_round(params: Params, draft_params: Optional[Params], state: SpecState, *, cfg: ModelConfig,
                draft_cfg: Optional[ModelConfig], method: str, k: int, max_ngram: int):
     """One propose-verify-accept round for every row. Returns (state, core.Emitted with E = k + 1)."""
-    B, M = state.hist.shape
+    B, S = state.hist.shape
     rows = state.rows
     idx = jnp.arange(B)
     n = state.cache.lengths  # [B]

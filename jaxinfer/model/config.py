@@ -1,8 +1,14 @@
 """Model configuration: one frozen, hashable dataclass describes a decoder-only transformer.
 
 Shape letters used across jaxinfer (defined once, here):
-  B batch, T new tokens, S cache length (slots), D model width, N query heads,
-  K kv heads, G query heads per kv head (N // K), H head dim, F ffn width, V vocab, L layers.
+  model     D model width, N query heads, K kv heads, G query heads per kv head (N // K),
+            H head dim, F ffn width, V vocab, L layers
+  batch     B rows (a batch of requests; the serving engine's slots), T new tokens in one call,
+            Tb a prompt padded to its bucket, R rows of one engine prefill call, C its chunk length
+  cache     S positions a row can hold (max_len), P pages in the pool, ps positions per page,
+            W page-table width (pages per row), X a stored vector's width (H, or 1 for int8 scales)
+  decode    M stop ids per row, E tokens one decode call emits per row,
+            U words of a packed token bitmask (ceil(V / 32) int32)
 
 The config is hashable so it can be a static argument of `jax.jit`. Presets are functions that
 return a config and accept keyword overrides, e.g. `llama3_8b(max_seq_len=4096)`.

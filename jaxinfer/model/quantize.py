@@ -1,7 +1,7 @@
 """Weight-only quantization: fewer bytes per weight read, dequantized inside the jitted matmul.
 
 `quantize(params, cfg, mode)` is a pure transform of the params pytree. Matmul weights become
-small pytree dataclasses that `model.linear` dispatches to through their `.einsum(eq, x)`;
+small pytree dataclasses that `model.forward.linear` dispatches to through their `.einsum(eq, x)`;
 norms and biases stay in the compute dtype. Stacked layer weights keep L as their leading axis
 in every leaf, so the layer `lax.scan` slices them like plain arrays.
 
@@ -31,7 +31,7 @@ In int4 mode the table (and an untied head) stay int8 by default: the head sees 
 and int8 there costs 1 byte/weight on 21% of the weights for a measured quality gain (see
 experiments/quality.py); pass `head="int4"` to quantize it to int4 too (untied heads only).
 
-Shape letters as in `jaxinfer.config`; In and Out are the flattened input and output axes.
+Shape letters as in `jaxinfer.model.config`; In and Out are the flattened input and output axes.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
     """Quantize the matmul weights of a params tree (a pure transform; the input is not changed).
 
     Args:
-      params: float params pytree (see `jaxinfer.params`).
+      params: float params pytree (see `jaxinfer.model.params`).
       cfg: its model config.
       mode: "int8" or "int4" for the per-layer matmul weights.
       group_size: inputs per int4 group (must divide every input width).

@@ -67,7 +67,6 @@ class Job:
     max_tokens: int  # 0 only for the scoring call (echo)
     sampling: SamplingParams
     seed: int  # choice i of a prompt samples with seed + i
-    seed_given: bool
     n: int
     stop: tuple[str, ...]
     logprobs: Optional[int]  # None = off; k = the k most likely tokens per position as well
@@ -446,7 +445,7 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
         raise bad(constraint_param, f"'{constraint_param}' constrains generated text; the scoring call "
                   "(max_tokens: 0) generates none")
     return Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling,
-               seed=seed if seed is not None else secrets.randbits(31), seed_given=seed is not None,
+               seed=seed if seed is not None else secrets.randbits(31),
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
                include_usage=include_usage, chat=chat, constraint_param=constraint_param,
                tool_format=tools.reply_format if tools is not None else None)
