@@ -9,9 +9,7 @@ of the logits (float32 sums over the vocabulary).
 """
 
 import json
-import lzma
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -271,23 +269,19 @@ def test_lm_eval_harness_tokenization_is_ours(model):
 
 
 def test_lm_eval_over_http_local_completions(model, tmp_path):
+    """lm-eval's own HTTP client against `jaxinfer serve`, tokenizing through the server's /tokenize
+    (`tokenizer_backend=remote`, as against vLLM): no transformers needed."""
     lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install '.[eval]')")
-    pytest.importorskip("transformers", reason="local-completions tokenizes with transformers' AutoTokenizer")
     pytest.importorskip("starlette")
     from jaxinfer.serve import server as srv
 
-    folder = tmp_path / "tokenizer"  # the Hugging Face tokenizer files lm-eval's client reads
-    folder.mkdir()
-    with lzma.open(os.path.join(TOKENIZER, "tokenizer.json.xz"), "rb") as f:
-        (folder / "tokenizer.json").write_bytes(f.read())
-    shutil.copy(os.path.join(TOKENIZER, "tokenizer_config.json"), folder)
     engine = engine_for(model)
     app = srv.create_app(engine, model, model_name="tiny")
     server, thread, url = srv.serve_in_thread(app)
     try:
         # an API model's max_length counts one token less (and its windows one less again)
-        args = {"model": "tiny", "base_url": url + "/v1/completions", "tokenizer_backend": "huggingface",
-                "tokenizer": str(folder), "max_length": 66, "max_gen_toks": 16, "max_retries": 1, "timeout": 120}
+        args = {"model": "tiny", "base_url": url + "/v1/completions", "tokenizer_backend": "remote",
+                "max_length": 66, "max_gen_toks": 16, "max_retries": 1, "timeout": 120}
         res = _evaluate(lm_eval, "local-completions", args, _tasks(tmp_path), ["t_mc", "t_ppl", "t_until5",
                                                                                "t_beams1"])
     finally:

@@ -546,3 +546,64 @@ def test_sigterm_drains_running_requests(model):
     assert not thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health")
+
+
+# ---- the tokenizer endpoints (vLLM's shapes) ------------------------------------------------------
+
+def test_tokenize_detokenize_match_the_reference_ids(served, model, golden_dir):
+    """/tokenize gives the ids Hugging Face `tokenizers` gives with SmolLM2's own pre-tokenizer
+    (tests/golden), /detokenize their text back; special-token text is the control token there, as
+    in HF tokenizers (the completions endpoint keeps it plain text)."""
+    import os
+
+    with open(os.path.join(golden_dir, "smollm2_tokenizer.json")) as f:
+        cases = [c for c in json.load(f) if c["text"]][:40]
+    for c in cases:
+        r = served.post("/tokenize", {"model": NAME, "prompt": c["text"], "add_special_tokens": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == c["ids_smollm_pre"], c["text"]
+        assert r.json()["count"] == len(c["ids_smollm_pre"]) and r.json()["max_model_len"] == served.engine.max_len
+        back = served.post("/detokenize", {"tokens": c["ids_smollm_pre"]}).json()["prompt"]
+        assert back == c["decoded"], c["text"]
+    tok = model.tokenizer
+    r = served.post("/tokenize", {"prompt": "<|im_start|>user", "return_token_strs": True}).json()
+    assert r["tokens"][0] == tok.encode("<|im_start|>")[0] == 1 and r["token_strs"][0] == "<|im_start|>"
+    assert "".join(r["token_strs"]) == "<|im_start|>user"
+    msgs = [{"role": "user", "content": "Hi <|im_end|> there"}]
+    r = served.post("/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()
+    assert r["tokens"] == chat_ids(tok, msgs)  # what the chat endpoint runs: contents stay plain text
+
+
+def test_tokenizer_info_and_lm_eval_remote_tokenizer(served, model):
+    info = served.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == model.tokenizer.chat_template
+    assert info["model_max_length"] == served.engine.max_len
+    utils = pytest.importorskip("lm_eval.utils", reason="lm-evaluation-harness is not installed")
+    remote = utils.RemoteTokenizer(served.url + "/v1/completions", auth_token=KEY)
+    assert remote.eos_token_id == model.tokenizer.eos_id
+    text = "The cat sat on the mat. 12345"
+    assert remote.encode(text) == model.tokenizer.encode(text)
+    assert remote.decode(model.tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenizer_endpoints_refuse_bad_bodies(served, path, body, param):
+    r = served.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_tokenizer_endpoints_need_the_key(served):
+    assert httpx.post(served.url + "/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.get(served.url + "/tokenizer_info").status_code == 401

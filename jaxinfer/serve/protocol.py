@@ -222,16 +222,16 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _ids(q: list, vocab: int, what: str) -> list[int]:
+def _ids(q: list, vocab: int, what: str, param: str = "prompt") -> list[int]:
     """A list of token ids; a non-integer element is named by its own index."""
     for j, t in enumerate(q):
         if isinstance(t, bool) or not isinstance(t, int):
-            raise bad("prompt", f"{what}[{j}] must be an integer token id, got {type(t).__name__} {_show(t)}",
+            raise bad(param, f"{what}[{j}] must be an integer token id, got {type(t).__name__} {_show(t)}",
                       "invalid_type")
     try:
         return check_token_ids(q, vocab, what)
     except ValueError as e:
-        raise bad("prompt", str(e)) from None
+        raise bad(param, str(e)) from None
 
 
 def _prompts(body: dict, model) -> list[list[int]]:
@@ -302,7 +302,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
     return out
 
 
-def _messages(body: dict, model, tools: Optional[list]) -> list[list[int]]:
+def _messages(body: dict, model, tools: Optional[list], add_generation_prompt: bool = True) -> list[list[int]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects",
@@ -328,7 +328,7 @@ def _messages(body: dict, model, tools: Optional[list]) -> list[list[int]]:
     if model.tokenizer is None or not model.tokenizer.chat_template:
         raise bad("messages", "this model has no chat template; use /v1/completions")
     try:  # control tokens only where the template writes them; contents and arguments are plain text
-        return [chat_ids(model.tokenizer, clean, add_generation_prompt=True, tools=tools)]
+        return [chat_ids(model.tokenizer, clean, add_generation_prompt=add_generation_prompt, tools=tools)]
     except (ValueError, TypeError) as e:
         raise bad("tools" if str(e).startswith("tools ") else "messages", str(e)) from None
 
@@ -449,3 +449,60 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
                include_usage=include_usage, chat=chat, constraint_param=constraint_param,
                tool_format=tools.reply_format if tools is not None else None)
+
+
+# ---- the tokenizer endpoints (vLLM's shapes; lm-evaluation-harness's `tokenizer_backend=remote`) ----
+
+TOKENIZE_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs", "messages", "add_generation_prompt"}
+
+
+def tokenize(body, model) -> tuple[list[int], bool]:
+    """POST /tokenize: (token ids, whether to return their texts).
+
+    `{"prompt": text, "add_special_tokens": true}` tokenizes as the model's Hugging Face tokenizer
+    does: special-token text becomes its control token (the completions endpoint, by contrast, reads
+    a string prompt as plain text) and add_special_tokens puts BOS first where the model wants it.
+    `{"messages": [...], "add_generation_prompt": true}` gives the ids the chat endpoint would run.
+    """
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", "invalid_type")
+    unknown = sorted(set(body) - TOKENIZE_KEYS)
+    if unknown:
+        raise bad(unknown[0], f"unknown parameter {unknown[0]!r}; /tokenize takes {sorted(TOKENIZE_KEYS)}",
+                  "unknown_parameter")
+    strs = bool(_get(body, "return_token_strs", (bool,), False, "a boolean"))
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("prompt", "send exactly one of 'prompt' (text) and 'messages' (a chat)",
+                  "missing_required_parameter")
+    if "messages" in body:
+        gen = bool(_get(body, "add_generation_prompt", (bool,), True, "a boolean"))
+        return _messages(body, model, None, add_generation_prompt=gen)[0], strs
+    text = body["prompt"]
+    if not isinstance(text, str):
+        raise bad("prompt", f"'prompt' must be a string, got {type(text).__name__}", "invalid_type")
+    check_unicode(text, "prompt")
+    special = bool(_get(body, "add_special_tokens", (bool,), True, "a boolean"))
+    ids = model.tokenizer.encode(text)
+    return (model.tokenizer.with_bos(ids) if special else ids), strs
+
+
+def detokenize(body, model) -> list[int]:
+    """POST /detokenize: `{"tokens": [ids]}` -> the ids (checked; may be empty)."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", "invalid_type")
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+        raise bad(unknown[0], f"unknown parameter {unknown[0]!r}; /detokenize takes 'tokens' (and 'model')",
+                  "unknown_parameter")
+    q = body.get("tokens")
+    if not isinstance(q, list):
+        raise bad("tokens", "'tokens' must be a list of token ids",
+                  "missing_required_parameter" if q is None else "invalid_type")
+    if not q:
+        return []
+    ids = _ids(q, model.config.vocab_size, "tokens", "tokens")
+    try:
+        model.tokenizer.check_representable(ids)
+    except ValueError as e:
+        raise bad("tokens", str(e)) from None
+    return ids

@@ -2,7 +2,7 @@
 
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream: true,
 ending with `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
-(Prometheus text). The request side (validation, refusals) lives in protocol.py, the response
+(Prometheus text), and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info. The request side (validation, refusals) lives in protocol.py, the response
 bodies in responses.py, the Prometheus text in metrics.py; this module admits requests, talks to
 the engine and keeps the counters. The `jaxinfer serve` command itself is in jaxinfer/cli.py.
 
@@ -351,6 +351,42 @@ async def metrics(http: HttpRequest):
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+@_authorized
+async def tokenize(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    body = await _read_json(http, st.limits.max_body_bytes)
+    if isinstance(body, dict):
+        _check_model(st, body.get("model"))
+    ids, strs = proto.tokenize(body, st.model)
+    out = {"count": len(ids), "max_model_len": st.context, "tokens": ids}
+    if strs:
+        out["token_strs"] = [p.decode("utf-8", "replace") for p in st.model.tokenizer.pieces(ids)]
+    return JSONResponse(out)
+
+
+@_authorized
+async def detokenize(http: HttpRequest):
+    st: ServerState = http.app.state.server
+    body = await _read_json(http, st.limits.max_body_bytes)
+    if isinstance(body, dict):
+        _check_model(st, body.get("model"))
+    return JSONResponse({"prompt": st.model.tokenizer.decode(proto.detokenize(body, st.model))})
+
+
+@_authorized
+async def tokenizer_info(http: HttpRequest):
+    """The tokenizer's special tokens and chat template (vLLM's /tokenizer_info; what
+    lm-evaluation-harness's remote tokenizer reads)."""
+    st: ServerState = http.app.state.server
+    tok = st.model.tokenizer
+    named = dict(tok.template_tokens)
+    return JSONResponse({"tokenizer_class": type(tok).__name__, "model_max_length": st.context,
+                         "bos_token": named.get("bos_token") or (tok.token_text(tok.bos_id) or None),
+                         "eos_token": named.get("eos_token") or (tok.token_text(tok.eos_id) or None),
+                         "pad_token": named.get("pad_token"), "add_bos_token": bool(tok.add_bos),
+                         "chat_template": tok.chat_template})
+
+
 async def completions(http: HttpRequest):
     return await _generate(http, chat=False)
 
@@ -390,6 +426,9 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
