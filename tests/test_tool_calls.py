@@ -164,7 +164,7 @@ def test_streaming_real_token_deltas(tok):
 def test_forced_calls_parse_and_validate(tok, compiler, fmt, choice):
     """Random logits under the constraint: every finished reply is a call, in the format, with
     arguments valid for the named function's schema."""
-    c = tc.tool_call_constraint(tok, TOOLS, choice, fmt=fmt)
+    c = C.tool_call(tok, TOOLS, choice, fmt=fmt)
     rng = np.random.default_rng(1)
     mask = compiler.allocate_bitmask(1)
     for _ in range(3):
@@ -202,7 +202,7 @@ def test_control_token_markers_are_named_by_id(tok):
         bos_id=tok.bos_id, eos_id=tok.eos_id, stop_ids=tok.stop_ids, chat_template=TEMPLATE_LINES["hermes"])
     open_id = qwenish.encode("<tool_call>")[0]
     assert open_id in C.special_token_ids(qwenish)
-    c = tc.tool_call_constraint(qwenish, TOOLS, {"type": "function", "function": {"name": "now"}})
+    c = C.tool_call(qwenish, TOOLS, {"type": "function", "function": {"name": "now"}})
     assert f"<[{open_id}]>" in c.source
     m = C.Compiler(qwenish).matcher(c)
     ids = qwenish.encode('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
@@ -222,12 +222,12 @@ def test_control_token_markers_are_named_by_id(tok):
 ])
 def test_bad_tools_are_refused(tok, tools, choice, match):
     with pytest.raises(ValueError, match=match):
-        tc.tool_call_constraint(tok, tools, choice)
+        C.tool_call(tok, tools, choice)
 
 
 def test_none_and_auto_do_not_constrain(tok):
-    assert tc.tool_call_constraint(tok, TOOLS, "auto") is None
-    assert tc.tool_call_constraint(tok, TOOLS, "none") is None
+    assert C.tool_call(tok, TOOLS, "auto") is None
+    assert C.tool_call(tok, TOOLS, "none") is None
     assert tc.parse_tool_calls("  hi  ", None) == ("hi", [])
     ids = {tc.new_call_id("hermes") for _ in range(20)} | {tc.new_call_id("mistral")}
     assert len(ids) == 21 and any(len(i) == 9 and i.isalnum() for i in ids)

@@ -7,6 +7,7 @@ A `Constraint` is a frozen, hashable value (it sits inside the frozen sampling s
   regex(pattern)                     output matches `pattern` (Rust regex syntax, no look-around)
   grammar(text)                      output is in a Lark grammar (llguidance dialect) or a GBNF one
   choice(options)                    output is exactly one of `options`
+  tool_call(tokenizer, tools, choice) the reply is a tool call in the model's format (jaxinfer.text.tool_calls)
 
 A constraint that llguidance cannot honour raises ValueError when it is built (the message names
 the keyword or the grammar error), never later and never as a silently unconstrained answer.
@@ -51,6 +52,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import llguidance
 import llguidance.numpy as llg_np
 import numpy as np
+
+from jaxinfer.text import tool_calls as tc
 
 # Whitespace allowed between JSON tokens: nothing, one space, or a newline and up to 20 spaces or
 # tabs of indentation (llama.cpp's json-schema-to-grammar `space` rule). Bounded so a model cannot
@@ -447,3 +450,81 @@ class Compiler:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(self._threads)
             llg_np.fill_next_token_bitmask_par(self._executor, rows, out)
+
+
+# ---- tool calls: a reply that is a call in the model's format (jaxinfer.text.tool_calls) ----
+
+def _call_schema(name: str, params: dict, args_key: str) -> dict:
+    return {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
+            "type": "object", "properties": {"name": {"const": name}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def tool_call(tokenizer, tools: Sequence[Mapping[str, Any]], tool_choice: Any,
+              fmt: Optional[str] = None, *, parallel: bool = True) -> Optional[Constraint]:
+    """The constraint that makes the reply a tool call in the model's format, with arguments
+    that validate against the function's `parameters` schema.
+
+    Args:
+      tokenizer: the model's Tokenizer (its chat template picks the format; control tokens such
+        as `[TOOL_CALLS]` are named by id in the grammar).
+      tools: OpenAI `tools`: [{"type": "function", "function": {"name", "description",
+        "parameters"}}, ...].
+      tool_choice: "none" or "auto" (no constraint: returns None), "required" (one or more calls
+        to any of the tools; one for the llama3 format), or {"type": "function", "function":
+        {"name": ...}} (exactly one call to that function).
+      fmt: one of tc.FORMATS; default `tc.detect_format(tokenizer.chat_template)`, else "json".
+      parallel: False limits "required" to one call (OpenAI's parallel_tool_calls).
+    Returns:
+      A Constraint, or None.
+    Raises:
+      ValueError: malformed tools or tool_choice, an unknown function name, or a parameters
+        schema the constraint engine cannot enforce (the tool and keyword are named).
+    """
+    if tool_choice in (None, "none", "auto"):
+        return None
+    funcs = tc.functions(tools)
+    if not funcs:
+        raise ValueError(f"tool_choice {tool_choice!r} needs at least one tool in `tools`")
+    if tool_choice == "required":
+        chosen, single = funcs, not parallel
+    elif isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
+        name = tool_choice["function"].get("name")
+        chosen = [f for f in funcs if f[0] == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
+                             f"({', '.join(n for n, _ in funcs)})")
+        single = True
+    else:
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
+                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
+    fmt = fmt or tc.detect_format(tokenizer.chat_template) or "json"
+    if fmt not in tc.FORMATS:
+        raise ValueError(f"tool-call format {fmt!r} is not one of {', '.join(tc.FORMATS)}")
+    for name, params in chosen:  # each parameters schema on its own, for an error that names the tool
+        try:
+            json_schema(params)
+        except ValueError as e:
+            raise ValueError(f"tool {name!r} parameters: {e}") from None
+    key = tc.ARGS_KEY[fmt]
+    schemas = [_call_schema(n, p, key) for n, p in chosen]
+    ids = special_token_ids(tokenizer)
+    special = {p.decode("utf-8", "replace"): i for i, p in zip(ids, tokenizer.pieces(ids))}
+
+    def lit(text: str) -> str:  # a control token by id, ordinary text as a string
+        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+
+    fn_rules = [f"fn_{k}: %json {json.dumps(s, ensure_ascii=False)}" for k, s in enumerate(schemas)]
+    fn = "fn: " + " | ".join(f"fn_{k}" for k in range(len(schemas)))
+    if fmt == "hermes":
+        calls = "call" if single else 'call ("\\n" call)*'
+        lark = [f"start: {calls}", f'call: {lit(tc.HERMES_OPEN)} "\\n" fn "\\n" {lit(tc.HERMES_CLOSE)}', fn, *fn_rules]
+    elif fmt == "llama3":
+        lark = ["start: fn", fn, *fn_rules]
+    else:
+        array = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, "type": "array",
+                 "items": {"anyOf": [{k: v for k, v in s.items() if k != "x-guidance"} for s in schemas]},
+                 "minItems": 1, **({"maxItems": 1} if single else {})}
+        head = f"{lit(tc.TOOL_CALLS_TOKEN)} " if fmt == "mistral" else ""
+        lark = [f"start: {head}%json {json.dumps(array, ensure_ascii=False)}"]
+    return grammar("\n".join(lark))

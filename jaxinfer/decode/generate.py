@@ -190,7 +190,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         every decode chunk (for streaming).
       allow_special: encode special-token text in string prompts ("<|im_end|>") as the special
         token; default False: it is plain text, so user text cannot forge control tokens. For
-        chat, pass `requests.chat_ids(model.tokenizer, messages)` as the prompt.
+        chat, pass `inputs.chat_ids(model.tokenizer, messages)` as the prompt.
       prefill_chunk_size: prompts padded beyond this many tokens are read in chunks of it (a
         power of two), bounding prefill memory; None reads every prompt in one pass.
       on_prefill: optional callback(done, total) after each prefill chunk (prompt tokens read).

@@ -21,6 +21,7 @@ from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
+from jaxinfer.text.tool_calls import detect_format
 
 MIN_BUCKET = 16  # smallest padded prompt length
 
@@ -173,8 +174,6 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
     Returns:
       The prompt's token ids (BOS first when the model wants it).
     """
-    from jaxinfer.text.tool_calls import detect_format
-
     if tools:
         _plain_only(tokenizer, json.dumps(tools, ensure_ascii=False), "tools")
     used = set(tokenizer.chat_template or "").union(json.dumps([messages, tools], ensure_ascii=False))

@@ -1,7 +1,7 @@
 """Logit bias and penalties: per-row logits processors, pure functions of (logits, row state).
 
-B batch rows, V vocabulary, M logit-bias entries per row, E end-of-generation ids per row, S
-extra stop ids per row. Every setting is a [B] array, so rows with different settings (and rows
+B batch rows, V vocabulary; in this module only (not the letters of `jaxinfer.model.config`):
+M logit-bias entries per row, E end-of-generation ids per row, S extra stop ids per row. Every setting is a [B] array, so rows with different settings (and rows
 with none) share one compiled program; the defaults leave a row's logits unchanged.
 
   logit_bias          OpenAI: logit[t] += bias[t], bias in [-100, 100]

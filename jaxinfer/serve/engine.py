@@ -16,7 +16,7 @@ and budgets are per-slot arrays, so nothing about a request is a static argument
 `warmup`, serving compiles nothing (`compiled_programs` counts).
 
 The promise: a request's tokens equal `generate(model, [prompt], seed=s, ...)` alone. Its key is
-derived as generate derives row 0's (`requests.request_keys`), its t-th token is sampled with
+derived as generate derives row 0's (`inputs.request_keys`), its t-th token is sampled with
 fold_in(key, t) by the same sampler, whatever runs beside it, and a preempted request is
 recomputed from its prompt and tokens so far.
 

@@ -6,7 +6,7 @@
   structured_outputs   vLLM's newer spelling: {"json" | "regex" | "choice" | "grammar" | "json_object"}
   guided_whitespace_pattern (or structured_outputs.whitespace_pattern)   JSON whitespace regex
   tools, tool_choice   "required" and a named function constrain the reply to a call
-                       (`tool_calls.tool_call_constraint`); "auto" reads the model's own format
+                       (`constraints.tool_call`); "auto" reads the model's own format
 
 At most one of these may constrain a request. A schema the constraint engine cannot honour is a
 400 naming the parameter and the keyword, never an unconstrained answer. OpenAI's `strict: false`
@@ -196,7 +196,7 @@ def tools_of(body: dict, tokenizer) -> Optional[Tools]:
     if choice in (None, "auto"):
         return Tools(tools=tools, constraint=None, reply_format=fmt)
     try:
-        c = tc.tool_call_constraint(tokenizer, tools, choice, fmt, parallel=parallel is not False)
+        c = constraints.tool_call(tokenizer, tools, choice, fmt, parallel=parallel is not False)
     except ValueError as e:
         raise Refusal("tool_choice" if "tool_choice" in str(e) else "tools", str(e)) from None
     return Tools(tools=tools, constraint=c, reply_format=fmt or "json")

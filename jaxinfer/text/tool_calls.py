@@ -30,10 +30,10 @@ import string
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 FORMATS = ("hermes", "llama3", "mistral", "json")
-_ARGS_KEY = {"hermes": "arguments", "llama3": "parameters", "mistral": "arguments", "json": "arguments"}
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+ARGS_KEY = {"hermes": "arguments", "llama3": "parameters", "mistral": "arguments", "json": "arguments"}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
-_TOOL_CALLS = "[TOOL_CALLS]"
+TOOL_CALLS_TOKEN = "[TOOL_CALLS]"
 # the head of a call object written name-first: `{"name": "f", "arguments": ` up to the value
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(arguments|parameters)"\s*:\s*(?=\S)')
 _FIRST_KEY = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"')
@@ -48,9 +48,9 @@ def detect_format(chat_template: Optional[str]) -> Optional[str]:
       "hermes", "llama3", "mistral", or None.
     """
     t = chat_template or ""
-    if _TOOL_CALLS in t:
+    if TOOL_CALLS_TOKEN in t:
         return "mistral"
-    if _HERMES_OPEN in t and _HERMES_CLOSE in t:
+    if HERMES_OPEN in t and HERMES_CLOSE in t:
         return "hermes"
     if "<|start_header_id|>" in t and '"parameters"' in t:
         return "llama3"
@@ -232,7 +232,7 @@ class ToolCallParser:
         return self._emit_content(len(self._text), final)
 
     def _st_content(self, final):
-        marker = _HERMES_OPEN if self.fmt == "hermes" else _TOOL_CALLS
+        marker = HERMES_OPEN if self.fmt == "hermes" else TOOL_CALLS_TOKEN
         at = self._text.find(marker, self._pos)
         if at < 0:
             end = len(self._text)
@@ -257,7 +257,7 @@ class ToolCallParser:
             self._pos += len(rest) - len(stripped) + 1
             self._state = "open"
         elif stripped or final:  # not the layout we know: the marker and what follows are content
-            self._pos = self._marker_at - len(_TOOL_CALLS)
+            self._pos = self._marker_at - len(TOOL_CALLS_TOKEN)
             self._state = "content_only"
         return []
 
@@ -271,7 +271,7 @@ class ToolCallParser:
             self._state = "call"
         elif stripped or final:  # no call object: the text is content
             if self.fmt == "hermes":  # keep the marker as text, look for the next one after it
-                self._pos = self._marker_at - len(_HERMES_OPEN)
+                self._pos = self._marker_at - len(HERMES_OPEN)
                 out = self._emit_content(self._marker_at, final)
                 self._state = "content"
                 return out
@@ -301,7 +301,7 @@ class ToolCallParser:
                 obj = json.loads(self._text[c.start:obj_end])
             except ValueError:
                 obj = None
-            args = obj.get(_ARGS_KEY[self.fmt], obj.get("arguments")) if isinstance(obj, dict) else None
+            args = obj.get(ARGS_KEY[self.fmt], obj.get("arguments")) if isinstance(obj, dict) else None
             if isinstance(obj, dict) and isinstance(obj.get("name"), str) and args is not None:
                 c.name, c.id = obj["name"], self._call_id()
                 c.whole_args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
@@ -319,9 +319,9 @@ class ToolCallParser:
         stripped = rest.lstrip()
         skip = len(rest) - len(stripped)
         if self.fmt == "hermes":
-            at = self._text.find(_HERMES_CLOSE, self._pos)
+            at = self._text.find(HERMES_CLOSE, self._pos)
             if at >= 0:
-                self._pos = at + len(_HERMES_CLOSE)
+                self._pos = at + len(HERMES_CLOSE)
                 self._state = "content"
             elif final:
                 self._pos = len(self._text)
@@ -389,7 +389,7 @@ def parse_tool_calls(text: str, fmt: Optional[str], *, call_id: Optional[Callabl
 # -- forcing a call -----------------------------------------------------------------------------
 
 
-def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict]]:
+def functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict]]:
     """(name, parameters schema) of each OpenAI tool; ValueError naming a malformed one."""
     out = []
     for k, t in enumerate(tools or ()):
@@ -418,84 +418,4 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     Raises:
       ValueError: a malformed definition (named by its index) or a name used twice.
     """
-    return [name for name, _ in _functions(tools)]
-
-
-def _call_schema(name: str, params: dict, args_key: str) -> dict:
-    from jaxinfer.decode import constraints
-
-    return {"x-guidance": {"whitespace_pattern": constraints.JSON_WHITESPACE},
-            "type": "object", "properties": {"name": {"const": name}, args_key: params},
-            "required": ["name", args_key], "additionalProperties": False}
-
-
-def tool_call_constraint(tokenizer, tools: Sequence[Mapping[str, Any]], tool_choice: Any,
-                         fmt: Optional[str] = None, *, parallel: bool = True):
-    """The constraint that makes the reply a tool call in the model's format, with arguments
-    that validate against the function's `parameters` schema.
-
-    Args:
-      tokenizer: the model's Tokenizer (its chat template picks the format; control tokens such
-        as `[TOOL_CALLS]` are named by id in the grammar).
-      tools: OpenAI `tools`: [{"type": "function", "function": {"name", "description",
-        "parameters"}}, ...].
-      tool_choice: "none" or "auto" (no constraint: returns None), "required" (one or more calls
-        to any of the tools; one for the llama3 format), or {"type": "function", "function":
-        {"name": ...}} (exactly one call to that function).
-      fmt: one of FORMATS; default `detect_format(tokenizer.chat_template)`, else "json".
-      parallel: False limits "required" to one call (OpenAI's parallel_tool_calls).
-    Returns:
-      A jaxinfer.constraints Constraint, or None.
-    Raises:
-      ValueError: malformed tools or tool_choice, an unknown function name, or a parameters
-        schema the constraint engine cannot enforce (the tool and keyword are named).
-    """
-    from jaxinfer.decode import constraints
-
-    if tool_choice in (None, "none", "auto"):
-        return None
-    funcs = _functions(tools)
-    if not funcs:
-        raise ValueError(f"tool_choice {tool_choice!r} needs at least one tool in `tools`")
-    if tool_choice == "required":
-        chosen, single = funcs, not parallel
-    elif isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
-        name = tool_choice["function"].get("name")
-        chosen = [f for f in funcs if f[0] == name]
-        if not chosen:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
-                             f"({', '.join(n for n, _ in funcs)})")
-        single = True
-    else:
-        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
-    fmt = fmt or detect_format(tokenizer.chat_template) or "json"
-    if fmt not in FORMATS:
-        raise ValueError(f"tool-call format {fmt!r} is not one of {', '.join(FORMATS)}")
-    for name, params in chosen:  # each parameters schema on its own, for an error that names the tool
-        try:
-            constraints.json_schema(params)
-        except ValueError as e:
-            raise ValueError(f"tool {name!r} parameters: {e}") from None
-    key = _ARGS_KEY[fmt]
-    schemas = [_call_schema(n, p, key) for n, p in chosen]
-    ids = constraints.special_token_ids(tokenizer)
-    special = {p.decode("utf-8", "replace"): i for i, p in zip(ids, tokenizer.pieces(ids))}
-
-    def lit(text: str) -> str:  # a control token by id, ordinary text as a string
-        return f"<[{special[text]}]>" if text in special else json.dumps(text)
-
-    fn_rules = [f"fn_{k}: %json {json.dumps(s, ensure_ascii=False)}" for k, s in enumerate(schemas)]
-    fn = "fn: " + " | ".join(f"fn_{k}" for k in range(len(schemas)))
-    if fmt == "hermes":
-        calls = "call" if single else 'call ("\\n" call)*'
-        lark = [f"start: {calls}", f'call: {lit(_HERMES_OPEN)} "\\n" fn "\\n" {lit(_HERMES_CLOSE)}', fn, *fn_rules]
-    elif fmt == "llama3":
-        lark = ["start: fn", fn, *fn_rules]
-    else:
-        array = {"x-guidance": {"whitespace_pattern": constraints.JSON_WHITESPACE}, "type": "array",
-                 "items": {"anyOf": [{k: v for k, v in s.items() if k != "x-guidance"} for s in schemas]},
-                 "minItems": 1, **({"maxItems": 1} if single else {})}
-        head = f"{lit(_TOOL_CALLS)} " if fmt == "mistral" else ""
-        lark = [f"start: {head}%json {json.dumps(array, ensure_ascii=False)}"]
-    return constraints.grammar("\n".join(lark))
+    return [name for name, _ in functions(tools)]
