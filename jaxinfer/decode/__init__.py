@@ -1,10 +1,12 @@
 """Logits -> tokens, and the loop around them.
 
-  sampling.py     sample(logits, keys, SamplingParams) -> tokens
+  sampling.py     sample(logits, keys, SamplingParams | RowParams) -> tokens: the one sampler
   penalties.py    logit bias, repetition / frequency / presence penalties, min_tokens, ignore_eos
-  constraints.py  JSON schema, regex, grammar and choice constraints (llguidance) -> token bitmasks
+  constraints.py  JSON schema, regex, grammar, choice and tool-call constraints (llguidance) -> token bitmasks
   bitmask.py      apply_token_bitmask(logits, bitmask): disallowed tokens get -inf on the device
-  requests.py     host-side request plumbing: prompts -> ids, seeds -> keys, stop ids, result types
-  generate.py     the jitted prefill and the lax.scan decode loop
-  speculative.py  speculative decoding (n-gram lookup or a draft model)
+  core.py         the one decode core: the jitted prefill and the lax.scan decode over the paged cache
+  inputs.py       host-side inputs: prompts -> ids, seeds -> keys, stop ids, every argument checked
+  outputs.py      Completion, Output, Timings
+  generate.py     `generate` and `logits`: a closed batch on the core
+  speculative.py  speculative decoding (n-gram lookup or a draft model) as a step function of the core
 """

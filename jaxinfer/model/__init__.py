@@ -1,9 +1,12 @@
 """The model itself: config, params, the forward pass, the KV cache, and weight transforms.
 
-  config.py    ModelConfig (frozen, hashable) and presets
-  params.py    param_specs: every weight described once (shape, logical axes, init)
-  forward.py   `Model` and forward(params, tokens, positions, cache, cfg) -> (logits, cache)
-  cache.py     KVCache, an immutable pytree; bytes_per_token
-  layout.py    the CPU decode layout (one array per layer, fused projections)
-  quantize.py  int8 / int4 weight-only quantization
+  config.py     ModelConfig (frozen, hashable), presets, and the shape letters
+  params.py     param_specs: every weight described once (shape, logical axes, init)
+  model.py      `Model`: config + params + tokenizer
+  forward.py    forward(params, tokens, positions, cache, cfg) -> (logits, cache)
+  attention.py  causal masks, dense attention, paged attention over the cache's blocks
+  cache.py      KVCache: the paged pool, page tables and lengths, an immutable pytree; bytes_per_token
+  rope.py       rotary inverse frequencies (plain, linear, llama3 scaling)
+  layout.py     the declared params layouts (canonical; CPU decode: one array per layer, fused projections)
+  quantize.py   int8 / int4 weight-only quantization
 """

@@ -1,12 +1,13 @@
-"""Serving many requests: continuous batching over a paged KV pool with prefix caching.
+"""Serving many requests: continuous batching on the decode core, over a paged KV pool with prefix caching.
 
   pages.py      host-side page allocator and prefix cache (pure Python)
-  paged.py      the paged KV cache pytree that `forward` reads and writes
   scheduler.py  admission, chunked prefill, preemption (pure Python)
+  runner.py     the device side: the pool, the core's prefill and decode calls, warmup
+  live.py       a running request's host state: tokens, detokenizing, stop strings, deltas
   request.py    Request (stream / async stream / result / cancel) and Delta
-  engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats
-  protocol.py, structured.py, responses.py, server.py   `jaxinfer serve`: OpenAI's HTTP API over the
-                the Engine (structured.py: response_format, guided_*, tools -> a constraint)
+  engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery
+  protocol.py, structured.py, responses.py, server.py, metrics.py   `jaxinfer serve`: OpenAI's HTTP
+                API over the Engine (structured.py: response_format, guided_*, tools -> a constraint)
 """
 
 from jaxinfer.serve.engine import Engine, EngineStats

@@ -7,6 +7,8 @@
   spm.py           SentencePiece BPE vocabularies (Llama 2, Mistral, Gemma) on tiktoken
   hf_tokenizer.py  a Hugging Face tokenizer.json as bpe or spm, exact or refused
   chat.py          the model's own Jinja chat template, rendered as transformers renders it
+  stream.py        incremental detokenizing and stop strings
+  tool_calls.py    the tool-call formats chat templates teach: detect, parse, stream
 
 Imports run one way: chat <- tokenizer <- bpe, spm <- hf_tokenizer.
 """
