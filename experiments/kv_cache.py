@@ -111,11 +111,14 @@ def memory_table(m) -> dict:
     fwd = jax.jit(mdl.forward, static_argnames=("cfg",))
     _, cache = fwd(m.params, tokens, positions, cache, cfg=m.config)
     measured = int(cache.k.nbytes) + int(cache.v.nbytes)
-    formula = jaxinfer.bytes_per_token(m.config, cache.k.dtype) * S
+    _, n_pages, page_size = cache.k.shape[:3]  # the pool: S positions in pages, plus page 0 (the trash page)
+    formula = jaxinfer.bytes_per_token(m.config, cache.k.dtype) * n_pages * page_size
     filled = int(np.asarray(cache.lengths)[0])
-    written = int(np.count_nonzero(np.abs(np.asarray(cache.k[0, 0])).sum(axis=(-1, -2))))
+    layer0 = np.asarray(cache.k[0]).reshape(n_pages * page_size, -1)
+    written = int(np.count_nonzero(np.abs(layer0).sum(axis=-1)))
     return {"rows": rows, "our_cache": {"model": m.config.name, "dtype": str(cache.k.dtype), "shape": list(cache.k.shape),
-                                        "slots": S, "filled": filled, "slots_written_layer0": written,
+                                        "slots": S, "positions_in_pool": n_pages * page_size, "trash_pages": 1,
+                                        "filled": filled, "slots_written_layer0": written,
                                         "measured_nbytes": measured, "formula_bytes": formula,
                                         "equal": measured == formula}}
 
@@ -155,7 +158,8 @@ def main(argv=None, model=None) -> dict:
               f"{fmt_bytes(r['bytes_at_8192']):>16s} {fmt_bytes(r['bytes_at_max_context']):>12s} @ {r['max_context']:,}")
     oc = mem["our_cache"]
     print(f"   our prefill's cache {oc['shape']} {oc['dtype']}: measured {oc['measured_nbytes']:,} bytes, "
-          f"formula {oc['formula_bytes']:,} -> equal: {oc['equal']} ({oc['filled']} slots filled)")
+          f"formula {oc['formula_bytes']:,} ({oc['positions_in_pool']} positions: {oc['slots']} + one trash page) -> "
+          f"equal: {oc['equal']} ({oc['filled']} slots filled)")
 
     fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1.2, 1.1]})
     n = np.arange(1, args.max_new_tokens + 1)
