@@ -147,7 +147,7 @@ def main(argv=None, model=None) -> dict:
         args.requests, args.concurrency, args.max_prompt, args.max_new, args.max_slots = 12, 6, 40, 8, 4
         args.disconnect = 0.25
     from jaxinfer.compile_cache import enable_persistent_cache
-    from jaxinfer.serve import metrics as mx, server as srv
+    from jaxinfer.serve import metrics as mx, http_api as srv
 
     enable_persistent_cache()
     model = common.load_model(args, model)

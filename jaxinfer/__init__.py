@@ -9,7 +9,7 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         core.py (the one decode core), inputs.py, outputs.py,
                                         generate.py, speculative.py
   serve/     many requests at once      engine.py, runner.py, live.py, scheduler.py, pages.py,
-                                        request.py, server.py (OpenAI's HTTP API)
+                                        request.py, http_api.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)

@@ -294,7 +294,7 @@ def _serve(args) -> int:
     try:
         import uvicorn
 
-        from jaxinfer.serve import server
+        from jaxinfer.serve import http_api as server
     except ImportError as e:
         raise RuntimeError(f"jaxinfer serve needs the [serve] extra ({e}): pip install 'jaxinfer[serve]'")
     import logging

@@ -273,7 +273,7 @@ def test_lm_eval_over_http_local_completions(model, tmp_path):
     (`tokenizer_backend=remote`, as against vLLM): no transformers needed."""
     lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install '.[eval]')")
     pytest.importorskip("starlette")
-    from jaxinfer.serve import server as srv
+    from jaxinfer.serve import http_api as srv
 
     engine = engine_for(model)
     app = srv.create_app(engine, model, model_name="tiny")

@@ -540,7 +540,7 @@ def test_serve_port_0_binds_a_free_port_before_the_load_and_announces_it(tiny_mo
 
     uvicorn = pytest.importorskip("uvicorn")
     from jaxinfer import compile_cache
-    from jaxinfer.serve import server
+    from jaxinfer.serve import http_api as server
 
     bound, at_load, served = [], [], []
 

@@ -22,7 +22,7 @@ from jaxinfer.decode.inputs import chat_ids, encode_text
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
 from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
 from jaxinfer.model.model import Model  # noqa: E402
-from jaxinfer.serve import metrics as mx, server as srv  # noqa: E402
+from jaxinfer.serve import metrics as mx, http_api as srv  # noqa: E402
 from tests.tolerances import assert_close  # noqa: E402
 
 KEY = "test-key"

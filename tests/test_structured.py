@@ -31,7 +31,7 @@ from jaxinfer.decode.outputs import Completion
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
 from jaxinfer.model import config as mconfig, params as mparams  # noqa: E402
 from jaxinfer.model.model import Model  # noqa: E402
-from jaxinfer.serve import protocol as proto, responses as rsp, server as srv  # noqa: E402
+from jaxinfer.serve import protocol as proto, responses as rsp, http_api as srv  # noqa: E402
 from jaxinfer.serve.engine import Engine  # noqa: E402
 from tests.test_penalties import np_frequency_presence, np_logit_bias, np_min_tokens, np_repetition  # noqa: E402
 from tests.tolerances import assert_close, tolerance  # noqa: E402

@@ -6,7 +6,7 @@
   live.py       a running request's host state: tokens, detokenizing, stop strings, deltas
   request.py    Request (stream / async stream / result / cancel) and Delta
   engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery
-  protocol.py, structured.py, responses.py, server.py, metrics.py   `jaxinfer serve`: OpenAI's HTTP
+  protocol.py, structured.py, responses.py, http_api.py, metrics.py   `jaxinfer serve`: OpenAI's HTTP
                 API over the Engine (structured.py: response_format, guided_*, tools -> a constraint)
 """
 
