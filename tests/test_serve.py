@@ -235,3 +235,25 @@ def test_identity_real_smollm2(smollm2):
             engine.step()
         engine.run_until_idle()
         assert_same([r.result() for r in reqs], ref, fp32_error=smollm2_fp32_error())
+
+
+def test_scoring_requests_are_admitted_and_cancelled_like_any_other(model):
+    """A prompt-scoring request (max_new_tokens 0, prompt_logprobs: lm-eval's loglikelihood call) takes
+    a slot and pages like any request: with one slot the others wait, a cancelled one ends without
+    running, and every page comes back. Its logprobs are those of the uncached forward."""
+    engine = Engine(model, max_slots=1, page_size=8, max_len=64, prefill_chunk=16)
+    prompts = [list(range(3, 43)), list(range(50, 90)), list(range(100, 140))]  # 3 prefill steps each
+    reqs = [engine.submit(p, max_new_tokens=0, prompt_logprobs=0) for p in prompts]
+    engine.step()
+    s = engine.stats()
+    assert (s.running, s.waiting) == (1, 2) and 0 < s.pages_in_use <= 5
+    reqs[2].cancel()
+    engine.run_until_idle()
+    cancelled = reqs[2].result()
+    assert cancelled.finish_reason == "cancelled" and not any(x is not None for x in cancelled.prompt_logprobs)
+    for r, p in zip(reqs[:2], prompts):
+        c = r.result()
+        assert c.token_ids == [] and c.prompt_logprobs[0] is None
+        rows = np.asarray(jax.nn.log_softmax(jaxinfer.logits(model, p), axis=-1))
+        assert_close(c.prompt_logprobs[1:], [rows[j - 1, p[j]] for j in range(1, len(p))], what="prompt logprobs")
+    assert engine.stats().pages_in_use == 0

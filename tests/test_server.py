@@ -607,3 +607,51 @@ def test_tokenizer_endpoints_refuse_bad_bodies(served, path, body, param):
 def test_tokenizer_endpoints_need_the_key(served):
     assert httpx.post(served.url + "/tokenize", json={"prompt": "a"}).status_code == 401
     assert httpx.get(served.url + "/tokenizer_info").status_code == 401
+
+
+def test_scoring_calls_are_admitted_like_any_request(model):
+    """lm-eval's scoring call (echo, max_tokens 0) goes through admission: while the device is busy
+    (the engine's prefill held at a gate), max_slots + max_waiting of them are in flight and one
+    more is a 429; once the gate opens, all are answered with the uncached forward's logprobs and
+    every page comes back."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = srv.make_engine(model, max_slots=2, kv_memory=None, max_len=128, prefill_chunk=64)
+    gate, prefill = threading.Event(), engine.runner.prefill
+
+    def held_prefill(*a, **kw):
+        gate.wait(timeout=120)
+        return prefill(*a, **kw)
+
+    engine.runner.prefill = held_prefill
+    app = srv.create_app(engine, model, model_name=NAME, limits=srv.Limits(max_slots=2, max_waiting=1))
+    server, thread, url = start_server(app)
+    text = "The quick brown fox jumps over the lazy dog"
+    body = {"model": NAME, "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1}
+    try:
+        with ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(httpx.post, url + "/v1/completions", json=body, timeout=300) for _ in range(3)]
+            t0 = time.time()
+            while _metric(httpx.get(url + "/metrics").text, "jaxinfer_http_in_flight") < 3:
+                assert time.time() - t0 < 30, "the scoring calls were not admitted"
+                time.sleep(0.05)
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            gate.set()
+            answers = [f.result() for f in futs]
+        ids = model.tokenizer.encode(text)
+        rows = log_softmax_rows(model, ids)
+        for a in answers:
+            assert a.status_code == 200, a.text
+            got = a.json()["choices"][0]["logprobs"]["token_logprobs"]
+            assert_close(got[1:], [rows[j - 1, ids[j]] for j in range(1, len(ids))], what="scored prompt")
+        assert app.state.server.in_flight == 0
+        t0 = time.time()
+        while engine.stats().pages_in_use and time.time() - t0 < 30:
+            time.sleep(0.05)
+        assert engine.stats().pages_in_use == 0
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(timeout=60)
