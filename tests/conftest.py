@@ -45,3 +45,28 @@ def _no_persistent_compile_cache_leaks():
         for n, v in before.items():
             jax.config.update(n, v)
         compilation_cache.reset_cache()
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no per-process map limit to stay under
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Every XLA CPU executable keeps a few memory mappings for its code, and JAX keeps every
+    executable it compiled; a suite of ~700 tests compiles thousands of programs, and past Linux's
+    vm.max_map_count (65,530 by default) the next compile dies with a segfault or an abort. After a
+    test module that leaves many mappings behind, JAX's caches are cleared (programs that are needed
+    again are recompiled)."""
+    yield
+    if _memory_maps() > 20_000:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
