@@ -308,28 +308,6 @@ def params_mesh(params: prm.Params) -> Optional[Mesh]:
     return None
 
 
-def place_batch(mesh: Mesh, cfg: ModelConfig, batch_size: int, max_len: int, tokens: np.ndarray,
-                lengths: np.ndarray, keys: jax.Array):
-    """Inputs of one `generate` call on the model's mesh: an empty sharded cache, and the
-    prompts, lengths and per-row keys with rows on `data` (replicated when data does not divide B).
-
-    Args:
-      mesh: the params' mesh.
-      cfg: model config.
-      batch_size, max_len: B and S of the cache.
-      tokens: [B, Tb] host prompt ids; lengths: [B] host prompt lengths.
-      keys: [B] typed PRNG keys (same values on every process).
-    Returns:
-      (cache, tokens, lengths, keys) as global arrays.
-    """
-    b = batch_axis(batch_size, mesh)
-    rows = NamedSharding(mesh, P(b))
-    key_data = _put(np.asarray(jax.random.key_data(keys)), NamedSharding(mesh, P(b, None)))
-    keys = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(keys))
-    return (init_cache(cfg, mesh, batch_size, max_len), _put(tokens, NamedSharding(mesh, P(b, None))),
-            _put(lengths, rows), keys)
-
-
 def to_host(x: jax.Array) -> np.ndarray:
     """The whole value of a (possibly multi-process) array as numpy, on every process."""
     if getattr(x, "is_fully_addressable", True):

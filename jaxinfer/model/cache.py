@@ -302,11 +302,6 @@ def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer, starts: jax.
                              v_scale=_scatter(cache.v_scale, vs, layer, pages, offsets))
 
 
-def n_blocks(max_position: jax.Array, block: int) -> jax.Array:
-    """Attention blocks that cover positions 0 .. max_position (a scalar)."""
-    return (max_position // block + 1).astype(jnp.int32)
-
-
 def read_block(cache: KVCache, layer, block_index: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Keys and values of positions block_index x block .. + block - 1 of every row, [B, block, K, H].
 

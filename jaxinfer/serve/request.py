@@ -54,7 +54,6 @@ class Request:
         self._completion: Optional[Completion] = None
         self._error: Optional[str] = None
         self._wakers: list[Callable[[], None]] = []
-        self.submitted_at = time.perf_counter()
         self.first_token_at: Optional[float] = None
 
     # ---- the caller's side ------------------------------------------------------------------
