@@ -351,12 +351,18 @@ async def metrics(http: HttpRequest):
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-@_authorized
-async def tokenize(http: HttpRequest):
+async def _model_body(http: HttpRequest):
+    """The JSON body of a tokenizer endpoint, its `model` (when given) checked."""
     st: ServerState = http.app.state.server
     body = await _read_json(http, st.limits.max_body_bytes)
     if isinstance(body, dict):
         _check_model(st, body.get("model"))
+    return st, body
+
+
+@_authorized
+async def tokenize(http: HttpRequest):
+    st, body = await _model_body(http)
     ids, strs = proto.tokenize(body, st.model)
     out = {"count": len(ids), "max_model_len": st.context, "tokens": ids}
     if strs:
@@ -366,10 +372,7 @@ async def tokenize(http: HttpRequest):
 
 @_authorized
 async def detokenize(http: HttpRequest):
-    st: ServerState = http.app.state.server
-    body = await _read_json(http, st.limits.max_body_bytes)
-    if isinstance(body, dict):
-        _check_model(st, body.get("model"))
+    st, body = await _model_body(http)
     return JSONResponse({"prompt": st.model.tokenizer.decode(proto.detokenize(body, st.model))})
 
 
