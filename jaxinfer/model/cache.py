@@ -259,17 +259,11 @@ def locate(page_table: jax.Array, page_size: int, starts: jax.Array, T: int) -> 
 def _scatter(pool: jax.Array, new: jax.Array, layer, pages: jax.Array, offsets: jax.Array) -> jax.Array:
     """pool [L, P, ps, K, X] with new [B, T, K, X] written at (layer, pages[b, t], offsets[b, t]).
 
-    Several tokens at a static layer (an int: the CPU layout's unrolled layer loop) are one
-    scatter, which XLA writes in place (one token stays one dynamic_update_slice: faster there,
-    SmolLM2 batch 1 ~29 vs ~23 tokens/s). A traced layer (the canonical layout's `lax.scan` over layers) is one
-    in-place dynamic_update_slice per token: there a scatter into the pool the scan carries
-    makes XLA's CPU backend copy the whole pool in every layer, and per-token updates in the
-    unrolled loop copy a layer's slice each (SmolLM2, 8 rows: 45 vs 97 tokens/s). Few tokens
-    (decode) unroll; many (prefill) loop, so the program does not grow with the chunk.
+    One in-place dynamic_update_slice per token: a scatter into the pool that the layer loop
+    carries makes XLA's CPU backend copy the whole pool in every layer. Few tokens (decode)
+    unroll; many (prefill) loop, so the program does not grow with the chunk.
     """
     B, T = pages.shape
-    if isinstance(layer, int) and B * T > 1:
-        return pool.at[layer, pages, offsets].set(new.astype(pool.dtype))
     new = new.astype(pool.dtype).reshape(B * T, 1, 1, *new.shape[2:])
     pages, offsets = pages.reshape(-1), offsets.reshape(-1)
 

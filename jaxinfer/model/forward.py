@@ -135,8 +135,8 @@ def run_layers(block: Callable, carry, layers, meta, cfg: ModelConfig):
     if cfg.layout == "canonical":
         return jax.lax.scan(block, carry, (layers, *meta))
     outs = []
-    for i, lp in enumerate(layers):  # meta[0] is the layer index: a Python int here (static writes)
-        carry, out = block(carry, (lp, i, *(m[i] for m in meta[1:])))
+    for i, lp in enumerate(layers):
+        carry, out = block(carry, (lp, *(m[i] for m in meta)))
         outs.append(out)
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
