@@ -22,6 +22,7 @@ from jaxinfer.decode import penalties as pen
 from jaxinfer.decode.inputs import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.serve import structured
+from jaxinfer.text.tool_calls import FUNCTION_NAME
 
 # Stop strings: vLLM and SGLang take any number; lm-evaluation-harness appends the EOS string to a
 # task's `until` list, so 5+ is common. Each is checked against the tail of the text per token, so
@@ -30,6 +31,7 @@ MAX_STOP = 32
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
 MAX_N = 16
+CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a tool call's id (and a tool message's tool_call_id)
 MAX_LOGIT_BIAS = 1024  # entries; up to 16 share the warmed-up programs, each power of two above compiles once
 
 # Accepted and without effect on the tokens (or validated below).
@@ -284,9 +286,9 @@ def _tool_calls(calls, i: int) -> list[dict]:
             raise bad(f"{where}[{j}]", f"{where}[{j}] must be {{id, type: 'function', function: {{name, arguments}}}}",
                       "invalid_type")
         cid, name, args = c.get("id"), fn.get("name"), fn.get("arguments")
-        if not (isinstance(cid, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", cid)):
+        if not (isinstance(cid, str) and CALL_ID.fullmatch(cid)):
             raise bad(f"{where}[{j}].id", f"{where}[{j}].id must be 1-128 letters, digits, '_', '-', '.' or ':'")
-        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)):
+        if not (isinstance(name, str) and FUNCTION_NAME.fullmatch(name)):
             raise bad(f"{where}[{j}].function.name", f"{where}[{j}].function.name must be 1-64 letters, digits, "
                       "'_', '.' or '-'")
         if isinstance(args, str):
@@ -319,7 +321,7 @@ def _messages(body: dict, model, tools: Optional[list], add_generation_prompt: b
             msg["tool_calls"] = calls
         if role == "tool":
             tid = m.get("tool_call_id")
-            if not (isinstance(tid, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", tid)):
+            if not (isinstance(tid, str) and CALL_ID.fullmatch(tid)):
                 raise bad(f"messages[{i}].tool_call_id", f"messages[{i}] (role tool) needs the tool_call_id of the "
                           "call it answers (1-128 letters, digits, '_', '-', '.' or ':')",
                           "missing_required_parameter" if tid is None else "invalid_value")
@@ -456,6 +458,17 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
 TOKENIZE_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs", "messages", "add_generation_prompt"}
 
 
+def _endpoint_body(body, allowed: set, endpoint: str) -> dict:
+    """A tokenizer endpoint's body: a JSON object with only the `allowed` keys."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", "invalid_type")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(unknown[0], f"unknown parameter {unknown[0]!r}; {endpoint} takes {sorted(allowed)}",
+                  "unknown_parameter")
+    return body
+
+
 def tokenize(body, model) -> tuple[list[int], bool]:
     """POST /tokenize: (token ids, whether to return their texts).
 
@@ -464,12 +477,7 @@ def tokenize(body, model) -> tuple[list[int], bool]:
     a string prompt as plain text) and add_special_tokens puts BOS first where the model wants it.
     `{"messages": [...], "add_generation_prompt": true}` gives the ids the chat endpoint would run.
     """
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object", "invalid_type")
-    unknown = sorted(set(body) - TOKENIZE_KEYS)
-    if unknown:
-        raise bad(unknown[0], f"unknown parameter {unknown[0]!r}; /tokenize takes {sorted(TOKENIZE_KEYS)}",
-                  "unknown_parameter")
+    body = _endpoint_body(body, TOKENIZE_KEYS, "/tokenize")
     strs = bool(_get(body, "return_token_strs", (bool,), False, "a boolean"))
     if ("prompt" in body) == ("messages" in body):
         raise bad("prompt", "send exactly one of 'prompt' (text) and 'messages' (a chat)",
@@ -488,12 +496,7 @@ def tokenize(body, model) -> tuple[list[int], bool]:
 
 def detokenize(body, model) -> list[int]:
     """POST /detokenize: `{"tokens": [ids]}` -> the ids (checked; may be empty)."""
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object", "invalid_type")
-    unknown = sorted(set(body) - {"model", "tokens"})
-    if unknown:
-        raise bad(unknown[0], f"unknown parameter {unknown[0]!r}; /detokenize takes 'tokens' (and 'model')",
-                  "unknown_parameter")
+    body = _endpoint_body(body, {"model", "tokens"}, "/detokenize")
     q = body.get("tokens")
     if not isinstance(q, list):
         raise bad("tokens", "'tokens' must be a list of token ids",

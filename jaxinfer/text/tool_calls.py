@@ -35,6 +35,7 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS_TOKEN = "[TOOL_CALLS]"
 # the head of a call object written name-first: `{"name": "f", "arguments": ` up to the value
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(arguments|parameters)"\s*:\s*(?=\S)')
 _FIRST_KEY = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"')
 
@@ -397,7 +398,7 @@ def functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict]]:
         if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping):
             raise ValueError(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
         name = fn.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise ValueError(f"tools[{k}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
         params = fn.get("parameters")
         if params is None:  # OpenAI: no parameters means an empty parameter list
