@@ -269,3 +269,32 @@ def test_compiled_once_and_cache_bounded(tok):
         comp.matcher({"type": "object"})
     with pytest.raises(ValueError, match=r"stop ids \[99999\] are outside"):
         C.Compiler(tok, stop_ids=[99999])
+
+
+def test_objects_generate_only_listed_properties_unless_asked(tok, compiler):
+    """A schema silent on additionalProperties generates only its listed keys (a sampled object
+    cannot invent keys until its budget ends); extra_properties=True is JSON Schema's default."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "array", "items": {
+                                                   "type": "object", "properties": {"c": {"type": "boolean"}}}}},
+              "required": ["a"]}
+    closed = C.closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["b"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+    assert C.closed_objects({"type": "object"}) == {"type": "object"}  # nothing listed: any keys
+    assert C.closed_objects({"properties": {"x": {}}, "additionalProperties": True})["additionalProperties"] is True
+
+    def accepts(c, text):
+        m = compiler.matcher(c)
+        ids = tok.encode(text)
+        return m.validate(ids) == len(ids)
+
+    listed, extra = '{"a": 1, "b": [{"c": true}]}', '{"a": 1, "zz": 2}'
+    nested_extra = '{"a": 1, "b": [{"c": true, "d": 1}]}'
+    assert accepts(C.json_schema(schema), listed)
+    assert not accepts(C.json_schema(schema), extra) and not accepts(C.json_schema(schema), nested_extra)
+    loose = C.json_schema(schema, extra_properties=True)
+    assert accepts(loose, extra) and accepts(loose, nested_extra)
+    for text in (listed, extra, nested_extra):
+        jsonschema.validate(json.loads(text), schema)  # all valid: closing only narrows what is generated

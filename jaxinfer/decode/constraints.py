@@ -90,11 +90,46 @@ def _checked(kind: str, source: str, grammar: str, *, allow_warnings: bool = Fal
     return Constraint(kind=kind, source=source, grammar=grammar, warnings=tuple(messages))
 
 
+# Keywords whose value is a subschema, a list of them, or a map of name -> subschema.
+_SUB_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+            "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that lists `properties` (or
+    `patternProperties`) and says nothing of `additionalProperties` gets `"additionalProperties":
+    false`: only the listed properties are generated. Whatever the closed schema admits, the
+    original admits too; it stops a sampled object from growing invented keys until the token
+    budget runs out (vLLM's guidance backend does the same with `no-additional-properties`; OpenAI's
+    strict mode requires it)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for k in _SUB_ONE:
+        if isinstance(out.get(k), Mapping):
+            out[k] = closed_objects(out[k])
+    for k in _SUB_LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(x) for x in out[k]]
+    for k in _SUB_MAP:
+        if isinstance(out.get(k), Mapping):
+            out[k] = {name: closed_objects(x) for name, x in out[k].items()}
+    if (("properties" in out or "patternProperties" in out) and "additionalProperties" not in out
+            and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema(schema: Union[Mapping[str, Any], str, bool], *, strict: bool = True,
-                whitespace: Optional[str] = JSON_WHITESPACE) -> Constraint:
+                whitespace: Optional[str] = JSON_WHITESPACE, extra_properties: bool = False) -> Constraint:
     """Output is JSON that validates against a JSON schema (Draft 2020-12).
 
-    Object properties come out in the order the schema lists them.
+    Object properties come out in the order the schema lists them. An object schema that lists
+    its properties and does not mention `additionalProperties` generates only those properties
+    (`closed_objects`) unless extra_properties=True; the output validates against the schema
+    either way.
 
     Args:
       schema: the schema, as a dict, JSON text, or `True` (any JSON value).
@@ -104,6 +139,8 @@ def json_schema(schema: Union[Mapping[str, Any], str, bool], *, strict: bool = T
         keywords are ignored (everything else is still enforced) and listed in `.warnings`.
       whitespace: regex for the whitespace allowed between JSON tokens (at most one match per
         place); None allows any run of whitespace. Default JSON_WHITESPACE.
+      extra_properties: True: JSON Schema's own default, an object may also carry properties
+        the schema does not list (a sampled object may then invent keys until its budget ends).
     Returns:
       A Constraint.
     Raises:
@@ -122,7 +159,8 @@ def json_schema(schema: Union[Mapping[str, Any], str, bool], *, strict: bool = T
     # key order is kept: it is the order properties are generated in
     source = json.dumps(schema, ensure_ascii=False)
     defaults = {} if whitespace is None else {"whitespace_pattern": whitespace}
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=defaults,
+    generated = source if extra_properties else json.dumps(closed_objects(schema), ensure_ascii=False)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(generated, defaults=defaults,
                                                             overrides={"lenient": not strict})
     return _checked("json_schema", source, grammar, allow_warnings=not strict)
 
@@ -456,7 +494,7 @@ class Compiler:
 
 def _call_schema(name: str, params: dict, args_key: str) -> dict:
     return {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
-            "type": "object", "properties": {"name": {"const": name}, args_key: params},
+            "type": "object", "properties": {"name": {"const": name}, args_key: closed_objects(params)},
             "required": ["name", args_key], "additionalProperties": False}
 
 

@@ -296,6 +296,9 @@ def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable]
         def body(s, _):
             return jax.lax.cond(live(s), step_fn, idle, s)
 
+    if n_steps == 1:  # no loop of one trip (see `model.attention.paged_attention`)
+        state, out = body(state, None)
+        return state, jax.tree.map(lambda a: a[None], out)
     return jax.lax.scan(body, state, None, length=n_steps)
 
 

@@ -254,7 +254,8 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
         if constrained is not None:  # one step: the mask of the next token needs this one
             state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
                                                           budget=np.minimum(remaining, 1)))
-        state, em = core.decode_jit(model.params, state, model.config, chunk_size, processor=processor)
+        steps = 1 if constrained is not None else chunk_size
+        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor)
         toks = shd.to_host(em.tokens)[:, :, 0].T  # [B, n]
         lps = shd.to_host(em.logprobs)[:, :, 0].T
         count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
