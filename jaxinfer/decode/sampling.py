@@ -215,8 +215,9 @@ def sample(logits: jax.Array, keys: jax.Array, params: Union[SamplingParams, Row
 
         # All-greedy batches skip the filters (and their sorts) altogether.
         tokens = jax.lax.cond(jnp.all(rp.greedy), lambda _: greedy_tok, draw, None).astype(jnp.int32)
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        x = logits.astype(jnp.float32)  # log_softmax at the token alone: no [B, V] array written
+        picked = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]
+        return tokens, picked - jax.nn.logsumexp(x, axis=-1)
 
 
 def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
