@@ -93,3 +93,81 @@ class CoreTest(chex.TestCase):
         tok, _, _ = self.variant(lambda l: core.select_tokens(l, rows, counts))(logits)
         tok = np.asarray(tok)
         assert tok[0] != plain[0] and tok[1] == 7 and tok[2] == plain[2]
+
+
+def _alone(prompt, n, sampling, key):
+    """Tokens of one prompt decoded alone in its own cache (prefill, then n - 1 decode steps)."""
+    rows = gen.initial_rows(key[None], sampling, (), n, eos_ids=(2,), vocab_size=CFG.vocab_size)
+    counts = core.host_counts([prompt], CFG.vocab_size)
+    cache = kv.init_cache(CFG, 1, 64)
+    t = np.asarray([prompt], np.int32)
+    cache, counts, out = core.prefill(PARAMS, cache, t, np.zeros((1,), np.int32), np.asarray([len(prompt)], np.int32),
+                                      np.ones((1,), bool), rows, counts, jnp.zeros_like(t), CFG)
+    first = np.asarray(out.first.tokens[:, 0])
+    state = core.DecodeState(cache=cache, tokens=first, counts=counts,
+                             rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1))
+    _, em = core.decode(PARAMS, state, CFG, n - 1)
+    return [int(first[0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
+
+
+def test_forward_segments_equal_each_segment_alone():
+    """A decode segment [2, 1] and a prompt chunk [1, 5] in one forward: the same logits and the
+    same keys on the same pages as two forwards."""
+    pool = kv.init_pool(CFG, 12, 4, batch_size=2, width=4)
+    dec = mdl.Segment(tokens=jnp.asarray([[5], [9]]), positions=jnp.asarray([[3], [0]]),
+                      page_table=jnp.asarray([[1, 2, 0, 0], [3, 0, 0, 0]]), lengths=jnp.asarray([3, 0]))
+    pre = mdl.Segment(tokens=jnp.asarray([[4, 8, 15, 16, 23]]), positions=jnp.arange(5)[None],
+                      page_table=jnp.asarray([[6, 7, 0, 0]]), lengths=jnp.zeros((1,), jnp.int32),
+                      logit_index=jnp.asarray([4]))
+    (l_dec, l_pre), (c_dec, c_pre) = jax.jit(lambda p, c: mdl.forward_segments(p, (dec, pre), c, CFG))(PARAMS, pool)
+    a, ca = mdl.forward(PARAMS, dec.tokens, dec.positions, pool.with_rows(dec.page_table, dec.lengths), CFG)
+    b, cb = mdl.forward(PARAMS, pre.tokens, pre.positions, ca.with_rows(pre.page_table, pre.lengths), CFG,
+                        logit_index=pre.logit_index)
+    chex.assert_trees_all_close((l_dec, l_pre), (a, b), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close((c_pre.k, c_pre.v), (cb.k, cb.v), atol=1e-5, rtol=1e-5)
+    assert c_dec.k is c_pre.k or np.array_equal(np.asarray(c_dec.k), np.asarray(c_pre.k))  # one pool
+    assert np.asarray(c_dec.lengths).tolist() == [4, 1] and np.asarray(c_pre.lengths).tolist() == [5]
+
+
+class MixedStepTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_a_joining_prompt_and_the_decoding_rows_sample_what_they_sample_alone(self):
+        """Slot 0 decodes, slot 1 is idle, slot 2's prompt arrives as a chunk beside them: after the
+        mixed step and a decode scan, both rows' sampled tokens equal each prompt decoded alone."""
+        sampling = SamplingParams(temperature=0.8, top_p=0.95)
+        keys = smp.row_keys(np.array([11, 0, 12]))
+        n = 6
+        old, new = PROMPTS
+        want_old, want_new = _alone(old, n + 1, sampling, keys[0]), _alone(new, n, sampling, keys[2])
+        # slot 0: `old` prefilled alone into pages 1..4 with its first token sampled (as the engine leaves it)
+        rows = gen.initial_rows(keys, sampling, (), n, eos_ids=(2,), vocab_size=CFG.vocab_size)
+        counts = core.host_counts([old, [0], new], CFG.vocab_size)
+        table = np.zeros((3, 4), np.int32)
+        table[0], table[2] = [1, 2, 3, 4], [5, 6, 7, 8]
+        pool = kv.init_pool(CFG, 10, 4, batch_size=3, width=4)
+        t = np.zeros((3, 8), np.int32)
+        t[0, :len(old)] = old
+        cache, counts, out = core.prefill(PARAMS, pool.with_rows(table * np.array([[1], [0], [0]]), np.zeros(3, np.int32)),
+                                          t, np.zeros(3, np.int32), np.asarray([len(old), 0, 0], np.int32),
+                                          np.asarray([True, False, False]), rows, counts, jnp.zeros_like(t), CFG)
+        assert int(out.first.tokens[0, 0]) == want_old[0]
+        rows = rows.replace(steps=np.asarray([1, 0, 0], np.int32), budget=np.asarray([n, 0, n], np.int32))
+        counts = counts.replace(counts=np.asarray(counts.counts) * np.array([[1], [0], [0]]),
+                                generated=np.asarray([1, 0, 0], np.int32))
+        state = core.DecodeState(cache=cache.with_rows(table, np.asarray([len(old), 0, 0], np.int32)),
+                                 tokens=np.asarray([want_old[0], 0, 0], np.int32), rows=rows, counts=counts)
+        chunk = np.zeros((1, 4), np.int32)
+        chunk[0, :len(new)] = new
+        chunks = core.Chunks(tokens=chunk, starts=np.zeros((1,), np.int32), n_real=np.asarray([len(new)], np.int32),
+                             last=np.ones((1,), bool), slots=np.asarray([2], np.int32), page_table=table[2:])
+        step = self.variant(lambda s, c: core.mixed_step(PARAMS, s, c, CFG))
+        state, em0, first = step(state, chunks)
+        assert int(first.count[0]) == 1 and int(first.tokens[0, 0]) == want_new[0]
+        assert np.asarray(em0.count).tolist() == [1, 0, 0]  # slot 2 did not decode in its chunk's step
+        assert np.asarray(state.rows.steps).tolist() == [2, 0, 1]
+        assert np.asarray(state.cache.lengths).tolist() == [len(old) + 1, 0, len(new)]
+        state, em = self.variant(lambda s: core.decode(PARAMS, s, CFG, n))(state)
+        got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
+        got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
+        assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)
+        assert np.asarray(em.count[:, 1]).sum() == 0  # the idle slot never decodes

@@ -1,7 +1,7 @@
 """Engine faults: a failing step fails the requests it touched, loudly, and the engine goes on.
 
-Faults are injected into the real step: the decode core's jitted programs (`core.decode_jit`,
-`core.prefill_jit`), which the engine calls for every prefill chunk and decode scan.
+Faults are injected into the real step: the decode core's jitted programs (`core.mixed_step_jit`,
+`core.decode_jit`), which the engine calls for every prompt chunk (beside a decode step) and decode scan.
 """
 
 import asyncio
@@ -37,7 +37,7 @@ def _fault_once(monkeypatch, name, *, delete_pool=False):
         if state["armed"]:
             state["armed"] = False
             if delete_pool:  # what a device error after donation leaves behind: the pool is gone
-                cache = args[1] if name == "prefill_jit" else args[1].cache
+                cache = args[1] if name == "prefill_jit" else args[1].cache  # the pool, or the state's
                 for a in jax.tree.leaves(cache):
                     if isinstance(a, jax.Array):
                         a.delete()
@@ -75,18 +75,19 @@ def test_a_failing_decode_fails_its_requests_and_the_engine_recovers(model, spec
 
 
 def test_a_lost_pool_is_rebuilt_and_bystanders_are_recomputed(model, specs_and_ref, monkeypatch):
-    """A prefill chunk fails after its donated pool is gone: only the prefilling request fails;
-    the decoding bystander is recomputed from its prompt and tokens so far, with the same tokens."""
+    """A prompt chunk's call fails after its donated pool is gone: only the prefilling request
+    fails; the bystander decoding in the same call is recomputed from its prompt and tokens so
+    far, with the same tokens."""
     specs, want = specs_and_ref
     engine = Engine(model, n_pages=40, decode_steps=2, **ENGINE)
     spec = next(s for s in specs if s.max_new_tokens >= 8)
     bystander = submit(engine, spec)
     while not (engine.scheduler.running and engine.scheduler.running[0].state == "decode"):
         engine.step()  # the bystander is decoding before the victim arrives
-    _fault_once(monkeypatch, "prefill_jit", delete_pool=True)
+    _fault_once(monkeypatch, "mixed_step_jit", delete_pool=True)
     victim = submit(engine, next(s for s in specs if s is not spec))
     engine.run_until_idle()
-    with pytest.raises(EngineError, match="injected fault in prefill_jit"):
+    with pytest.raises(EngineError, match="injected fault in mixed_step_jit"):
         victim.result(timeout=5)
     assert bystander.result(timeout=5).token_ids == want[specs.index(spec)].token_ids
     assert engine.healthy and engine.stats().pages_in_use == 0
@@ -96,7 +97,7 @@ def test_unrecoverable_fault_marks_the_engine_dead(model, specs_and_ref, monkeyp
     specs, _ = specs_and_ref
     engine = Engine(model, n_pages=40, **ENGINE)
     r = submit(engine, specs[0])
-    _fault_once(monkeypatch, "prefill_jit", delete_pool=True)
+    _fault_once(monkeypatch, "mixed_step_jit", delete_pool=True)
     monkeypatch.setattr(engine.runner, "new_pool", lambda: (_ for _ in ()).throw(MemoryError("no memory for a new pool")))
     engine.step()
     assert not engine.healthy and "recovery failed" in engine.dead

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxinfer.serve.pages import OutOfPages, PagePool, prefix_hashes
-from jaxinfer.serve.scheduler import DECODE, DONE, PREFILL, Scheduler, Seq
+from jaxinfer.serve.scheduler import DECODE, DONE, PREFILL, Chunk, Scheduler, Seq, one_call
 
 
 def test_allocate_release_and_trash_page():
@@ -53,7 +53,9 @@ def test_prefix_cache_share_refcount_and_lru_eviction():
 
 
 def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_steps: int = 5000):
-    """Run the scheduler as the engine does, with random tokens; check invariants every step."""
+    """Run the scheduler as the engine does (an iteration runs some of the plan's chunks, those
+    that end their context join with `join`'s budget, decodes take up to `steps` tokens), with
+    random tokens; check invariants every step."""
     pending = list(seqs)
     live = []
     for _ in range(max_steps):
@@ -64,19 +66,29 @@ def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_step
         for s in list(live):  # random cancellations, in any state
             if s.state != DONE and rng.random() < cancel_p:
                 sched.finish(s)
-        plan = sched.schedule()
+        steps = rng.choice([1, 2, 4])
+        plan = sched.schedule(steps)
         slots = [s.slot for s in sched.running]
         assert len(set(slots)) == len(slots) and all(0 <= x < sched.n_slots for x in slots)
-        for c in plan.prefill:
+        assert sum(c.n for c in plan.prefill) <= sched.prefill_chunk
+        chunks = plan.prefill[:rng.randint(1, len(plan.prefill))] if plan.prefill else []  # the runner's pick
+        for c in chunks:
             assert c.seq.state == PREFILL and c.n > 0
             assert len(c.seq.pages) * sched.page_size >= c.start + c.n  # its pages cover the chunk
+            budget = sched.join(c, plan.steps) if c.last else 0
             sched.prefilled(c)
             if c.last:
-                sched.sampled(c.seq, rng.randrange(4))
-        assert sum(c.n for c in plan.prefill) <= sched.prefill_chunk
+                assert 1 <= budget <= max(1, min(plan.steps, c.seq.remaining))
+                # the first token is sampled, the rest written: pages cover positions < len(ctx) + budget - 1
+                assert len(c.seq.pages) * sched.page_size >= len(c.seq.context) + budget - 1
+                for _ in range(min(budget, c.seq.remaining)):
+                    sched.sampled(c.seq, rng.randrange(4))
         for s in plan.decode:
-            assert s.state == DECODE and len(s.pages) * sched.page_size > s.computed  # next token's slot
-            sched.sampled(s, rng.randrange(4))
+            assert s.state == DECODE
+            n = min(plan.steps, s.remaining)
+            assert len(s.pages) * sched.page_size >= s.computed + n  # every token written fits
+            for _ in range(n):
+                sched.sampled(s, rng.randrange(4))
         for s in list(sched.running):
             if s.state == DECODE and len(s.generated) >= s.max_new_tokens:
                 sched.finish(s)
@@ -148,3 +160,39 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
                 sched.sampled(c.seq, 7)
         plan = sched.schedule()
     assert b.cached_tokens == 12 and sched.pool.hit_pages == 3  # all three shared pages reused
+
+
+def test_one_call_takes_the_oldest_alone_or_many_short_chunks_together():
+    """[1, C] for one chunk, [slots, C] for many short ones, counting the call's fixed rows."""
+    seqs = [Seq(rid=i, prompt=[1] * 600, max_new_tokens=4) for i in range(9)]
+    chunk = lambda i, n: Chunk(seq=seqs[i], start=0, n=n, last=True)  # noqa: E731
+    buckets, wide = [32, 64, 128, 256, 512], [32, 64]
+    assert one_call([chunk(0, 20)], 8, buckets, wide, 32) == [chunk(0, 20)]
+    # three short prompts: one [1, 32] call (20 tokens / 72 rows) beats [8, 32] (60 / 296)
+    three = [chunk(i, 20) for i in range(3)]
+    assert one_call(three, 8, buckets, wide, 32) == three[:1]
+    # eight of them: [8, 32] (160 / 296) beats one alone
+    eight = [chunk(i, 20) for i in range(8)]
+    assert one_call(eight + [chunk(8, 20)], 8, buckets, wide, 32) == eight
+    # a long chunk first is taken alone (512 / 552) over the short ones behind it
+    assert one_call([chunk(0, 512)] + eight[1:], 8, buckets, wide, 32) == [chunk(0, 512)]
+    # short chunks that do not fit the wide bucket are left for later: [8, 64] holds those <= 64
+    mixed = [chunk(0, 100)] + [chunk(i, 60) for i in range(1, 8)]
+    assert one_call(mixed, 8, buckets, wide, 32) == mixed[1:]
+
+
+def test_join_grows_pages_for_the_tokens_a_joining_request_samples():
+    sched = Scheduler(PagePool(7, 4), n_slots=2, prefill_chunk=16, prefix_cache=False)
+    a = Seq(rid=0, prompt=[1, 2, 3, 4, 5], max_new_tokens=8)
+    sched.add(a)
+    (c,) = sched.schedule(8).prefill
+    assert len(a.pages) == 2 and c.last
+    # first token after position 4, then 7 written at positions 5..11: 3 pages in all
+    assert sched.join(c, 8) == 8 and len(a.pages) == 3
+    sched.prefilled(c), sched.sampled(a, 7)
+    b = Seq(rid=1, prompt=[6] * 12, max_new_tokens=8)
+    sched.add(b)
+    (c,) = sched.schedule(8).prefill
+    assert len(b.pages) == 3 and sched.pool.available() == 0
+    # no page left: its first token, and the token at position 12 has no page: 1 token this iteration
+    assert sched.join(c, 8) == 1 and len(b.pages) == 3

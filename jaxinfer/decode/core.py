@@ -1,4 +1,4 @@
-"""The decode core: the two device programs every client runs, over the one paged KV cache.
+"""The decode core: the device programs every client runs, over the one paged KV cache.
 
   prefill   a chunk of C prompt tokens for each of B rows goes into the cache (each row at its
             own start position, with its own page table); the token after each row's last
@@ -10,10 +10,15 @@
             flags). A row that samples a stop token or runs out of budget stops inside the scan;
             once no row is live the remaining steps are skipped (`lax.cond`), so the host syncs
             once per n tokens, not once per token.
+  mixed     one decode step of all B rows and R prompt chunks of new requests in one forward
+            (`mixed_step`): the weights are read once for both, and a prompt that ends in its
+            chunk samples its first token and joins the decode rows, so the scan after it
+            decodes it on. The serving engine runs it whenever new prompts arrive.
 
 `generate` (a closed batch), the serving `Engine` (slots that come and go) and speculative
 decoding (whose verification round is another step function for the same scan) are clients of
-these programs; none has a decode loop or a sampler of its own.
+these programs; none has a decode loop, a prefill or a sampler of its own (the mixed step's
+chunks are sampled by the prefill's own `select_tokens`).
 
 Row b samples its t-th token with fold_in(key_b, t) through `sampling.sample`, whatever runs
 beside it, so a request's tokens do not depend on its neighbours, on when it arrived, or on how
@@ -33,6 +38,7 @@ from flax import struct
 from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.bitmask import apply_token_bitmask, mask_words
+from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
@@ -178,9 +184,16 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stops, axis=-1)
 
 
-def _emitted(tokens, logprobs, count, logits, n_top: int) -> Emitted:
-    """One emitted token per row ([B] arrays) with its top alternatives from logits [B, V]."""
-    if n_top:
+def _emitted(tokens, logprobs, count, logits, n_top: int, top: Optional[jax.Array] = None) -> Emitted:
+    """One emitted token per row ([B] arrays) with its top alternatives from logits [B, V].
+
+    With `top` ([B] bool, rows that asked for alternatives) the n_top alternatives are computed
+    only when some row asked (`lax.cond`), so one program serves requests with and without them."""
+    if n_top and top is not None:
+        ids, lps = jax.lax.cond(jnp.any(top), lambda x: smp.top_logprobs(x, n_top),
+                                lambda x: (jnp.zeros(x.shape[:1] + (n_top,), jnp.int32),
+                                           jnp.zeros(x.shape[:1] + (n_top,), jnp.float32)), logits)
+    elif n_top:
         ids, lps = smp.top_logprobs(logits, n_top)
     else:
         ids = jnp.zeros(tokens.shape + (0,), jnp.int32)
@@ -251,20 +264,28 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
 # Decode ---------------------------------------------------------------------------------------
 
 def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0,
-                processor: Optional[LogitsProcessor] = None):
+                processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None):
     """One token per live row: forward each row's last token, sample the next.
 
     Rows that are not live still run (fixed shapes) but keep their token, length and counters.
+    `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
     Returns (state, Emitted with E = 1).
     """
-    rows = state.rows
-    live = rows.live
-    cache = state.cache
-    at = cache.lengths  # [B] position of each row's input token
-    logits, cache = mdl.forward(params, state.tokens[:, None], at[:, None], cache, cfg,
+    live = state.rows.live
+    at = state.cache.lengths  # [B] position of each row's input token
+    logits, cache = mdl.forward(params, state.tokens[:, None], at[:, None], state.cache, cfg,
                                 n_new=live.astype(jnp.int32))
+    return _advance(state, cache, logits[:, 0], live, n_top, processor, top)
+
+
+def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, n_top: int,
+             processor: Optional[LogitsProcessor], top: Optional[jax.Array]):
+    """The rest of a decode step once the forward has run: sample each live row's next token from
+    logits [B, V] and advance its counters. Returns (state with `cache`, Emitted)."""
+    rows = state.rows
+    at = state.cache.lengths
     pin = None if processor is None else ProcessorInput(tokens=state.history, lengths=at + 1, steps=rows.steps)
-    tok, lp, x = select_tokens(logits[:, 0], rows, state.counts, processor, pin)
+    tok, lp, x = select_tokens(logits, rows, state.counts, processor, pin)
     tok = jnp.where(live, tok, state.tokens)
     history = state.history
     if history is not None:  # the sampled token goes to the position after the input's
@@ -274,7 +295,83 @@ def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int
     rows = rows.replace(steps=rows.steps + live, budget=rows.budget - live,
                         finished=rows.finished | (live & is_stop(tok, rows.stop_ids)))
     state = DecodeState(cache=cache, tokens=tok, rows=rows, counts=state.counts.update(tok, live), history=history)
-    return state, _emitted(tok, lp, live.astype(jnp.int32), x, n_top)
+    return state, _emitted(tok, lp, live.astype(jnp.int32), x, n_top, top)
+
+
+# Mixed: new prompts' chunks beside the decode rows -----------------------------------------------
+
+@struct.dataclass
+class Chunks:
+    """Prompt chunks of requests that hold decode slots, for `mixed_step` (R rows, C tokens)."""
+
+    tokens: jax.Array  # [R, C] int32, right-padded; row r's real tokens are tokens[r, :n_real[r]]
+    starts: jax.Array  # [R] int32: position of each row's first chunk token (its filled length)
+    n_real: jax.Array  # [R] int32: real tokens per row (0 for a row that only pads the call)
+    last: jax.Array  # [R] bool: the row's context ends in this chunk: its first token is sampled, it joins
+    slots: jax.Array  # [R] int32: the decode slot the row belongs to (B, one past the last, for padding rows)
+    page_table: jax.Array  # [R, W] int32: the row's pages (its slot's pages)
+
+
+def mixed_step(params: Params, state: DecodeState, chunks: Chunks, cfg: ModelConfig, n_top: int = 0,
+               top: Optional[jax.Array] = None):
+    """One decode step over the B slots and R prompt chunks of new requests, in one forward.
+
+    The decode rows [B, 1] and the chunks [R, C] go through `forward_segments` together, so the
+    weights are read once for both (on a CPU a decode step's 8 rows cost nearly what a 40-row
+    matmul costs). Slots named in `chunks.slots` do not decode in this step; a chunk that ends
+    its context samples the request's first token (fold_in(key, steps) as in `prefill`) and its
+    slot joins the decode rows: token, length, steps, budget and stop flag as a decode step would
+    leave them, so the scan that follows decodes it on.
+
+    Args:
+      params: params pytree.
+      state: the decode state of every slot; a joining slot carries its request's settings, key,
+        steps (tokens sampled so far), budget (including the first token) and page table.
+      chunks: the chunks of this step.
+      cfg: model config (static).
+      n_top: alternatives per token (static); `top` [B] bool: the slots that want them.
+    Returns:
+      (state, Emitted of the decode rows [B, 1], Emitted of the chunk rows' first tokens [R, 1]
+      (count 1 where sampled)).
+    """
+    B = state.tokens.shape[0]
+    R, C = chunks.tokens.shape
+    rows, cache = state.rows, state.cache
+    prefilling = jnp.zeros((B,), bool).at[chunks.slots].set(True, mode="drop")
+    live = rows.live & ~prefilling
+    # A prefilling slot's decode row reads and writes the trash page only (its pages are the
+    # chunk's), at position 0 (so it does not make the decode rows read up to its chunk's position).
+    at = jnp.where(prefilling, 0, cache.lengths)
+    dec_table = jnp.where(prefilling[:, None], kv.TRASH_PAGE, cache.page_table)
+    lastpos = jnp.clip(chunks.n_real - 1, 0, C - 1).astype(jnp.int32)
+    segments = (mdl.Segment(tokens=state.tokens[:, None], positions=at[:, None], page_table=dec_table, lengths=at,
+                            n_new=live.astype(jnp.int32)),
+                mdl.Segment(tokens=chunks.tokens, positions=mdl.default_positions(R, C, chunks.starts),
+                            page_table=chunks.page_table, lengths=chunks.starts, logit_index=lastpos,
+                            n_new=chunks.n_real))
+    with jax.named_scope("mixed"):
+        (dec_logits, pre_logits), (dec_cache, _) = mdl.forward_segments(params, segments, cache, cfg)
+    state, em = _advance(state, dec_cache.with_rows(cache.page_table, dec_cache.lengths), dec_logits[:, 0], live,
+                         n_top, None, top)
+    # The chunks' rows: their slots' settings, sampled as `prefill` samples them.
+    at_slot = jnp.minimum(chunks.slots, B - 1)
+    prow = jax.tree.map(lambda a: a[at_slot], state.rows)
+    pcounts = jax.tree.map(lambda a: a[at_slot], state.counts)
+    ftok, flp, fx = select_tokens(pre_logits[:, 0], prow, pcounts)
+    first = _emitted(ftok, flp, chunks.last.astype(jnp.int32), fx, n_top,
+                     None if top is None else top[at_slot])
+    # Joining slots: as a decode step leaves a row that has just sampled `ftok`.
+    j = jnp.where(chunks.last, chunks.slots, B)  # B: dropped
+    r = state.rows
+    r = r.replace(steps=r.steps.at[j].add(1, mode="drop"), budget=r.budget.at[j].add(-1, mode="drop"),
+                  finished=r.finished.at[j].set(is_stop(ftok, prow.stop_ids), mode="drop"))
+    joined = jnp.zeros((B,), bool).at[j].set(True, mode="drop")
+    tok_at = jnp.zeros((B,), jnp.int32).at[j].set(ftok, mode="drop")
+    lengths = state.cache.lengths.at[j].set(chunks.starts + chunks.n_real, mode="drop")
+    state = state.replace(cache=state.cache.replace(lengths=lengths.astype(jnp.int32)),
+                          tokens=jnp.where(joined, tok_at, state.tokens), rows=r,
+                          counts=state.counts.update(tok_at, joined))
+    return state, em, first
 
 
 def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable] = None):
@@ -303,13 +400,28 @@ def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable]
 
 
 def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0,
-           processor: Optional[LogitsProcessor] = None):
-    """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1])."""
+           processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
+           until_a_row_ends: Optional[jax.Array] = None):
+    """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1]).
+
+    `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
+    `until_a_row_ends` (bool scalar): when true, the steps after one where a row that was live at
+    the start stopped are skipped, so the host can give its slot to a new request at once (the
+    serving engine; a row that only used up this call's budget stops with the others, at the end).
+    """
+    started = state.rows.live
+
+    def live(s):
+        going = jnp.any(s.rows.live)
+        if until_a_row_ends is None:
+            return going
+        return going & ~(until_a_row_ends & jnp.any(started & ~s.rows.live))
+
     with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor), state, n_steps,
-                           live=lambda s: jnp.any(s.rows.live))
+        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor, top), state, n_steps, live=live)
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor"),
                       donate_argnames=("cache",))
 decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor"), donate_argnames=("state",))
+mixed_step_jit = jax.jit(mixed_step, static_argnames=("cfg", "n_top"), donate_argnames=("state",))

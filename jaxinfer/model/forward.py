@@ -14,7 +14,8 @@ RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import dataclasses
+from typing import Callable, Optional, Sequence
 
 import chex
 import jax
@@ -147,6 +148,22 @@ def default_positions(batch: int, length: int, start: jax.Array | int = 0) -> ja
     return start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Rows of new tokens that share one shape, and where their keys and values go.
+
+    `forward_segments` runs several segments through one pass (their dense layers as one
+    matmul): the serving engine's decode rows [S, 1] beside a new request's prompt chunk [R, C].
+    """
+
+    tokens: jax.Array  # [B, T] int token ids
+    positions: jax.Array  # [B, T] int positions (lengths[b] + t with a cache)
+    page_table: Optional[jax.Array] = None  # [B, W] the rows' pages in the pool (with a cache)
+    lengths: Optional[jax.Array] = None  # [B] filled positions per row: where its tokens are written
+    logit_index: Optional[jax.Array] = None  # [B] index into T: logits only there ([B, 1, V])
+    n_new: Optional[jax.Array] = None  # [B] tokens each row keeps (default all T)
+
+
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
             cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
             n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
@@ -168,9 +185,37 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
       (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
     """
     _check_inputs(tokens, positions, cache, logit_index, n_new)
-    logits, cache, _ = _forward(params, tokens, positions, cache, cfg, logit_index=logit_index, n_new=n_new,
-                                collect_attention=False)
-    return logits, cache
+    seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
+                  page_table=None if cache is None else cache.page_table,
+                  lengths=None if cache is None else cache.lengths)
+    (logits,), views, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
+    return logits, (None if cache is None else views[0])
+
+
+def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache, cfg: ModelConfig
+                     ) -> tuple[tuple[jax.Array, ...], tuple[KVCache, ...]]:
+    """`forward` over several segments of rows in one pass, all reading and writing one pool.
+
+    Every weight matmul and norm runs once over all segments' tokens together (so a prompt chunk
+    and the decode rows beside it read the weights once); RoPE, the cache writes and attention
+    run per segment, each through its own page table. Every segment's keys are written before
+    any segment attends; segments must not share pages (except the trash page).
+
+    Args:
+      params: params pytree.
+      segments: Segments with page_table and lengths set (rows of the pool `cache`).
+      cache: the pool (its own page_table and lengths are not used).
+      cfg: model config (static).
+    Returns:
+      (logits per segment, as `forward` returns them; per segment the cache seen through its
+      rows with lengths grown by n_new). All returned caches share the updated pages.
+    """
+    for s in segments:
+        if s.page_table is None or s.lengths is None:
+            raise ValueError("forward_segments needs every segment's page_table and lengths")
+        _check_inputs(s.tokens, s.positions, cache.with_rows(s.page_table, s.lengths), s.logit_index, s.n_new)
+    logits, views, _ = _forward(params, tuple(segments), cache, cfg, collect_attention=False)
+    return logits, views
 
 
 def _check_inputs(tokens, positions, cache, logit_index, n_new) -> None:
@@ -197,25 +242,35 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     themselves without a cache, else the cache's max_len positions.
     """
     _check_inputs(tokens, positions, cache, None, None)
-    return _forward(params, tokens, positions, cache, cfg, logit_index=None, n_new=None, collect_attention=True)
+    seg = Segment(tokens=tokens, positions=positions, page_table=None if cache is None else cache.page_table,
+                  lengths=None if cache is None else cache.lengths)
+    (logits,), views, probs = _forward(params, (seg,), cache, cfg, collect_attention=True)
+    return logits, (None if cache is None else views[0]), probs
 
 
-def _attention(q, k, v, positions, cache, idx, local, cfg, collect):
-    """One layer's attention: write k, v to the cache (if any), then attend.
+def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect):
+    """One layer's attention for each segment: write its k, v to the cache (if any), then attend.
 
-    Returns (out [B, T, N, H], the cache, probabilities [B, N, T, S] or None).
+    Returns (outs [B, T, N, H] per segment, the cache, probabilities [B, N, T, S] or None).
     """
     window = cfg.sliding_window
     if cache is None:  # one uncached pass: the T tokens attend to each other
-        out, probs = attend(q, k, v, causal_mask(positions, positions, window, local), cfg.attn_scale)
-        return out, None, probs
-    cache = cache.update_layer(k, v, idx, cache.lengths)
+        (q,), (k,), (v,), (seg,) = qs, ks, vs, segs
+        out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale)
+        return [out], None, probs
+    own_rows = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
+    for k, v, seg in zip(ks, vs, segs):  # every segment's keys first: none reads another's pages
+        cache = cache.with_rows(seg.page_table, seg.lengths).update_layer(k, v, idx, seg.lengths)
+    cache = cache.with_rows(*own_rows)
     if collect:  # the probes' path: every table position, one softmax
+        (q,), (seg,) = qs, segs
         keys, values = _read_all(cache, idx, q.dtype)
-        k_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
-        out, probs = attend(q, keys, values, causal_mask(positions, k_pos, window, local), cfg.attn_scale)
-        return out, cache, probs
-    return paged_attention(q, positions, cache, idx, cfg.attn_scale, window, local), cache, None
+        k_pos = jnp.arange(keys.shape[1], dtype=seg.positions.dtype)
+        out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale)
+        return [out], cache, probs
+    outs = [paged_attention(q, seg.positions, cache.with_rows(seg.page_table, seg.lengths), idx, cfg.attn_scale,
+                            window, local) for q, seg in zip(qs, segs)]
+    return outs, cache, None
 
 
 def _read_all(cache: KVCache, layer, dtype):
@@ -224,13 +279,37 @@ def _read_all(cache: KVCache, layer, dtype):
     return jnp.concatenate([b[0] for b in blocks], axis=1), jnp.concatenate([b[1] for b in blocks], axis=1)
 
 
-def _forward(params, tokens, positions, cache, cfg, *, logit_index, n_new, collect_attention):
+class _Rows:
+    """Several segments' rows laid end to end: [B_i, T_i, ...] arrays <-> one [1, sum B_i T_i, ...].
+
+    With one segment nothing moves: its arrays keep their [B, T, ...] shape."""
+
+    def __init__(self, shapes: Sequence[tuple[int, int]]):
+        self.shapes = list(shapes)
+
+    def join(self, parts: Sequence[jax.Array]) -> jax.Array:
+        if len(parts) == 1:
+            return parts[0]
+        return jnp.concatenate([p.reshape(1, -1, *p.shape[2:]) for p in parts], axis=1)
+
+    def split(self, x: jax.Array) -> list[jax.Array]:
+        if len(self.shapes) == 1:
+            return [x]
+        out, o = [], 0
+        for B, T in self.shapes:
+            out.append(x[0, o:o + B * T].reshape(B, T, *x.shape[2:]))
+            o += B * T
+        return out
+
+
+def _forward(params, segs, cache, cfg, *, collect_attention):
+    rows = _Rows([s.tokens.shape for s in segs])
+    positions = rows.join([s.positions for s in segs])  # [B, T], or [1, sum B_i T_i] for several segments
     with jax.named_scope("embed"):
-        x = params["embed"][tokens] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)  # [B, T, D]
-    T = tokens.shape[1]
+        x = params["embed"][rows.join([s.tokens for s in segs])] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
 
     def block(carry, xs):
-        x, c = carry  # c: the KVCache (its pages still stacked over L), or None
+        x, c = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
         lp, idx, theta, local = xs
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
@@ -242,8 +321,9 @@ def _forward(params, tokens, positions, cache, cfg, *, logit_index, n_new, colle
                 k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
             q = rope(q, positions, theta)
             k = rope(k, positions, theta)
-            out, c, probs = _attention(q, k, v, positions, c, idx, local, cfg, collect_attention)
-            attn = _out_projection(out, lp["wo"])
+            outs, c, probs = _attention(rows.split(q), rows.split(k), rows.split(v), segs, c, idx, local, cfg,
+                                        collect_attention)
+            attn = _out_projection(rows.join(outs), lp["wo"])
             if cfg.post_norms:
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
             x = x + attn
@@ -257,9 +337,10 @@ def _forward(params, tokens, positions, cache, cfg, *, logit_index, n_new, colle
     (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg), cfg)
 
     with jax.named_scope("logits"):
-        if logit_index is not None:
-            x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, D]
-        x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+        picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
+                  for xi, s in zip(rows.split(x), segs)]  # [B, 1, D] where a logit_index is given
+        out_rows = _Rows([p.shape[:2] for p in picked])
+        x = rms_norm(out_rows.join(picked), params["final_norm"], cfg.norm_eps)
         if cfg.tie_embeddings:
             logits = linear("BTD,VD->BTV", x, params["embed"])
         else:
@@ -268,7 +349,8 @@ def _forward(params, tokens, positions, cache, cfg, *, logit_index, n_new, colle
         if cfg.final_logit_softcap is not None:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
 
+    views = ()
     if cache is not None:
-        grow = T if n_new is None else n_new
-        cache = cache.replace(lengths=(cache.lengths + grow).astype(jnp.int32))
-    return logits, cache, probs
+        views = tuple(cache.with_rows(s.page_table, (s.lengths + (s.tokens.shape[1] if s.n_new is None else s.n_new)
+                                                     ).astype(jnp.int32)) for s in segs)
+    return tuple(out_rows.split(logits)), views, probs

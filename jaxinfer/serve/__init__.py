@@ -1,8 +1,8 @@
 """Serving many requests: continuous batching on the decode core, over a paged KV pool with prefix caching.
 
   pages.py      host-side page allocator and prefix cache (pure Python)
-  scheduler.py  admission, chunked prefill, preemption (pure Python)
-  runner.py     the device side: the pool, the core's prefill and decode calls, warmup
+  scheduler.py  admission, chunked prefill, preemption, the chunks of one call (pure Python)
+  runner.py     the device side: the pool, the core's mixed, decode and scoring calls, warmup
   live.py       a running request's host state: tokens, detokenizing, stop strings, deltas
   request.py    Request (stream / async stream / result / cancel) and Delta
   engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery

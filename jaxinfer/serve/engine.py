@@ -6,12 +6,15 @@
     for delta in req: print(delta.text, end="")  # or `async for`, or req.result()
     engine.start() / engine.stop()               # or run the loop on a background thread (the server)
 
-Each `step` asks the scheduler (pure Python, `scheduler.py`) for a plan, runs the new requests'
-prompt chunks through the decode core's prefill program (several requests per call, [R, C]
-tokens), then one multi-step decode scan (`core.decode`) over all `max_slots` slots. The host
-syncs once per scan; between scans it schedules, admits, detokenizes, checks stop strings and
-streams. The scan runs `decode_steps` steps while nobody waits, fewer while requests queue for a
-slot (so a finishing row is replaced sooner). Sampling settings, keys, step counters, stop ids
+Each `step` asks the scheduler (pure Python, `scheduler.py`) for a plan, then runs at most two
+device calls: the new requests' prompt chunks ([R, C] tokens) beside one decode step of every
+slot, in one forward (`core.mixed_step`: the weights are read once for both, as vLLM and
+llama.cpp batch them), and a multi-step decode scan (`core.decode`) over all `max_slots` slots
+for the rest of the iteration; a request whose prompt ends in the chunk decodes on in that scan.
+The host syncs once per iteration; between iterations it schedules, admits, detokenizes, checks
+stop strings and streams. The scan runs `decode_steps` steps while nobody waits, fewer while
+requests queue for a slot (so a finishing row is replaced sooner), and none while a prompt still
+has chunks to read (so its next chunk comes after one step). Sampling settings, keys, step counters, stop ids
 and budgets are per-slot arrays, so nothing about a request is a static argument: after
 `warmup`, serving compiles nothing (`compiled_programs` counts).
 
@@ -49,7 +52,7 @@ from jaxinfer.serve.live import Live
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
 from jaxinfer.serve.pages import PagePool
 from jaxinfer.serve.request import Request
-from jaxinfer.serve.scheduler import Chunk, Scheduler, Seq
+from jaxinfer.serve.scheduler import DECODE, PREFILL, Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
 MAX_STOP_TOKENS = 64  # stop token ids per request
@@ -261,7 +264,8 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """One scheduler iteration: admit, prefill chunks, one decode scan. False when idle."""
+        """One scheduler iteration: admit, then one mixed call (new prompts' chunks beside a decode
+        step of every slot) and a decode scan for the rest of the iteration. False when idle."""
         with self._step_lock:
             self._drain_inbox()
             if self.dead is not None or self.scheduler.idle():
@@ -269,10 +273,21 @@ class Engine:
             self._touched: set[int] = set()  # requests of the device call under way
             try:
                 plan = self.scheduler.schedule(self._steps_wanted())
-                if plan.prefill:
-                    self._run_prefill(plan.prefill)
-                if plan.decode:
-                    self._run_decode(plan.decode, plan.steps)
+                scoring = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is not None]
+                plain = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is None]
+                while scoring:  # their programs return every position's logits: calls of their own
+                    call = self.runner.pick(scoring)
+                    self._score_call(call)
+                    scoring = [c for c in scoring if c not in call]
+                chunks = self.runner.pick(plain) if plain else []
+                joining = {id(c.seq) for c in chunks if c.last}
+                steps = plan.steps
+                if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
+                    steps = 1  # prompts still wait for their chunks: come back after one step
+                budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
+                seqs = [s for s in plan.decode if s.state == DECODE]
+                if chunks or seqs:
+                    self._run_step(chunks, budgets, seqs, steps)
             except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
                 self._recover(self._touched, e)
             self.steps += 1
@@ -330,48 +345,32 @@ class Engine:
                         self._wake.wait(timeout=0.05)
 
     def warmup(self, *, logprobs: bool = False, scoring: bool = False) -> int:
-        """Build the programs serving uses: prefill for every (rows, chunk) bucket and the decode
-        scan; with `logprobs` also the decode scan that returns top logprobs, with `scoring` the
+        """Build the programs serving uses: the mixed call for every (rows, chunk) shape and the
+        decode scan (both return top logprobs when some request asks, so `logprobs` needs no
+        programs of its own and is kept for callers that pass it); with `scoring` also the
         prefills that return prompt logprobs (what an HTTP server needs).
 
         Returns the number of programs. After this, serving compiles nothing.
         """
         with self._step_lock:
             _key_data(None, 0, smp.GREEDY), _key_data(jax.random.key(0), None, smp.GREEDY)  # submit's key ops
-            return self.runner.warmup(logprobs=logprobs, scoring=scoring)
+            return self.runner.warmup(scoring=scoring)
 
     # ---- device calls -------------------------------------------------------------------------
-    def _run_prefill(self, chunks: list[Chunk]) -> None:
-        """Run this iteration's prompt chunks, scoring requests (whose programs also return the
-        prompt's logprobs) apart from the others: each kind in one call of max_slots rows, or
-        one call per chunk when that pads fewer tokens (on a CPU prefill is bound by compute, so
-        padded rows cost their full price)."""
-        r = self.runner
-        scoring = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is not None]
-        plain = [c for c in chunks if self._live[c.seq.rid].prompt_logprobs is None]
-        for group, scored in ((scoring, True), (plain, False)):
-            if not group:
-                continue
-            together = r.row_buckets[-1] * r.chunk_bucket(max(c.n for c in group))
-            calls = [group] if len(group) > 1 and together <= sum(r.chunk_bucket(c.n) for c in group) else \
-                [[c] for c in group]
-            for call in calls:
-                self._prefill_call(call, scored)
-
-    def _prefill_call(self, chunks: list[Chunk], scoring: bool) -> None:
+    def _score_call(self, chunks: list[Chunk]) -> None:
+        """A prefill call for scoring requests' chunks: the prompt's logprobs, then the first token."""
         lives = [self._live[ch.seq.rid] for ch in chunks]
         self._touched = {ch.seq.rid for ch in chunks}
-        out = self.runner.prefill(chunks, lives, scoring)
+        out = self.runner.prefill(chunks, lives)
         for i, (ch, lv) in enumerate(zip(chunks, lives)):
             seq = ch.seq
-            if scoring:  # position p + 1 is scored by the logits at chunk position p
-                k = lv.prompt_logprobs
-                for j in range(ch.n):
-                    pos = ch.start + j + 1
-                    if lv.score_from <= pos < len(seq.prompt):
-                        lv.prompt_lps[pos] = (float(out.prompt_logprobs[i, j]),
-                                              list(zip(out.prompt_top[0][i, j, :k].tolist(),
-                                                       out.prompt_top[1][i, j, :k].tolist())))
+            k = lv.prompt_logprobs  # position p + 1 is scored by the logits at chunk position p
+            for j in range(ch.n):
+                pos = ch.start + j + 1
+                if lv.score_from <= pos < len(seq.prompt):
+                    lv.prompt_lps[pos] = (float(out.prompt_logprobs[i, j]),
+                                          list(zip(out.prompt_top[0][i, j, :k].tolist(),
+                                                   out.prompt_top[1][i, j, :k].tolist())))
             self.scheduler.prefilled(ch)
             if ch.last:
                 if seq.max_new_tokens == 0:
@@ -380,18 +379,35 @@ class Engine:
                     top = list(zip(out.first_top[0][i, :lv.n_top].tolist(), out.first_top[1][i, :lv.n_top].tolist()))
                     self._emit(lv, [int(out.first[i])], [float(out.first_logprob[i])], [top])
 
-    def _run_decode(self, seqs: list[Seq], steps: int) -> None:
+    def _run_step(self, chunks: list[Chunk], budgets: list[int], seqs: list[Seq], steps: int) -> None:
+        """The iteration's device calls: chunks beside a decode step of every slot, then the scan."""
+        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
         lives = [self._live[s.rid] for s in seqs]
-        self._touched = {s.rid for s in seqs}
-        out = self.runner.decode(seqs, lives, steps)
+        # A fault in the mixed call fails the requests whose chunks it read (the decode rows beside
+        # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
+        self._touched = {ch.seq.rid for ch in chunks}
+        scan = {s.rid for s in seqs} | {ch.seq.rid for ch in chunks if ch.last}
+        out = self.runner.step(chunks, chunk_lives, budgets, seqs, lives, steps,
+                               on_scan=lambda: self._touched.update(scan))
         self.scans += 1
+        dec = out.decode
+
+        def decoded(lv: Live, slot: int):
+            at = np.flatnonzero(dec.count[:, slot])
+            tops = ([list(zip(dec.top[0][t, slot, :lv.n_top].tolist(), dec.top[1][t, slot, :lv.n_top].tolist()))
+                     for t in at] if lv.n_top else [[] for _ in at])
+            return dec.tokens[at, slot].tolist(), dec.logprobs[at, slot].tolist(), tops
+
+        for i, (ch, lv) in enumerate(zip(chunks, chunk_lives)):
+            self.scheduler.prefilled(ch)
+            if ch.last and not lv.req.done:
+                f = out.first
+                first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
+                toks, lps, tops = decoded(lv, ch.seq.slot)
+                self._emit(lv, [int(f.first[i])] + toks, [float(f.first_logprob[i])] + lps, [first_top] + tops)
         for s, lv in zip(seqs, lives):
-            if lv.req.done:
-                continue
-            n = int(out.count[:, s.slot].sum())
-            tops = ([list(zip(out.top[0][t, s.slot, :lv.n_top].tolist(), out.top[1][t, s.slot, :lv.n_top].tolist()))
-                     for t in range(n)] if lv.n_top else [[] for _ in range(n)])
-            self._emit(lv, out.tokens[:n, s.slot].tolist(), out.logprobs[:n, s.slot].tolist(), tops)
+            if not lv.req.done:
+                self._emit(lv, *decoded(lv, s.slot))
 
     # ---- faults -------------------------------------------------------------------------------
     def _recover(self, touched: set[int], error: Exception) -> None:

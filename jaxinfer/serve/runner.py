@@ -1,16 +1,24 @@
 """The engine's device side: the KV page pool and the decode core's programs over padded batches.
 
-The scheduler (host) decides which requests run; the runner turns a step's prompt chunks into
-one prefill call of [R, C] tokens (R rows: one request, or every slot; C: the chunk padded to a
-power of two) and the decoding requests into one decode scan over all slots, and hands back
-host arrays. Every shape is bucketed, so `warmup` can build every program before serving and
-nothing compiles after it. The pool is donated to every call and replaced by its result.
+The scheduler (host) decides which requests run; the runner turns one iteration into at most
+two device calls and hands back host arrays:
+
+  mixed   new requests' prompt chunks [R, C] (R: one request, or every slot for short chunks; C
+          padded to a power of two) beside one decode step of every slot, in one forward
+          (`core.mixed_step`): the weights are read once for both. A request whose prompt ends
+          there samples its first token and decodes on in the same iteration.
+  decode  a scan of decode steps over every slot (`core.decode`), for the rest of the iteration.
+
+Scoring requests (prompt logprobs) are prefilled by their own prefill calls (`core.prefill`,
+which returns logits for every chunk position). Every shape is bucketed, so `warmup` can build
+every program before serving and nothing compiles after it. The pool is donated to every call
+and replaced by its result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -20,10 +28,13 @@ from jaxinfer.decode import core
 from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.serve.live import Live, batch_rows
-from jaxinfer.serve.scheduler import Chunk, Seq
+from jaxinfer.serve.scheduler import Chunk, Seq, one_call
 
 MIN_CHUNK = 32  # smallest prefill chunk bucket (chunks are padded to powers of two from here)
 MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
+# A device call's fixed cost in token rows, for choosing a mixed call's shape: SmolLM2-135M on a
+# 2-core CPU costs ~40 ms per forward plus ~1.1 ms per token row (experiments/bench_engine.py).
+MIXED_CALL_ROWS = 32
 
 
 def buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
@@ -48,12 +59,20 @@ class PrefillOut:
 
 @dataclasses.dataclass
 class DecodeOut:
-    """A decode scan's results on the host, [n_steps, slots]."""
+    """An iteration's decode results on the host, [n_steps, slots] (the mixed step first, if any)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     count: np.ndarray  # 1 where the slot emitted at that step
     top: Optional[tuple[np.ndarray, np.ndarray]]  # ([n_steps, slots, n], ...) when asked
+
+
+@dataclasses.dataclass
+class StepOut:
+    """One iteration's results: the chunks' first tokens (row i: chunk i) and every slot's decode tokens."""
+
+    first: Optional[PrefillOut]  # None without chunks
+    decode: DecodeOut
 
 
 class Runner:
@@ -63,8 +82,12 @@ class Runner:
         self.n_pages, self.page_size, self.max_slots, self.decode_steps = n_pages, page_size, max_slots, decode_steps
         self.eos_ids = eos_ids
         self.width = kv.table_width(max_len, page_size)
+        self.prefill_chunk = prefill_chunk
         self.chunks = buckets(MIN_CHUNK, prefill_chunk) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
-        self.row_buckets = sorted({1, max_slots})  # prefill rows per call: one request, or every slot
+        # Calls of every slot's chunks: only chunk buckets whose R x C stays within an iteration's
+        # prompt budget (or the smallest bucket), since larger ones would mostly be padding.
+        self.wide_chunks = [c for c in self.chunks if max_slots * c <= max(prefill_chunk, max_slots * self.chunks[0])
+                            ] if max_slots > 1 else []
         self.key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self.cache = self.new_pool()
 
@@ -84,35 +107,40 @@ class Runner:
     def chunk_bucket(self, n: int) -> int:
         return next(c for c in self.chunks if c >= n)
 
-    # ---- the two calls --------------------------------------------------------------------------
-    def prefill(self, chunks: list[Chunk], lives: list[Live], scoring: bool) -> PrefillOut:
-        """One prefill call for these chunks (row i: chunks[i] of lives[i]); scoring calls also
-        score every chunk position's next prompt token."""
-        R = next(r for r in self.row_buckets if r >= len(chunks))
-        C = self.chunk_bucket(max(ch.n for ch in chunks))
-        tokens, next_tokens = np.zeros((R, C), np.int32), np.zeros((R, C), np.int32)
-        starts, n_real, last = np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.zeros((R,), bool)
-        table = np.zeros((R, self.width), np.int32)
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (R, C) of a prompt-chunk call: one row of any chunk bucket, or every slot of a small one."""
+        return [(1, c) for c in self.chunks] + [(self.max_slots, c) for c in self.wide_chunks]
+
+    def pick(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The chunks of one call (`scheduler.one_call` over this runner's shapes)."""
+        return one_call(chunks, self.max_slots, self.chunks, self.wide_chunks, MIXED_CALL_ROWS)
+
+    # ---- the calls ------------------------------------------------------------------------------
+    def prefill(self, chunks: list[Chunk], lives: list[Live]) -> PrefillOut:
+        """One scoring prefill call for these chunks (of `pick`; row i: chunks[i] of lives[i]): it
+        also scores every chunk position's next prompt token."""
+        arr = self._chunk_arrays(chunks)
+        R, C = arr.tokens.shape
+        next_tokens = np.zeros((R, C), np.int32)
         for i, ch in enumerate(chunks):
-            ctx = ch.seq.context
-            tokens[i, :ch.n] = ctx[ch.start:ch.start + ch.n]
-            nxt = ctx[ch.start + 1:ch.start + ch.n + 1]
+            nxt = ch.seq.context[ch.start + 1:ch.start + ch.n + 1]
             next_tokens[i, :len(nxt)] = nxt
-            starts[i], n_real[i], last[i] = ch.start, ch.n, ch.last
-            table[i, :len(ch.seq.pages)] = ch.seq.pages
-        n_top = MAX_TOP_LOGPROBS if (scoring or any(lv.n_top for lv in lives)) else 0
         rows, counts = batch_rows(lives + [None] * (R - len(lives)), np.ones((R,), np.int32), self.eos_ids,
                                   self.cfg.vocab_size, self.key_size)
-        out = self._prefill(rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, scoring)
+        out = self._prefill(rows, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table, next_tokens,
+                            MAX_TOP_LOGPROBS, True)
         first = out.first
         return PrefillOut(first=shd.to_host(first.tokens)[:, 0], first_logprob=shd.to_host(first.logprobs)[:, 0],
                           first_top=(shd.to_host(first.top_ids)[:, 0], shd.to_host(first.top_logprobs)[:, 0]),
-                          prompt_logprobs=shd.to_host(out.prompt_logprobs) if scoring else None,
-                          prompt_top=(shd.to_host(out.prompt_top_ids), shd.to_host(out.prompt_top_logprobs))
-                          if scoring else None)
+                          prompt_logprobs=shd.to_host(out.prompt_logprobs),
+                          prompt_top=(shd.to_host(out.prompt_top_ids), shd.to_host(out.prompt_top_logprobs)))
 
-    def decode(self, seqs: list[Seq], lives: list[Live], steps: int) -> DecodeOut:
-        """One decode scan over every slot: seqs[i] (slot seqs[i].slot) decodes up to `steps` tokens."""
+    def step(self, chunks: list[Chunk], chunk_lives: list[Live], join_budgets: list[int], seqs: list[Seq],
+             lives: list[Live], steps: int, on_scan: Callable[[], None] = lambda: None) -> StepOut:
+        """One iteration: `chunks` (of `pick`) beside a decode step of every slot, then (when
+        steps > 1) a decode scan. seqs[i] decodes up to `steps` tokens; a chunk that ends its
+        context joins with join_budgets[i] tokens (its first included). on_scan() is called
+        just before the scan (the engine's fault bookkeeping)."""
         S = self.max_slots
         tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
         table = np.zeros((S, self.width), np.int32)
@@ -122,13 +150,56 @@ class Runner:
             tokens[s.slot], lengths[s.slot] = s.generated[-1], s.computed
             table[s.slot, :len(s.pages)] = s.pages
             budgets[s.slot] = min(steps, s.remaining)
-        n_top = MAX_TOP_LOGPROBS if any(lv.n_top for lv in lives) else 0
+        for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
+            by_slot[ch.seq.slot] = lv
+            lengths[ch.seq.slot] = ch.start
+            if ch.last:  # it decodes on from here: its pages and budget in the decode rows
+                table[ch.seq.slot, :len(ch.seq.pages)] = ch.seq.pages
+                budgets[ch.seq.slot] = n
         rows, counts = batch_rows(by_slot, budgets, self.eos_ids, self.cfg.vocab_size, self.key_size)
-        em = self._decode(rows, counts, tokens, lengths, table, n_top)
-        return DecodeOut(tokens=shd.to_host(em.tokens)[:, :, 0], logprobs=shd.to_host(em.logprobs)[:, :, 0],
-                         count=shd.to_host(em.count),
-                         top=(shd.to_host(em.top_ids)[:, :, 0], shd.to_host(em.top_logprobs)[:, :, 0])
-                         if n_top else None)
+        top = np.array([lv is not None and lv.n_top > 0 for lv in by_slot])
+        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=rows, counts=counts)
+        ems, first = [], None
+        if chunks:
+            state, em0, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays(chunks), self.cfg,
+                                                    MAX_TOP_LOGPROBS, top)
+            ems.append(jax.tree.map(lambda a: shd.to_host(a)[None], em0))
+            self.cache = state.cache
+        if not chunks or max(budgets, default=0) > 1:
+            on_scan()
+            state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, MAX_TOP_LOGPROBS, top=top,
+                                        until_a_row_ends=np.asarray(True))
+            ems.append(em)
+            self.cache = state.cache
+        host = [jax.tree.map(np.asarray, jax.tree.map(shd.to_host, em)) for em in ems]
+        cat = lambda f: np.concatenate([f(h) for h in host], axis=0)  # noqa: E731
+        want_top = bool(top.any())
+        dec = DecodeOut(tokens=cat(lambda h: h.tokens[:, :, 0]), logprobs=cat(lambda h: h.logprobs[:, :, 0]),
+                        count=cat(lambda h: h.count),
+                        top=(cat(lambda h: h.top_ids[:, :, 0]), cat(lambda h: h.top_logprobs[:, :, 0])) if want_top
+                        else None)
+        pre = None
+        if first is not None:
+            f = jax.tree.map(shd.to_host, first)
+            pre = PrefillOut(first=f.tokens[:, 0], first_logprob=f.logprobs[:, 0],
+                             first_top=(f.top_ids[:, 0], f.top_logprobs[:, 0]), prompt_logprobs=None, prompt_top=None)
+        return StepOut(first=pre, decode=dec)
+
+    def _chunk_arrays(self, chunks: list[Chunk], shape: Optional[tuple[int, int]] = None) -> core.Chunks:
+        """core.Chunks of these chunks, padded to the smallest call shape that holds them (or `shape`)."""
+        if shape is None:
+            C = self.chunk_bucket(max(ch.n for ch in chunks))
+            R = 1 if len(chunks) == 1 else self.max_slots
+            shape = (R, C)
+        R, C = shape
+        tokens, starts, n_real = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
+        last, slots = np.zeros((R,), bool), np.full((R,), self.max_slots, np.int32)
+        table = np.zeros((R, self.width), np.int32)
+        for i, ch in enumerate(chunks):
+            tokens[i, :ch.n] = ch.seq.context[ch.start:ch.start + ch.n]
+            starts[i], n_real[i], last[i], slots[i] = ch.start, ch.n, ch.last, ch.seq.slot
+            table[i, :len(ch.seq.pages)] = ch.seq.pages
+        return core.Chunks(tokens=tokens, starts=starts, n_real=n_real, last=last, slots=slots, page_table=table)
 
     def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, prompt_logprobs):
         cache = self.cache.with_rows(table, starts)
@@ -136,26 +207,32 @@ class Runner:
                                               next_tokens, self.cfg, n_top, prompt_logprobs)
         return out
 
-    def _decode(self, rows, counts, tokens, lengths, table, n_top):
-        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=rows, counts=counts)
-        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, n_top)
-        self.cache = state.cache
-        return em
-
-    def warmup(self, *, logprobs: bool, scoring: bool) -> int:
+    def warmup(self, *, scoring: bool) -> int:
         """Build every program these calls can use (on the trash page). Returns how many."""
         n = 0
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        for prompt_logprobs in (False, True) if scoring else (False,):
-            for R in self.row_buckets:
-                for C in self.chunks:
-                    rows, counts = batch_rows([None] * R, z(R), self.eos_ids, self.cfg.vocab_size, self.key_size)
-                    self._prefill(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width), z(R, C),
-                                  MAX_TOP_LOGPROBS if prompt_logprobs else 0, prompt_logprobs)
-                    n += 1
-        for n_top in (0, MAX_TOP_LOGPROBS) if logprobs else (0,):
-            S = self.max_slots
+        S = self.max_slots
+        if scoring:
+            for R, C in self.shapes():
+                rows, counts = batch_rows([None] * R, z(R), self.eos_ids, self.cfg.vocab_size, self.key_size)
+                self._prefill(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width), z(R, C),
+                              MAX_TOP_LOGPROBS, True)
+                n += 1
+        no_top = np.zeros((S,), bool)
+        for R, C in self.shapes():
             rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
-            jax.block_until_ready(self._decode(rows, counts, z(S), z(S), z(S, self.width), n_top))
+            state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
+                                     counts=counts)
+            state, _, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays([], (R, C)), self.cfg,
+                                                  MAX_TOP_LOGPROBS, no_top)
+            self.cache = state.cache
+            jax.block_until_ready(first.tokens)
             n += 1
-        return n
+        rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
+        state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
+                                 counts=counts)
+        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, MAX_TOP_LOGPROBS, top=no_top,
+                                    until_a_row_ends=np.asarray(True))
+        self.cache = state.cache
+        jax.block_until_ready(em.tokens)
+        return n + 1
