@@ -243,6 +243,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
     p.add_argument("--kv-cache", choices=["int8"], help="KV-cache dtype (default: the param dtype)")
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
+    p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
+                   help="weight layout (jaxinfer.layout): auto (default) = cpu on a CPU backend for float weights "
+                        "on one device (the engine's 8-slot decode and the load test run faster in it, "
+                        "experiments/bench_engine.py), else canonical; canonical compiles faster")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
 
@@ -279,6 +283,8 @@ def _check_serve_flags(args):
     check_int("--max-body-bytes", args.max_body_bytes, 1)
     if args.max_len is not None:  # its upper bound (the model's context) needs the config
         check_int("--max-len", args.max_len, 1)
+    if args.layout == "cpu" and (args.quant is not None or args.mesh is not None):
+        raise ValueError("--layout cpu works with plain float weights on one device, without --quant or --mesh")
     kv_memory = _parse_bytes(args.kv_memory) if args.kv_memory is not None else None
     mesh = None
     if args.mesh is not None:
@@ -310,7 +316,7 @@ def _serve(args) -> int:
 
         enable_persistent_cache(None)
         _announce_fetch(args.model)
-        model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout="canonical")
+        model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=args.layout)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
         print(f"jaxinfer serve: {engine.describe()}", file=sys.stderr)
         print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
