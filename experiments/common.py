@@ -68,7 +68,7 @@ def save(name: str, fig, data: dict, args) -> tuple[Path, Path]:
     plt.close(fig)
     data = {"experiment": name, "args": {k: v for k, v in vars(args).items()}, "environment": environment(), **data}
     js.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    if args.figures:
+    if args.figures and Path(args.figures).resolve() != out.resolve():
         Path(args.figures).mkdir(parents=True, exist_ok=True)
         shutil.copy(png, Path(args.figures) / png.name)
     print(f"wrote {js} and {png}")
