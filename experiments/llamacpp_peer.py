@@ -17,6 +17,14 @@ repository, from llama-cpp-python's source distribution (which vendors llama.cpp
     python experiments/llamacpp_peer.py make-gguf      # the F32 GGUF (below)
     python experiments/llamacpp_peer.py check          # what the benchmarks will find
 
+Only the serving load test (llama-server and the F32 GGUF, not llama-cpp-python): build the
+server and llama.cpp's own quantizer from the unpacked source in one cmake build (~20 minutes on 2
+cores), and write the F32 GGUF with it; `compare_weights` (below) checks it the same way:
+
+    cmake --build /work/llama-build/server-build --target llama-server llama-quantize -j2
+    /work/llama-build/server-build/bin/llama-quantize --allow-requantize SRC.gguf \
+        /work/llama-build/smollm2-f32.gguf F32
+
 (-DGGML_NATIVE=OFF with explicit AVX2/FMA/F16C: a native build died with an illegal instruction
 on the benchmark machines. The copied binary finds its shared libraries through an absolute
 RUNPATH to server-build/bin, so keep that folder. On 2 cores each build takes 15-25 minutes.)
