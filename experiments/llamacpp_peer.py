@@ -19,11 +19,12 @@ repository, from llama-cpp-python's source distribution (which vendors llama.cpp
 
 Only the serving load test (llama-server and the F32 GGUF, not llama-cpp-python): build the
 server and llama.cpp's own quantizer from the unpacked source in one cmake build (~20 minutes on 2
-cores), and write the F32 GGUF with it; `compare_weights` (below) checks it the same way:
+cores), write the F32 GGUF with it, and check it as `make-gguf` does:
 
     cmake --build /work/llama-build/server-build --target llama-server llama-quantize -j2
-    /work/llama-build/server-build/bin/llama-quantize --allow-requantize SRC.gguf \
+    /work/llama-build/server-build/bin/llama-quantize --allow-requantize SRC.gguf \\
         /work/llama-build/smollm2-f32.gguf F32
+    python experiments/llamacpp_peer.py verify-gguf    # every tensor bit-identical, or exit 1
 
 (-DGGML_NATIVE=OFF with explicit AVX2/FMA/F16C: a native build died with an illegal instruction
 on the benchmark machines. The copied binary finds its shared libraries through an absolute
@@ -176,14 +177,18 @@ def main(argv=None) -> int:
     g = sub.add_parser("make-gguf", help="write the F32 GGUF of the default model with llama.cpp's quantizer")
     g.add_argument("--src", help="source GGUF (default: the file jaxinfer loads for smollm2-135m)")
     add_arguments(g)
+    v = sub.add_parser("verify-gguf", help="compare the F32 GGUF with jaxinfer's dequantization of the source")
+    v.add_argument("--src", help="source GGUF (default: the file jaxinfer loads for smollm2-135m)")
+    add_arguments(v)
     c = sub.add_parser("check", help="say which parts of the peer are there")
     add_arguments(c)
     args = p.parse_args(argv)
     peer = from_args(args)
-    if args.cmd == "make-gguf":
+    if args.cmd in ("make-gguf", "verify-gguf"):
         src = args.src or default_source()
-        make_f32_gguf(peer, src, peer.gguf)
-        print(f"wrote {peer.gguf} ({os.path.getsize(peer.gguf) / 2**20:.0f} MiB) from {src}")
+        if args.cmd == "make-gguf":
+            make_f32_gguf(peer, src, peer.gguf)
+            print(f"wrote {peer.gguf} ({os.path.getsize(peer.gguf) / 2**20:.0f} MiB) from {src}")
         r = compare_weights(src, peer.gguf)
         print(f"{r['bit_identical']} of {r['tensors']} tensors bit-identical to jaxinfer's dequantization of "
               f"{r['src_types']} (max abs difference {r['max_abs_diff']:g})")
