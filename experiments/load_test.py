@@ -86,7 +86,11 @@ async def drive(url: str, work: list[dict], concurrency: int, time_limit: float,
     t0 = time.perf_counter()
 
     async def client_loop():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout)) as client:
+        # A new connection per request: reusing a kept-alive one races the server closing it
+        # (llama-server dropped one of 48 requests that way, "Server disconnected without sending
+        # a response"); on loopback a connection costs well under a millisecond.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout),
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
             while not queue.empty() and time.perf_counter() - t0 < time_limit:
                 w = queue.get_nowait()
                 res = await one_request(client, url, w["body"], w["disconnect"])

@@ -7,11 +7,14 @@ and llama.cpp's own `llama-server`, one after the other, on identical F32 weight
     python experiments/load_vs_llamacpp.py --no-llama          # jaxinfer only
 
 Servers, each a subprocess on 127.0.0.1 (a free port), started, measured and stopped before the next:
-  jaxinfer   `python -m jaxinfer serve --model M --max-slots S` (plus --jaxinfer-args), the default
-             load (Q4_1 GGUF dequantized to float32); measured after its own warm-up;
-  llama.cpp  `llama-server -m F32.gguf -np S -c CTX -t 2` (-t: --llama-threads), where
-             experiments/llamacpp_peer.py says it and the F32 GGUF of the same weights live;
+  jaxinfer   `python -m jaxinfer serve --model M --max-slots S --kv-cache KV` (plus --jaxinfer-args),
+             the default load (Q4_1 GGUF dequantized to float32); measured after its own warm-up;
+  llama.cpp  `llama-server -m F32.gguf -np S -c CTX -t 2 -ctk KV -ctv KV` (-t: --llama-threads),
+             where experiments/llamacpp_peer.py says it and the F32 GGUF of the same weights live;
              skipped, with the reason, when either is missing.
+Both store the KV cache in the same dtype (--kv-cache, default float16: llama-server's own default,
+which jaxinfer's float32 default stores in twice the bytes), so both move equal bytes per token:
+identical weights and equal KV bytes.
 Workload (one seeded list, sent identically to both): --requests streaming greedy /v1/completions
 requests from --concurrency clients, each client sending its next request when the last one ends;
 prompts are token ids (slices of experiments/data/pydoc_heldout.txt under jaxinfer's tokenizer,
@@ -138,6 +141,10 @@ async def drive_sampling(server: Server, url: str, work: list[dict], args) -> tu
     return results, wall, float(np.nanmax(peak))
 
 
+# jaxinfer's KV-cache dtype -> llama-server's --cache-type-k/-v name for the same element type
+LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
 def run_server(server: Server, work: list[dict], warm: list[dict], args) -> dict:
     """Start `server`, send it the `warm` requests (untimed), run the workload, stop it: its summary."""
     try:
@@ -188,6 +195,9 @@ def main(argv=None) -> dict:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--ctx", type=int, default=8192, help="llama-server -c (all slots together)")
     p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--kv-cache", choices=sorted(LLAMA_CACHE_TYPES), default="float16",
+                   help="KV-cache dtype of both servers (jaxinfer --kv-cache, llama-server -ctk/-ctv); default "
+                        "float16, llama-server's default")
     p.add_argument("--jaxinfer-args", default="", help="extra flags for `jaxinfer serve`, e.g. '--max-len 1024'")
     p.add_argument("--time-limit", type=float, default=3600.0, help="no new request after this many s (per server)")
     p.add_argument("--request-timeout", type=float, default=1800.0,
@@ -230,7 +240,8 @@ def main(argv=None) -> dict:
     jport = free_port()
     jserver = Server("jaxinfer", [sys.executable, "-m", "jaxinfer", "serve", "--model", args.model,
                                   "--served-name", MODEL_NAME, "--max-slots", str(args.slots),
-                                  "--host", "127.0.0.1", "--port", str(jport), *shlex.split(args.jaxinfer_args)],
+                                  "--kv-cache", args.kv_cache, "--host", "127.0.0.1", "--port", str(jport),
+                                  *shlex.split(args.jaxinfer_args)],
                      jport, out / "load_vs_llamacpp.jaxinfer.log", env)
     summary = {"experiment": "load_vs_llamacpp", "args": vars(args), "cpu_count": os.cpu_count(),
                "load_average_1m_start": os.getloadavg()[0],
@@ -240,7 +251,8 @@ def main(argv=None) -> dict:
     if not skip:
         qport = free_port()
         qserver = Server("llama.cpp", [peer.server, "-m", peer.gguf, "-np", str(args.slots), "-c", str(args.ctx),
-                                       "-t", str(args.llama_threads), "--host", "127.0.0.1", "--port", str(qport),
+                                       "-t", str(args.llama_threads), "-ctk", LLAMA_CACHE_TYPES[args.kv_cache],
+                                       "-ctv", LLAMA_CACHE_TYPES[args.kv_cache], "--host", "127.0.0.1", "--port", str(qport),
                                        "--alias", MODEL_NAME],
                          qport, out / "load_vs_llamacpp.llamacpp.log")
         summary["llamacpp"] = run_server(qserver, work, warm, args)

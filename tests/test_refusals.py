@@ -286,6 +286,34 @@ def test_cli_chat_message_cannot_close_its_turn(tiny_model, monkeypatch, capsys)
     assert seen[0].count(257) == 2 and seen[0].count(258) == 1
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_kv_cache_dtypes(no_load, capsys, command):
+    """--kv-cache takes the library's KV dtypes (float16: llama.cpp's default, half of float32's
+    bytes) and refuses others by name, before any load."""
+    from jaxinfer.model.cache import KV_DTYPES
+
+    assert sorted(cli.KV_CACHE_CHOICES) == sorted(KV_DTYPES)
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, *(["hi"] if command == "generate" else []), "--kv-cache", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_cli_kv_cache_reaches_the_load(tiny_model, monkeypatch, capsys):
+    seen = {}
+
+    def load(*a, **k):
+        seen.update(k)
+        return tiny_model
+
+    def interrupted(model, prompts, on_tokens=None, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jaxinfer, "load", load)
+    monkeypatch.setattr(jaxinfer, "generate", interrupted)
+    assert cli.main(["generate", "Once", "--kv-cache", "float16", "--layout", "canonical", "--no-compile-cache"]) == 130
+    assert seen["kv_cache"] == "float16"
+
+
 # 8. Ctrl-C while streaming -------------------------------------------------------------------
 
 def test_ctrl_c_while_streaming_keeps_the_text_and_exits_130(tiny_model, monkeypatch, capsys):
