@@ -6,10 +6,11 @@
 
 Each measurement runs in a fresh subprocess that imports jaxinfer from one tree, loads the
 default model (`jaxinfer.load`, on a CPU the CPU decode layout), warms up, and times: prefill
-tokens/s for a 128- and a 512-token prompt (batch 1, time to first token), and decode tokens/s at
-batch 1 and batch 8 (128 new tokens, greedy, no early stop; `Timings.decode_tokens_per_s`, compile
-time excluded). Trees alternate round by round (old, new, old, new ...), so a noisy neighbour slows
-both alike; the table reports medians and new/old ratios. Writes <out>/bench_regression.json.
+tokens/s for a 128-, a 512- and a 2,048-token prompt (batch 1, time to first token), and decode
+tokens/s at batch 1 and batch 8 (128 new tokens, greedy, no early stop;
+`Timings.decode_tokens_per_s`, compile time excluded). Trees alternate round by round (old, new,
+old, new ...), so a noisy neighbour slows both alike; the table reports medians and new/old
+ratios. Writes <out>/bench_regression.json.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ text = open(sys.argv[2]).read()
 ids = model.tokenizer.encode(text)
 new = int(sys.argv[3])
 out = {}
-for n in (128, 512):
+for n in (128, 512, 2048):
     p = ids[:n]
     jaxinfer.generate(model, [p], max_new_tokens=1, stop_at_eos=False)  # compile
     t = jaxinfer.generate(model, [p], max_new_tokens=1, stop_at_eos=False).timings

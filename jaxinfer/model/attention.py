@@ -10,7 +10,8 @@ read back block by block (`cache.block` positions, a few pages at a time) with a
 softmax (running max and sum, as in FlashAttention). Only blocks that hold a filled position
 are read, so the cost follows the context that exists, not the cache's size, and one compiled
 program serves every context length; sliding-window layers skip the blocks that lie wholly
-before their window.
+before their window. A chunk longer than a block attends in query tiles of one block, each
+reading up to its own diagonal.
 
 Shape letters as in `jaxinfer.model.config`; S here is the keys one block (or the sequence) holds.
 """
@@ -85,6 +86,13 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
       [B, T, N, H] attention output in q's dtype.
     """
     B, T, N, H = q.shape
+    if T > cache.block and cache.page_table.shape[1] > cache.block_pages:
+        # Queries in tiles of one block: each tile reads the blocks up to its own last position
+        # and masks only the blocks its positions cross, so a chunk of 2 blocks from position 0
+        # scores 3 block pairs (2 masked) instead of 4 (all masked).
+        tiles = [paged_attention(q[:, i:i + cache.block], q_pos[:, i:i + cache.block], cache, layer, scale,
+                                 window, local) for i in range(0, T, cache.block)]
+        return jnp.concatenate(tiles, axis=1)
     K = cache.k.shape[3]
     G = N // K
     qg = q.reshape(B, T, K, G, H)
