@@ -57,6 +57,8 @@ from experiments import llamacpp_peer  # noqa: E402
 from experiments.load_test import drive, prompts_from_text  # noqa: E402
 
 MODEL_NAME = "m"  # the model id both servers are sent
+# jaxinfer's KV-cache dtype -> llama-server's --cache-type-k/-v name for the same element type
+LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def free_port() -> int:
@@ -139,10 +141,6 @@ async def drive_sampling(server: Server, url: str, work: list[dict], args) -> tu
     finally:
         sampler.cancel()
     return results, wall, float(np.nanmax(peak))
-
-
-# jaxinfer's KV-cache dtype -> llama-server's --cache-type-k/-v name for the same element type
-LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def run_server(server: Server, work: list[dict], warm: list[dict], args) -> dict:
@@ -250,9 +248,10 @@ def main(argv=None) -> dict:
     summary["jaxinfer"] = run_server(jserver, work, warm, args)
     if not skip:
         qport = free_port()
+        ctype = LLAMA_CACHE_TYPES[args.kv_cache]
         qserver = Server("llama.cpp", [peer.server, "-m", peer.gguf, "-np", str(args.slots), "-c", str(args.ctx),
-                                       "-t", str(args.llama_threads), "-ctk", LLAMA_CACHE_TYPES[args.kv_cache],
-                                       "-ctv", LLAMA_CACHE_TYPES[args.kv_cache], "--host", "127.0.0.1", "--port", str(qport),
+                                       "-t", str(args.llama_threads), "-ctk", ctype, "-ctv", ctype,
+                                       "--host", "127.0.0.1", "--port", str(qport),
                                        "--alias", MODEL_NAME],
                          qport, out / "load_vs_llamacpp.llamacpp.log")
         summary["llamacpp"] = run_server(qserver, work, warm, args)

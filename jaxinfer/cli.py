@@ -12,8 +12,9 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from jaxinfer.model.cache import KV_DTYPES
 
-KV_CACHE_CHOICES = ["float32", "bfloat16", "float16", "int8"]
+
 KV_CACHE_HELP = ("KV-cache dtype (default: the param dtype); float16 stores half of float32's bytes per token, "
                  "as llama.cpp does by default; int8 a quarter plus a scale per token and kv head")
 
@@ -34,7 +35,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of every row (samples are reproducible)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization (default: none)")
-    p.add_argument("--kv-cache", choices=KV_CACHE_CHOICES, help=KV_CACHE_HELP)
+    p.add_argument("--kv-cache", choices=KV_DTYPES, help=KV_CACHE_HELP)
     p.add_argument("--speculative", choices=["lookup", "draft"],
                    help="speculative decoding: prompt n-gram lookup, or the target's first --draft-layers as draft")
     p.add_argument("--spec-k", type=int, default=4, help="tokens proposed per speculative round")
@@ -246,7 +247,7 @@ def _add_serve(sub) -> None:
                    "context; never more than the KV pool holds); without --kv-memory the pool holds --max-slots "
                    "requests of this length")
     p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
-    p.add_argument("--kv-cache", choices=KV_CACHE_CHOICES, help=KV_CACHE_HELP)
+    p.add_argument("--kv-cache", choices=KV_DTYPES, help=KV_CACHE_HELP)
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
     p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
                    help="weight layout (jaxinfer.layout): auto (default) = cpu on a CPU backend for float weights "
