@@ -1,6 +1,7 @@
 """The CPU decode layout (jaxinfer.layout) computes the same function as the canonical params.
 
-Unstacked layers (an unrolled layer loop) and fused projections (w_qkv, w_gate_up) must give
+Unstacked layers (an unrolled layer loop), fused projections (w_qkv, w_gate_up) and output-major
+matrices must give
 the canonical logits, through the cache and through `generate`, and keep parity with the
 reference.
 """
@@ -105,8 +106,11 @@ def test_convert_round_trips_and_matches_the_declared_specs(name):
     jax.tree.map(lambda a, w: np.testing.assert_equal(a.shape, w.shape), fast, want)
     lp = fast["layers"][0]
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    assert lp["w_qkv"].shape == (cfg.d_model, (N + 2 * K) * H)
-    assert lp["w_gate_up"].shape == (cfg.d_model, 2 * cfg.ffn_dim)
+    D, F = cfg.d_model, cfg.ffn_dim
+    assert lp["w_qkv"].shape == ((N + 2 * K) * H, D)  # output-major: [out, in]
+    assert lp["w_gate_up"].shape == (2 * F, D)
+    assert lp["wo_t"].shape == (D, N * H) and lp["w_down_t"].shape == (D, F)
+    assert not {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} & set(lp)
     assert layout.convert(params, cfg, "canonical") is params  # already there: nothing copied
     back = layout.convert(fast, cpu, "canonical")
     assert jax.tree.structure(back) == jax.tree.structure(params)

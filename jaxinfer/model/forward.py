@@ -73,6 +73,14 @@ def _out_projection(out: jax.Array, wo) -> jax.Array:
     return jnp.einsum("BTE,ED->BTD", out.reshape(B, T, N * H), wo.reshape(N * H, wo.shape[-1]))
 
 
+def _attention_output(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """out [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "cpu") wo_t [D, N*H]."""
+    if cfg.layout == "cpu":
+        B, T, N, H = out.shape
+        return jnp.einsum("BTE,DE->BTD", out.reshape(B, T, N * H), lp["wo_t"])
+    return _out_projection(out, lp["wo"])
+
+
 def _activation(cfg: ModelConfig):
     if cfg.activation == "gelu_tanh":
         return lambda x: jax.nn.gelu(x, approximate=True)
@@ -83,12 +91,12 @@ def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
     """Queries [B, T, N, H], keys and values [B, T, K, H] from normed inputs h [B, T, D].
 
     A layer holds wq [D, N, H], wk and wv [D, K, H], or (cfg.layout "cpu", see
-    `jaxinfer.model.layout`) one fused w_qkv [D, (N + 2K) * H]: one matmul instead of three.
+    `jaxinfer.model.layout`) one fused w_qkv [(N + 2K) * H, D]: one matmul instead of three.
     """
     if cfg.layout == "canonical":
         return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
                 linear("BTD,DKH->BTKH", h, lp["wv"]))
-    return split_qkv(linear("BTD,DE->BTE", h, lp["w_qkv"]), cfg)
+    return split_qkv(jnp.einsum("BTD,ED->BTE", h, lp["w_qkv"]), cfg)
 
 
 def split_qkv(x: jax.Array, cfg: ModelConfig):
@@ -106,13 +114,14 @@ def split_qkv(x: jax.Array, cfg: ModelConfig):
 def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D].
 
-    The layer holds w_gate and w_up [D, F], or (cfg.layout "cpu") one fused w_gate_up [D, 2F] (gate first).
+    The layer holds w_gate and w_up [D, F] and w_down [F, D], or (cfg.layout "cpu") one fused
+    w_gate_up [2F, D] (gate first) and w_down_t [D, F].
     """
     if cfg.layout == "cpu":
-        gate, up = jnp.split(linear("BTD,DF->BTF", x, lp["w_gate_up"]), 2, axis=-1)
-    else:
-        gate = linear("BTD,DF->BTF", x, lp["w_gate"])
-        up = linear("BTD,DF->BTF", x, lp["w_up"])
+        gate, up = jnp.split(jnp.einsum("BTD,FD->BTF", x, lp["w_gate_up"]), 2, axis=-1)
+        return jnp.einsum("BTF,DF->BTD", _activation(cfg)(gate) * up, lp["w_down_t"])
+    gate = linear("BTD,DF->BTF", x, lp["w_gate"])
+    up = linear("BTD,DF->BTF", x, lp["w_up"])
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
 
 
@@ -323,7 +332,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
             k = rope(k, positions, theta)
             outs, c, probs = _attention(rows.split(q), rows.split(k), rows.split(v), segs, c, idx, local, cfg,
                                         collect_attention)
-            attn = _out_projection(rows.join(outs), lp["wo"])
+            attn = _attention_output(rows.join(outs), lp, cfg)
             if cfg.post_norms:
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
             x = x + attn

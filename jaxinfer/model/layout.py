@@ -1,9 +1,10 @@
-"""The CPU decode layout: one array per layer, fused projections (declared by `cfg.layout = "cpu"`).
+"""The CPU decode layout: one array per layer, fused output-major projections (`cfg.layout = "cpu"`).
 
 Decoding one token multiplies a few activation rows by every weight matrix, so it is bound by
 how fast the weights stream from memory. Profiling a batch-1 SmolLM2-135M decode step (the
 `jax.profiler` trace of XLA's CPU thunks, on a quiet 2-core Xeon VM) showed three ways the
-canonical layout loses bandwidth, and this module removes two of them:
+canonical layout loses bandwidth, and this module removes two of them (and a fourth, below, is
+about XLA's CPU matmul itself):
 
 1. Stacked weights (`wq [L, D, N, H]`, one `lax.scan` over layers): inside the scan XLA's CPU
    backend copies each layer's slice out of the stacked array (a `dynamic-slice` fusion) before
@@ -12,11 +13,19 @@ canonical layout loses bandwidth, and this module removes two of them:
    `model.forward` runs an unrolled Python loop; each matmul reads its weight in place.
 2. Small matmuls run on one core. XLA's CPU dot splits a product over threads only above about
    2^19 multiply-adds: a [1, 576] x [576, 576] matvec (wq) streams at ~12 GB/s, a [576, 960] one
-   at ~20 GB/s, in the same time. So wq, wk, wv become one `w_qkv [D, (N + 2K) * H]` and
-   w_gate, w_up one `w_gate_up [D, 2F]` (gate first): one matmul each, 5 per layer instead of 7.
-   (wo [N*H, D] stays alone below the threshold: nothing it could be fused with.)
+   at ~20 GB/s, in the same time. So wq, wk, wv become one `w_qkv` ((N + 2K) * H outputs) and
+   w_gate, w_up one `w_gate_up` (2F outputs, gate first): one matmul each, 5 per layer instead
+   of 7. (wo stays alone below the threshold: nothing it could be fused with.)
 3. (fixed in `model`, for every layout) contracting wo's two axes N, H let XLA transpose all of
    wo on each call.
+
+4. Every layer matrix is stored output-major, [out, in] (as GGUF and PyTorch store them):
+   w_qkv [(N + 2K) * H, D], w_gate_up [2F, D], wo_t [D, N * H], w_down_t [D, F]. XLA's CPU dot
+   of a few rows against an [out, in] matrix (both operands contract their last axis) is faster
+   than against [in, out]: 30 [576, 3072] matrices took 15.5 vs 19.6 ms for 8 rows, 31 vs 37 ms
+   for 64, 120 vs 166 ms for 256, and the same for 1 and 512 rows. `generate` side by side
+   (`experiments/bench_regression.py`, medians of 3): decode 1.03x at batch 1 and 1.04x at
+   batch 8, prefill 1.08x / 1.02x / 1.09x at 128 / 512 / 2,048 tokens.
 
 Measured back to back (decode tok/s, batch 1, medians of 5): canonical 21.5 -> unstacked 26.9 ->
 + wo fix 28.9 -> + fused projections 30.9-34.0; in one interleaved `experiments/bench.py` run
@@ -49,9 +58,10 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
     """The same weights in another layout: from the one `cfg.layout` declares to `layout`.
 
     canonical -> cpu: the layer weights are unstacked into one dict per layer, and each layer's
-    wq/wk/wv become w_qkv [D, (N + 2K) * H] (q heads, then k, then v) and w_gate/w_up become
-    w_gate_up [D, 2F] (gate first). cpu -> canonical is the inverse; a round trip gives the
-    weights back bit for bit. One copy of the layer weights is made; the input is not modified.
+    wq/wk/wv become w_qkv [(N + 2K) * H, D] (q heads, then k, then v), w_gate/w_up become
+    w_gate_up [2F, D] (gate first), wo becomes wo_t [D, N * H] and w_down w_down_t [D, F] (all
+    output-major). cpu -> canonical is the inverse; a round trip gives the weights back bit for
+    bit. One copy of the layer weights is made; the input is not modified.
 
     Args:
       params: a params tree in the layout `cfg.layout` declares (float weights).
@@ -74,23 +84,28 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
 
 
 def _fuse(layer: Params) -> Params:
-    """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up."""
+    """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up, every
+    matrix output-major (wo -> wo_t, w_down -> w_down_t)."""
     for name in FUSED:
         if not isinstance(layer[name], jax.Array) and not hasattr(layer[name], "__array__"):
             raise ValueError(f"the CPU decode layout needs float weights, got {type(layer[name]).__name__} for "
                              f"{name}")
-    out = {k: v for k, v in layer.items() if k not in FUSED}
+    out = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down")}
     D = layer["wq"].shape[0]
-    out["w_qkv"] = jnp.concatenate([layer[n].reshape(D, -1) for n in ("wq", "wk", "wv")], axis=-1)
-    out["w_gate_up"] = jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
+    out["w_qkv"] = jnp.concatenate([layer[n].reshape(D, -1) for n in ("wq", "wk", "wv")], axis=-1).T
+    out["w_gate_up"] = jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1).T
+    out["wo_t"] = layer["wo"].reshape(-1, layer["wo"].shape[-1]).T
+    out["w_down_t"] = layer["w_down"].T
     return out
 
 
 def _unfuse(layer: Params, cfg: ModelConfig) -> Params:
     """Inverse of `_fuse` (the canonical per-layer weights again)."""
-    out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up")}
-    out["wq"], out["wk"], out["wv"] = split_qkv(layer["w_qkv"], cfg)  # the columns as the model splits them
-    out["w_gate"], out["w_up"] = jnp.split(layer["w_gate_up"], 2, axis=-1)
+    out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up", "wo_t", "w_down_t")}
+    out["wq"], out["wk"], out["wv"] = split_qkv(layer["w_qkv"].T, cfg)  # the columns as the model splits them
+    out["w_gate"], out["w_up"] = jnp.split(layer["w_gate_up"].T, 2, axis=-1)
+    out["wo"] = layer["wo_t"].T.reshape(cfg.n_heads, cfg.head_dim, -1)
+    out["w_down"] = layer["w_down_t"].T
     return out
 
 

@@ -39,15 +39,17 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str, ...]  # logical axis names, one per dim (used for sharding)
     init: str = "normal"  # "normal" (fan-in scaled), "ones" or "zeros"
+    fan_in_last: bool = False  # the input (contracted) dim is the last one ([out, in] matrices)
 
 
 def param_specs(cfg: ModelConfig) -> Params:
     """Nested dict of ParamSpec describing every weight of `cfg`, in the layout `cfg.layout` declares.
 
     "canonical": per-layer weights stacked on a leading L axis (one dict of [L, ...] arrays).
-    "cpu": a tuple of L per-layer dicts in which wq, wk, wv are one w_qkv [D, (N + 2K) * H]
-    (q heads, then k, then v) and w_gate, w_up one w_gate_up [D, 2F] (gate first); see
-    `jaxinfer.model.layout`. The rest of the tree is the same in both.
+    "cpu": a tuple of L per-layer dicts whose matrices are stored output-major ([out, in], as GGUF
+    and PyTorch store them): wq, wk, wv as one w_qkv [(N + 2K) * H, D] (q heads, then k, then v),
+    w_gate, w_up as one w_gate_up [2F, D] (gate first), wo as wo_t [D, N * H], w_down as
+    w_down_t [D, F]; see `jaxinfer.model.layout`. The rest of the tree is the same in both.
     """
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.ffn_dim, cfg.vocab_size)
@@ -73,9 +75,11 @@ def param_specs(cfg: ModelConfig) -> Params:
         layer["post_attn_norm"] = ParamSpec((D,), ("embed",), "ones")
         layer["post_ffn_norm"] = ParamSpec((D,), ("embed",), "ones")
     if cfg.layout == "cpu":
-        fused = {k: v for k, v in layer.items() if k not in FUSED}
-        fused["w_qkv"] = ParamSpec((D, (N + 2 * K) * H), ("embed", "qkv"))
-        fused["w_gate_up"] = ParamSpec((D, 2 * F), ("embed", "gate_up"))
+        fused = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down")}
+        fused["w_qkv"] = ParamSpec((((N + 2 * K) * H), D), ("qkv", "embed"), fan_in_last=True)
+        fused["w_gate_up"] = ParamSpec((2 * F, D), ("gate_up", "embed"), fan_in_last=True)
+        fused["wo_t"] = ParamSpec((D, N * H), ("embed", "attn_out"), fan_in_last=True)
+        fused["w_down_t"] = ParamSpec((D, F), ("embed", "ffn"), fan_in_last=True)
         layers = tuple(dict(fused) for _ in range(L))
     else:
         layers = {k: ParamSpec((L,) + v.shape, ("layers",) + v.axes, v.init) for k, v in layer.items()}
@@ -125,7 +129,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: str | None = None) -> P
         if spec.init == "zeros":
             return jnp.zeros(spec.shape, dt)
         # Fan-in: the input (contracted) dims; "embed" rows are inputs except for the table itself.
-        fan_in = spec.shape[-1] if spec.axes[0] == "vocab" else _fan_in(spec)
+        fan_in = spec.shape[-1] if spec.axes[0] == "vocab" or spec.fan_in_last else _fan_in(spec)
         return (jax.random.normal(k, spec.shape, jnp.float32) / jnp.sqrt(fan_in)).astype(dt)
 
     return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
