@@ -132,6 +132,28 @@ def test_identity_with_preemption_in_a_tiny_pool(model, specs_and_ref):
     assert engine.stats().pages_in_use == 0
 
 
+def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_and_ref):
+    """A slot is free (one request on 4 slots): with admission_wait 0 every scan decodes one step
+    (a request arriving then waits one step for its slot); with a long wait the scans run up to
+    decode_steps. Scan lengths only move host syncs: the tokens are generate's either way."""
+    specs, want = specs_and_ref
+    s, w = next((s, w) for s, w in zip(specs, want) if len(w.token_ids) >= 12)
+    scans = {}
+    for wait in (0.0, 1e3):
+        engine = Engine(model, n_pages=40, decode_steps=8, admission_wait=wait, **ENGINE)
+        got = submit(engine, s).result()
+        assert_same([got], [w])
+        scans[wait] = engine.stats().scans
+        assert engine.step_seconds is not None and engine.step_seconds > 0
+    n = len(w.token_ids)
+    # one token per iteration, after the first (busy_decode_steps = 4 tokens, before a step is timed)
+    assert scans[0.0] >= n - 3, (scans, n)
+    assert scans[1e3] <= 2 + (n - 1 + 7) // 8, (scans, n)
+    for bad in (-1, float("nan"), "0.2", True):
+        with pytest.raises(ValueError, match="admission_wait must be a finite number of seconds >= 0"):
+            Engine(model, n_pages=40, admission_wait=bad, **ENGINE)
+
+
 def test_identity_float16_kv_cache():
     """float16 pages (llama.cpp's default KV dtype, half of float32's bytes): the engine still gives
     generate's tokens on the same cache dtype."""

@@ -12,10 +12,13 @@ slot, in one forward (`core.mixed_step`: the weights are read once for both, as 
 llama.cpp batch them), and a multi-step decode scan (`core.decode`) over all `max_slots` slots
 for the rest of the iteration; a request whose prompt ends in the chunk decodes on in that scan.
 The host syncs once per iteration; between iterations it schedules, admits, detokenizes, checks
-stop strings and streams. The scan runs `decode_steps` steps while nobody waits, fewer while
-requests queue for a slot (so a finishing row is replaced sooner), and none while a prompt still
-has chunks to read (so its next chunk comes after one step). Sampling settings, keys, step counters, stop ids
-and budgets are per-slot arrays, so nothing about a request is a static argument: after
+stop strings and streams. The scan runs `decode_steps` steps while every slot is taken and
+nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
+replaced sooner), only about `admission_wait` seconds of steps while a slot is free (a client
+that sends its next request when its last one ends finds the slot taken by a scan otherwise:
+on the serving load test a whole 16-step scan, ~1.2 s on a CPU), and none while a prompt still
+has chunks to read (so its next chunk comes after one step). Sampling settings, keys, step
+counters, stop ids and budgets are per-slot arrays, so nothing about a request is a static argument: after
 `warmup`, serving compiles nothing (`compiled_programs` counts).
 
 The promise: a request's tokens equal `generate(model, [prompt], seed=s, ...)` alone. Its key is
@@ -35,6 +38,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 import traceback
 from typing import Optional, Sequence, Union
 
@@ -58,6 +62,7 @@ from jaxinfer.text.stream import Detokenizer, StopStrings
 MAX_STOP_TOKENS = 64  # stop token ids per request
 CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host memory available
 DEVICE_MEMORY_FRACTION = 0.85  # default KV pool on an accelerator: this share of its free memory
+ADMISSION_WAIT = 0.2  # s: the longest scan while a slot is free (see Engine's admission_wait)
 
 
 class EngineDead(RuntimeError):
@@ -108,7 +113,7 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 8, page_size: int = kv.PAGE_SIZE,
                  kv_memory: Optional[int] = None, n_pages: Optional[int] = None, max_len: Optional[int] = None,
                  prefill_chunk: int = 512, prefix_cache: bool = True, decode_steps: int = 16,
-                 busy_decode_steps: int = 4):
+                 busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT):
         """
         Args:
           model: a loaded Model (canonical or CPU decode layout).
@@ -121,13 +126,20 @@ class Engine:
             capped at what the pool holds.
           prefill_chunk: most prompt tokens prefilled per step (across requests).
           prefix_cache: share full prompt pages between requests with the same prefix.
-          decode_steps: decode steps per scan (per host sync) while no request waits.
+          decode_steps: decode steps per scan (per host sync) while every slot is taken and no
+            request waits.
           busy_decode_steps: steps per scan while requests wait for a slot.
+          admission_wait: seconds; while a slot is free, a scan runs about this long at most
+            (steps of the measured step time, 1 to decode_steps), so a request that arrives then
+            waits about that long for its slot rather than a whole scan of decode_steps.
         """
         cfg = model.config
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
                         ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):
             inputs.check_int(name, v, 1)
+        if not (isinstance(admission_wait, (int, float)) and not isinstance(admission_wait, bool)
+                and admission_wait >= 0 and np.isfinite(admission_wait)):
+            raise ValueError(f"admission_wait must be a finite number of seconds >= 0, got {admission_wait!r}")
         if kv_memory is not None and n_pages is not None:
             raise ValueError("pass kv_memory (bytes) or n_pages, not both")
         if max_len is not None and not (isinstance(max_len, int) and 0 < max_len <= cfg.max_seq_len):
@@ -147,6 +159,8 @@ class Engine:
         self.model, self.cfg, self.max_slots, self.page_size = model, cfg, max_slots, page_size
         self.max_len = min(want_len, (n_pages - 1) * page_size)
         self.prefill_chunk, self.decode_steps, self.busy_decode_steps = prefill_chunk, decode_steps, busy_decode_steps
+        self.admission_wait = float(admission_wait)
+        self.step_seconds: Optional[float] = None  # measured seconds per decode step (moving average)
         self.pool = PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
         self.n_pages = n_pages
@@ -295,10 +309,18 @@ class Engine:
 
     def _steps_wanted(self) -> int:
         """Decode steps for this scan: one while a constrained request decodes (its next mask needs
-        its last token), fewer while requests wait for a slot."""
+        its last token), fewer while requests wait for a slot, and while a slot is free only as
+        many as last about `admission_wait` seconds (a request arriving then takes the slot after
+        this scan; a client that sends its next request when its last one ends arrives just then)."""
         if any(lv.matcher is not None for lv in self._live.values()):
             return 1
-        return self.busy_decode_steps if self.scheduler.waiting else self.decode_steps
+        if self.scheduler.waiting:
+            return self.busy_decode_steps
+        if len(self.scheduler.running) < self.max_slots:
+            if self.step_seconds is None:
+                return min(self.busy_decode_steps, self.decode_steps)
+            return int(np.clip(self.admission_wait // self.step_seconds, 1, self.decode_steps))
+        return self.decode_steps
 
     def run_until_idle(self) -> None:
         """Step until no request is waiting or running."""
@@ -387,10 +409,15 @@ class Engine:
         # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
         self._touched = {ch.seq.rid for ch in chunks}
         scan = {s.rid for s in seqs} | {ch.seq.rid for ch in chunks if ch.last}
+        t0 = time.perf_counter()
         out = self.runner.step(chunks, chunk_lives, budgets, seqs, lives, steps,
                                on_scan=lambda: self._touched.update(scan))
         self.scans += 1
         dec = out.decode
+        ran = int(np.any(dec.count > 0, axis=1).sum())  # steps that decoded (the mixed call's included)
+        if ran:
+            per_step = (time.perf_counter() - t0) / ran
+            self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
 
         def decoded(lv: Live, slot: int):
             at = np.flatnonzero(dec.count[:, slot])
