@@ -13,11 +13,17 @@ GB/s of weight bytes actually read (medians of --repeats), and microseconds per 
            q/k/v and gate/up: [576, 576] is one-core, [576, 960] is not).
   split    one [576, 1536] matrix cut into 2 independent column blocks (concatenated) or 2
            row blocks (partial sums added): each part falls below the threshold.
-  batch    8 rows instead of 1 (the same weights): bytes per step are the same, time is not.
+  batch    1, 2, 4, 8 and 16 rows against the same output-major [3072, 576] weights (as the
+           CPU decode layout stores them): the bytes per product are the same, the time is not.
+           One row runs XLA's own matrix-vector loop; two or more go to its matrix library
+           (YNN by default in jax 0.10; `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`
+           gives Eigen), which streams weights at a third of that speed or less for these
+           shapes: the reason an 8-row decode step costs ~2.5x a 1-row one on this CPU.
   dtype    the same [576, 3072] weights stored as int8 (dequantized inside the jitted matmul, or
            int8 x int8 -> int32 with dynamically quantized activations) or bfloat16: XLA's CPU
            dot has no fast kernel for these, so fewer bytes do not mean less time.
-Writes experiments/out/matvec-<time>.json.
+`--only batch` runs that section alone (~20 s). Writes experiments/out/matvec-<time>.json
+(XLA_FLAGS included).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ def main(argv=None):
     ap.add_argument("--mb", type=float, default=200, help="weight megabytes per chain")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["size", "split", "batch", "dtype"], help="run one section")
     ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "out"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -89,37 +96,50 @@ def main(argv=None):
     rows = []
     x1 = jnp.ones((1, 576), jnp.float32)
     print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores; decode-sized matmuls, chains of ~{args.mb:.0f} MB")
-    for k, n in ((576, 576), (576, 832), (576, 960), (576, 1536), (576, 3072), (1536, 576)):
+    want = lambda section: args.only in (None, section)  # noqa: E731
+    sizes = ((576, 576), (576, 832), (576, 960), (576, 1536), (576, 3072), (1536, 576)) if want("size") else ()
+    for k, n in sizes:
         rows.append(_case(f"size f32 [1,{k}]x[{k},{n}] ({k * n / 2**19:.2f} x 2^19 MACs)",
                           lambda x, w: x @ w, _weights((k, n), n_for(k, n), jnp.float32, rng),
                           jnp.ones((1, k), jnp.float32), args.repeats))
-    full = _weights((576, 1536), n_for(576, 1536), jnp.float32, rng)
-    cols = [tuple(jnp.split(w, 2, axis=1)) for w in full]
-    rows.append(_case("split f32 [576,1536] in 2 column blocks", lambda x, ws: jnp.concatenate([x @ w for w in ws], -1),
-                      cols, x1, args.repeats))
-    rows.append(_case("split f32 [576,1536] in 2 row blocks", lambda x, ws: sum(
-        xi @ w for xi, w in zip(jnp.split(x, 2, -1), ws)), [tuple(jnp.split(w, 2, axis=0)) for w in full],
-        x1, args.repeats))
-    del full, cols
-    w3072 = _weights((576, 3072), n_for(576, 3072), jnp.float32, rng)
-    rows.append(_case("batch 1 f32 [576,3072]", lambda x, w: x @ w, w3072, x1, args.repeats))
-    rows.append(_case("batch 8 f32 [576,3072]", lambda x, w: x @ w, w3072, jnp.ones((8, 576), jnp.float32),
-                      args.repeats))
-    del w3072
-    q = _weights((576, 3072), n_for(576, 3072, 1), "int8", rng)
-    rows.append(_case("dtype int8 [576,3072], dequantized to f32", lambda x, w: x @ w.astype(jnp.float32), q, x1,
-                      args.repeats))
-    rows.append(_case("dtype int8 [576,3072], int8 x int8 -> int32", _int8_dot, q, x1, args.repeats))
-    del q
-    b = _weights((576, 3072), n_for(576, 3072, 2), jnp.bfloat16, rng)
-    rows.append(_case("dtype bf16 [576,3072], f32 accumulation", lambda x, w: jax.lax.dot_general(
-        x.astype(jnp.bfloat16), w, _DN, preferred_element_type=jnp.float32), b, x1, args.repeats))
+    if want("split"):
+        _split(rows, n_for, x1, rng, args.repeats)
+    if want("batch"):
+        wt = _weights((3072, 576), n_for(576, 3072), jnp.float32, rng)  # output-major, as the CPU layout
+        for m in (1, 2, 4, 8, 16):
+            rows.append(_case(f"batch {m} f32 [{m},576]x[3072,576]^T", lambda x, w: x @ w.T, wt,
+                              jnp.ones((m, 576), jnp.float32), args.repeats))
+        del wt
+    if want("dtype"):
+        _dtypes(rows, n_for, x1, rng, args.repeats)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"matvec-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
-        json.dump({"jax": jax.__version__, "cores": os.cpu_count(), "repeats": args.repeats, "rows": rows}, f, indent=1)
+        json.dump({"jax": jax.__version__, "cores": os.cpu_count(), "repeats": args.repeats,
+                   "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     return rows
+
+
+def _split(rows, n_for, x1, rng, repeats):
+    full = _weights((576, 1536), n_for(576, 1536), jnp.float32, rng)
+    cols = [tuple(jnp.split(w, 2, axis=1)) for w in full]
+    rows.append(_case("split f32 [576,1536] in 2 column blocks", lambda x, ws: jnp.concatenate([x @ w for w in ws], -1),
+                      cols, x1, repeats))
+    rows.append(_case("split f32 [576,1536] in 2 row blocks", lambda x, ws: sum(
+        xi @ w for xi, w in zip(jnp.split(x, 2, -1), ws)), [tuple(jnp.split(w, 2, axis=0)) for w in full],
+        x1, repeats))
+
+
+def _dtypes(rows, n_for, x1, rng, repeats):
+    q = _weights((576, 3072), n_for(576, 3072, 1), "int8", rng)
+    rows.append(_case("dtype int8 [576,3072], dequantized to f32", lambda x, w: x @ w.astype(jnp.float32), q, x1,
+                      repeats))
+    rows.append(_case("dtype int8 [576,3072], int8 x int8 -> int32", _int8_dot, q, x1, repeats))
+    del q
+    b = _weights((576, 3072), n_for(576, 3072, 2), jnp.bfloat16, rng)
+    rows.append(_case("dtype bf16 [576,3072], f32 accumulation", lambda x, w: jax.lax.dot_general(
+        x.astype(jnp.bfloat16), w, _DN, preferred_element_type=jnp.float32), b, x1, repeats))
 
 
 if __name__ == "__main__":
