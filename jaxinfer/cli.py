@@ -13,6 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxinfer.model.cache import KV_DTYPES
+from jaxinfer.model.forward import FEW_ROWS
 
 
 KV_CACHE_HELP = ("KV-cache dtype (default: the param dtype); float16 stores half of float32's bytes per token, "
@@ -65,7 +66,7 @@ def _add_generate(sub) -> None:
                    help="weight layout: cpu = one array per layer with fused q/k/v and gate/up projections "
                         "(jaxinfer.layout; 1.5x batch-1 decode on CPU, longer first compile); auto (default) "
                         "picks cpu on a CPU backend for float weights on one device, without --speculative, "
-                        "for fewer than 8 prompts, else canonical")
+                        "for up to 32 prompts, else canonical")
     p.add_argument("--cpu-layout", "--unstack-layers", dest="layout", action="store_const", const="cpu",
                    help="same as --layout cpu")
 
@@ -90,9 +91,10 @@ def _generate(args) -> int:
     if args.layout == "cpu" and not plain:
         raise ValueError("--layout cpu works with plain float weights on one device, without --quant, "
                          "--speculative or --mesh")
-    # The library's "auto" rule, plus the batch size only the CLI knows: for 8+ prompts the
-    # canonical layout decodes faster on CPU (see jaxinfer/model/layout.py).
-    layout = "canonical" if args.layout == "auto" and (not plain or len(args.prompt) >= 8) else args.layout
+    # The library's "auto" rule, plus the batch size only the CLI knows: above FEW_ROWS prompts
+    # the canonical layout decodes faster on CPU (see jaxinfer/model/layout.py).
+    wide = len(args.prompt) > FEW_ROWS
+    layout = "canonical" if args.layout == "auto" and (not plain or wide) else args.layout
     mesh = None
     if args.mesh is not None:  # a bad spec fails here, before the load and any compile
         from jaxinfer import sharding

@@ -8,6 +8,7 @@ reference.
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +66,21 @@ def test_same_logits_uncached_and_cached(name, lay):
     assert_close(caches[1][0], caches[0][0], what=f"{name} {lay} vs canonical, cached step")
     assert_close(caches[1][1].k, caches[0][1].k, what=f"{name} {lay} vs canonical, cached keys")
     np.testing.assert_array_equal(caches[1][1].lengths, [5, 3])
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (8, 1), (4, 8), (1, 33), (3, 16)])
+def test_project_matches_the_dot_at_every_row_count(shape):
+    """model.forward.project: 2..FEW_ROWS rows take the elementwise-product form, others the dot;
+    both are the same product within float32 rounding, and non-float32 operands always take the dot."""
+    w = jax.random.normal(jax.random.key(1), (40, 24), jnp.float32)
+    x = jax.random.normal(jax.random.key(2), (*shape, 24), jnp.float32)
+    got = jax.jit(mdl.project)(x, w)
+    chex.assert_shape(got, (*shape, 40))
+    ref = np.einsum("...i,oi->...o", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert_close(got, ref, what=f"project {shape}")
+    wb, xb = w.astype(jnp.bfloat16), x.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(mdl.project(xb, wb), np.float32),
+                                  np.asarray(jnp.einsum("...i,oi->...o", xb, wb), np.float32))
 
 
 def test_generate_tokens_identical_tiny():

@@ -15,6 +15,7 @@ RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional, Sequence
 
 import chex
@@ -33,6 +34,24 @@ def linear(eq: str, x: jax.Array, w) -> jax.Array:
     if hasattr(w, "einsum"):  # quantized weight types carry their own dequantizing matmul
         return w.einsum(eq, x)
     return jnp.einsum(eq, x, w)
+
+
+# A product of 2..FEW_ROWS rows (a decode step of a batch, a speculative round) with a float32
+# output-major matrix runs faster on XLA's CPU backend written as an elementwise product summed
+# over the matrix's contiguous axis than as a dot: XLA hands the first to YNN's reduction kernel
+# and the second to its GEMM, which streams these weights 1.2-1.45x slower at 2-32 rows
+# (`experiments/matvec.py --only batch`). One row (XLA's own matrix-vector loop) and long chunks
+# (GEMM at full speed) stay dots.
+FEW_ROWS = 32
+
+
+def project(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., I] times an output-major matrix w [O, I] (the CPU layout's weights) -> [..., O]."""
+    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
+    if 2 <= m <= FEW_ROWS and x.dtype == w.dtype == jnp.float32:
+        rows = x.reshape(m, x.shape[-1])
+        return jnp.sum(w[:, None, :] * rows[None, :, :], axis=-1).T.reshape(*lead, w.shape[0])
+    return jnp.einsum("...I,OI->...O", x, w)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -77,7 +96,7 @@ def _attention_output(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array
     """out [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "cpu") wo_t [D, N*H]."""
     if cfg.layout == "cpu":
         B, T, N, H = out.shape
-        return jnp.einsum("BTE,DE->BTD", out.reshape(B, T, N * H), lp["wo_t"])
+        return project(out.reshape(B, T, N * H), lp["wo_t"])
     return _out_projection(out, lp["wo"])
 
 
@@ -96,7 +115,7 @@ def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
     if cfg.layout == "canonical":
         return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
                 linear("BTD,DKH->BTKH", h, lp["wv"]))
-    return split_qkv(jnp.einsum("BTD,ED->BTE", h, lp["w_qkv"]), cfg)
+    return split_qkv(project(h, lp["w_qkv"]), cfg)
 
 
 def split_qkv(x: jax.Array, cfg: ModelConfig):
@@ -118,8 +137,8 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     w_gate_up [2F, D] (gate first) and w_down_t [D, F].
     """
     if cfg.layout == "cpu":
-        gate, up = jnp.split(jnp.einsum("BTD,FD->BTF", x, lp["w_gate_up"]), 2, axis=-1)
-        return jnp.einsum("BTF,DF->BTD", _activation(cfg)(gate) * up, lp["w_down_t"])
+        gate, up = jnp.split(project(x, lp["w_gate_up"]), 2, axis=-1)
+        return project(_activation(cfg)(gate) * up, lp["w_down_t"])
     gate = linear("BTD,DF->BTF", x, lp["w_gate"])
     up = linear("BTD,DF->BTF", x, lp["w_up"])
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
@@ -350,7 +369,9 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
                   for xi, s in zip(rows.split(x), segs)]  # [B, 1, D] where a logit_index is given
         out_rows = _Rows([p.shape[:2] for p in picked])
         x = rms_norm(out_rows.join(picked), params["final_norm"], cfg.norm_eps)
-        if cfg.tie_embeddings:
+        if cfg.tie_embeddings and cfg.layout == "cpu":
+            logits = project(x, params["embed"])
+        elif cfg.tie_embeddings:
             logits = linear("BTD,VD->BTV", x, params["embed"])
         else:
             logits = linear("BTD,DV->BTV", x, params["lm_head"])

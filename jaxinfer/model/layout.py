@@ -27,12 +27,18 @@ about XLA's CPU matmul itself):
    (`experiments/bench_regression.py`, medians of 3): decode 1.03x at batch 1 and 1.04x at
    batch 8, prefill 1.08x / 1.02x / 1.09x at 128 / 512 / 2,048 tokens.
 
+5. (in `model.forward.project`) 2 to 32 rows are multiplied as an elementwise product summed over
+   the matrix's contiguous axis, which XLA gives to YNN's reduction kernel, instead of as a dot
+   (its GEMM): 1.2-1.45x faster per matrix, `generate` at batch 8 1.35x
+   (`experiments/figures/bench_regression_few_rows.json`).
+
 Measured back to back (decode tok/s, batch 1, medians of 5): canonical 21.5 -> unstacked 26.9 ->
 + wo fix 28.9 -> + fused projections 30.9-34.0; in one interleaved `experiments/bench.py` run
-24.1 vs 15.9 (1.52x). At batch 8 the canonical layout is faster (88.8 vs 69.8 tok/s in that run):
-XLA's CPU matmul of 8 rows is compute-bound (`experiments/matvec.py`: 2.7x the time of one row
-for the same bytes), and a layer's copied slice is then already in cache. Use this layout for
-batch-1 latency (the CLI does, on CPU, for fewer than 8 prompts).
+24.1 vs 15.9 (1.52x). With 5., this layout is also the faster one up to 32 rows (`generate`,
+decode tokens/s, medians, canonical vs cpu: 132.9 vs 156.5 at batch 8, 156.3 vs 169.1 at 16,
+171.1 vs 179.2 at 32); at 48 rows, where the dots are back, the canonical one is (231.0 vs 155.3:
+a layer's copied slice is then already in cache). The CLI picks this layout, on CPU, for up to 32
+prompts.
 
 Cutting matrices into independent parts so XLA's runtime could run them on both cores was
 measured too and was slower (12-13 GB/s instead of 20). The price of this layout is compile
