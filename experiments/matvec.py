@@ -18,7 +18,9 @@ GB/s of weight bytes actually read (medians of --repeats), and microseconds per 
            One row runs XLA's own matrix-vector loop; two or more go to its matrix library
            (YNN by default in jax 0.10; `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`
            gives Eigen), which streams weights at a third of that speed or less for these
-           shapes: the reason an 8-row decode step costs ~2.5x a 1-row one on this CPU.
+           shapes. `summed` is the same product written as an elementwise product summed over
+           the matrix's contiguous axis, which XLA gives to YNN's reduction kernel instead: what
+           `jaxinfer.model.forward.project` runs for 2-32 rows.
   dtype    the same [576, 3072] weights stored as int8 (dequantized inside the jitted matmul, or
            int8 x int8 -> int32 with dynamically quantized activations) or bfloat16: XLA's CPU
            dot has no fast kernel for these, so fewer bytes do not mean less time.
@@ -109,6 +111,9 @@ def main(argv=None):
         for m in (1, 2, 4, 8, 16):
             rows.append(_case(f"batch {m} f32 [{m},576]x[3072,576]^T", lambda x, w: x @ w.T, wt,
                               jnp.ones((m, 576), jnp.float32), args.repeats))
+        for m in (2, 4, 8, 16, 32):  # what model.forward.project runs for 2..FEW_ROWS rows
+            rows.append(_case(f"summed {m} f32 sum(w[:,None,:]*x[None],-1).T", _summed, wt,
+                              jnp.ones((m, 576), jnp.float32), args.repeats))
         del wt
     if want("dtype"):
         _dtypes(rows, n_for, x1, rng, args.repeats)
@@ -119,6 +124,11 @@ def main(argv=None):
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     return rows
+
+
+def _summed(x, w):
+    """x [M, K] times w [N, K] as an elementwise product summed over K (YNN's reduction kernel)."""
+    return jnp.sum(w[:, None, :] * x[None, :, :], axis=-1).T
 
 
 def _split(rows, n_for, x1, rng, repeats):

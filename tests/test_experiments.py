@@ -75,10 +75,11 @@ def test_matvec_benchmark_runs(tmp_path):
     cases = [r["case"] for r in rows]
     assert sum(c.startswith("size") for c in cases) == 6 and sum(c.startswith("dtype") for c in cases) == 3
     assert [c.split()[1] for c in cases if c.startswith("batch")] == ["1", "2", "4", "8", "16"]
+    assert [c.split()[1] for c in cases if c.startswith("summed")] == ["2", "4", "8", "16", "32"]
     assert all(r["GBps"] > 0 and r["n_matmuls"] >= 2 for r in rows)
     assert json.loads(next(tmp_path.glob("matvec-*.json")).read_text())["rows"] == rows
     only = matvec.main(["--quick", "--mb", "4", "--only", "batch", "--out", str(tmp_path / "b")])
-    assert [r["case"] for r in only] == [c for c in cases if c.startswith("batch")]
+    assert [r["case"] for r in only] == [c for c in cases if c.startswith(("batch", "summed"))]
 
 
 def test_profile_attributes_time_to_the_named_stages(tmp_path):
