@@ -45,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experiments import common  # noqa: E402
+from jaxinfer.model.forward import project  # noqa: E402
 
 _DN = (((1,), (0,)), ((), ()))  # [M, K] x [K, N] -> [M, N]
 
@@ -112,7 +113,7 @@ def main(argv=None):
             rows.append(_case(f"batch {m} f32 [{m},576]x[3072,576]^T", lambda x, w: x @ w.T, wt,
                               jnp.ones((m, 576), jnp.float32), args.repeats))
         for m in (2, 4, 8, 16, 32):  # what model.forward.project runs for 2..FEW_ROWS rows
-            rows.append(_case(f"summed {m} f32 sum(w[:,None,:]*x[None],-1).T", _summed, wt,
+            rows.append(_case(f"summed {m} f32 model.forward.project", project, wt,
                               jnp.ones((m, 576), jnp.float32), args.repeats))
         del wt
     if want("dtype"):
@@ -124,11 +125,6 @@ def main(argv=None):
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     return rows
-
-
-def _summed(x, w):
-    """x [M, K] times w [N, K] as an elementwise product summed over K (YNN's reduction kernel)."""
-    return jnp.sum(w[:, None, :] * x[None, :, :], axis=-1).T
 
 
 def _split(rows, n_for, x1, rng, repeats):

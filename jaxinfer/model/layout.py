@@ -29,7 +29,7 @@ about XLA's CPU matmul itself):
 
 5. (in `model.forward.project`) 2 to 32 rows are multiplied as an elementwise product summed over
    the matrix's contiguous axis, which XLA gives to YNN's reduction kernel, instead of as a dot
-   (its GEMM): 1.2-1.45x faster per matrix, `generate` at batch 8 1.35x
+   (its GEMM): 1.1-1.45x faster per matrix, `generate` at batch 8 1.35x
    (`experiments/figures/bench_regression_few_rows.json`).
 
 Measured back to back (decode tok/s, batch 1, medians of 5): canonical 21.5 -> unstacked 26.9 ->
