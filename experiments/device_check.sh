@@ -32,7 +32,8 @@ fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$STAGE"
 for d in .device/parts/*/; do
-  [ -d "$d" ] && cp -n "$d"* "$STAGE"/
+  [ -d "$d" ] || continue
+  for f in "$d"*; do [ -e "$STAGE/$(basename "$f")" ] || cp "$f" "$STAGE"/; done
 done
 python3 experiments/device_stage.py assemble --stage "$STAGE" --cache "$JAXINFER_CACHE"
 

