@@ -13,7 +13,11 @@ what it measured.
   decode       device bandwidth (a large copy, medians) and bf16 matmul FLOP/s, both measured here;
                random-weight decode tokens/s per batch with % of the bandwidth roofline (all
                weights + every row's filled KV cache per step); int8 weights and int8 KV cache;
-               prefill tokens/s with % of the measured matmul peak.
+               prefill tokens/s with % of the measured matmul peak. Side by side at the preset's
+               ab_batches, two choices the first H200 run put in question: the backend's other
+               KV-cache write mode (`cache.write_mode`: "slices" on a GPU, "scatter" on a CPU) and
+               the unstacked layer weights (`layout="cpu"`: one array per layer, no scan, so no
+               per-layer slice of the stacked weights); prefill with the other write mode too.
   serving      `jaxinfer.serve`'s benchmark at each slot count, if the engine is importable.
   compiles     XLA programs built and their compile seconds per section; peak device memory
                against the prediction (params alive + the KV cache of the run).
@@ -54,13 +58,16 @@ from jaxinfer.decode.inputs import bucket
 from jaxinfer.inspect import roofline  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import config as C  # noqa: E402
+from jaxinfer.model import layout as LY  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
 from jaxinfer.model.model import Model  # noqa: E402
 from jaxinfer.weights import hub  # noqa: E402
 
 SECTIONS = ("environment", "correctness", "decode", "serving", "compiles")
-WEIGHTS = {"environment": 0.02, "correctness": 0.25, "decode": 0.53, "serving": 0.2, "compiles": 0.0}
+# Shares of --time-budget. The first H200 run: SmolLM2's correctness took 123 s (112 s compiling),
+# the decode runs 25-45 s each with 5 repeats.
+WEIGHTS = {"environment": 0.02, "correctness": 0.2, "decode": 0.63, "serving": 0.15, "compiles": 0.0}
 SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
@@ -70,6 +77,7 @@ class Preset:
     dtype: str
     batches: tuple[int, ...]  # bf16 decode batch sizes
     quant_batches: tuple[int, ...]  # int8-weight and int8-KV decode batch sizes
+    ab_batches: tuple[int, ...]  # batches where the other cache write mode and the unstacked layout run
     prompt: int  # prompt tokens per row for decode
     new_tokens: int
     chunk: int  # decode steps per jitted scan
@@ -83,15 +91,15 @@ class Preset:
 
 PRESETS = {
     "h200": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 8, 64, 256), quant_batches=(1, 64),
-                   prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
-                   repeats=5, slots=(32, 128),
+                   ab_batches=(1, 64), prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30,
+                   matmul_n=8192, repeats=3, slots=(32, 128),
                    models=("smollm2-135m", "gemma3-270m", "tiny_hf/llama", "tiny_hf/mistral",
                            "tiny_hf/qwen2", "tiny_hf/gemma3")),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
     # the conversion, not memory); each label at its fewest batches and the prefill at the decode
     # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
     # means little: the weights (0.4 MB) sit in cache and steps are dispatch-bound.
-    "tiny": Preset(model="tiny", dtype="float32", batches=(1, 4), quant_batches=(1,), prompt=16,
+    "tiny": Preset(model="tiny", dtype="float32", batches=(1, 4), quant_batches=(1,), ab_batches=(1,), prompt=16,
                    new_tokens=16, chunk=8, prefill=16, copy_bytes=16 << 20, matmul_n=256, repeats=2,
                    slots=(4,), models=("tiny_hf/gemma3",)),
 }
@@ -199,9 +207,14 @@ def decode(args, preset, ctx, deadline) -> dict:
     rng = np.random.default_rng(0)
     S, filled = kv_slots(preset), preset.prompt + preset.new_tokens / 2  # mean filled slots per step
     base = SHORT[preset.dtype]  # "bf16" on the GPU
+    other = other_writes(cfg)  # "slices" on a GPU
     variants = {base: lambda: (cfg, params), "int8kv": lambda: (cfg.replace(kv_dtype="int8"), params),
-                "int8": lambda: (cfg, jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8"))}
-    order = run_order(preset, base)
+                "int8": lambda: (cfg, jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8")),
+                other: lambda: (cfg.replace(kv_writes=other), params),
+                "unstacked": lambda: (cfg.replace(layout="cpu"), jax.jit(
+                    LY.convert, static_argnums=(1, 2))(params, cfg, "cpu"))}
+    res["writes"] = {"base": kv.write_mode(cfg), "other": other}
+    order = run_order(preset, base, other)
     last_s, built = 0.0, {}
     last_use = {label: i for i, (label, _) in enumerate(order)}  # an int8 copy lives until then
     for i, (label, b) in enumerate(order):
@@ -212,12 +225,16 @@ def decode(args, preset, ctx, deadline) -> dict:
         try:
             if label == "prefill":
                 res["prefill"] = prefill(cfg, params, preset, rng, peak)
+            elif label == "prefill_other":
+                res["prefill_other"] = {"writes": other,
+                                        **prefill(cfg.replace(kv_writes=other), params, preset, rng, peak)}
             else:
                 if label not in built:
                     built[label] = variants[label]()
                 vcfg, vparams = built[label]
+                copy = label in ("int8", "unstacked")  # a second set of weights lives beside the base
                 res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
-                                              alive=base_bytes + (P.nbytes(vparams) if label == "int8" else 0)))
+                                              alive=base_bytes + (P.nbytes(vparams) if copy else 0)))
         except Exception as e:  # an out-of-memory batch must not hide the others
             res["runs"].append({"label": label, "batch": b, **_err(e)})
         if last_use[label] == i:
@@ -225,20 +242,30 @@ def decode(args, preset, ctx, deadline) -> dict:
         last_s = time.perf_counter() - t0
     built.clear()
     gc.collect()
-    res["ratios"] = _ratios(res["runs"], preset, base)
+    res["ratios"] = _ratios(res["runs"], preset, base, other)
+    if "prefill" in res and "prefill_other" in res:
+        res["ratios"][f"prefill_{other}_vs_{res['writes']['base']}"] = \
+            res["prefill_other"]["tok_s"] / res["prefill"]["tok_s"]
     return res
 
 
-def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
+def other_writes(cfg: C.ModelConfig) -> str:
+    """The KV-cache write mode this backend does not use by default (`cache.write_mode`)."""
+    return "slices" if kv.write_mode(cfg) == "scatter" else "scatter"
+
+
+def run_order(preset: Preset, base: str, other: str) -> list[tuple[str, int]]:
     """(label, batch) in order of importance, so that a short budget drops the least useful sizes:
-    batch 1 of base and int8, then the int8 batches with their base peers, prefill, the other base
-    batches, the int8 KV cache."""
-    q = preset.quant_batches
-    first = [(base, preset.batches[0]), ("int8", q[0])]
-    for b in q[1:]:
-        first += [(base, b), ("int8", b)]
+    at each A/B batch the base, the other write mode and the unstacked layout side by side, with
+    int8 where it runs; the other int8 batches with their base peers; prefill with both write
+    modes; the other base batches; the int8 KV cache."""
+    q, first = preset.quant_batches, []
+    for b in preset.ab_batches:
+        first += [(base, b), (other, b), ("unstacked", b)] + ([("int8", b)] if b in q else [])
+    for b in q:
+        first += [x for x in ((base, b), ("int8", b)) if x not in first]
     rest = [(base, b) for b in preset.batches if (base, b) not in first]
-    return first + [("prefill", 1)] + rest + [("int8kv", b) for b in q]
+    return first + [("prefill", 1), ("prefill_other", 1)] + rest + [("int8kv", b) for b in q]
 
 
 def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict:
@@ -273,11 +300,12 @@ def prefill(cfg, params, preset, rng, peak_flops) -> dict:
             "pct_peak": 100 * flops / s / peak_flops}
 
 
-def _ratios(runs, preset, base) -> dict:
+def _ratios(runs, preset, base, other) -> dict:
     tok = {(r["label"], r["batch"]): r["tok_s"] for r in runs if "tok_s" in r}
     out, b1 = {}, min(preset.batches)
-    for label in ("int8", "int8kv"):
-        for b in preset.quant_batches:
+    for label, batches in (("int8", preset.quant_batches), ("int8kv", preset.quant_batches),
+                           (other, preset.ab_batches), ("unstacked", preset.ab_batches)):
+        for b in batches:
             if (label, b) in tok and (base, b) in tok:
                 out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
     for b in preset.batches[1:]:
@@ -366,7 +394,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of %(default)s")
     ap.add_argument("--models", default=None, help="correctness models (default: the preset's), e.g. "
                     "smollm2-135m,gemma3-270m,tiny_hf/llama")
-    ap.add_argument("--time-budget", type=float, default=420.0, help="seconds for all sections")
+    ap.add_argument("--time-budget", type=float, default=450.0, help="seconds for all sections")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "out" / "device_check.json"))
     args = ap.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]

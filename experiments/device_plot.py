@@ -7,7 +7,8 @@ from pathlib import Path
 from experiments import common  # noqa: F401  (selects matplotlib's file-only backend)
 import matplotlib.pyplot as plt
 
-COLORS = {"bf16": "tab:blue", "fp32": "tab:blue", "int8": "tab:orange", "int8kv": "tab:green"}
+COLORS = {"bf16": "tab:blue", "fp32": "tab:blue", "int8": "tab:orange", "int8kv": "tab:green",
+          "unstacked": "tab:red", "slices": "tab:gray", "scatter": "tab:gray"}
 
 
 def _runs(report: dict) -> list[dict]:
@@ -62,12 +63,15 @@ def summary(report: dict) -> str:
         lines.append(f"bandwidth: copy {d['bandwidth']['copy_GBps']:.0f} GB/s, read {d['bandwidth']['read_GBps']:.0f} GB/s; "
                      f"{d['matmul']['dtype']} matmul {d['matmul']['TFLOPs']:.1f} TFLOP/s")
     for r in d.get("runs", []):
-        lines.append(f"  {r['label']:7s} batch {r['batch']:4d}: " + (
+        lines.append(f"  {r['label']:9s} batch {r['batch']:4d}: " + (
             f"{r['tok_s']:10.1f} tok/s  {r['pct_roofline']:5.1f}% of roofline {r['roofline_tok_s']:10.1f}"
             if "tok_s" in r else r.get("error", "?")))
     if "prefill" in d:
         p = d["prefill"]
         lines.append(f"  prefill {p['tokens']} tokens: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
+    if "prefill_other" in d:
+        p = d["prefill_other"]
+        lines.append(f"  prefill, {p['writes']} writes: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
     for k, v in d.get("ratios", {}).items():
         lines.append(f"  {k}: {v:.2f}x")
     if d.get("skipped_for_time"):

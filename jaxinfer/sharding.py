@@ -238,7 +238,13 @@ def cache_sharding(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh], batch_
     scale = pages if kv.kv_dtype(cfg) == "int8" else None  # int8: [L, P, ps, K, 1]
     return kv.KVCache(k=pages, v=pages, page_table=NamedSharding(p.mesh, P(b, None)),
                       lengths=NamedSharding(p.mesh, P(b)), k_scale=scale, v_scale=scale,
-                      block_pages=kv.block_pages_for(kv.PAGE_SIZE))
+                      block_pages=kv.block_pages_for(kv.PAGE_SIZE),
+                      writes=kv.write_mode(cfg, _platform(p.mesh)))
+
+
+def _platform(mesh: AnyMesh) -> Optional[str]:
+    """The platform of a concrete mesh's devices ("cpu", "gpu"...); None for an AbstractMesh."""
+    return mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else None
 
 
 def cache_groups(batch_size: int, mesh: AnyMesh) -> int:

@@ -133,3 +133,36 @@ def test_writes_off_the_table_land_on_the_trash_page():
                            cache, cfg)  # row 0 writes positions 6, 7 (page 2) and 8 (off the table)
     changed = [p for p in range(5) if not np.array_equal(np.asarray(after.k[:, p]), np.asarray(pool.k[:, p]))]
     assert changed == [0, 2]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("T", [1, 5, 40])  # decode; a chunk the slices unroll; one they loop over
+def test_scatter_writes_equal_slice_writes(kv_dtype, T):
+    """The GPU's one scatter and the CPU's dynamic_update_slices write the same values to the same
+    slots, off-table positions (row 1 runs past its pages) to the trash page included."""
+    cfg = C.tiny(kv_dtype=kv_dtype)
+    rng = np.random.default_rng(T)
+    k, v = (jnp.asarray(rng.standard_normal((2, T, cfg.n_kv_heads, cfg.head_dim)), jnp.float32) for _ in range(2))
+    table = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]],
+                        jnp.int32)
+    starts = jnp.asarray([3, 6], jnp.int32)
+    pools = {}
+    for writes in ("slices", "scatter"):
+        pool = kv.init_pool(cfg.replace(kv_writes=writes), 15, 4, batch_size=2, width=12)
+        assert pool.writes == writes
+        cache = pool.with_rows(table, starts)
+        pools[writes] = jax.jit(lambda c, k, v: c.update_layer(k, v, 1, c.lengths))(cache, k, v)
+    real = slice(1, None)  # the trash page (0) may take padding writes in either order
+    for name in ("k", "v") + (("k_scale", "v_scale") if kv_dtype == "int8" else ()):
+        a, b = (np.asarray(getattr(pools[w], name)) for w in ("slices", "scatter"))
+        np.testing.assert_array_equal(a[:, real], b[:, real], err_msg=name)
+        assert np.any(a[1, real] != 0)  # something was written
+
+
+def test_write_mode_follows_backend_unless_configured():
+    cfg = C.tiny()
+    assert kv.write_mode(cfg, "cpu") == "slices" and kv.write_mode(cfg, "gpu") == "scatter"
+    assert kv.write_mode(cfg.replace(kv_writes="scatter"), "cpu") == "scatter"
+    assert kv.init_pool(cfg, 3, 4).writes == kv.write_mode(cfg)
+    with pytest.raises(ValueError, match="kv_writes must be None or one of"):
+        cfg.replace(kv_writes="loop")

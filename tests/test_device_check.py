@@ -65,7 +65,10 @@ def test_decode_rooflines_are_consistent(tiny_run):
     bw = d["bandwidth"]["roofline_GBps"] * 1e9
     assert bw == max(d["bandwidth"]["copy_GBps"], d["bandwidth"]["read_GBps"]) * 1e9 > 0
     runs = {(r["label"], r["batch"]): r for r in d["runs"]}
-    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8kv", 1)}, d["runs"]
+    other = d["writes"]["other"]  # "scatter" on this CPU, "slices" on a GPU
+    assert d["writes"] == {"base": "slices", "other": "scatter"}
+    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8kv", 1), (other, 1), ("unstacked", 1)}, \
+        d["runs"]
     for r in runs.values():
         # (no upper bound here: the tiny model's 0.4 MB of weights sit in cache and a loaded CPU's
         # bandwidth probe is noisy, so it can beat the DRAM roofline; on a GPU the 8B run cannot)
@@ -79,9 +82,13 @@ def test_decode_rooflines_are_consistent(tiny_run):
     assert fp["weight_bytes"] == d["model"]["weight_bytes"]
     assert runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]  # int8 codes + scales
     assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
-    assert set(d["ratios"]) == {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "fp32_batch4_vs_batch1"}
-    p = d["prefill"]
-    assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
+    assert runs[("unstacked", 1)]["weight_bytes"] == fp["weight_bytes"]  # the same weights, one array per layer
+    assert set(d["ratios"]) == {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "fp32_batch4_vs_batch1",
+                                f"{other}_vs_fp32_batch1", "unstacked_vs_fp32_batch1",
+                                f"prefill_{other}_vs_slices"}
+    for p in (d["prefill"], d["prefill_other"]):
+        assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
+    assert d["prefill_other"]["writes"] == other
     assert d["skipped_for_time"] == []
 
 

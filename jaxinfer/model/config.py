@@ -24,6 +24,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("linear", "llama3")  # see `jaxinfer.model.rope`
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("canonical", "cpu")  # how the params tree is laid out (`jaxinfer.model.params.param_specs`)
+KV_WRITES = ("slices", "scatter")  # how new keys and values enter the KV pool (`jaxinfer.model.cache.write_mode`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,8 @@ class ModelConfig:
     kv_dtype: Optional[str] = None  # KV-cache element dtype ("int8" adds scales); None = dtype
     layout: str = "canonical"  # params tree: "canonical" (layers stacked on L) or "cpu" (one dict per layer,
     #                            fused q/k/v and gate/up projections; `jaxinfer.model.layout`)
+    kv_writes: Optional[str] = None  # "slices" (one dynamic_update_slice per token) or "scatter" (one
+    #                                  scatter per layer); None = by backend (`cache.write_mode`)
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
@@ -83,6 +86,8 @@ class ModelConfig:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.kv_dtype is not None and self.kv_dtype not in DTYPES + ("int8",):
             raise ValueError(f"kv_dtype must be None or one of {DTYPES + ('int8',)}, got {self.kv_dtype!r}")
+        if self.kv_writes is not None and self.kv_writes not in KV_WRITES:
+            raise ValueError(f"kv_writes must be None or one of {KV_WRITES}, got {self.kv_writes!r}")
         if isinstance(self.rope_freq_divisors, list):  # restored from JSON: keep the config hashable
             object.__setattr__(self, "rope_freq_divisors", tuple(float(d) for d in self.rope_freq_divisors))
         if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:
