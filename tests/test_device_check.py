@@ -153,3 +153,27 @@ def test_every_dependency_reaches_the_device():
 
 def test_wrapper_script_parses():
     subprocess.run(["bash", "-n", str(dc.ROOT / "experiments" / "device_check.sh")], check=True)
+
+
+def test_optimized_hlo_comes_back_in_one_archive(tmp_path):
+    """pack-hlo: the optimized modules, largest first, in one .tgz under the size limit; what
+    would not fit is named, never half-written."""
+    import tarfile
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    rng = np.random.default_rng(0)
+    for name, n in (("module_1.jit_decode.after_optimizations.txt", 40_000),
+                    ("module_2.jit_prefill.after_optimizations.txt", 20_000),
+                    ("module_3.jit_decode.after_optimizations.txt", 5_000)):
+        (dump / name).write_bytes(rng.bytes(n))  # random bytes: gzip cannot shrink them
+    (dump / "module_1.jit_decode.before_optimizations.txt").write_text("HloModule jit_decode")
+    out = tmp_path / "out" / "hlo.tgz"
+    res = ds.pack_hlo(dump, out, limit=30_000)
+    assert res["packed"] == ["module_2.jit_prefill.after_optimizations.txt",
+                             "module_3.jit_decode.after_optimizations.txt"]
+    assert res["left_out"] == ["module_1.jit_decode.after_optimizations.txt"]
+    assert res["bytes"] == out.stat().st_size <= 30_000
+    with tarfile.open(out) as tar:
+        assert tar.getnames() == res["packed"]
+        assert tar.extractfile(res["packed"][1]).read() == (dump / res["packed"][1]).read_bytes()
