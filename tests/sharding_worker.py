@@ -163,6 +163,10 @@ def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
                        wq_shard_shape=list(wq.addressable_shards[0].data.shape),
                        w_up_shard_shape=list(w_up.addressable_shards[0].data.shape))
             res["meshes"][key] = got
+        if name == "tiny":  # the GPU's cache writes (one scatter per layer) on a sharded pool
+            scfg = cfg.replace(kv_writes="scatter")
+            sharded = Model(scfg, shd.shard_params(host, scfg, shd.plan(scfg, shd.make_mesh(2, 4))), tokenizer)
+            res["scatter_2x4"] = {"greedy": _greedy(sharded, prompts), "sampled": _sampled(sharded, prompts, SEEDS)}
         results[name] = res
     with open(out_path, "w") as f:
         json.dump(results, f)

@@ -85,6 +85,13 @@ def test_a_repeated_sharded_generate_compiles_nothing(mesh_results, mesh):
     assert mesh_results["tiny"]["meshes"][mesh]["repeat_compilations"] == 0
 
 
+def test_scatter_cache_writes_on_a_mesh_equal_single_device(mesh_results):
+    """kv_writes="scatter" (the default off the CPU) into a pool sharded on data and model."""
+    r = mesh_results["tiny"]
+    ref = r["single"][str(len(r["prompts"]))]
+    assert r["scatter_2x4"] == {"greedy": ref["greedy"], "sampled": ref["sampled"]}
+
+
 def test_sampling_with_seeds_is_identical_across_meshes(mesh_results):
     checked = 0
     for name in ("tiny", "real"):
