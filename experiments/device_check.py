@@ -97,6 +97,11 @@ PRESETS = {
                    # this one covers what SmolLM2 does not (sliding windows, QK-norm, GeGLU) in seconds
                    models=("tiny_hf/gemma3", "smollm2-135m", "gemma3-270m", "tiny_hf/llama", "tiny_hf/mistral",
                            "tiny_hf/qwen2")),
+    # The A/B alone, for a short lease (~4 minutes of device time left): bf16 against the other
+    # write mode and the unstacked layout at batch 1 and 64, prefill with both write modes.
+    "h200-ab": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 64), quant_batches=(), ab_batches=(1, 64),
+                      prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
+                      repeats=3, slots=(32,), models=("tiny_hf/gemma3",)),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
     # the conversion, not memory); each label at its fewest batches and the prefill at the decode
     # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
@@ -242,6 +247,7 @@ def decode(args, preset, ctx, deadline) -> dict:
         if last_use[label] == i:
             built.pop(label, None)
         last_s = time.perf_counter() - t0
+        ctx["partial"]("decode", res)  # a run cut short by its call's limit keeps what it measured
     built.clear()
     gc.collect()
     res["ratios"] = _ratios(res["runs"], preset, base, other)
@@ -412,6 +418,12 @@ def main(argv=None) -> dict:
               "preset_values": dataclasses.asdict(preset), "sections": {}}
     ctx = {"speed_allowed": jax.default_backend() in ("gpu", "tpu") or args.allow_cpu or args.preset == "tiny",
            "compiles": {}, "report": report}
+
+    def partial(name: str, res: dict) -> None:  # a section's results so far, on disk
+        report["sections"][name] = {"ok": True, "partial": True, **res}
+        _write(report, out)
+
+    ctx["partial"] = partial
     for i, name in enumerate(sections):
         share = budget.share(name, sections[i:])
         t0 = time.perf_counter()
