@@ -337,7 +337,9 @@ def serving(args, preset, ctx, deadline) -> dict:
     if "params" not in ctx:
         cfg, _ = model_config(preset)
         ctx.update(cfg=cfg, params=jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype))
-    cfg, model = ctx["cfg"], Model(config=ctx["cfg"], params=ctx["params"])
+    # the layout `load` gives these float weights on one device (`layout="auto"`): unstacked
+    cfg = ctx["cfg"].replace(layout="cpu")
+    model = Model(config=cfg, params=jax.jit(LY.convert, static_argnums=(1, 2))(ctx["params"], ctx["cfg"], "cpu"))
     rng, page = np.random.default_rng(0), 16
     bw = ctx.get("bandwidth_Bps")
     res = {"available": True, "runs": {}, "skipped_for_time": []}

@@ -41,14 +41,14 @@ def linear(eq: str, x: jax.Array, w) -> jax.Array:
 # over the matrix's contiguous axis than as a dot: XLA hands the first to YNN's reduction kernel
 # and the second to its GEMM, which streams these weights 1.1-1.45x slower at 2-32 rows
 # (`experiments/matvec.py --only batch`). One row (XLA's own matrix-vector loop) and long chunks
-# (GEMM at full speed) stay dots.
+# (GEMM at full speed) stay dots. Other backends always take the dot (measured on an H200 with it).
 FEW_ROWS = 32
 
 
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., I] times an output-major matrix w [O, I] (the CPU layout's weights) -> [..., O]."""
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
-    if 2 <= m <= FEW_ROWS and x.dtype == w.dtype == jnp.float32:
+    if 2 <= m <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and jax.default_backend() == "cpu":
         rows = x.reshape(m, x.shape[-1])
         return jnp.sum(w[:, None, :] * rows[None, :, :], axis=-1).T.reshape(*lead, w.shape[0])
     return jnp.einsum("...I,OI->...O", x, w)
