@@ -218,8 +218,7 @@ def decode(args, preset, ctx, deadline) -> dict:
     variants = {base: lambda: (cfg, params), "int8kv": lambda: (cfg.replace(kv_dtype="int8"), params),
                 "int8": lambda: (cfg, jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8")),
                 other: lambda: (cfg.replace(kv_writes=other), params),
-                "unstacked": lambda: (cfg.replace(layout="cpu"), jax.jit(
-                    LY.convert, static_argnums=(1, 2))(params, cfg, "cpu"))}
+                "unstacked": lambda: unstacked(cfg, params)}
     res["writes"] = {"base": kv.write_mode(cfg), "other": other}
     order = run_order(preset, base, other)
     last_s, built = 0.0, {}
@@ -259,7 +258,13 @@ def decode(args, preset, ctx, deadline) -> dict:
 
 def other_writes(cfg: C.ModelConfig) -> str:
     """The KV-cache write mode this backend does not use by default (`cache.write_mode`)."""
-    return "slices" if kv.write_mode(cfg) == "scatter" else "scatter"
+    return next(w for w in C.KV_WRITES if w != kv.write_mode(cfg))
+
+
+def unstacked(cfg: C.ModelConfig, params) -> tuple[C.ModelConfig, dict]:
+    """The canonical params in the unstacked layout (`layout.convert`, one compiled program) and
+    the config declaring it: what `load(layout="auto")` gives float weights on one device."""
+    return cfg.replace(layout="cpu"), jax.jit(LY.convert, static_argnums=(1, 2))(params, cfg, "cpu")
 
 
 def run_order(preset: Preset, base: str, other: str) -> list[tuple[str, int]]:
@@ -337,9 +342,8 @@ def serving(args, preset, ctx, deadline) -> dict:
     if "params" not in ctx:
         cfg, _ = model_config(preset)
         ctx.update(cfg=cfg, params=jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype))
-    # the layout `load` gives these float weights on one device (`layout="auto"`): unstacked
-    cfg = ctx["cfg"].replace(layout="cpu")
-    model = Model(config=cfg, params=jax.jit(LY.convert, static_argnums=(1, 2))(ctx["params"], ctx["cfg"], "cpu"))
+    cfg, params = unstacked(ctx["cfg"], ctx["params"])  # the layout `load` gives these weights
+    model = Model(config=cfg, params=params)
     rng, page = np.random.default_rng(0), 16
     bw = ctx.get("bandwidth_Bps")
     res = {"available": True, "runs": {}, "skipped_for_time": []}
