@@ -90,8 +90,8 @@ def _generate(args) -> int:
     for i, p in enumerate(args.prompt):
         check_text(p, f"prompt {i}")
     plain = not (args.quant or args.speculative or args.mesh is not None)
-    if args.layout == "cpu" and not plain:
-        raise ValueError("--layout cpu works with plain float weights on one device, without --quant, "
+    if args.layout == "cpu" and (args.quant == "int4" or args.speculative or args.mesh is not None):
+        raise ValueError("--layout cpu works with float or int8 weights on one device, without --quant int4, "
                          "--speculative or --mesh")
     # The library's "auto" rule, plus the batch size only the CLI knows: above FEW_ROWS prompts
     # the canonical layout decodes faster on XLA's CPU backend (see jaxinfer/model/layout.py); on
@@ -295,8 +295,9 @@ def _check_serve_flags(args):
     check_int("--max-body-bytes", args.max_body_bytes, 1)
     if args.max_len is not None:  # its upper bound (the model's context) needs the config
         check_int("--max-len", args.max_len, 1)
-    if args.layout == "cpu" and (args.quant is not None or args.mesh is not None):
-        raise ValueError("--layout cpu works with plain float weights on one device, without --quant or --mesh")
+    if args.layout == "cpu" and (args.quant == "int4" or args.mesh is not None):
+        raise ValueError("--layout cpu works with float or int8 weights on one device, without --quant int4 or "
+                         "--mesh")
     kv_memory = _parse_bytes(args.kv_memory) if args.kv_memory is not None else None
     mesh = None
     if args.mesh is not None:

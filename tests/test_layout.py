@@ -133,12 +133,33 @@ def test_convert_round_trips_and_matches_the_declared_specs(name):
     jax.tree.map(np.testing.assert_array_equal, back, params)  # bit for bit
 
 
-def test_fusing_quantized_weights_is_refused_clearly():
-    from jaxinfer.model.quantize import quantize
-    cfg = C.tiny()
-    q = quantize(init_params(cfg, jax.random.key(0)), cfg, "int8")
-    with pytest.raises(ValueError, match="CPU decode layout needs float weights"):
-        layout.convert(q, cfg, "cpu")
+def test_int8_weights_unstack_exactly_and_int4_is_refused_clearly():
+    """int8 codes move as the floats do and the per-output scales follow their outputs: the
+    unstacked int8 model computes what the canonical one does (same codes, same scales, only the
+    matmul's operand order differs), and the round trip gives the canonical leaves back bit for bit."""
+    from jaxinfer.model.forward import default_positions, forward
+    from jaxinfer.model.quantize import Int8Weight, quantize
+    for cfg in (C.tiny(), C.tiny().replace(qkv_bias=True, tie_embeddings=False)):
+        q = quantize(init_params(cfg, jax.random.key(0)), cfg, "int8")
+        cpu = cfg.replace(layout="cpu")
+        fast = layout.convert(q, cfg, "cpu")
+        lp = fast["layers"][0]
+        assert isinstance(lp["w_qkv"], Int8Weight) and lp["w_qkv"].q.dtype == jnp.int8
+        assert lp["w_qkv"].scale.shape == (lp["w_qkv"].q.shape[0], 1)
+        back = layout.convert(fast, cpu, "canonical")
+        assert jax.tree.structure(back) == jax.tree.structure(q)
+        jax.tree.map(np.testing.assert_array_equal, back, q)
+        for tokens in ([[1, 5, 9, 3, 7, 2]], [[1, 5, 9], [3, 7, 2]]):  # one row (a dot), two (summed form)
+            tokens = jnp.array(tokens)
+            pos = default_positions(*tokens.shape)
+            ref, _ = forward(q, tokens, pos, None, cfg)
+            got, _ = forward(fast, tokens, pos, None, cpu)
+            # The same products summed in another order: float32 rounding of the logits' scale.
+            np.testing.assert_allclose(got, ref, atol=1e-5 * float(jnp.abs(ref).max()), rtol=0)
+            assert (got.argmax(-1) == ref.argmax(-1)).all()
+    q4 = quantize(init_params(C.tiny(), jax.random.key(0)), C.tiny(), "int4")
+    with pytest.raises(ValueError, match="unstacked layout takes float or int8 weights, got Int4Weight"):
+        layout.convert(q4, C.tiny(), "cpu")
 
 
 # The layout decision lives in the library: load(layout=...) -----------------------------------
@@ -179,8 +200,10 @@ def test_cpu_layout_refused_where_canonical_params_are_needed(tiny_ckpt, tmp_pat
     with pytest.raises(ValueError, match="checkpoint.save needs params in the canonical layout"):
         checkpoint.save(tmp_path / "x", m.config, m.params)
     assert not (tmp_path / "x").exists()
-    with pytest.raises(ValueError, match="layout='cpu' works with float weights on one device"):
-        jaxinfer.load(tiny_ckpt, layout="cpu", quant="int8")
+    with pytest.raises(ValueError, match="layout='cpu' works with float or int8 weights on one device"):
+        jaxinfer.load(tiny_ckpt, layout="cpu", quant="int4")
+    q8 = jaxinfer.load(tiny_ckpt, layout="cpu", quant="int8")  # int8 unstacks (the GPU's decode layout)
+    assert q8.config.layout == "cpu" and type(q8.params["layers"][0]["w_qkv"]).__name__ == "Int8Weight"
     with pytest.raises(ValueError, match="layout must be one of"):
         jaxinfer.load(tiny_ckpt, layout="fast")
     # The canonical params come back exactly.

@@ -537,7 +537,7 @@ def test_private_use_characters_in_a_chat_message_are_plain_text(tiny_model):
     (["--max-slots", "0"], "--max-slots must be an int >= 1, got 0"),
     (["--max-waiting", "-1"], "--max-waiting must be an int >= 0, got -1"),
     (["--host", "192.0.2.1", "--port", "0"], "cannot listen on 192.0.2.1:0: .*no such address"),
-    (["--layout", "cpu", "--quant", "int8"], "--layout cpu works with plain float weights"),
+    (["--layout", "cpu", "--quant", "int4"], "--layout cpu works with float or int8 weights"),
 ])
 def test_serve_bad_flags_refused_before_loading(no_load, capsys, flags, match):
     import re

@@ -45,8 +45,13 @@ def linear(eq: str, x: jax.Array, w) -> jax.Array:
 FEW_ROWS = 32
 
 
-def project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., I] times an output-major matrix w [O, I] (the CPU layout's weights) -> [..., O]."""
+def project(x: jax.Array, w) -> jax.Array:
+    """x [..., I] times an output-major matrix w [O, I] (the CPU layout's weights) -> [..., O].
+
+    w is a float array or an int8 `Int8Weight` (codes [O, I], scales [O, 1]), whose own matmul
+    dequantizes it."""
+    if hasattr(w, "einsum"):
+        return linear("...I,OI->...O", x, w)
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     if 2 <= m <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and jax.default_backend() == "cpu":
         rows = x.reshape(m, x.shape[-1])
@@ -121,8 +126,8 @@ def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
 def split_qkv(x: jax.Array, cfg: ModelConfig):
     """[..., (N + 2K) * H] (q heads, then k, then v) -> ([..., N, H], [..., K, H], [..., K, H]).
 
-    The one place that knows the fused column order: the fused projection's outputs and the fused
-    weight itself (`jaxinfer.layout.unfuse_projections`) are split by it.
+    The fused projection's outputs are split here, in the order `jaxinfer.model.layout` fuses the
+    weights.
     """
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = jnp.split(x, [N * H, (N + K) * H], axis=-1)

@@ -57,14 +57,16 @@ run on. The canonical layout stays the one to checkpoint, quantize and shard.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.model.config import LAYOUTS, ModelConfig
-from jaxinfer.model.forward import split_qkv
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import FUSED, Params
+from jaxinfer.model.quantize import Int8Weight
 
 
 def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
@@ -99,27 +101,53 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
 def _fuse(layer: Params) -> Params:
     """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up, every
     matrix output-major (wo -> wo_t, w_down -> w_down_t)."""
-    for name in FUSED:
-        if not isinstance(layer[name], jax.Array) and not hasattr(layer[name], "__array__"):
-            raise ValueError(f"the CPU decode layout needs float weights, got {type(layer[name]).__name__} for "
-                             f"{name}")
     out = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down")}
-    D = layer["wq"].shape[0]
-    out["w_qkv"] = jnp.concatenate([layer[n].reshape(D, -1) for n in ("wq", "wk", "wv")], axis=-1).T
-    out["w_gate_up"] = jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1).T
-    out["wo_t"] = layer["wo"].reshape(-1, layer["wo"].shape[-1]).T
-    out["w_down_t"] = layer["w_down"].T
+    out["w_qkv"] = _output_major([layer[n] for n in ("wq", "wk", "wv")], n_in=1)
+    out["w_gate_up"] = _output_major([layer["w_gate"], layer["w_up"]], n_in=1)
+    out["wo_t"] = _output_major([layer["wo"]], n_in=2)
+    out["w_down_t"] = _output_major([layer["w_down"]], n_in=1)
     return out
 
 
 def _unfuse(layer: Params, cfg: ModelConfig) -> Params:
     """Inverse of `_fuse` (the canonical per-layer weights again)."""
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up", "wo_t", "w_down_t")}
-    out["wq"], out["wk"], out["wv"] = split_qkv(layer["w_qkv"].T, cfg)  # the columns as the model splits them
-    out["w_gate"], out["w_up"] = jnp.split(layer["w_gate_up"].T, 2, axis=-1)
-    out["wo"] = layer["wo_t"].T.reshape(cfg.n_heads, cfg.head_dim, -1)
-    out["w_down"] = layer["w_down_t"].T
+    out["wq"], out["wk"], out["wv"] = _input_major(layer["w_qkv"], [(D, N, H), (D, K, H), (D, K, H)], n_in=1)
+    out["w_gate"], out["w_up"] = _input_major(layer["w_gate_up"], [(D, F), (D, F)], n_in=1)
+    (out["wo"],) = _input_major(layer["wo_t"], [(N, H, D)], n_in=2)
+    (out["w_down"],) = _input_major(layer["w_down_t"], [(F, D)], n_in=1)
     return out
+
+
+def _output_major(ws: list, n_in: int):
+    """Weights [*in, *out] sharing their `n_in` input axes -> one [sum Out, In] matrix, their
+    outputs concatenated in order (q heads, then k, then v: the order `forward.split_qkv` reads).
+
+    Float weights, or int8 ones (`quantize.Int8Weight`): their codes move as the floats would and
+    their per-output-channel scales follow their outputs ([sum Out, 1]), so the fused matrix
+    computes exactly what the separate ones did. int4 groups run along the input axes of an
+    input-major matrix and have no output-major form here.
+    """
+    as_matrix = lambda w: w.reshape(math.prod(w.shape[:n_in]), -1)
+    if all(isinstance(w, Int8Weight) for w in ws):
+        return Int8Weight(q=jnp.concatenate([as_matrix(w.q) for w in ws], axis=-1).T,
+                          scale=jnp.concatenate([w.scale.reshape(-1) for w in ws])[:, None], input_axes=(-1,))
+    for w in ws:
+        if not isinstance(w, jax.Array) and not hasattr(w, "__array__"):
+            raise ValueError(f"the unstacked layout takes float or int8 weights, got {type(w).__name__}")
+    return jnp.concatenate([as_matrix(w) for w in ws], axis=-1).T
+
+
+def _input_major(w, shapes: list[tuple[int, ...]], n_in: int) -> list:
+    """Inverse of `_output_major`: a [sum Out, In] matrix -> weights of the per-layer `shapes`."""
+    cuts = np.cumsum([math.prod(s[n_in:]) for s in shapes])[:-1].tolist()
+    if isinstance(w, Int8Weight):
+        scales = jnp.split(w.scale[:, 0], cuts)
+        return [Int8Weight(q=q, scale=sc.reshape((1,) * n_in + s[n_in:]),
+                           input_axes=tuple(range(-len(s), -len(s) + n_in)))
+                for q, sc, s in zip(_input_major(w.q, shapes, n_in), scales, shapes)]
+    return [part.T.reshape(s) for part, s in zip(jnp.split(w, cuts, axis=0), shapes)]
 
 
 def for_cpu_decode(model: Model) -> Model:

@@ -56,8 +56,9 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
         "cpu" (`jaxinfer.layout`: one array per layer, fused projections; named for where it
         was first measured: about 1.5x faster batch-1 decode on a CPU, and on an H200 2.42x at
         batch 1 and 2.01x at batch 64 for 8B shapes, where the scan copies each layer's slice
-        of the stacked weights; longer first compile) or "auto": "cpu" when the weights are
-        float on one device (no quant, no mesh), on any backend, else "canonical".
+        of the stacked weights; longer first compile; float or int8 weights on one device) or
+        "auto": "cpu" when the weights are float on one device (no quant, no mesh), on any
+        backend, else "canonical".
     Returns:
       A `Model`.
     """
@@ -85,8 +86,9 @@ def _check_options(dtype, quant, kv_cache, mesh, layout) -> None:
         raise ValueError(f"quant={quant!r} with a mesh is not supported yet: sharding rules cover float weights")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "cpu" and (quant is not None or mesh is not None):
-        raise ValueError("layout='cpu' works with float weights on one device, without quant or mesh")
+    if layout == "cpu" and (quant == "int4" or mesh is not None):
+        raise ValueError("layout='cpu' works with float or int8 weights on one device, without quant='int4' or "
+                         "a mesh")
 
 
 def _read_checkpoint(src: Source, dtype: Optional[str], progress, mesh) -> Model:
