@@ -12,13 +12,15 @@ what it measured.
                bf16 (tol BF16_TOL, measured), greedy tokens; batch-vs-alone and same-seed identity.
   decode       device bandwidth (a large copy, medians) and bf16 matmul FLOP/s, both measured here;
                random-weight decode tokens/s per batch with % of the bandwidth roofline (all
-               weights + every row's filled KV cache per step); int8 weights and int8 KV cache;
-               prefill tokens/s with % of the measured matmul peak. Side by side at the preset's
-               ab_batches, two choices the first H200 run put in question: the backend's other
-               KV-cache write mode (`cache.write_mode`: "slices" on a GPU, "scatter" on a CPU) and
-               the unstacked layer weights (`layout="cpu"`: one array per layer, no scan, so no
-               per-layer slice of the stacked weights); prefill with the other write mode too.
+               weights + every row's filled KV cache per step), on the layout and KV-cache writes
+               `load` picks (unstacked layers, scatter writes off the CPU); int8 weights and int8
+               KV cache; prefill tokens/s with % of the measured matmul peak. Side by side at the
+               preset's ab_batches: the stacked (canonical) layout, and int8 weights in both layouts
+               (the second H200 run measured the unstacked float layout 2.4x the stacked one; int8
+               had no unstacked form then); prefill in both layouts.
   serving      `jaxinfer.serve`'s benchmark at each slot count, if the engine is importable.
+  profile      experiments/profile.py's per-stage table (a jax.profiler trace read per named
+               stage) of the prefill and of an 8-step decode at profile_batches; traces beside the JSON.
   compiles     XLA programs built and their compile seconds per section; peak device memory
                against the prediction (params alive + the KV cache of the run).
 Speed numbers are refused on a CPU backend unless --preset tiny or --allow-cpu. A time budget
@@ -64,10 +66,11 @@ from jaxinfer.model import quantize as Q  # noqa: E402
 from jaxinfer.model.model import Model  # noqa: E402
 from jaxinfer.weights import hub  # noqa: E402
 
-SECTIONS = ("environment", "correctness", "decode", "serving", "compiles")
+SECTIONS = ("environment", "correctness", "decode", "serving", "profile", "compiles")
 # Shares of --time-budget. The first H200 run: SmolLM2's correctness took 123 s (112 s compiling),
-# the decode runs 25-45 s each with 5 repeats.
-WEIGHTS = {"environment": 0.02, "correctness": 0.2, "decode": 0.63, "serving": 0.15, "compiles": 0.0}
+# the decode runs 25-45 s each with 5 repeats; the unstacked layout compiles in ~20 s.
+WEIGHTS = {"environment": 0.02, "correctness": 0.2, "decode": 0.5, "serving": 0.15, "profile": 0.13,
+           "compiles": 0.0}
 SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
@@ -77,7 +80,7 @@ class Preset:
     dtype: str
     batches: tuple[int, ...]  # bf16 decode batch sizes
     quant_batches: tuple[int, ...]  # int8-weight and int8-KV decode batch sizes
-    ab_batches: tuple[int, ...]  # batches where the other cache write mode and the unstacked layout run
+    ab_batches: tuple[int, ...]  # batches where the canonical layout (and int8 in both layouts) run too
     prompt: int  # prompt tokens per row for decode
     new_tokens: int
     chunk: int  # decode steps per jitted scan
@@ -86,29 +89,29 @@ class Preset:
     matmul_n: int  # FLOP/s probe: n x n x n bf16
     repeats: int
     slots: tuple[int, ...]  # serving engine slot counts
+    profile_batches: tuple[int, ...]  # decode batch sizes traced by the profile section
     models: tuple[str, ...]  # correctness: real model names and tiny_hf/<family>
 
 
 PRESETS = {
     "h200": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 8, 64, 256), quant_batches=(1, 64),
-                   ab_batches=(1, 64), prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30,
-                   matmul_n=8192, repeats=3, slots=(32, 128),
-                   # tiny gemma3 first: the first H200 run had time for SmolLM2 alone (123 s), and
-                   # this one covers what SmolLM2 does not (sliding windows, QK-norm, GeGLU) in seconds
+                   ab_batches=(1,), prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30,
+                   matmul_n=8192, repeats=3, slots=(32, 128), profile_batches=(64,),
+                   # tiny gemma3 first: it covers what SmolLM2 does not (sliding windows, QK-norm,
+                   # GeGLU) in seconds; SmolLM2 took 123 s in the first H200 run
                    models=("tiny_hf/gemma3", "smollm2-135m", "gemma3-270m", "tiny_hf/llama", "tiny_hf/mistral",
                            "tiny_hf/qwen2")),
-    # The A/B alone, for a short lease (~4 minutes of device time left): bf16 against the other
-    # write mode and the unstacked layout at batch 1 and 64, prefill with both write modes.
-    "h200-ab": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 64), quant_batches=(), ab_batches=(1, 64),
+    # The layout and int8 A/B alone, for a short lease (~4 minutes of device time left).
+    "h200-ab": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 64), quant_batches=(1, 64), ab_batches=(1,),
                       prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
-                      repeats=3, slots=(32,), models=("tiny_hf/gemma3",)),
+                      repeats=3, slots=(32,), profile_batches=(64,), models=("tiny_hf/gemma3",)),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
     # the conversion, not memory); each label at its fewest batches and the prefill at the decode
     # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
     # means little: the weights (0.4 MB) sit in cache and steps are dispatch-bound.
     "tiny": Preset(model="tiny", dtype="float32", batches=(1, 4), quant_batches=(1,), ab_batches=(1,), prompt=16,
                    new_tokens=16, chunk=8, prefill=16, copy_bytes=16 << 20, matmul_n=256, repeats=2,
-                   slots=(4,), models=("tiny_hf/gemma3",)),
+                   slots=(4,), profile_batches=(4,), models=("tiny_hf/gemma3",)),
 }
 
 
@@ -207,40 +210,37 @@ def decode(args, preset, ctx, deadline) -> dict:
     cfg, used = model_config(preset)
     params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
     jax.block_until_ready(params)
-    base_bytes = P.nbytes(params)
-    res["model"] = {"preset": used, "name": cfg.name, "n_params": cfg.n_params, "weight_bytes": base_bytes,
-                    "memory_after_weights": _memory()}
-    ctx.update(cfg=cfg, params=params, bandwidth_Bps=roof_bw)
+    ucfg, uparams = unstacked(cfg, params)  # what `load` gives these weights: the base runs on it
+    canonical_bytes = P.nbytes(params)
+    res["model"] = {"preset": used, "name": cfg.name, "n_params": cfg.n_params, "weight_bytes": canonical_bytes,
+                    "layout": ucfg.layout, "writes": kv.write_mode(ucfg), "memory_after_weights": _memory()}
+    ctx.update(model=Model(config=ucfg, params=uparams), bandwidth_Bps=roof_bw)  # serving and profile run it
     rng = np.random.default_rng(0)
     S, filled = kv_slots(preset), preset.prompt + preset.new_tokens / 2  # mean filled slots per step
     base = SHORT[preset.dtype]  # "bf16" on the GPU
-    other = other_writes(cfg)  # "slices" on a GPU
-    variants = {base: lambda: (cfg, params), "int8kv": lambda: (cfg.replace(kv_dtype="int8"), params),
-                "int8": lambda: (cfg, jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8")),
-                other: lambda: (cfg.replace(kv_writes=other), params),
-                "unstacked": lambda: unstacked(cfg, params)}
-    res["writes"] = {"base": kv.write_mode(cfg), "other": other}
-    order = run_order(preset, base, other)
+    quantized = lambda: jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8")
+    variants = {base: lambda: (ucfg, uparams), "canonical": lambda: (cfg, params),
+                "int8": lambda: unstacked(cfg, quantized()), "int8_canonical": lambda: (cfg, quantized()),
+                "int8kv": lambda: (ucfg.replace(kv_dtype="int8"), uparams)}
+    order = run_order(preset, base)
     last_s, built = 0.0, {}
     last_use = {label: i for i, (label, _) in enumerate(order)}  # an int8 copy lives until then
+    alive = canonical_bytes + P.nbytes(uparams)  # both float copies live through the section
     for i, (label, b) in enumerate(order):
         if time.perf_counter() + 1.5 * last_s > deadline:
             res["skipped_for_time"].append(f"{label} batch {b}")
             continue
         t0 = time.perf_counter()
         try:
-            if label == "prefill":
-                res["prefill"] = prefill(cfg, params, preset, rng, peak)
-            elif label == "prefill_other":
-                res["prefill_other"] = {"writes": other,
-                                        **prefill(cfg.replace(kv_writes=other), params, preset, rng, peak)}
+            if label in ("prefill", "prefill_canonical"):
+                res[label] = prefill(*((ucfg, uparams) if label == "prefill" else (cfg, params)), preset, rng, peak)
             else:
                 if label not in built:
                     built[label] = variants[label]()
                 vcfg, vparams = built[label]
-                copy = label in ("int8", "unstacked")  # a second set of weights lives beside the base
+                copy = label.startswith("int8_") or label == "int8"  # quantized weights live beside the floats
                 res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
-                                              alive=base_bytes + (P.nbytes(vparams) if copy else 0)))
+                                              alive=alive + (P.nbytes(vparams) if copy else 0)))
         except Exception as e:  # an out-of-memory batch must not hide the others
             res["runs"].append({"label": label, "batch": b, **_err(e)})
         if last_use[label] == i:
@@ -249,36 +249,31 @@ def decode(args, preset, ctx, deadline) -> dict:
         ctx["partial"]("decode", res)  # a run cut short by its call's limit keeps what it measured
     built.clear()
     gc.collect()
-    res["ratios"] = _ratios(res["runs"], preset, base, other)
-    if "prefill" in res and "prefill_other" in res:
-        res["ratios"][f"prefill_{other}_vs_{res['writes']['base']}"] = \
-            res["prefill_other"]["tok_s"] / res["prefill"]["tok_s"]
+    res["ratios"] = _ratios(res["runs"], preset, base)
+    if "prefill" in res and "prefill_canonical" in res:
+        res["ratios"]["prefill_canonical_vs_unstacked"] = res["prefill_canonical"]["tok_s"] / res["prefill"]["tok_s"]
     return res
 
 
-def other_writes(cfg: C.ModelConfig) -> str:
-    """The KV-cache write mode this backend does not use by default (`cache.write_mode`)."""
-    return next(w for w in C.KV_WRITES if w != kv.write_mode(cfg))
-
-
 def unstacked(cfg: C.ModelConfig, params) -> tuple[C.ModelConfig, dict]:
-    """The canonical params in the unstacked layout (`layout.convert`, one compiled program) and
-    the config declaring it: what `load(layout="auto")` gives float weights on one device."""
+    """Canonical params (float or int8) in the unstacked layout (`layout.convert`, one compiled
+    program) and the config declaring it: what `load(layout="auto")` gives float weights on one
+    device, and `load(layout="cpu", quant="int8")` int8 ones."""
     return cfg.replace(layout="cpu"), jax.jit(LY.convert, static_argnums=(1, 2))(params, cfg, "cpu")
 
 
-def run_order(preset: Preset, base: str, other: str) -> list[tuple[str, int]]:
+def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
     """(label, batch) in order of importance, so that a short budget drops the least useful sizes:
-    at each A/B batch the base, the other write mode and the unstacked layout side by side, with
-    int8 where it runs; the other int8 batches with their base peers; prefill with both write
-    modes; the other base batches; the int8 KV cache."""
+    the base (the default unstacked layout), then at each A/B batch int8 weights unstacked and
+    stacked and the float canonical layout side by side; the other int8 batches with their base
+    peers; prefill in both layouts; the other base batches; the int8 KV cache."""
     q, first = preset.quant_batches, []
     for b in preset.ab_batches:
-        first += [(base, b), (other, b), ("unstacked", b)] + ([("int8", b)] if b in q else [])
+        first += [(base, b)] + ([("int8", b), ("int8_canonical", b)] if b in q else []) + [("canonical", b)]
     for b in q:
         first += [x for x in ((base, b), ("int8", b)) if x not in first]
     rest = [(base, b) for b in preset.batches if (base, b) not in first]
-    return first + [("prefill", 1), ("prefill_other", 1)] + rest + [("int8kv", b) for b in q]
+    return first + [("prefill", 1), ("prefill_canonical", 1)] + rest + [("int8kv", b) for b in q]
 
 
 def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict:
@@ -313,14 +308,17 @@ def prefill(cfg, params, preset, rng, peak_flops) -> dict:
             "pct_peak": 100 * flops / s / peak_flops}
 
 
-def _ratios(runs, preset, base, other) -> dict:
+def _ratios(runs, preset, base) -> dict:
     tok = {(r["label"], r["batch"]): r["tok_s"] for r in runs if "tok_s" in r}
     out, b1 = {}, min(preset.batches)
     for label, batches in (("int8", preset.quant_batches), ("int8kv", preset.quant_batches),
-                           (other, preset.ab_batches), ("unstacked", preset.ab_batches)):
+                           ("canonical", preset.ab_batches)):
         for b in batches:
             if (label, b) in tok and (base, b) in tok:
                 out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
+    for b in preset.ab_batches:
+        if ("int8", b) in tok and ("int8_canonical", b) in tok:
+            out[f"int8_vs_int8_canonical_batch{b}"] = tok[("int8", b)] / tok[("int8_canonical", b)]
     for b in preset.batches[1:]:
         if (base, b) in tok and (base, b1) in tok:
             out[f"{base}_batch{b}_vs_batch{b1}"] = tok[(base, b)] / tok[(base, b1)]
@@ -339,11 +337,8 @@ def serving(args, preset, ctx, deadline) -> dict:
         from jaxinfer.serve import Engine
     except ImportError as e:
         return {"available": False, "status": f"engine not available ({e})"}
-    if "params" not in ctx:
-        cfg, _ = model_config(preset)
-        ctx.update(cfg=cfg, params=jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype))
-    cfg, params = unstacked(ctx["cfg"], ctx["params"])  # the layout `load` gives these weights
-    model = Model(config=cfg, params=params)
+    model = default_model(preset, ctx)
+    cfg = model.config
     rng, page = np.random.default_rng(0), 16
     bw = ctx.get("bandwidth_Bps")
     res = {"available": True, "runs": {}, "skipped_for_time": []}
@@ -373,6 +368,53 @@ def serving(args, preset, ctx, deadline) -> dict:
     return res
 
 
+def default_model(preset: Preset, ctx: dict) -> Model:
+    """The decode section's random weights in the layout `load` gives them (made here if the
+    decode section did not run)."""
+    if "model" not in ctx:
+        cfg, _ = model_config(preset)
+        params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
+        ucfg, uparams = unstacked(cfg, params)
+        ctx["model"] = Model(config=ucfg, params=uparams)
+    return ctx["model"]
+
+
+def profile(args, preset, ctx, deadline) -> dict:
+    """Where a step's time goes on the device: `experiments/profile.py` (a jax.profiler trace read
+    per named stage: embed, attention, cache_write, paged_attention, mlp, logits, sampling) on
+    the default-layout model, for the preset's prefill at batch 1 and an 8-step decode at each
+    of profile_batches. The per-stage tables land in the JSON, the traces (Perfetto) beside it."""
+    if not ctx["speed_allowed"]:
+        return {"skipped": "speed is reported on a GPU only"}
+    from experiments import profile as prof
+
+    model = default_model(preset, ctx)
+    res, folder = {"runs": {}, "skipped_for_time": []}, Path(args.out).parent  # beside the JSON ($OUT on the device)
+    cases = [(f"decode_b{b}", b, preset.prompt, 8) for b in preset.profile_batches] + [("prefill", 1, preset.prefill, 2)]
+    last_s = 0.0
+    for name, batch, tokens, steps in cases:
+        if time.perf_counter() + 1.5 * last_s > deadline:
+            res["skipped_for_time"].append(name)
+            continue
+        t0 = time.perf_counter()
+        out = folder / f"profile_{name}"
+        try:
+            r = prof.main(["--prompt-tokens", str(tokens), "--decode-steps", str(steps), "--batch", str(batch),
+                           "--out", str(out)], model=model)
+            r["trace_files"] = sorted(str(p.relative_to(folder)) for p in out.rglob("*.trace.json.gz"))
+            for p in out.rglob("*.xplane.pb"):  # TensorBoard's copy of the same trace: not carried back
+                p.unlink()
+            if not r["stages"]:  # the trace's events did not name their HLO ops: say what they carried
+                r["event_arg_keys"] = sorted({k for e in prof.trace_events_any(r["trace_folder"]) for k in e.get("args", {})})
+            res["runs"][name] = r
+        except Exception as e:
+            res["runs"][name] = _err(e)
+        last_s = time.perf_counter() - t0
+        res["runs"][name]["seconds"] = last_s
+        ctx["partial"]("profile", res)
+    return res
+
+
 def compiles(args, preset, ctx, deadline) -> dict:
     by = ctx["compiles"]
     res = {"n_programs": sum(c["count"] for c in by.values()), "compile_s": sum(c["seconds"] for c in by.values()),
@@ -389,7 +431,7 @@ def compiles(args, preset, ctx, deadline) -> dict:
 
 
 RUNNERS = {"environment": environment, "correctness": correctness, "decode": decode, "serving": serving,
-           "compiles": compiles}
+           "profile": profile, "compiles": compiles}
 
 
 # Driver -----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 
 import jaxinfer
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
+from jaxinfer.model.cache import write_mode as kv_write_mode
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
 FP32_TOL = 1e-3  # max |logit diff| and |logsumexp diff| vs transformers fp32, precision "highest"
@@ -89,6 +90,7 @@ def check_model(name: str, cache_dir) -> dict:
     cases, res = _cases(name), {}
     with highest_precision():
         m32 = jaxinfer.load(path, dtype="float32", cache=cache_dir)
+        res["loaded"] = {"layout": m32.config.layout, "kv_writes": kv_write_mode(m32.config)}  # load's defaults here
         fp32 = _logit_diffs(m32, cases)
         batched, g = _greedy(m32, cases)
         fp32.update(g, tol=FP32_TOL)

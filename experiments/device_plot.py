@@ -8,7 +8,7 @@ from experiments import common  # noqa: F401  (selects matplotlib's file-only ba
 import matplotlib.pyplot as plt
 
 COLORS = {"bf16": "tab:blue", "fp32": "tab:blue", "int8": "tab:orange", "int8kv": "tab:green",
-          "unstacked": "tab:red", "slices": "tab:gray", "scatter": "tab:gray"}
+          "canonical": "tab:gray", "int8_canonical": "tab:brown"}
 
 
 def _runs(report: dict) -> list[dict]:
@@ -69,9 +69,9 @@ def summary(report: dict) -> str:
     if "prefill" in d:
         p = d["prefill"]
         lines.append(f"  prefill {p['tokens']} tokens: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
-    if "prefill_other" in d:
-        p = d["prefill_other"]
-        lines.append(f"  prefill, {p['writes']} writes: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
+    if "prefill_canonical" in d:
+        p = d["prefill_canonical"]
+        lines.append(f"  prefill, canonical layout: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
     for k, v in d.get("ratios", {}).items():
         lines.append(f"  {k}: {v:.2f}x")
     if d.get("skipped_for_time"):
@@ -85,7 +85,14 @@ def summary(report: dict) -> str:
         else:
             lines.append(f"  {m:16s} {r.get('status') or r.get('error')}")
     srv = s.get("serving", {})
-    lines.append(f"  serving: {srv.get('status') or srv.get('skipped') or list(srv.get('runs', {}))}")
+    if srv.get("runs"):
+        for n, r in srv["runs"].items():
+            lines.append(f"  serving {n} slots: " + (
+                f"{r['tokens_per_s']:.1f} tok/s ({r.get('pct_roofline', float('nan')):.1f}% of roofline), TTFT p50 "
+                f"{r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s, {r['warmup_programs']} programs in warm-up"
+                if "tokens_per_s" in r else r.get("error", "?")))
+    else:
+        lines.append(f"  serving: {srv.get('status') or srv.get('skipped') or srv.get('skipped_for_time')}")
     cm = s.get("compiles", {})
     if "n_programs" in cm:
         lines.append(f"  {cm['n_programs']} XLA programs, {cm['compile_s']:.0f} s compiling; peak/predicted "

@@ -95,12 +95,20 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def trace_events(folder: str) -> list[dict]:
-    """The timed XLA op events of the newest Perfetto trace under `folder`."""
+def trace_events_any(folder: str) -> list[dict]:
+    """Every timed event ("X") of the newest Perfetto trace under `folder`; on an accelerator only
+    those of its device processes (the host's launch events would count each op twice)."""
     files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     with gzip.open(files[-1]) as f:
         events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and re.match(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))}
+    return [e for e in events if e.get("ph") == "X" and (not devices or e.get("pid") in devices)]
+
+
+def trace_events(folder: str) -> list[dict]:
+    """The timed XLA op events of the newest Perfetto trace under `folder` (CPU thunks, GPU kernels)."""
+    return [e for e in trace_events_any(folder) if "hlo_op" in e.get("args", {})]
 
 
 def per_stage(events: list[dict], names: dict[str, dict[str, str]]) -> dict:

@@ -58,6 +58,7 @@ def test_correctness_against_transformers_golden(tiny_run):
     assert 0 < r["bf16"]["max_logit_diff"] <= dc.BF16_TOL  # bf16 really rounds, within its tolerance
     assert r["batch_vs_alone"]["greedy_identical"] and r["batch_vs_alone"]["sampled_identical"]
     assert r["same_seed"]["identical"] and sec["all_pass"]
+    assert r["loaded"] == {"layout": "cpu", "kv_writes": "slices"}  # load's defaults on this CPU
 
 
 def test_decode_rooflines_are_consistent(tiny_run):
@@ -65,10 +66,9 @@ def test_decode_rooflines_are_consistent(tiny_run):
     bw = d["bandwidth"]["roofline_GBps"] * 1e9
     assert bw == max(d["bandwidth"]["copy_GBps"], d["bandwidth"]["read_GBps"]) * 1e9 > 0
     runs = {(r["label"], r["batch"]): r for r in d["runs"]}
-    other = d["writes"]["other"]  # "scatter" on this CPU, "slices" on a GPU
-    assert d["writes"] == {"base": "slices", "other": "scatter"}
-    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8kv", 1), (other, 1), ("unstacked", 1)}, \
-        d["runs"]
+    assert d["model"]["layout"] == "cpu" and d["model"]["writes"] == "slices"  # what load picks on this CPU
+    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8_canonical", 1), ("int8kv", 1),
+                         ("canonical", 1)}, d["runs"]
     for r in runs.values():
         # (no upper bound here: the tiny model's 0.4 MB of weights sit in cache and a loaded CPU's
         # bandwidth probe is noisy, so it can beat the DRAM roofline; on a GPU the 8B run cannot)
@@ -79,17 +79,31 @@ def test_decode_rooflines_are_consistent(tiny_run):
         # compiles may be 0: an earlier test in the same process can have built identical programs
         assert r["tok_s"] == np.median(r["all_tok_s"]) and isinstance(r["compiles"], int) and r["compiles"] >= 0
     fp = runs[("fp32", 1)]
-    assert fp["weight_bytes"] == d["model"]["weight_bytes"]
-    assert runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]  # int8 codes + scales
+    assert fp["weight_bytes"] == d["model"]["weight_bytes"]  # the same weights, one array per layer
+    assert runs[("canonical", 1)]["weight_bytes"] == fp["weight_bytes"]
+    assert runs[("int8", 1)]["weight_bytes"] == runs[("int8_canonical", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]
     assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
-    assert runs[("unstacked", 1)]["weight_bytes"] == fp["weight_bytes"]  # the same weights, one array per layer
     assert set(d["ratios"]) == {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "fp32_batch4_vs_batch1",
-                                f"{other}_vs_fp32_batch1", "unstacked_vs_fp32_batch1",
-                                f"prefill_{other}_vs_slices"}
-    for p in (d["prefill"], d["prefill_other"]):
+                                "canonical_vs_fp32_batch1", "int8_vs_int8_canonical_batch1",
+                                "prefill_canonical_vs_unstacked"}
+    for p in (d["prefill"], d["prefill_canonical"]):
         assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
-    assert d["prefill_other"]["writes"] == other
     assert d["skipped_for_time"] == []
+
+
+def test_profile_names_where_the_time_goes(tiny_run):
+    prof = tiny_run[0]["sections"]["profile"]
+    assert set(prof["runs"]) == {"prefill", "decode_b4"} and not prof["skipped_for_time"]
+    for name, run in prof["runs"].items():
+        assert "error" not in run, run
+        assert run["layout"] == "cpu" and run["trace_files"]  # load's layout; the trace beside the JSON
+        assert (tiny_run[1].parent / run["trace_files"][0]).stat().st_size > 0
+        stages = run["stages"]
+        assert set(stages) == {"prefill", "decode"}
+        for prog in stages.values():  # the named stages of the data path account for the time
+            assert {"mlp", "attention"} <= set(prog), prog
+            assert sum(s["share"] for s in prog.values()) == pytest.approx(1.0)
+    assert prof["runs"]["decode_b4"]["batch"] == 4 and prof["runs"]["prefill"]["prompt_tokens"] == 16
 
 
 def test_serving_and_compiles(tiny_run):
