@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -105,6 +106,10 @@ PRESETS = {
     "h200-ab": Preset(model="llama31_8b", dtype="bfloat16", batches=(1, 64), quant_batches=(1, 64), ab_batches=(1,),
                       prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
                       repeats=3, slots=(32,), profile_batches=(64,), models=("tiny_hf/gemma3",)),
+    # Prefill in both layouts and the batches the full preset's decode had no time for.
+    "h200-prefill": Preset(model="llama31_8b", dtype="bfloat16", batches=(8, 256), quant_batches=(), ab_batches=(),
+                           prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
+                           repeats=3, slots=(32,), profile_batches=(), models=("tiny_hf/gemma3",)),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
     # the conversion, not memory); each label at its fewest batches and the prefill at the decode
     # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
@@ -401,11 +406,12 @@ def profile(args, preset, ctx, deadline) -> dict:
         try:
             r = prof.main(["--prompt-tokens", str(tokens), "--decode-steps", str(steps), "--batch", str(batch),
                            "--out", str(out)], model=model)
-            r["trace_files"] = sorted(str(p.relative_to(folder)) for p in out.rglob("*.trace.json.gz"))
-            for p in out.rglob("*.xplane.pb"):  # TensorBoard's copy of the same trace: not carried back
-                p.unlink()
-            if not r["stages"]:  # the trace's events did not name their HLO ops: say what they carried
-                r["event_arg_keys"] = sorted({k for e in prof.trace_events_any(r["trace_folder"]) for k in e.get("args", {})})
+            # The Perfetto trace, moved up next to the JSON: the device tool does not carry back
+            # deep folders; TensorBoard's copy of the same trace (xplane.pb) is dropped.
+            flat = folder / f"profile_{name}.trace.json.gz"
+            shutil.move(str(max(out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)), flat)
+            shutil.rmtree(out / "profile", ignore_errors=True)
+            r["trace_files"] = [flat.name]
             res["runs"][name] = r
         except Exception as e:
             res["runs"][name] = _err(e)

@@ -106,6 +106,27 @@ def trace_events_any(folder: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and (not devices or e.get("pid") in devices)]
 
 
+def trace_summary(folder: str) -> dict:
+    """What the newest trace under `folder` holds, per process: timed events, how many name an HLO
+    op, and a few examples (to read a backend whose events this script does not attribute yet)."""
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    out: dict = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        row = out.setdefault(names.get(e.get("pid"), str(e.get("pid"))), {"events": 0, "with_hlo_op": 0, "examples": []})
+        row["events"] += 1
+        row["with_hlo_op"] += "hlo_op" in e.get("args", {})
+        if len(row["examples"]) < 4 and e.get("dur", 0) > 5:
+            row["examples"].append({"name": e.get("name"), "dur_us": e.get("dur"),
+                                    "args": {k: str(v)[:80] for k, v in list(e.get("args", {}).items())[:8]}})
+    return out
+
+
 def trace_events(folder: str) -> list[dict]:
     """The timed XLA op events of the newest Perfetto trace under `folder` (CPU thunks, GPU kernels)."""
     return [e for e in trace_events_any(folder) if "hlo_op" in e.get("args", {})]
@@ -196,7 +217,8 @@ def main(argv=None, model=None) -> dict:
             ops = ", ".join(f"{k} {v:.2f} ms" for k, v in row["top_ops"])
             print(f"  {st:16s} {row['ms']:9.2f} ms  {100 * row['share']:5.1f}%   top: {ops}")
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
-                  layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table)
+                  layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
+                  trace_summary=trace_summary(folder))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -67,8 +67,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
                    help="weight layout: cpu = one array per layer with fused q/k/v and gate/up projections "
                         "(jaxinfer.layout; 1.5x batch-1 decode on CPU, 2.4x on an H200; longer first compile); "
-                        "auto (default) picks cpu for float weights on one device, without --speculative "
-                        "(on a CPU backend: for up to 32 prompts), else canonical")
+                        "auto (default) picks cpu for float weights on one device (and int8 off the CPU), "
+                        "without --speculative (on a CPU backend: for up to 32 prompts), else canonical")
     p.add_argument("--cpu-layout", "--unstack-layers", dest="layout", action="store_const", const="cpu",
                    help="same as --layout cpu")
 
@@ -89,15 +89,15 @@ def _generate(args) -> int:
     check_seed(args.seed, len(args.prompt))
     for i, p in enumerate(args.prompt):
         check_text(p, f"prompt {i}")
-    plain = not (args.quant or args.speculative or args.mesh is not None)
     if args.layout == "cpu" and (args.quant == "int4" or args.speculative or args.mesh is not None):
         raise ValueError("--layout cpu works with float or int8 weights on one device, without --quant int4, "
                          "--speculative or --mesh")
-    # The library's "auto" rule, plus the batch size only the CLI knows: above FEW_ROWS prompts
+    # The library's "auto" rule (`load.auto_layout`), plus what only the CLI knows: speculative
+    # decoding runs stacked, and above FEW_ROWS prompts
     # the canonical layout decodes faster on XLA's CPU backend (see jaxinfer/model/layout.py); on
     # a GPU the unstacked one stays faster (H200, 8B shapes: 2.01x at 64 rows).
     wide = len(args.prompt) > FEW_ROWS and jax.default_backend() == "cpu"
-    layout = "canonical" if args.layout == "auto" and (not plain or wide) else args.layout
+    layout = "canonical" if args.layout == "auto" and (args.speculative or wide) else args.layout
     mesh = None
     if args.mesh is not None:  # a bad spec fails here, before the load and any compile
         from jaxinfer import sharding
@@ -256,6 +256,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
     p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
                    help="weight layout (jaxinfer.layout): auto (default) = cpu for float weights on one device "
+                        "(and int8 off the CPU) "
                         "(the engine's 8-slot decode and the load test run faster in it on a CPU, "
                         "experiments/bench_engine.py; 2.0-2.4x decode on an H200), else canonical; canonical "
                         "compiles faster")

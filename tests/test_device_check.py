@@ -98,6 +98,8 @@ def test_profile_names_where_the_time_goes(tiny_run):
         assert "error" not in run, run
         assert run["layout"] == "cpu" and run["trace_files"]  # load's layout; the trace beside the JSON
         assert (tiny_run[1].parent / run["trace_files"][0]).stat().st_size > 0
+        summary = run["trace_summary"]  # per process: what the trace held (to read other backends)
+        assert sum(p["with_hlo_op"] for p in summary.values()) > 0
         stages = run["stages"]
         assert set(stages) == {"prefill", "decode"}
         for prog in stages.values():  # the named stages of the data path account for the time

@@ -181,11 +181,23 @@ def test_load_picks_the_cpu_layout_on_cpu_and_canonical_when_asked(tiny_ckpt):
     canon = jaxinfer.load(tiny_ckpt, layout="canonical")
     assert auto.config.layout == "cpu" and "w_qkv" in auto.params["layers"][0]
     assert canon.config.layout == "canonical"
-    assert jaxinfer.load(tiny_ckpt, quant="int8").config.layout == "canonical"  # quantized weights: canonical
+    assert jaxinfer.load(tiny_ckpt, quant="int8").config.layout == "canonical"  # int8 on a CPU: canonical
     prompts = [[5, 6, 7, 8], [9, 10]]
     a = jaxinfer.generate(auto, prompts, max_new_tokens=8, stop_at_eos=False, chunk_size=4)
     b = jaxinfer.generate(canon, prompts, max_new_tokens=8, stop_at_eos=False, chunk_size=4)
     assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+
+
+def test_auto_layout_follows_the_measurements():
+    """load(layout="auto"): unstacked for float weights on one device on any backend, and for int8
+    off the CPU (2.64x stacked on an H200); stacked for int8 on a CPU, int4 and meshes."""
+    from jaxinfer.weights.load import auto_layout
+
+    mesh = object()
+    assert [auto_layout(None, None, b) for b in ("cpu", "gpu", "tpu")] == ["cpu"] * 3
+    assert [auto_layout("int8", None, b) for b in ("cpu", "gpu", "tpu")] == ["canonical", "cpu", "cpu"]
+    assert {auto_layout("int4", None, b) for b in ("cpu", "gpu")} == {"canonical"}
+    assert {auto_layout(q, mesh, "gpu") for q in (None, "int8")} == {"canonical"}
 
 
 def test_cpu_layout_refused_where_canonical_params_are_needed(tiny_ckpt, tmp_path):

@@ -19,8 +19,10 @@ converts each weight to the compute dtype and then runs the fp32 dot (`experimen
 2-4x slower per matmul than fp32 on the same shape). So the bytes read from memory shrink, but the
 time does not follow: measured in `experiments/bench.py`, int8 is 1.55x the canonical fp32 layout at
 batch 1 (whose stacked slice copies move 4 bytes per weight) and even with the CPU decode layout;
-int4 (unpacking on top) is 0.76x. (XLA's GPU backend can fuse the conversion into the matmul;
-not measured here, no GPU was lent.)
+int4 (unpacking on top) is 0.76x. XLA's GPU backend fuses the conversion into its Triton GEMM,
+so int8 is what is read: on an H200 (Llama-3.1-8B shapes, `experiments/figures/device_check_int8.json`)
+int8 decodes 1.32x bf16 at batch 1 in the unstacked layout (`jaxinfer.model.layout`, which
+carries Int8Weight leaves) and 2.64x the stacked int8 scan.
 
 Embedding and LM head: with tied embeddings the table [V, D] is read in full every decode step
 (it is the LM head), so at 135M parameters it is 21% of all weight bytes and must be quantized
