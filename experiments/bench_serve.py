@@ -100,6 +100,7 @@ def serve_engine(engine, work, page_size, bpt):
     reqs = [dict(r) for r in work]
     handles, pending, clock = {}, list(range(len(reqs))), Clock()
     kv_paged, kv_contig = [], []
+    scans0 = engine.stats().scans
     while pending or not engine.scheduler.idle():
         now = clock()
         while pending and reqs[pending[0]]["arrival"] <= now:
@@ -124,6 +125,10 @@ def serve_engine(engine, work, page_size, bpt):
     clock.close()
     res.update(kv_paged_mean=float(np.mean(kv_paged)), kv_contiguous_mean=float(np.mean(kv_contig)),
                kv_ratio=float(np.sum(kv_paged) / max(1, np.sum(kv_contig))))
+    # Device iterations (host syncs) and the tokens each brought: a burst admitted one prompt
+    # chunk per iteration reads the weights once per admitted request for a single decode step.
+    iterations = engine.stats().scans - scans0
+    res.update(iterations=iterations, tokens_per_iteration=sum(r["max_new"] for r in reqs) / max(1, iterations))
     return res
 
 

@@ -89,7 +89,8 @@ def summary(report: dict) -> str:
         for n, r in srv["runs"].items():
             lines.append(f"  serving {n} slots: " + (
                 f"{r['tokens_per_s']:.1f} tok/s ({r.get('pct_roofline', float('nan')):.1f}% of roofline), TTFT p50 "
-                f"{r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s, {r['warmup_programs']} programs in warm-up"
+                f"{r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s, {r['iterations']} iterations "
+                f"({r['tokens_per_iteration']:.1f} tokens each), {r['warmup_programs']} programs in warm-up"
                 if "tokens_per_s" in r else r.get("error", "?")))
     else:
         lines.append(f"  serving: {srv.get('status') or srv.get('skipped') or srv.get('skipped_for_time')}")

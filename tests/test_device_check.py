@@ -116,6 +116,8 @@ def test_serving_and_compiles(tiny_run):
         assert "error" not in run, run
         assert run["slots"] == int(n) and run["tokens_per_s"] > 0 and run["ttft_p50"] >= 0
         assert run["pct_roofline"] > 0 and run["warmup_programs"] >= 0
+        assert run["iterations"] > 0 and run["tokens_per_iteration"] == pytest.approx(
+            run["requests"] * dc.PRESETS["tiny"].new_tokens / run["iterations"])
     c = s["compiles"]
     assert c["n_programs"] == sum(v["count"] for v in c["by_section"].values()) > 0
     assert c["by_section"]["decode"]["count"] > 0 and c["compile_s"] > 0
