@@ -41,3 +41,31 @@ def test_filters_off_leave_rows_untouched():
     out = smp.filter_logits(logits, rp)
     np.testing.assert_array_equal(out[0], logits[0])
     np.testing.assert_array_equal(out[1], logits[1] / 2.0)
+
+
+def test_batch_rows_reuses_device_counts_only_while_nobody_is_penalized():
+    """The engine keeps the last call's TokenCounts on the device and passes them again while no
+    row uses penalties (nothing reads them then); a penalized row gets its own counts from the host."""
+    from jaxinfer.decode import penalties as pen
+    from jaxinfer.serve.live import batch_rows
+
+    class Row:  # the fields batch_rows reads from a Live
+        def __init__(self, sampling, counts=None, in_prompt=None):
+            self.sampling, self.counts, self.in_prompt, self.matcher = sampling, counts, in_prompt, None
+            self.key_data, self.stop_ids, self.extra_stops = np.zeros(2, np.uint32), (), ()
+            self.seq = type("Seq", (), {"generated": [1, 2]})()
+
+    V = 16
+    spare = pen.TokenCounts(counts=jnp.full((3, V), 7, jnp.int32), in_prompt=jnp.ones((3, V), bool),
+                            generated=jnp.full((3,), 9, jnp.int32))
+    plain = [Row(SamplingParams(temperature=0.7)), None, Row(SamplingParams(temperature=0.0))]
+    _, counts = batch_rows(plain, np.ones(3, np.int32), (0,), V, 2, spare=spare)
+    assert counts is spare
+    _, fresh = batch_rows(plain, np.ones(3, np.int32), (0,), V, 2)  # no spare: zeros from the host
+    assert not np.asarray(fresh.counts).any() and list(np.asarray(fresh.generated)) == [2, 0, 2]
+    mine = np.arange(V, dtype=np.int32)
+    penalized = plain[:2] + [Row(SamplingParams(temperature=0.0, frequency_penalty=1.0), mine, mine % 2 == 0)]
+    _, counts = batch_rows(penalized, np.ones(3, np.int32), (0,), V, 2, spare=spare)
+    assert counts is not spare
+    np.testing.assert_array_equal(np.asarray(counts.counts), np.stack([np.zeros(V, np.int32)] * 2 + [mine]))
+    np.testing.assert_array_equal(np.asarray(counts.in_prompt)[2], mine % 2 == 0)

@@ -90,6 +90,7 @@ class Runner:
                             ] if max_slots > 1 else []
         self.key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self.cache = self.new_pool()
+        self.spare_counts = None  # the last step's TokenCounts [max_slots, V], on the device (`batch_rows`)
 
     def new_pool(self) -> kv.KVCache:
         """An empty pool (on the model's mesh, kv heads split like wk/wv, when the model is sharded)."""
@@ -156,7 +157,8 @@ class Runner:
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 table[ch.seq.slot, :len(ch.seq.pages)] = ch.seq.pages
                 budgets[ch.seq.slot] = n
-        rows, counts = batch_rows(by_slot, budgets, self.eos_ids, self.cfg.vocab_size, self.key_size)
+        spare, self.spare_counts = self.spare_counts, None  # donated below: only a finished call's come back
+        rows, counts = batch_rows(by_slot, budgets, self.eos_ids, self.cfg.vocab_size, self.key_size, spare=spare)
         top = np.array([lv is not None and lv.n_top > 0 for lv in by_slot])
         state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=rows, counts=counts)
         ems, first = [], None
@@ -171,6 +173,7 @@ class Runner:
                                         until_a_row_ends=np.asarray(True))
             ems.append(em)
             self.cache = state.cache
+        self.spare_counts = state.counts  # every slot's counts, for the next call when nobody is penalized
         host = [jax.tree.map(np.asarray, jax.tree.map(shd.to_host, em)) for em in ems]
         cat = lambda f: np.concatenate([f(h) for h in host], axis=0)  # noqa: E731
         want_top = bool(top.any())
