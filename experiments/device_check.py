@@ -195,6 +195,12 @@ def model_config(preset: Preset) -> tuple[C.ModelConfig, str]:
     return (fn or C.llama3_8b)(dtype=preset.dtype), used
 
 
+def random_weights(preset: Preset) -> tuple[C.ModelConfig, str, dict]:
+    """The preset's config, the preset function used, and random canonical params (key 0)."""
+    cfg, used = model_config(preset)
+    return cfg, used, jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
+
+
 def decode(args, preset, ctx, deadline) -> dict:
     if not ctx["speed_allowed"]:
         return {"skipped": f"backend is {jax.default_backend()}: speed is reported on a GPU only "
@@ -212,8 +218,7 @@ def decode(args, preset, ctx, deadline) -> dict:
     res["bandwidth"]["roofline_GBps"] = roof_bw / 1e9
     peak = matmul_flops(preset.matmul_n, preset.repeats, preset.dtype)
     res["matmul"] = {"n": preset.matmul_n, "dtype": preset.dtype, "TFLOPs": peak / 1e12}
-    cfg, used = model_config(preset)
-    params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
+    cfg, used, params = random_weights(preset)
     jax.block_until_ready(params)
     ucfg, uparams = unstacked(cfg, params)  # what `load` gives these weights: the base runs on it
     canonical_bytes = P.nbytes(params)
@@ -377,8 +382,7 @@ def default_model(preset: Preset, ctx: dict) -> Model:
     """The decode section's random weights in the layout `load` gives them (made here if the
     decode section did not run)."""
     if "model" not in ctx:
-        cfg, _ = model_config(preset)
-        params = jax.jit(P.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), preset.dtype)
+        cfg, _, params = random_weights(preset)
         ucfg, uparams = unstacked(cfg, params)
         ctx["model"] = Model(config=ucfg, params=uparams)
     return ctx["model"]

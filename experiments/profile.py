@@ -95,26 +95,31 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def trace_events_any(folder: str) -> list[dict]:
-    """Every timed event ("X") of the newest Perfetto trace under `folder`; on an accelerator only
-    those of its device processes (the host's launch events would count each op twice)."""
+def read_trace(folder: str) -> list[dict]:
+    """Every event of the newest Perfetto trace under `folder`."""
     files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     with gzip.open(files[-1]) as f:
-        events = json.load(f)["traceEvents"]
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and re.match(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))}
-    return [e for e in events if e.get("ph") == "X" and (not devices or e.get("pid") in devices)]
+        return json.load(f)["traceEvents"]
 
 
-def trace_summary(folder: str) -> dict:
-    """What the newest trace under `folder` holds, per process: timed events, how many name an HLO
-    op, and a few examples (to read a backend whose events this script does not attribute yet)."""
-    files = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    with gzip.open(files[-1]) as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    out: dict = {}
+def _process_names(events: list[dict]) -> dict:
+    """pid -> the trace's name for that process ("/device:GPU:0 ...", "/host:CPU" ...)."""
+    return {e["pid"]: str(e.get("args", {}).get("name")) for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
+def trace_events(events: list[dict]) -> list[dict]:
+    """The timed XLA op events of a trace (CPU thunks, GPU kernels); on an accelerator only those of
+    its device processes (the host's launch events would count each op twice)."""
+    devices = {pid for pid, name in _process_names(events).items() if re.match(r"/device:(GPU|TPU)", name)}
+    return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
+            and (not devices or e.get("pid") in devices)]
+
+
+def trace_summary(events: list[dict]) -> dict:
+    """What a trace holds, per process: timed events, how many name an HLO op, and a few examples
+    (to read a backend whose events this script does not attribute yet)."""
+    names, out = _process_names(events), {}
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -125,11 +130,6 @@ def trace_summary(folder: str) -> dict:
             row["examples"].append({"name": e.get("name"), "dur_us": e.get("dur"),
                                     "args": {k: str(v)[:80] for k, v in list(e.get("args", {}).items())[:8]}})
     return out
-
-
-def trace_events(folder: str) -> list[dict]:
-    """The timed XLA op events of the newest Perfetto trace under `folder` (CPU thunks, GPU kernels)."""
-    return [e for e in trace_events_any(folder) if "hlo_op" in e.get("args", {})]
 
 
 def per_stage(events: list[dict], names: dict[str, dict[str, str]]) -> dict:
@@ -209,7 +209,8 @@ def main(argv=None, model=None) -> dict:
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         run()
     wall = time.perf_counter() - t0
-    table = per_stage(trace_events(folder), names)
+    events = read_trace(folder)
+    table = per_stage(trace_events(events), names)
     for prog, stages in table.items():
         what = f"{T}-token prompt x {B}" if prog == "prefill" else f"{args.decode_steps} steps x {B} rows"
         print(f"\n{prog} ({what}): time per stage (XLA ops the trace timed)")
@@ -218,7 +219,7 @@ def main(argv=None, model=None) -> dict:
             print(f"  {st:16s} {row['ms']:9.2f} ms  {100 * row['share']:5.1f}%   top: {ops}")
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
                   layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
-                  trace_summary=trace_summary(folder))
+                  trace_summary=trace_summary(events))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -81,7 +81,7 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
     bit. One copy of the layer weights is made; the input is not modified.
 
     Args:
-      params: a params tree in the layout `cfg.layout` declares (float weights).
+      params: a params tree in the layout `cfg.layout` declares (float or int8 weights).
       cfg: its config.
       layout: one of LAYOUTS.
     Returns:
@@ -93,6 +93,11 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
         return params
     if layout == "cpu":
         stacked = params["layers"]
+        for name in FUSED + ("wo", "w_down"):  # refused before any layer is sliced
+            w = stacked[name]
+            if not (isinstance(w, (jax.Array, Int8Weight)) or hasattr(w, "__array__")):
+                raise ValueError(f"the unstacked layout takes float or int8 weights, got {type(w).__name__} for "
+                                 f"{name}")
         n = cfg.n_layers
         per_layer = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
         return dict(params, layers=tuple(_fuse(lp) for lp in per_layer))
@@ -132,12 +137,9 @@ def _output_major(ws: list, n_in: int):
     input-major matrix and have no output-major form here.
     """
     as_matrix = lambda w: w.reshape(math.prod(w.shape[:n_in]), -1)
-    if all(isinstance(w, Int8Weight) for w in ws):
+    if isinstance(ws[0], Int8Weight):
         return Int8Weight(q=jnp.concatenate([as_matrix(w.q) for w in ws], axis=-1).T,
                           scale=jnp.concatenate([w.scale.reshape(-1) for w in ws])[:, None], input_axes=(-1,))
-    for w in ws:
-        if not isinstance(w, jax.Array) and not hasattr(w, "__array__"):
-            raise ValueError(f"the unstacked layout takes float or int8 weights, got {type(w).__name__}")
     return jnp.concatenate([as_matrix(w) for w in ws], axis=-1).T
 
 

@@ -117,10 +117,8 @@ def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab
     samplings = [lv.sampling if lv is not None else smp.GREEDY for lv in lives]
     key_data = np.zeros((R, key_size), np.uint32)
     steps = np.zeros((R,), np.int32)
-    if spare is not None and all(lv is None or lv.counts is None for lv in lives):
-        counts = in_prompt = None
-    else:
-        counts, in_prompt, spare = np.zeros((R, V), np.int32), np.zeros((R, V), bool), None
+    reuse = spare is not None and all(lv is None or lv.counts is None for lv in lives)
+    counts, in_prompt = (None, None) if reuse else (np.zeros((R, V), np.int32), np.zeros((R, V), bool))
     mask = core.no_mask(R, V)
     for i, lv in enumerate(lives):
         if lv is None:
@@ -136,4 +134,4 @@ def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab
                      controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
                                                             for lv in lives], eos_ids, V),
                      mask=mask)
-    return rows, spare if spare is not None else pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)
+    return rows, spare if reuse else pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)
