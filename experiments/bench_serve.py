@@ -44,6 +44,7 @@ from jaxinfer.compile_cache import enable_persistent_cache  # noqa: E402
 from jaxinfer.decode.generate import MIN_KV_BUCKET  # noqa: E402
 from jaxinfer.decode.inputs import bucket
 from jaxinfer.serve import Engine  # noqa: E402
+from jaxinfer.serve.scheduler import PREFILL  # noqa: E402
 
 TEXT = os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")
 
@@ -101,15 +102,19 @@ def serve_engine(engine, work, page_size, bpt):
     handles, pending, clock = {}, list(range(len(reqs))), Clock()
     kv_paged, kv_contig = [], []
     scans0 = engine.stats().scans
+    admitting, decoding = [], []  # wall seconds of iterations with prompts waiting for chunks, and without
     while pending or not engine.scheduler.idle():
         now = clock()
         while pending and reqs[pending[0]]["arrival"] <= now:
             i = pending.pop(0)
             handles[i] = engine.submit(reqs[i]["prompt"], max_new_tokens=reqs[i]["max_new"], stop_at_eos=False)
+        prompts = engine.stats().waiting > 0 or any(s.state == PREFILL for s in engine.scheduler.running)
+        t0 = time.perf_counter()
         if not engine.step():
             if pending:
                 clock.sleep_until(reqs[pending[0]]["arrival"])
             continue
+        (admitting if prompts else decoding).append(time.perf_counter() - t0)
         now = clock()
         running = engine.scheduler.running
         kv_paged.append(engine.pool.in_use * page_size * bpt)
@@ -128,7 +133,12 @@ def serve_engine(engine, work, page_size, bpt):
     # Device iterations (host syncs) and the tokens each brought: a burst admitted one prompt
     # chunk per iteration reads the weights once per admitted request for a single decode step.
     iterations = engine.stats().scans - scans0
-    res.update(iterations=iterations, tokens_per_iteration=sum(r["max_new"] for r in reqs) / max(1, iterations))
+    res.update(iterations=iterations, tokens_per_iteration=sum(r["max_new"] for r in reqs) / max(1, iterations),
+               admitting_iterations=len(admitting), admitting_s=float(np.sum(admitting)),
+               admitting_ms_p50=1e3 * pct(admitting, 50), decoding_iterations=len(decoding),
+               decoding_s=float(np.sum(decoding)), decoding_ms_p50=1e3 * pct(decoding, 50),
+               call_rows=engine.stats().call_rows,
+               call_ms={f"{R}x{C}": 1e3 * t for (R, C), t in engine.runner.call_seconds.items()})
     return res
 
 

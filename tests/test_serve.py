@@ -154,6 +154,25 @@ def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_an
             Engine(model, n_pages=40, admission_wait=bad, **ENGINE)
 
 
+def test_warmup_measures_a_calls_fixed_cost_unless_given(model):
+    """warmup times every mixed call shape and fits call_rows (scheduler.call_rows) from them;
+    call_rows given is kept. Chunk buckets stop at the longest context (max_len 64: 32 and 64),
+    whatever prefill_chunk allows."""
+    from jaxinfer.serve.scheduler import call_rows
+
+    engine = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40)
+    assert engine.runner.chunks == [32, 64] and engine.runner.wide_chunks == [32, 64]
+    engine.warmup()
+    times = engine.runner.call_seconds
+    assert set(times) == set(engine.runner.shapes()) and all(t > 0 for t in times.values())
+    assert engine.stats().call_rows == call_rows([(R * C + 4, t) for (R, C), t in times.items()])
+    fixed = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40, call_rows=7)
+    fixed.warmup()
+    assert fixed.stats().call_rows == 7
+    with pytest.raises(ValueError, match="call_rows must be an int >= 0"):
+        Engine(model, call_rows=-1, **ENGINE)
+
+
 def test_identity_float16_kv_cache():
     """float16 pages (llama.cpp's default KV dtype, half of float32's bytes): the engine still gives
     generate's tokens on the same cache dtype."""

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxinfer.serve.pages import OutOfPages, PagePool, prefix_hashes
-from jaxinfer.serve.scheduler import DECODE, DONE, PREFILL, Chunk, Scheduler, Seq, one_call
+from jaxinfer.serve.scheduler import MAX_CALL_ROWS, DECODE, DONE, PREFILL, Chunk, Scheduler, Seq, call_rows, one_call
 
 
 def test_allocate_release_and_trash_page():
@@ -196,3 +196,13 @@ def test_join_grows_pages_for_the_tokens_a_joining_request_samples():
     assert len(b.pages) == 3 and sched.pool.available() == 0
     # no page left: its first token, and the token at position 12 has no page: 1 token this iteration
     assert sched.join(c, 8) == 1 and len(b.pages) == 3
+
+
+def test_call_rows_is_the_fixed_cost_of_a_call_in_token_rows():
+    """From (rows, seconds) of calls of several shapes: intercept over slope; flat -> the most."""
+    assert call_rows([(64, 0.040 + 64e-3), (96, 0.040 + 96e-3), (1056, 0.040 + 1056e-3)]) == 40
+    assert call_rows([(40, 0.005), (72, 0.005), (1056, 0.005)]) == MAX_CALL_ROWS  # every shape the same
+    assert call_rows([(40, 0.006), (72, 0.005), (1056, 0.004)]) == MAX_CALL_ROWS  # noise falling
+    assert call_rows([(40, 0.0), (1040, 1.0)]) == 0  # a line through the origin (clipped at 0 below it)
+    with pytest.raises(ValueError, match="two sizes"):
+        call_rows([(40, 0.1), (40, 0.2)])

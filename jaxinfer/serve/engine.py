@@ -90,6 +90,7 @@ class EngineStats:
     page_size: int
     bytes_per_token: int  # KV bytes of one token (k and v, all layers, scales included)
     pool_bytes: int
+    call_rows: int  # a device call's fixed cost in token rows, as prompt chunks are scheduled (measured at warmup)
     healthy: bool
 
 
@@ -113,7 +114,7 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 8, page_size: int = kv.PAGE_SIZE,
                  kv_memory: Optional[int] = None, n_pages: Optional[int] = None, max_len: Optional[int] = None,
                  prefill_chunk: int = 512, prefix_cache: bool = True, decode_steps: int = 16,
-                 busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT):
+                 busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT, call_rows: Optional[int] = None):
         """
         Args:
           model: a loaded Model (canonical or CPU decode layout).
@@ -132,11 +133,16 @@ class Engine:
           admission_wait: seconds; while a slot is free, a scan runs about this long at most
             (steps of the measured step time, 1 to decode_steps), so a request that arrives then
             waits about that long for its slot rather than a whole scan of decode_steps.
+          call_rows: a device call's fixed cost in token rows, which decides whether one call
+            prefills one request's chunk or every slot's short chunks (`scheduler.one_call`).
+            Default: measured by `warmup` on this device (runner.MIXED_CALL_ROWS until then).
         """
         cfg = model.config
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
                         ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):
             inputs.check_int(name, v, 1)
+        if call_rows is not None:
+            inputs.check_int("call_rows", call_rows, 0)
         if not (isinstance(admission_wait, (int, float)) and not isinstance(admission_wait, bool)
                 and admission_wait >= 0 and np.isfinite(admission_wait)):
             raise ValueError(f"admission_wait must be a finite number of seconds >= 0, got {admission_wait!r}")
@@ -166,7 +172,8 @@ class Engine:
         self.n_pages = n_pages
         self.eos_ids = inputs.eos_ids_for(model)
         self.runner = Runner(model, n_pages=n_pages, page_size=page_size, max_slots=max_slots, max_len=self.max_len,
-                             prefill_chunk=prefill_chunk, decode_steps=decode_steps, eos_ids=self.eos_ids)
+                             prefill_chunk=prefill_chunk, decode_steps=decode_steps, eos_ids=self.eos_ids,
+                             call_rows=call_rows)
         self._ids = itertools.count()
         self._live: dict[int, Live] = {}
         self._inbox: list = []
@@ -520,7 +527,7 @@ class Engine:
                            requests_finished=self.requests_finished, requests_failed=self.requests_failed,
                            preemptions=s.preemptions, steps=self.steps, scans=self.scans, page_size=self.page_size,
                            bytes_per_token=kv.bytes_per_token(self.cfg), pool_bytes=self.runner.cache.nbytes,
-                           healthy=self.dead is None)
+                           call_rows=self.runner.call_rows, healthy=self.dead is None)
 
     def requests_that_fit(self, n_tokens: int) -> int:
         """How many requests of n_tokens (prompt + new) the whole pool holds at once."""

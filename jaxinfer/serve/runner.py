@@ -18,6 +18,7 @@ and replaced by its result.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Optional
 
 import jax
@@ -28,12 +29,13 @@ from jaxinfer.decode import core
 from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.serve.live import Live, batch_rows
-from jaxinfer.serve.scheduler import Chunk, Seq, one_call
+from jaxinfer.serve.scheduler import Chunk, Seq, call_rows, one_call
 
 MIN_CHUNK = 32  # smallest prefill chunk bucket (chunks are padded to powers of two from here)
 MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
-# A device call's fixed cost in token rows, for choosing a mixed call's shape: SmolLM2-135M on a
-# 2-core CPU costs ~40 ms per forward plus ~1.1 ms per token row (experiments/bench_engine.py).
+# A device call's fixed cost in token rows, for choosing a mixed call's shape until `warmup` has
+# measured it: SmolLM2-135M on a 2-core CPU costs ~40 ms per forward plus ~1.1 ms per token row
+# (experiments/bench_engine.py).
 MIXED_CALL_ROWS = 32
 
 
@@ -77,13 +79,15 @@ class StepOut:
 
 class Runner:
     def __init__(self, model: Model, *, n_pages: int, page_size: int, max_slots: int, max_len: int,
-                 prefill_chunk: int, decode_steps: int, eos_ids: tuple[int, ...]):
+                 prefill_chunk: int, decode_steps: int, eos_ids: tuple[int, ...], call_rows: Optional[int] = None):
         self.model, self.cfg = model, model.config
         self.n_pages, self.page_size, self.max_slots, self.decode_steps = n_pages, page_size, max_slots, decode_steps
         self.eos_ids = eos_ids
         self.width = kv.table_width(max_len, page_size)
         self.prefill_chunk = prefill_chunk
-        self.chunks = buckets(MIN_CHUNK, prefill_chunk) if prefill_chunk > MIN_CHUNK else [prefill_chunk]
+        # One request's chunk holds at most prefill_chunk tokens of a context of at most max_len.
+        longest = min(prefill_chunk, max(MIN_CHUNK, 1 << (max_len - 1).bit_length()))
+        self.chunks = buckets(MIN_CHUNK, longest) if longest > MIN_CHUNK else [longest]
         # Calls of every slot's chunks: only chunk buckets whose R x C stays within an iteration's
         # prompt budget (or the smallest bucket), since larger ones would mostly be padding.
         self.wide_chunks = [c for c in self.chunks if max_slots * c <= max(prefill_chunk, max_slots * self.chunks[0])
@@ -91,6 +95,9 @@ class Runner:
         self.key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self.cache = self.new_pool()
         self.spare_counts = None  # the last step's TokenCounts [max_slots, V], on the device (`batch_rows`)
+        # A call's fixed cost in token rows, for `pick`: given, or measured by `warmup`.
+        self.call_rows, self.measure_call_rows = (MIXED_CALL_ROWS, True) if call_rows is None else (call_rows, False)
+        self.call_seconds: dict[tuple[int, int], float] = {}  # (R, C) -> a mixed call's seconds (`warmup`)
 
     def new_pool(self) -> kv.KVCache:
         """An empty pool (on the model's mesh, kv heads split like wk/wv, when the model is sharded)."""
@@ -114,7 +121,7 @@ class Runner:
 
     def pick(self, chunks: list[Chunk]) -> list[Chunk]:
         """The chunks of one call (`scheduler.one_call` over this runner's shapes)."""
-        return one_call(chunks, self.max_slots, self.chunks, self.wide_chunks, MIXED_CALL_ROWS)
+        return one_call(chunks, self.max_slots, self.chunks, self.wide_chunks, self.call_rows)
 
     # ---- the calls ------------------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk], lives: list[Live]) -> PrefillOut:
@@ -211,7 +218,9 @@ class Runner:
         return out
 
     def warmup(self, *, scoring: bool) -> int:
-        """Build every program these calls can use (on the trash page). Returns how many."""
+        """Build every program these calls can use (on the trash page), and (unless `call_rows`
+        was given) measure a call's fixed cost from the mixed calls' times: each runs twice more
+        after its compile, the faster run counts. Returns how many programs."""
         n = 0
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         S = self.max_slots
@@ -222,15 +231,23 @@ class Runner:
                               MAX_TOP_LOGPROBS, True)
                 n += 1
         no_top = np.zeros((S,), bool)
+        self.call_seconds = {}  # (R, C) -> seconds of a mixed call of that shape, as measured here
         for R, C in self.shapes():
-            rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
-            state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
-                                     counts=counts)
-            state, _, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays([], (R, C)), self.cfg,
-                                                  MAX_TOP_LOGPROBS, no_top)
-            self.cache = state.cache
-            jax.block_until_ready(first.tokens)
+            times = []
+            for _ in range(3 if self.measure_call_rows else 1):  # the first compiles
+                rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
+                state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
+                                         counts=counts)
+                t0 = time.perf_counter()
+                state, _, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays([], (R, C)),
+                                                      self.cfg, MAX_TOP_LOGPROBS, no_top)
+                self.cache = state.cache
+                jax.block_until_ready(first.tokens)
+                times.append(time.perf_counter() - t0)
+            self.call_seconds[R, C] = min(times[1:], default=times[0])
             n += 1
+        if self.measure_call_rows and len({R * C for R, C in self.call_seconds}) > 1:
+            self.call_rows = call_rows([(R * C + S, t) for (R, C), t in self.call_seconds.items()])
         rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
         state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
                                  counts=counts)

@@ -263,3 +263,21 @@ def one_call(chunks: list[Chunk], slots: int, buckets: list[int], wide: list[int
         if len(fit) > 1 and rate > best_rate:
             best, best_rate = fit, rate
     return best
+
+
+MAX_CALL_ROWS = 1 << 16  # the fixed cost `call_rows` reports when no measured shape costs more than another
+
+
+def call_rows(samples: list[tuple[int, float]]) -> int:
+    """A device call's fixed cost in token rows (`one_call`'s `fixed_rows`), from (token rows,
+    seconds) of calls of different shapes: the least-squares line seconds = a + b x rows gives
+    a / b. Where every shape costs the same (a GPU reading a small model's weights: the fixed cost
+    dominates each), the line is flat and the cost is MAX_CALL_ROWS: the most tokens per call wins."""
+    rows = [r for r, _ in samples]
+    if len(set(rows)) < 2:
+        raise ValueError(f"call_rows needs calls of at least two sizes, got rows {rows}")
+    mx, my = sum(rows) / len(samples), sum(t for _, t in samples) / len(samples)
+    slope = sum((r - mx) * (t - my) for r, t in samples) / sum((r - mx) ** 2 for r in rows)
+    if slope * MAX_CALL_ROWS <= my - slope * mx:  # flat, falling, or a fixed cost beyond MAX_CALL_ROWS
+        return MAX_CALL_ROWS
+    return max(0, round((my - slope * mx) / slope))
