@@ -31,11 +31,13 @@ and listed. Writes --out (default experiments/out/device_check.json) and the PNG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib.metadata as md
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from experiments import common  # noqa: E402
@@ -61,6 +64,7 @@ from jaxinfer.decode.inputs import bucket
 from jaxinfer.inspect import roofline  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import config as C  # noqa: E402
+from jaxinfer.model import forward as FWD  # noqa: E402
 from jaxinfer.model import layout as LY  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
@@ -92,6 +96,7 @@ class Preset:
     slots: tuple[int, ...]  # serving engine slot counts
     profile_batches: tuple[int, ...]  # decode batch sizes traced by the profile section
     models: tuple[str, ...]  # correctness: real model names and tiny_hf/<family>
+    extra: tuple[tuple[str, int], ...] = ()  # (label, batch) decode runs right after the A/B ones
 
 
 PRESETS = {
@@ -110,6 +115,13 @@ PRESETS = {
     "h200-prefill": Preset(model="llama31_8b", dtype="bfloat16", batches=(8, 256), quant_batches=(), ab_batches=(),
                            prompt=64, new_tokens=64, chunk=32, prefill=2048, copy_bytes=4 << 30, matmul_n=8192,
                            repeats=3, slots=(32,), profile_batches=(), models=("tiny_hf/gemma3",)),
+    # The engine on the GPU (measured call cost vs the CPU constant, beside static batches), with
+    # generate at the same 32 rows, and int8 weights at batch 1 as a row reduction (a candidate
+    # for XLA's split-K GEMV, which reaches 57% of the int8 floor). No prefill, no correctness.
+    "h200-serve": Preset(model="llama31_8b", dtype="bfloat16", batches=(32,), quant_batches=(), ab_batches=(),
+                         prompt=64, new_tokens=64, chunk=32, prefill=0, copy_bytes=4 << 30, matmul_n=8192,
+                         repeats=3, slots=(32, 128), profile_batches=(), models=(),
+                         extra=(("bf16", 1), ("int8", 1), ("int8_reduce", 1))),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
     # the conversion, not memory); each label at its fewest batches and the prefill at the decode
     # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
@@ -231,7 +243,8 @@ def decode(args, preset, ctx, deadline) -> dict:
     quantized = lambda: jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8")
     variants = {base: lambda: (ucfg, uparams), "canonical": lambda: (cfg, params),
                 "int8": lambda: unstacked(cfg, quantized()), "int8_canonical": lambda: (cfg, quantized()),
-                "int8kv": lambda: (ucfg.replace(kv_dtype="int8"), uparams)}
+                "int8kv": lambda: (ucfg.replace(kv_dtype="int8"), uparams),
+                "int8_reduce": lambda: built.get("int8") or unstacked(cfg, quantized())}
     order = run_order(preset, base)
     last_s, built = 0.0, {}
     last_use = {label: i for i, (label, _) in enumerate(order)}  # an int8 copy lives until then
@@ -249,8 +262,9 @@ def decode(args, preset, ctx, deadline) -> dict:
                     built[label] = variants[label]()
                 vcfg, vparams = built[label]
                 copy = label.startswith("int8_") or label == "int8"  # quantized weights live beside the floats
-                res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
-                                              alive=alive + (P.nbytes(vparams) if copy else 0)))
+                with (reduce_gemv() if label == "int8_reduce" else contextlib.nullcontext()):
+                    res["runs"].append(decode_run(label, vcfg, vparams, b, preset, rng, roof_bw, filled, S,
+                                                  alive=alive + (P.nbytes(vparams) if copy else 0)))
         except Exception as e:  # an out-of-memory batch must not hide the others
             res["runs"].append({"label": label, "batch": b, **_err(e)})
         if last_use[label] == i:
@@ -263,6 +277,30 @@ def decode(args, preset, ctx, deadline) -> dict:
     if "prefill" in res and "prefill_canonical" in res:
         res["ratios"]["prefill_canonical_vs_unstacked"] = res["prefill_canonical"]["tok_s"] / res["prefill"]["tok_s"]
     return res
+
+
+@contextlib.contextmanager
+def reduce_gemv():
+    """A candidate, measured here before the library takes it: while inside, a single row times an
+    int8 output-major matrix (`forward.project`, the unstacked layout) is written as the int8
+    codes converted inside a row reduction (sum over the contiguous input axis, float32) and
+    scaled per output, instead of the dot XLA's GPU backend gives a split-K Triton GEMM. Compile
+    caches are cleared on the way in and out, so programs are traced with it and without it."""
+    orig = FWD.project
+
+    def project(x, w):
+        if isinstance(w, Q.Int8Weight) and math.prod(x.shape[:-1]) == 1:
+            y = jnp.sum(w.q.astype(jnp.float32) * x.reshape(1, -1).astype(jnp.float32), axis=-1)
+            return (y * w.scale[:, 0].astype(jnp.float32)).astype(x.dtype).reshape(*x.shape[:-1], w.q.shape[0])
+        return orig(x, w)
+
+    jax.clear_caches()
+    FWD.project = project
+    try:
+        yield
+    finally:
+        FWD.project = orig
+        jax.clear_caches()
 
 
 def unstacked(cfg: C.ModelConfig, params) -> tuple[C.ModelConfig, dict]:
@@ -282,8 +320,10 @@ def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
         first += [(base, b)] + ([("int8", b), ("int8_canonical", b)] if b in q else []) + [("canonical", b)]
     for b in q:
         first += [x for x in ((base, b), ("int8", b)) if x not in first]
+    first += [x for x in preset.extra if x not in first]
     rest = [(base, b) for b in preset.batches if (base, b) not in first]
-    return first + [("prefill", 1), ("prefill_canonical", 1)] + rest + [("int8kv", b) for b in q]
+    pre = [("prefill", 1), ("prefill_canonical", 1)] if preset.prefill else []
+    return first + pre + rest + [("int8kv", b) for b in q]
 
 
 def decode_run(label, cfg, params, b, preset, rng, bw, filled, S, alive) -> dict:
@@ -326,6 +366,12 @@ def _ratios(runs, preset, base) -> dict:
         for b in batches:
             if (label, b) in tok and (base, b) in tok:
                 out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
+    for label, b in preset.extra:  # candidates against their peer (int8_reduce: int8) and the base
+        peer = label.removesuffix("_reduce")
+        if label != peer and (label, b) in tok and (peer, b) in tok:
+            out[f"{label}_vs_{peer}_batch{b}"] = tok[(label, b)] / tok[(peer, b)]
+        if label != base and (label, b) in tok and (base, b) in tok:
+            out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
     for b in preset.ab_batches:
         if ("int8", b) in tok and ("int8_canonical", b) in tok:
             out[f"int8_vs_int8_canonical_batch{b}"] = tok[("int8", b)] / tok[("int8_canonical", b)]
@@ -338,13 +384,19 @@ def _ratios(runs, preset, base) -> dict:
 def serving(args, preset, ctx, deadline) -> dict:
     """The continuous-batching engine (jaxinfer.serve) on the decode section's weights: a burst of
     2 x slots requests (random prompts of 16..prompt tokens, new_tokens each) served by
-    experiments/bench_serve.serve_engine; aggregate tokens/s, TTFT, time per token, and the % of
-    the bandwidth roofline at that many rows."""
+    experiments/bench_serve.serve_engine with the engine's default prefill settings; aggregate
+    tokens/s, TTFT, time per token, iterations (with and without prompts waiting), and the % of
+    the bandwidth roofline at that many rows; the median of `repeats` bursts. At each slot count
+    twice, the same burst: with the call's fixed cost measured at warm-up (label "<slots>", the
+    default) and with the CPU's constant (label "<slots>_rows<MIXED_CALL_ROWS>"), which decides
+    how many prompt chunks a call takes; at the first slot count also `generate` in first-come static batches of that many rows
+    (label "<slots>_static", bench_serve.serve_static, compile time excluded)."""
     if not ctx["speed_allowed"]:
         return {"skipped": "speed is reported on a GPU only"}
     try:
         from experiments import bench_serve
         from jaxinfer.serve import Engine
+        from jaxinfer.serve.runner import MIXED_CALL_ROWS
     except ImportError as e:
         return {"available": False, "status": f"engine not available ({e})"}
     model = default_model(preset, ctx)
@@ -353,28 +405,48 @@ def serving(args, preset, ctx, deadline) -> dict:
     bw = ctx.get("bandwidth_Bps")
     res = {"available": True, "runs": {}, "skipped_for_time": []}
     for n in preset.slots:
-        if time.perf_counter() > deadline:
-            res["skipped_for_time"].append(n)
-            continue
-        t0 = time.perf_counter()
-        try:
-            engine = Engine(model, max_slots=n, page_size=page, max_len=preset.prompt + preset.new_tokens,
-                            prefill_chunk=max(16, preset.prompt))
-            with compile_cache.CompileCounter() as clock:
-                engine.warmup()
-            work = [dict(arrival=0.0, prompt=rng.integers(3, cfg.vocab_size, int(rng.integers(16, preset.prompt + 1))).tolist(),
-                         max_new=preset.new_tokens) for _ in range(2 * n)]
-            out = bench_serve.serve_engine(engine, work, page, kv.bytes_per_token(cfg))
-            out.pop("ttft", None)
-            run = {"slots": n, "requests": len(work), "warmup_programs": clock.count, "warmup_s": clock.seconds, **out}
-            if bw:
-                roof = roofline.decode_ceiling(bw, P.nbytes(model.params), batch=n,
-                                               cache_bytes_per_row=(preset.prompt + preset.new_tokens) * kv.bytes_per_token(cfg))
-                run.update(roofline_tok_s=roof, pct_roofline=100 * out["tokens_per_s"] / roof)
-            res["runs"][str(n)] = run
-        except Exception as e:
-            res["runs"][str(n)] = _err(e)
-        res["runs"][str(n)]["seconds"] = time.perf_counter() - t0
+        work = [dict(arrival=0.0, prompt=rng.integers(3, cfg.vocab_size, int(rng.integers(16, preset.prompt + 1))).tolist(),
+                     max_new=preset.new_tokens) for _ in range(2 * n)]
+        for label, rows in ((str(n), None), (f"{n}_rows{MIXED_CALL_ROWS}", MIXED_CALL_ROWS)):
+            if time.perf_counter() > deadline:
+                res["skipped_for_time"].append(label)
+                continue
+            t0 = time.perf_counter()
+            try:
+                engine = Engine(model, max_slots=n, page_size=page, max_len=preset.prompt + preset.new_tokens,
+                                call_rows=rows)
+                with compile_cache.CompileCounter() as clock:
+                    engine.warmup()
+                outs = sorted((bench_serve.serve_engine(engine, work, page, kv.bytes_per_token(cfg))
+                               for _ in range(preset.repeats)), key=lambda o: o["tokens_per_s"])
+                out = outs[len(outs) // 2]  # the median run (its TTFT and iterations with it)
+                out.pop("ttft", None)
+                run = {"slots": n, "requests": len(work), "warmup_programs": clock.count, "warmup_s": clock.seconds,
+                       "call_rows_measured": rows is None, "all_tokens_per_s": [o["tokens_per_s"] for o in outs],
+                       **out}
+                if bw:
+                    roof = roofline.decode_ceiling(bw, P.nbytes(model.params), batch=n, cache_bytes_per_row=(
+                        preset.prompt + preset.new_tokens) * kv.bytes_per_token(cfg))
+                    run.update(roofline_tok_s=roof, pct_roofline=100 * out["tokens_per_s"] / roof)
+                res["runs"][label] = run
+            except Exception as e:
+                res["runs"][label] = _err(e)
+            res["runs"][label]["seconds"] = time.perf_counter() - t0
+            ctx["partial"]("serving", res)
+        if n == preset.slots[0] and time.perf_counter() < deadline:  # generate in static batches of n
+            t0 = time.perf_counter()
+            try:
+                out = bench_serve.serve_static(model, work, n)
+                out.pop("ttft", None)
+                res["runs"][f"{n}_static"] = {"slots": n, "requests": len(work), **out}
+            except Exception as e:
+                res["runs"][f"{n}_static"] = _err(e)
+            res["runs"][f"{n}_static"]["seconds"] = time.perf_counter() - t0
+        a, b, st = (res["runs"].get(k, {}) for k in (str(n), f"{n}_rows{MIXED_CALL_ROWS}", f"{n}_static"))
+        if "tokens_per_s" in a and "tokens_per_s" in b:
+            res[f"measured_vs_constant_{n}"] = a["tokens_per_s"] / b["tokens_per_s"]
+        if "tokens_per_s" in a and "tokens_per_s" in st:
+            res[f"engine_vs_static_{n}"] = a["tokens_per_s"] / st["tokens_per_s"]
     return res
 
 

@@ -87,10 +87,18 @@ def summary(report: dict) -> str:
     srv = s.get("serving", {})
     if srv.get("runs"):
         for n, r in srv["runs"].items():
+            if n.endswith("_static"):
+                lines.append(f"  serving {n}: " + (f"{r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.3f} s "
+                                                   f"p99 {r['ttft_p99']:.3f} s" if "tokens_per_s" in r
+                                                   else r.get("error", "?")))
+                continue
             lines.append(f"  serving {n} slots: " + (
                 f"{r['tokens_per_s']:.1f} tok/s ({r.get('pct_roofline', float('nan')):.1f}% of roofline), TTFT p50 "
                 f"{r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s, {r['iterations']} iterations "
-                f"({r['tokens_per_iteration']:.1f} tokens each), {r['warmup_programs']} programs in warm-up"
+                f"({r['tokens_per_iteration']:.1f} tokens each; {r.get('admitting_iterations', '?')} with prompts "
+                f"waiting, p50 {r.get('admitting_ms_p50', float('nan')):.1f} ms, the others p50 "
+                f"{r.get('decoding_ms_p50', float('nan')):.1f} ms), call_rows {r.get('call_rows', '?')}, "
+                f"{r['warmup_programs']} programs in warm-up"
                 if "tokens_per_s" in r else r.get("error", "?")))
     else:
         lines.append(f"  serving: {srv.get('status') or srv.get('skipped') or srv.get('skipped_for_time')}")

@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,7 +13,7 @@ from experiments import device_check as dc
 from experiments import device_stage as ds
 from jaxinfer import compile_cache
 from jaxinfer.inspect import roofline
-from tests.tolerances import check, tolerance
+from tests.tolerances import assert_close, check, tolerance
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +113,17 @@ def test_serving_and_compiles(tiny_run):
     s = tiny_run[0]["sections"]
     srv = s["serving"]
     assert srv["available"], srv  # the engine (jaxinfer.serve) served a burst at each slot count
-    for n, run in srv["runs"].items():
+    # call_rows measured at warm-up, the CPU constant, and generate in static batches of 4
+    assert set(srv["runs"]) == {"4", "4_rows32", "4_static"}
+    assert srv["measured_vs_constant_4"] > 0 and srv["engine_vs_static_4"] > 0
+    runs = dict(srv["runs"])
+    static = runs.pop("4_static")
+    assert "error" not in static and static["tokens_per_s"] > 0 and static["requests"] == 8
+    for label, run in runs.items():
         assert "error" not in run, run
-        assert run["slots"] == int(n) and run["tokens_per_s"] > 0 and run["ttft_p50"] >= 0
+        assert run["slots"] == 4 and run["tokens_per_s"] > 0 and run["ttft_p50"] >= 0
+        assert run["call_rows_measured"] == (label == "4") and (label == "4" or run["call_rows"] == 32)
+        assert run["admitting_iterations"] + run["decoding_iterations"] >= run["iterations"] > 0
         assert run["pct_roofline"] > 0 and run["warmup_programs"] >= 0
         assert run["iterations"] > 0 and run["tokens_per_iteration"] == pytest.approx(
             run["requests"] * dc.PRESETS["tiny"].new_tokens / run["iterations"])
@@ -195,3 +204,25 @@ def test_optimized_hlo_comes_back_in_one_archive(tmp_path):
     with tarfile.open(out) as tar:
         assert tar.getnames() == res["packed"]
         assert tar.extractfile(res["packed"][1]).read() == (dump / res["packed"][1]).read_bytes()
+
+
+def test_serve_preset_runs_the_gemv_candidate_beside_its_peers():
+    """h200-serve: the base and int8 at batch 1, the reduction candidate, then generate at 32
+    rows; no prefill. The candidate's single-row int8 product equals the library's within float
+    error, and is gone again after the block."""
+    p = dc.PRESETS["h200-serve"]
+    assert dc.run_order(p, "bf16") == [("bf16", 1), ("int8", 1), ("int8_reduce", 1), ("bf16", 32)]
+    from jaxinfer.model import forward as FWD
+    from jaxinfer.model import quantize as Q
+
+    w = jax.random.normal(jax.random.key(1), (24, 40), jnp.float32)
+    q = Q.quantize_int8(w, (-1,))  # [O, I] output-major, per-output scales [O, 1]
+    x = jax.random.normal(jax.random.key(2), (1, 1, 40), jnp.float32)
+    orig = FWD.project
+    with dc.reduce_gemv():
+        assert FWD.project is not orig
+        got = FWD.project(x, q)
+    assert FWD.project is orig
+    want = orig(x, q)
+    assert got.shape == want.shape == (1, 1, 24)
+    assert_close(got, want, what="int8 row reduction vs the library's int8 product")
