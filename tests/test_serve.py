@@ -161,7 +161,7 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model):
     from jaxinfer.serve.scheduler import call_rows
 
     engine = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40)
-    assert engine.runner.chunks == [32, 64] and engine.runner.wide_chunks == [32, 64]
+    assert engine.runner.chunks == [32, 64] and engine.runner.wide == [(4, 32), (4, 64)]
     engine.warmup()
     times = engine.runner.call_seconds
     assert set(times) == set(engine.runner.shapes()) and all(t > 0 for t in times.values())
@@ -171,6 +171,24 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model):
     assert fixed.stats().call_rows == 7
     with pytest.raises(ValueError, match="call_rows must be an int >= 0"):
         Engine(model, call_rows=-1, **ENGINE)
+
+
+def test_mid_row_calls_where_a_call_is_dear(model, specs_and_ref):
+    """16 slots and a fixed cost of 10,000 rows (a GPU's ~700, exaggerated): 8-row chunk calls are
+    built beside 1- and 16-row ones, a burst of 18 requests is admitted through them, and every
+    request's tokens still equal generate alone."""
+    specs, want = specs_and_ref
+    engine = Engine(model, max_slots=16, page_size=8, max_len=64, n_pages=120, prefill_chunk=64, call_rows=10_000)
+    assert engine.runner.wide == [(16, 32), (8, 32)]
+    assert Engine(model, max_slots=16, page_size=8, max_len=64, n_pages=120, prefill_chunk=64,
+                  call_rows=32).runner.wide == [(16, 32)]  # a CPU's cost: no 8-row calls
+    shapes, arrays = [], engine.runner._chunk_arrays
+    engine.runner._chunk_arrays = lambda chunks, shape=None: shapes.append(arrays(chunks, shape).tokens.shape) or \
+        arrays(chunks, shape)
+    reqs = [submit(engine, s) for s in specs]
+    engine.run_until_idle()
+    assert (8, 32) in shapes
+    assert_same([r.result() for r in reqs], want)
 
 
 def test_identity_float16_kv_cache():

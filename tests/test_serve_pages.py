@@ -166,7 +166,7 @@ def test_one_call_takes_the_oldest_alone_or_many_short_chunks_together():
     """[1, C] for one chunk, [slots, C] for many short ones, counting the call's fixed rows."""
     seqs = [Seq(rid=i, prompt=[1] * 600, max_new_tokens=4) for i in range(9)]
     chunk = lambda i, n: Chunk(seq=seqs[i], start=0, n=n, last=True)  # noqa: E731
-    buckets, wide = [32, 64, 128, 256, 512], [32, 64]
+    buckets, wide = [32, 64, 128, 256, 512], [(8, 32), (8, 64)]
     assert one_call([chunk(0, 20)], 8, buckets, wide, 32) == [chunk(0, 20)]
     # three short prompts: one [1, 32] call (20 tokens / 72 rows) beats [8, 32] (60 / 296)
     three = [chunk(i, 20) for i in range(3)]
@@ -179,6 +179,12 @@ def test_one_call_takes_the_oldest_alone_or_many_short_chunks_together():
     # short chunks that do not fit the wide bucket are left for later: [8, 64] holds those <= 64
     mixed = [chunk(0, 100)] + [chunk(i, 60) for i in range(1, 8)]
     assert one_call(mixed, 8, buckets, wide, 32) == mixed[1:]
+    # the oldest (100 tokens) and two of 60 with a [4, 64] shape too: at a fixed cost of 32 rows
+    # (a CPU) [1, 128] wins (100 / 168 rows against 120 / 296); at 700 (a GPU) [4, 64] does
+    # (120 / 964 against 100 / 836), and over [8, 64] (120 / 1,220) for its fewer rows
+    four = wide + [(4, 64)]
+    assert one_call(mixed[:3], 8, buckets, four, 32) == mixed[:1]
+    assert one_call(mixed[:3], 8, buckets, four, 700) == mixed[1:3]
 
 
 def test_join_grows_pages_for_the_tokens_a_joining_request_samples():

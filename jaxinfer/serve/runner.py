@@ -3,8 +3,9 @@
 The scheduler (host) decides which requests run; the runner turns one iteration into at most
 two device calls and hands back host arrays:
 
-  mixed   new requests' prompt chunks [R, C] (R: one request, or every slot for short chunks; C
-          padded to a power of two) beside one decode step of every slot, in one forward
+  mixed   new requests' prompt chunks [R, C] (R: one request, or every slot for short chunks, or
+          MID_ROWS of them where a call's measured fixed cost is high; C padded to a power of
+          two) beside one decode step of every slot, in one forward
           (`core.mixed_step`): the weights are read once for both. A request whose prompt ends
           there samples its first token and decodes on in the same iteration.
   decode  a scan of decode steps over every slot (`core.decode`), for the rest of the iteration.
@@ -37,6 +38,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when aske
 # measured it: SmolLM2-135M on a 2-core CPU costs ~40 ms per forward plus ~1.1 ms per token row
 # (experiments/bench_engine.py).
 MIXED_CALL_ROWS = 32
+MID_ROWS = 8  # rows of the wide calls between one chunk and every slot's (`Runner.mid_shapes`)
 
 
 def buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
@@ -88,16 +90,19 @@ class Runner:
         # One request's chunk holds at most prefill_chunk tokens of a context of at most max_len.
         longest = min(prefill_chunk, max(MIN_CHUNK, 1 << (max_len - 1).bit_length()))
         self.chunks = buckets(MIN_CHUNK, longest) if longest > MIN_CHUNK else [longest]
-        # Calls of every slot's chunks: only chunk buckets whose R x C stays within an iteration's
-        # prompt budget (or the smallest bucket), since larger ones would mostly be padding.
-        self.wide_chunks = [c for c in self.chunks if max_slots * c <= max(prefill_chunk, max_slots * self.chunks[0])
-                            ] if max_slots > 1 else []
+        # Calls of many requests' chunks [R, C]: every slot's, and (`mid_shapes`) MID_ROWS of them
+        # where a call's fixed cost makes them worth their programs; only chunk buckets whose
+        # R x C stays within an iteration's prompt budget (or the smallest bucket), since larger
+        # ones would mostly be padding.
+        self.wide = [(max_slots, c) for c in self._within_budget(max_slots)] if max_slots > 1 else []
         self.key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self.cache = self.new_pool()
         self.spare_counts = None  # the last step's TokenCounts [max_slots, V], on the device (`batch_rows`)
         # A call's fixed cost in token rows, for `pick`: given, or measured by `warmup`.
         self.call_rows, self.measure_call_rows = (MIXED_CALL_ROWS, True) if call_rows is None else (call_rows, False)
         self.call_seconds: dict[tuple[int, int], float] = {}  # (R, C) -> a mixed call's seconds (`warmup`)
+        if call_rows is not None:
+            self.wide += self.mid_shapes(call_rows)
 
     def new_pool(self) -> kv.KVCache:
         """An empty pool (on the model's mesh, kv heads split like wk/wv, when the model is sharded)."""
@@ -115,13 +120,26 @@ class Runner:
     def chunk_bucket(self, n: int) -> int:
         return next(c for c in self.chunks if c >= n)
 
+    def _within_budget(self, R: int) -> list[int]:
+        """Chunk buckets C with R x C within an iteration's prompt budget (or the smallest)."""
+        return [c for c in self.chunks if R * c <= max(self.prefill_chunk, R * self.chunks[0])]
+
+    def mid_shapes(self, call_rows: int) -> list[tuple[int, int]]:
+        """[MID_ROWS, C] calls, when there are more than MID_ROWS slots, for each C whose chunk
+        rows (MID_ROWS x C) the call's fixed cost alone exceeds: a call then costs less than two
+        one-chunk calls, and a burst of admissions (a GPU's fixed cost is ~700 rows, an H200
+        reading 16 GB of weights) needs MID_ROWS times fewer of them. On a CPU (~30 rows) none."""
+        if self.max_slots <= MID_ROWS:
+            return []
+        return [(MID_ROWS, c) for c in self._within_budget(MID_ROWS) if MID_ROWS * c <= call_rows]
+
     def shapes(self) -> list[tuple[int, int]]:
-        """Every (R, C) of a prompt-chunk call: one row of any chunk bucket, or every slot of a small one."""
-        return [(1, c) for c in self.chunks] + [(self.max_slots, c) for c in self.wide_chunks]
+        """Every (R, C) of a prompt-chunk call: one row of any chunk bucket, or many (`wide`)."""
+        return [(1, c) for c in self.chunks] + self.wide
 
     def pick(self, chunks: list[Chunk]) -> list[Chunk]:
         """The chunks of one call (`scheduler.one_call` over this runner's shapes)."""
-        return one_call(chunks, self.max_slots, self.chunks, self.wide_chunks, self.call_rows)
+        return one_call(chunks, self.max_slots, self.chunks, self.wide, self.call_rows)
 
     # ---- the calls ------------------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk], lives: list[Live]) -> PrefillOut:
@@ -197,10 +215,10 @@ class Runner:
 
     def _chunk_arrays(self, chunks: list[Chunk], shape: Optional[tuple[int, int]] = None) -> core.Chunks:
         """core.Chunks of these chunks, padded to the smallest call shape that holds them (or `shape`)."""
-        if shape is None:
-            C = self.chunk_bucket(max(ch.n for ch in chunks))
-            R = 1 if len(chunks) == 1 else self.max_slots
-            shape = (R, C)
+        if shape is None:  # the fewest rows that hold them: [1, C] for one chunk, else a wide shape
+            n, longest = len(chunks), max(ch.n for ch in chunks)
+            shape = (1, self.chunk_bucket(longest)) if n == 1 else min(
+                ((R, C) for R, C in self.wide if R >= n and C >= longest), key=lambda s: s[0] * s[1])
         R, C = shape
         tokens, starts, n_real = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
         last, slots = np.zeros((R,), bool), np.full((R,), self.max_slots, np.int32)
@@ -219,20 +237,39 @@ class Runner:
 
     def warmup(self, *, scoring: bool) -> int:
         """Build every program these calls can use (on the trash page), and (unless `call_rows`
-        was given) measure a call's fixed cost from the mixed calls' times: each runs twice more
-        after its compile, the faster run counts. Returns how many programs."""
-        n = 0
+        was given) measure a call's fixed cost from the mixed calls' times (each runs twice more
+        after its compile, the faster run counts), adding the `mid_shapes` that cost makes worth
+        their programs. Returns how many programs."""
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         S = self.max_slots
-        if scoring:
+        self.call_seconds = {}  # (R, C) -> seconds of a mixed call of that shape, as measured here
+        n = self._build_mixed(self.shapes())
+        if self.measure_call_rows and len({R * C for R, C in self.call_seconds}) > 1:
+            self.call_rows = call_rows([(R * C + S, t) for (R, C), t in self.call_seconds.items()])
+            mid = [s for s in self.mid_shapes(self.call_rows) if s not in self.wide]
+            self.wide += mid  # worth their programs at this cost: built (and timed) too
+            n += self._build_mixed(mid)
+        if scoring:  # every shape a call can take, the ones just added included
             for R, C in self.shapes():
                 rows, counts = batch_rows([None] * R, z(R), self.eos_ids, self.cfg.vocab_size, self.key_size)
                 self._prefill(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width), z(R, C),
                               MAX_TOP_LOGPROBS, True)
                 n += 1
         no_top = np.zeros((S,), bool)
-        self.call_seconds = {}  # (R, C) -> seconds of a mixed call of that shape, as measured here
-        for R, C in self.shapes():
+        rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
+        state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
+                                 counts=counts)
+        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, MAX_TOP_LOGPROBS, top=no_top,
+                                    until_a_row_ends=np.asarray(True))
+        self.cache = state.cache
+        jax.block_until_ready(em.tokens)
+        return n + 1
+
+    def _build_mixed(self, shapes: list[tuple[int, int]]) -> int:
+        """Compile the mixed call of each shape (on the trash page) and, when measuring, time it."""
+        S, no_top = self.max_slots, np.zeros((self.max_slots,), bool)
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        for R, C in shapes:
             times = []
             for _ in range(3 if self.measure_call_rows else 1):  # the first compiles
                 rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
@@ -245,14 +282,4 @@ class Runner:
                 jax.block_until_ready(first.tokens)
                 times.append(time.perf_counter() - t0)
             self.call_seconds[R, C] = min(times[1:], default=times[0])
-            n += 1
-        if self.measure_call_rows and len({R * C for R, C in self.call_seconds}) > 1:
-            self.call_rows = call_rows([(R * C + S, t) for (R, C), t in self.call_seconds.items()])
-        rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
-        state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
-                                 counts=counts)
-        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, MAX_TOP_LOGPROBS, top=no_top,
-                                    until_a_row_ends=np.asarray(True))
-        self.cache = state.cache
-        jax.block_until_ready(em.tokens)
-        return n + 1
+        return len(shapes)

@@ -244,22 +244,23 @@ class Scheduler:
         seq.slot = None
 
 
-def one_call(chunks: list[Chunk], slots: int, buckets: list[int], wide: list[int], fixed_rows: int) -> list[Chunk]:
+def one_call(chunks: list[Chunk], slots: int, buckets: list[int], wide: list[tuple[int, int]],
+             fixed_rows: int) -> list[Chunk]:
     """The chunks one device call runs; the others wait for a later iteration.
 
-    A call is [1, C] for the oldest chunk (C the smallest of `buckets` that holds it), or
-    [slots, C] (C in `wide`) for up to `slots` chunks of at most C tokens each, whichever prefills
-    the most prompt tokens per token row computed, counting the call's decode rows (`slots`) and
-    its fixed cost in rows (`fixed_rows`). (Cutting a chunk at a smaller bucket to pad less, 300
+    A call is [1, C] for the oldest chunk (C the smallest of `buckets` that holds it), or [R, C]
+    (a shape of `wide`) for up to R chunks of at most C tokens each, whichever prefills the most
+    prompt tokens per token row computed, counting the call's decode rows (`slots`) and its
+    fixed cost in rows (`fixed_rows`). (Cutting a chunk at a smaller bucket to pad less, 300
     tokens as 256 + 64 rather than one 512 call, measured no faster on the serving load test and
     delayed first tokens: not done.)
     """
     fixed = fixed_rows + slots
     best = [chunks[0]]
     best_rate = chunks[0].n / (fixed + next(c for c in buckets if c >= chunks[0].n))
-    for C in wide:
-        fit = [c for c in chunks if c.n <= C][:slots]
-        rate = sum(c.n for c in fit) / (fixed + slots * C)
+    for R, C in wide:
+        fit = [c for c in chunks if c.n <= C][:R]
+        rate = sum(c.n for c in fit) / (fixed + R * C)
         if len(fit) > 1 and rate > best_rate:
             best, best_rate = fit, rate
     return best
