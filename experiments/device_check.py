@@ -122,6 +122,12 @@ PRESETS = {
                          prompt=64, new_tokens=64, chunk=32, prefill=0, copy_bytes=4 << 30, matmul_n=8192,
                          repeats=3, slots=(32, 128), profile_batches=(), models=(),
                          extra=(("bf16", 1), ("int8", 1), ("int8_reduce", 1))),
+    # The engine again after mid-row calls (8 of 32 slots' chunks in one call where the measured
+    # fixed cost makes them worth it), with a profiler trace of one burst, and a trace of a
+    # batch-1 decode step (per kernel: where the time beyond the weight reads goes).
+    "h200-engine": Preset(model="llama31_8b", dtype="bfloat16", batches=(), quant_batches=(), ab_batches=(),
+                          prompt=64, new_tokens=64, chunk=32, prefill=0, copy_bytes=4 << 30, matmul_n=8192,
+                          repeats=3, slots=(32,), profile_batches=(1,), models=()),
     # CPU smoke test: float32 (XLA's CPU bf16 arithmetic is emulated, so a bf16 copy would time
     # the conversion, not memory); each label at its fewest batches and the prefill at the decode
     # prompt's shape (its program is shared), since compiles dominate on a CPU. Its % of roofline
@@ -360,7 +366,7 @@ def prefill(cfg, params, preset, rng, peak_flops) -> dict:
 
 def _ratios(runs, preset, base) -> dict:
     tok = {(r["label"], r["batch"]): r["tok_s"] for r in runs if "tok_s" in r}
-    out, b1 = {}, min(preset.batches)
+    out, b1 = {}, min(preset.batches, default=1)
     for label, batches in (("int8", preset.quant_batches), ("int8kv", preset.quant_batches),
                            ("canonical", preset.ab_batches)):
         for b in batches:
@@ -442,11 +448,45 @@ def serving(args, preset, ctx, deadline) -> dict:
             except Exception as e:
                 res["runs"][f"{n}_static"] = _err(e)
             res["runs"][f"{n}_static"]["seconds"] = time.perf_counter() - t0
+        if n == preset.slots[0] and time.perf_counter() < deadline:
+            res[f"trace_{n}"] = engine_trace(model, n, page, preset, work, Path(args.out).parent)
         a, b, st = (res["runs"].get(k, {}) for k in (str(n), f"{n}_rows{MIXED_CALL_ROWS}", f"{n}_static"))
         if "tokens_per_s" in a and "tokens_per_s" in b:
             res[f"measured_vs_constant_{n}"] = a["tokens_per_s"] / b["tokens_per_s"]
         if "tokens_per_s" in a and "tokens_per_s" in st:
             res[f"engine_vs_static_{n}"] = a["tokens_per_s"] / st["tokens_per_s"]
+    return res
+
+
+def engine_trace(model, n, page, preset, work, folder: Path) -> dict:
+    """One more burst of the default engine at n slots under `jax.profiler`: the wall time against
+    the device's busy time, per program and per kernel (`profile.device_time`), and the engine's
+    iterations: host time between device calls vs device time. The trace lands beside the JSON."""
+    from experiments import bench_serve
+    from experiments import profile as prof
+    from jaxinfer.serve import Engine
+
+    t0, bpt = time.perf_counter(), kv.bytes_per_token(model.config)
+    try:
+        engine = Engine(model, max_slots=n, page_size=page, max_len=preset.prompt + preset.new_tokens)
+        engine.warmup()
+        bench_serve.serve_engine(engine, work, page, bpt)  # untraced: everything warm
+        out = folder / f"engine_trace_{n}"
+        t1 = time.perf_counter()
+        quiet = jax.profiler.ProfileOptions()
+        quiet.python_tracer_level = 0  # Python calls traced would slow the host side being measured
+        with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=quiet):
+            run = bench_serve.serve_engine(engine, work, page, bpt)
+        wall = time.perf_counter() - t1
+        events = prof.read_trace(str(out))
+        flat = folder / f"engine_trace_{n}.trace.json.gz"
+        shutil.move(str(max(out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)), flat)
+        shutil.rmtree(out, ignore_errors=True)
+        res = {"slots": n, "traced_wall_s": wall, "tokens_per_s": run["tokens_per_s"], "iterations": run["iterations"],
+               "devices": prof.device_time(events), "trace_file": flat.name}
+    except Exception as e:
+        res = _err(e)
+    res["seconds"] = time.perf_counter() - t0
     return res
 
 
@@ -471,7 +511,8 @@ def profile(args, preset, ctx, deadline) -> dict:
 
     model = default_model(preset, ctx)
     res, folder = {"runs": {}, "skipped_for_time": []}, Path(args.out).parent  # beside the JSON ($OUT on the device)
-    cases = [(f"decode_b{b}", b, preset.prompt, 8) for b in preset.profile_batches] + [("prefill", 1, preset.prefill, 2)]
+    cases = [(f"decode_b{b}", b, preset.prompt, 8) for b in preset.profile_batches] + (
+        [("prefill", 1, preset.prefill, 2)] if preset.prefill else [])
     last_s = 0.0
     for name, batch, tokens, steps in cases:
         if time.perf_counter() + 1.5 * last_s > deadline:

@@ -48,7 +48,7 @@ export PYTHONUNBUFFERED=1
 # The optimized HLO of the decode and prefill programs comes back too (hlo_after_optimizations.tgz):
 # what the GPU compiler made of them (copies, loops, fusions) is read here, at no device time.
 HLO=${JAXINFER_HLO_DUMP:-/tmp/jaxinfer-hlo}
-export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=$HLO --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(decode|prefill)"
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=$HLO --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(decode|prefill|mixed_step)"
 python3 experiments/device_check.py --out "$OUTDIR/device_check.json" "$@" 2>&1 | tee "$OUTDIR/device_check.log"
 rc=${PIPESTATUS[0]}
 python3 experiments/device_stage.py pack-hlo --dump "$HLO" --out "$OUTDIR/hlo_after_optimizations.tgz"

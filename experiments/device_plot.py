@@ -100,6 +100,11 @@ def summary(report: dict) -> str:
                 f"{r.get('decoding_ms_p50', float('nan')):.1f} ms), call_rows {r.get('call_rows', '?')}, "
                 f"{r['warmup_programs']} programs in warm-up"
                 if "tokens_per_s" in r else r.get("error", "?")))
+        for k, tr in srv.items():
+            if k.startswith("trace_") and "devices" in tr:
+                for dev, d in tr["devices"].items():
+                    lines.append(f"  {k} {dev[:24]}: busy {d['busy_ms']:.0f} ms of {1e3 * tr['traced_wall_s']:.0f} ms "
+                                 f"wall; programs {', '.join(f'{m} {v:.0f}' for m, v in list(d['by_program_ms'].items())[:4])}")
     else:
         lines.append(f"  serving: {srv.get('status') or srv.get('skipped') or srv.get('skipped_for_time')}")
     cm = s.get("compiles", {})

@@ -21,6 +21,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import sys
@@ -132,6 +133,33 @@ def trace_summary(events: list[dict]) -> dict:
     return out
 
 
+def device_time(events: list[dict], top: int = 15) -> dict:
+    """Per device process of a trace (every process on a CPU): busy ms (the union of its timed
+    events' intervals, so overlapping streams or threads count once), and the events' summed ms
+    by XLA program (`hlo_module`, where the event names one) and by event name (kernel), top
+    first: how much of a traced span the device worked, and on what."""
+    names, out = _process_names(events), {}
+    devices = {pid for pid, name in names.items() if re.match(r"/device:(GPU|TPU)", name)}
+    by_pid: dict = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and (not devices or e.get("pid") in devices):
+            by_pid[e.get("pid")].append(e)
+    for pid, evs in by_pid.items():
+        busy, end = 0.0, -math.inf
+        for a, b in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs):
+            if b > end:
+                busy, end = busy + b - max(a, end), b
+        modules, kernels = collections.Counter(), collections.Counter()
+        for e in evs:
+            modules[str(e.get("args", {}).get("hlo_module", "?"))] += e["dur"] / 1e3
+            kernels[str(e.get("name"))[:120]] += e["dur"] / 1e3
+        out[names.get(pid, str(pid))] = {
+            "busy_ms": busy / 1e3, "events": len(evs),
+            "by_program_ms": {k: round(v, 3) for k, v in modules.most_common(top)},
+            "by_kernel_ms": {k: round(v, 3) for k, v in kernels.most_common(top)}}
+    return out
+
+
 def per_stage(events: list[dict], names: dict[str, dict[str, str]]) -> dict:
     """Microseconds per program and stage, with each stage's top ops."""
     table: dict = {}
@@ -219,7 +247,7 @@ def main(argv=None, model=None) -> dict:
             print(f"  {st:16s} {row['ms']:9.2f} ms  {100 * row['share']:5.1f}%   top: {ops}")
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
                   layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
-                  trace_summary=trace_summary(events))
+                  trace_summary=trace_summary(events), devices=device_time(events))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -116,6 +116,12 @@ def test_serving_and_compiles(tiny_run):
     # call_rows measured at warm-up, the CPU constant, and generate in static batches of 4
     assert set(srv["runs"]) == {"4", "4_rows32", "4_static"}
     assert srv["measured_vs_constant_4"] > 0 and srv["engine_vs_static_4"] > 0
+    tr = srv["trace_4"]  # one more burst under the profiler: device busy time against the wall
+    assert "error" not in tr, tr
+    assert (tiny_run[1].parent / tr["trace_file"]).stat().st_size > 0 and tr["iterations"] > 0
+    for dev in tr["devices"].values():
+        assert 0 < dev["busy_ms"] <= 1e3 * tr["traced_wall_s"] * 1.05 and dev["events"] > 0
+        assert dev["by_kernel_ms"] and dev["by_program_ms"]
     runs = dict(srv["runs"])
     static = runs.pop("4_static")
     assert "error" not in static and static["tokens_per_s"] > 0 and static["requests"] == 8
