@@ -3,6 +3,7 @@ model and writes its JSON and PNG; the facts they print are checked, their timin
 
 import json
 
+import numpy as np
 import pytest
 
 from experiments import attention, kv_cache, roofline, sampling, tokens
@@ -80,6 +81,25 @@ def test_matvec_benchmark_runs(tmp_path):
     assert json.loads(next(tmp_path.glob("matvec-*.json")).read_text())["rows"] == rows
     only = matvec.main(["--quick", "--mb", "4", "--only", "batch", "--out", str(tmp_path / "b")])
     assert [r["case"] for r in only] == [c for c in cases if c.startswith(("batch", "summed"))]
+
+
+def test_engine_host_ab_runs_both_arms_on_one_engine(tmp_path):
+    """experiments/engine_host.py: both host paths serve the same burst on one warmed engine (no
+    timing asserted); the old path's rows are device arrays, the new one's host arrays."""
+    import jax.numpy as jnp
+
+    from experiments import engine_host
+    from jaxinfer.decode import penalties as pen
+
+    with engine_host.device_rows():
+        assert isinstance(pen.stack([pen.PenaltySettings()], (2,), 8).min_tokens, jnp.ndarray)
+    assert isinstance(pen.stack([pen.PenaltySettings()], (2,), 8).min_tokens, np.ndarray)
+    r = engine_host.main(["--smoke", "--slots", "4", "--out", str(tmp_path)])
+    assert set(r["runs"]) == {"host_rows", "device_rows"} and r["requests"] == 8
+    for arm, runs in r["runs"].items():
+        assert len(runs) == 2 and all(o["tokens_per_s"] > 0 and o["iterations"] > 0 for o in runs)
+    assert r["ratio"] == pytest.approx(r["tokens_per_s"]["host_rows"] / r["tokens_per_s"]["device_rows"])
+    assert json.loads((tmp_path / "engine_host.json").read_text())["ratio"] == r["ratio"]
 
 
 def test_profile_attributes_time_to_the_named_stages(tmp_path):
