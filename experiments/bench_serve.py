@@ -102,7 +102,7 @@ def serve_engine(engine, work, page_size, bpt):
     handles, pending, clock = {}, list(range(len(reqs))), Clock()
     kv_paged, kv_contig = [], []
     scans0 = engine.stats().scans
-    admitting, decoding = [], []  # wall seconds of iterations with prompts waiting for chunks, and without
+    admitting, decoding = [], []  # wall seconds of iterations begun with requests queued or prefilling, and not
     while pending or not engine.scheduler.idle():
         now = clock()
         while pending and reqs[pending[0]]["arrival"] <= now:

@@ -391,12 +391,13 @@ def serving(args, preset, ctx, deadline) -> dict:
     """The continuous-batching engine (jaxinfer.serve) on the decode section's weights: a burst of
     2 x slots requests (random prompts of 16..prompt tokens, new_tokens each) served by
     experiments/bench_serve.serve_engine with the engine's default prefill settings; aggregate
-    tokens/s, TTFT, time per token, iterations (with and without prompts waiting), and the % of
-    the bandwidth roofline at that many rows; the median of `repeats` bursts. At each slot count
-    twice, the same burst: with the call's fixed cost measured at warm-up (label "<slots>", the
-    default) and with the CPU's constant (label "<slots>_rows<MIXED_CALL_ROWS>"), which decides
-    how many prompt chunks a call takes; at the first slot count also `generate` in first-come static batches of that many rows
-    (label "<slots>_static", bench_serve.serve_static, compile time excluded)."""
+    tokens/s, TTFT, time per token, iterations (begun with requests queued or prefilling, and
+    not), and the % of the bandwidth roofline at that many rows; the median of `repeats` bursts.
+    At each slot count twice, the same burst: with the call's fixed cost measured at warm-up
+    (label "<slots>", the default) and with the CPU's constant (label "<slots>_rows<MIXED_CALL_ROWS>"),
+    which decides how many prompt chunks a call takes. At the first slot count also a traced
+    burst (`engine_trace`) and `generate` in first-come static batches of that many rows (label
+    "<slots>_static", bench_serve.serve_static, compile time excluded)."""
     if not ctx["speed_allowed"]:
         return {"skipped": "speed is reported on a GPU only"}
     try:

@@ -95,8 +95,8 @@ def summary(report: dict) -> str:
             lines.append(f"  serving {n} slots: " + (
                 f"{r['tokens_per_s']:.1f} tok/s ({r.get('pct_roofline', float('nan')):.1f}% of roofline), TTFT p50 "
                 f"{r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s, {r['iterations']} iterations "
-                f"({r['tokens_per_iteration']:.1f} tokens each; {r.get('admitting_iterations', '?')} with prompts "
-                f"waiting, p50 {r.get('admitting_ms_p50', float('nan')):.1f} ms, the others p50 "
+                f"({r['tokens_per_iteration']:.1f} tokens each; {r.get('admitting_iterations', '?')} begun with requests "
+                f"queued or prefilling, p50 {r.get('admitting_ms_p50', float('nan')):.1f} ms, the others p50 "
                 f"{r.get('decoding_ms_p50', float('nan')):.1f} ms), call_rows {r.get('call_rows', '?')}, "
                 f"{r['warmup_programs']} programs in warm-up"
                 if "tokens_per_s" in r else r.get("error", "?")))
