@@ -134,8 +134,9 @@ class Engine:
             (steps of the measured step time, 1 to decode_steps), so a request that arrives then
             waits about that long for its slot rather than a whole scan of decode_steps.
           call_rows: a device call's fixed cost in token rows, which decides whether one call
-            prefills one request's chunk or every slot's short chunks (`scheduler.one_call`).
-            Default: measured by `warmup` on this device (runner.MIXED_CALL_ROWS until then).
+            prefills one request's chunk or many short ones (`scheduler.one_call`), and whether
+            calls of 8 requests' chunks are built (`Runner.mid_shapes`). Default: measured by
+            `warmup` on this device (runner.MIXED_CALL_ROWS until then).
         """
         cfg = model.config
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
