@@ -255,26 +255,26 @@ class Runner:
                 self._prefill(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width), z(R, C),
                               MAX_TOP_LOGPROBS, True)
                 n += 1
-        no_top = np.zeros((S,), bool)
-        rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
-        state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
-                                 counts=counts)
-        state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, MAX_TOP_LOGPROBS, top=no_top,
-                                    until_a_row_ends=np.asarray(True))
+        state, em = core.decode_jit(self.model.params, self._idle_state(), self.cfg, self.decode_steps,
+                                    MAX_TOP_LOGPROBS, top=np.zeros((S,), bool), until_a_row_ends=np.asarray(True))
         self.cache = state.cache
         jax.block_until_ready(em.tokens)
         return n + 1
 
+    def _idle_state(self) -> core.DecodeState:
+        """Every slot idle on the trash page: the decode state `warmup` builds programs with."""
+        S, z = self.max_slots, np.zeros
+        rows, counts = batch_rows([None] * S, z((S,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size)
+        return core.DecodeState(cache=self.cache.with_rows(z((S, self.width), np.int32), z((S,), np.int32)),
+                                tokens=z((S,), np.int32), rows=rows, counts=counts)
+
     def _build_mixed(self, shapes: list[tuple[int, int]]) -> int:
         """Compile the mixed call of each shape (on the trash page) and, when measuring, time it."""
-        S, no_top = self.max_slots, np.zeros((self.max_slots,), bool)
-        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        no_top = np.zeros((self.max_slots,), bool)
         for R, C in shapes:
             times = []
             for _ in range(3 if self.measure_call_rows else 1):  # the first compiles
-                rows, counts = batch_rows([None] * S, z(S), self.eos_ids, self.cfg.vocab_size, self.key_size)
-                state = core.DecodeState(cache=self.cache.with_rows(z(S, self.width), z(S)), tokens=z(S), rows=rows,
-                                         counts=counts)
+                state = self._idle_state()
                 t0 = time.perf_counter()
                 state, _, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays([], (R, C)),
                                                       self.cfg, MAX_TOP_LOGPROBS, no_top)
