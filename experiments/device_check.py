@@ -414,11 +414,13 @@ def serving(args, preset, ctx, deadline) -> dict:
     for n in preset.slots:
         work = [dict(arrival=0.0, prompt=rng.integers(3, cfg.vocab_size, int(rng.integers(16, preset.prompt + 1))).tolist(),
                      max_new=preset.new_tokens) for _ in range(2 * n)]
+        warm = None  # the default engine after its bursts, for the traced one
         for label, rows in ((str(n), None), ("trace", None), (f"{n}_rows{MIXED_CALL_ROWS}", MIXED_CALL_ROWS)):
-            if label == "trace":  # right after the default engine (its programs built): a traced burst
-                if n == preset.slots[0] and time.perf_counter() < deadline:
-                    res[f"trace_{n}"] = engine_trace(model, n, page, preset, work, Path(args.out).parent)
+            if label == "trace":  # right after the default engine's bursts, on it: a traced burst
+                if n == preset.slots[0] and time.perf_counter() < deadline and warm is not None:
+                    res[f"trace_{n}"] = engine_trace(warm, work, Path(args.out).parent)
                     ctx["partial"]("serving", res)
+                warm = engine = None  # its pool goes before the next engine's comes
                 continue
             if time.perf_counter() > deadline:
                 res["skipped_for_time"].append(label)
@@ -441,6 +443,7 @@ def serving(args, preset, ctx, deadline) -> dict:
                         preset.prompt + preset.new_tokens) * kv.bytes_per_token(cfg))
                     run.update(roofline_tok_s=roof, pct_roofline=100 * out["tokens_per_s"] / roof)
                 res["runs"][label] = run
+                warm = engine if rows is None else None
             except Exception as e:
                 res["runs"][label] = _err(e)
             res["runs"][label]["seconds"] = time.perf_counter() - t0
@@ -462,19 +465,17 @@ def serving(args, preset, ctx, deadline) -> dict:
     return res
 
 
-def engine_trace(model, n, page, preset, work, folder: Path) -> dict:
-    """One more burst of the default engine at n slots under `jax.profiler`: the wall time against
-    the device's busy time, per program and per kernel (`profile.device_time`), and the engine's
-    iterations: host time between device calls vs device time. The trace lands beside the JSON."""
+def engine_trace(engine, work, folder: Path) -> dict:
+    """One more burst of an engine already warm (the serving section's default one, after its
+    bursts) under `jax.profiler`: the wall time against the device's busy time, per program and
+    per kernel (`profile.device_time`), and the engine's iterations: host time between device
+    calls vs device time. The trace lands beside the JSON."""
     from experiments import bench_serve
     from experiments import profile as prof
-    from jaxinfer.serve import Engine
 
-    t0, bpt = time.perf_counter(), kv.bytes_per_token(model.config)
+    t0, n, page = time.perf_counter(), engine.max_slots, engine.page_size
+    bpt = kv.bytes_per_token(engine.cfg)
     try:
-        engine = Engine(model, max_slots=n, page_size=page, max_len=preset.prompt + preset.new_tokens)
-        engine.warmup()
-        bench_serve.serve_engine(engine, work, page, bpt)  # untraced: everything warm
         out = folder / f"engine_trace_{n}"
         t1 = time.perf_counter()
         quiet = jax.profiler.ProfileOptions()
