@@ -154,15 +154,23 @@ def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_an
             Engine(model, n_pages=40, admission_wait=bad, **ENGINE)
 
 
-def test_warmup_measures_a_calls_fixed_cost_unless_given(model):
+def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
     """warmup times every mixed call shape and fits call_rows (scheduler.call_rows) from them;
     call_rows given is kept. Chunk buckets stop at the longest context (max_len 64: 32 and 64),
-    whatever prefill_chunk allows."""
+    whatever prefill_chunk allows. Timed calls keep the token counts on the device, as serving
+    does while nobody is penalized: only the very first call sends them."""
+    from jaxinfer.serve import runner as runner_mod
     from jaxinfer.serve.scheduler import call_rows
 
     engine = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40)
     assert engine.runner.chunks == [32, 64] and engine.runner.wide == [(4, 32), (4, 64)]
+    reused, batch_rows = [], runner_mod.batch_rows
+    monkeypatch.setattr(runner_mod, "batch_rows",
+                        lambda *a, spare=None, **k: reused.append(spare is not None) or batch_rows(*a, spare=spare, **k))
     engine.warmup()
+    mixed = reused[:3 * len(engine.runner.shapes())]  # each shape: compile, then two timed runs
+    assert mixed[0] is False and all(mixed[1:]), reused
+    monkeypatch.undo()
     times = engine.runner.call_seconds
     assert set(times) == set(engine.runner.shapes()) and all(t > 0 for t in times.values())
     assert engine.stats().call_rows == call_rows([(R * C + 4, t) for (R, C), t in times.items()])
