@@ -32,6 +32,8 @@ if __package__ in (None, ""):  # run as a script: make `experiments` and `jaxinf
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import jsonfile  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -165,9 +167,7 @@ def main(argv=None) -> dict:
            "transient_fraction": (extra - r["params_bytes"]) / folder_bytes,
            "load_average_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(),
            "note": "page cache warm (files just written); CPU backend: params live in host RSS"}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_load.json").write_text(json.dumps(res, indent=2) + "\n")
+    jsonfile.write_json(Path(args.out) / "bench_load.json", res, indent=2)
     print(f"{folder_bytes / 1e9:.2f} GB in {n_shards} shards ({r['param_dtype']}): load {r['load_s']:.1f} s "
           f"= {res['gb_per_s']:.2f} GB/s; peak extra RSS {extra / 1e9:.2f} GB = "
           f"{res['peak_extra_rss_fraction']:.0%} of the folder, of which loaded params "

@@ -59,7 +59,7 @@ def measure(tree: str, model: str, new_tokens: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from experiments import common
+    from experiments import common, jsonfile
 
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--old", required=True, help="source tree of the version to compare against")
@@ -82,9 +82,7 @@ def main(argv=None) -> dict:
         print(f"{k:28s} old {v['old']:8.1f}  new {v['new']:8.1f}  new/old {v['ratio']:.2f}x")
     result = dict(old_tree=os.path.abspath(args.old), new_tree=os.path.abspath(args.new), rounds=args.rounds,
                   table=table, runs=runs)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_regression.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    jsonfile.write_json(os.path.join(args.out, "bench_regression.json"), result)
     return result
 
 

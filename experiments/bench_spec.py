@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
 from jaxinfer.model import quantize as Q  # noqa: E402
 from jaxinfer.decode import speculative as spec  # noqa: E402
+from experiments import jsonfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,8 +149,7 @@ def main(argv=None, model=None) -> dict:
     if "quant" in args.part:
         out["quant"] = bench_quant(m, args)
     out["seconds"] = time.perf_counter() - t0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_spec.json").write_text(json.dumps(out, indent=1))
+    jsonfile.write_json(Path(args.out) / "bench_spec.json", out)
     return out
 
 

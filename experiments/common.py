@@ -8,7 +8,6 @@ Each experiment is `main(argv=None, model=None) -> dict`: it parses its argument
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -21,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from experiments import jsonfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "experiments" / "out"
@@ -67,24 +68,12 @@ def save(name: str, fig, data: dict, args) -> tuple[Path, Path]:
     fig.savefig(png, dpi=90, bbox_inches="tight")
     plt.close(fig)
     data = {"experiment": name, "args": {k: v for k, v in vars(args).items()}, "environment": environment(), **data}
-    js.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    jsonfile.write_json(js, data, indent=2)
     if args.figures and Path(args.figures).resolve() != out.resolve():
         Path(args.figures).mkdir(parents=True, exist_ok=True)
         shutil.copy(png, Path(args.figures) / png.name)
     print(f"wrote {js} and {png}")
     return js, png
-
-
-def _jsonable(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, bytes):
-        return x.decode("utf-8", errors="replace")
-    return str(x)
 
 
 def wall_times(fn: Callable[[], object], repeats: int) -> list[float]:

@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from jaxinfer.decode import constraints as C  # noqa: E402
+from experiments import jsonfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "experiments" / "data" / "schemas"
@@ -298,9 +299,7 @@ def main(argv=None) -> dict:
             result["outlines_core"] = outlines_costs(tok, args.reps)
         except ImportError:
             result["outlines_core"] = "not installed"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "constraint_cost.json").write_text(json.dumps(result, indent=1))
+    jsonfile.write_json(Path(args.out) / "constraint_cost.json", result)
     lg = result["llguidance_costs"]
     print(f"llguidance {result['llguidance']}: compiler build {lg['compiler_build_s']:.2f} s, V = {lg['vocab']}")
     print(f"{'schema':18} {'tok':>4} {'build ms':>9} {'compile ms':>10} {'mask med ms':>11} {'p90':>7} {'max':>7}"

@@ -36,9 +36,7 @@ import dataclasses
 import gc
 import importlib.metadata as md
 import importlib.util
-import json
 import math
-import os
 import platform
 import shutil
 import subprocess
@@ -56,7 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from experiments import common  # noqa: E402
+from experiments import common, jsonfile  # noqa: E402
 from experiments.device_correctness import BF16_TOL, FP32_TOL, correctness  # noqa: E402,F401
 from jaxinfer import compile_cache  # noqa: E402
 from jaxinfer.decode.generate import MIN_KV_BUCKET  # noqa: E402
@@ -565,10 +563,7 @@ RUNNERS = {"environment": environment, "correctness": correctness, "decode": dec
 # Driver -----------------------------------------------------------------------------------------
 
 def _write(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=common._jsonable) + "\n")
-    os.replace(tmp, out)
+    jsonfile.write_json(out, report)
 
 
 def main(argv=None) -> dict:

@@ -17,7 +17,6 @@ target before and after training, for the truncated start and the distilled draf
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import jaxinfer  # noqa: E402
 from jaxinfer.weights import checkpoint  # noqa: E402
 from jaxinfer.model import forward as mdl  # noqa: E402
 from jaxinfer.decode import speculative as spec  # noqa: E402
+from experiments import jsonfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments" / "data"))
@@ -121,8 +121,7 @@ def main(argv=None, model=None) -> dict:
     result = {"experiment": "distill_draft", "layers": args.layers, "steps": len(losses),
               "seconds": time.perf_counter() - t0, "heldout_before": {"kl": kl0, "top1": top0},
               "heldout_after": {"kl": kl1, "top1": top1}, "checkpoint": str(out), "losses": losses}
-    (ROOT / "experiments" / "out").mkdir(parents=True, exist_ok=True)
-    (ROOT / "experiments" / "out" / "distill_draft.json").write_text(json.dumps(result, indent=1))
+    jsonfile.write_json(ROOT / "experiments" / "out" / "distill_draft.json", result)
     return result
 
 

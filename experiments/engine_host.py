@@ -14,7 +14,6 @@ warmed Engine, alternating, `--repeats` times; medians. Writes <out>/engine_host
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experiments import bench_serve, common  # noqa: E402
+from experiments import bench_serve, common, jsonfile  # noqa: E402
 from jaxinfer.decode import penalties as pen  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import config as C  # noqa: E402
@@ -89,9 +88,7 @@ def main(argv=None) -> dict:
     print(f"{args.preset} on {jax.default_backend()}, {args.slots} slots, {len(work)} requests: tokens/s host rows "
           f"{med['host_rows']:.1f} vs device rows {med['device_rows']:.1f} ({res['ratio']:.2f}x); decode "
           f"iterations p50 {it['host_rows']:.1f} vs {it['device_rows']:.1f} ms")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engine_host.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    jsonfile.write_json(os.path.join(args.out, "engine_host.json"), res)
     return res
 
 

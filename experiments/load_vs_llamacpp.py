@@ -53,7 +53,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments import llamacpp_peer  # noqa: E402
+from experiments import jsonfile, llamacpp_peer  # noqa: E402
 from experiments.load_test import drive, prompts_from_text  # noqa: E402
 
 MODEL_NAME = "m"  # the model id both servers are sent
@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
             print(side, json.dumps({k: s.get(k) for k in keys} if "error" not in s else s))
     if summary.get("comparison"):
         print("comparison", json.dumps(summary["comparison"]))
-    (out / "load_vs_llamacpp.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    jsonfile.write_json(out / "load_vs_llamacpp.json", summary, indent=2)
     print(f"wrote {out / 'load_vs_llamacpp.json'}")
     return summary
 

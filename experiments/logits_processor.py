@@ -20,7 +20,6 @@ Writes <out>/logits_processor.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `experiments` and `jaxinf
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experiments import common  # noqa: E402
+from experiments import common, jsonfile  # noqa: E402
 from jaxinfer.decode import core  # noqa: E402
 
 DEFAULT_PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
@@ -112,9 +111,7 @@ def main(argv=None, model=None) -> dict:
         result["runs"][name] = {"text": out.text, "token_ids": out.token_ids, "repeated_ngrams": rep}
         print(f"{name:22} repeated {args.n}-grams: {rep:3d}  {out.text[:100]!r}")
     result["environment"] = common.environment()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "logits_processor.json").write_text(json.dumps(result, indent=2) + "\n")
+    jsonfile.write_json(Path(args.out) / "logits_processor.json", result, indent=2)
     return result
 
 

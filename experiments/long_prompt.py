@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments import llamacpp_peer  # noqa: E402  (standard library only: runs under the peer's python)
+from experiments import jsonfile, llamacpp_peer  # noqa: E402  (standard library only: runs under the peer's python)
 
 TEXT = ROOT / "experiments" / "data" / "pydoc_heldout.txt"
 DEFAULT_LENGTHS = (2048, 4096, 8000)  # 8000, not 8192: the prompt and its one new token fit SmolLM2's 8192
@@ -248,8 +248,7 @@ def main(argv=None) -> dict:
                "smoke": args.smoke}
     print_table(rows)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "long_prompt.json").write_text(json.dumps(summary, indent=2) + "\n")
+    jsonfile.write_json(out / "long_prompt.json", summary, indent=2)
     print(f"wrote {out / 'long_prompt.json'}")
     return summary
 

@@ -14,7 +14,6 @@ the text, and weight / KV bytes per token. Writes experiments/out/quality.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxinfer  # noqa: E402
+from experiments import jsonfile  # noqa: E402
 from jaxinfer.model import cache as kv  # noqa: E402
 from jaxinfer.model import forward as mdl  # noqa: E402
 from jaxinfer.model import params as P  # noqa: E402
@@ -92,8 +92,7 @@ def main(argv=None, model=None) -> dict:
               f"{r['weight_bytes'] / base['weight_bytes']:.3f} | {r['kv_bytes_per_token']} |")
     out = {"experiment": "quality", "model": args.model, "text": str(TEXT.relative_to(ROOT)),
            "windows": args.windows, "window": W, "results": results}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "quality.json").write_text(json.dumps(out, indent=1))
+    jsonfile.write_json(Path(args.out) / "quality.json", out)
     return out
 
 

@@ -38,7 +38,7 @@ if __package__ in (None, ""):
 
 import jsonschema  # noqa: E402
 
-from experiments import common, constraint_cost  # noqa: E402
+from experiments import common, constraint_cost, jsonfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "experiments" / "data" / "schemas"
@@ -222,8 +222,7 @@ def main(argv=None, model=None) -> dict:
           f"{m['unconstrained_scan_step_ms']:.1f} ms/step; round trip {m['round_trip_ms']:.1f} ms, host mask work "
           f"{m['host_mask_work_ms']:.1f} ms)")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "structured_bench.json").write_text(json.dumps(result, indent=1, default=common._jsonable) + "\n")
+    jsonfile.write_json(out / "structured_bench.json", result)
     print(f"wrote {out / 'structured_bench.json'}")
     return result
 

@@ -179,3 +179,20 @@ def test_structured_bench_smoke(tmp_path, golden_dir):
     assert json.loads((tmp_path / "structured_bench.json").read_text())["experiment"] == "structured_bench"
     assert r["validity"]["invalid_total"] == 0 and r["validity"]["rows"] == 4
     assert set(r["cost_generate"]["schemas"]) == set(r["validity"]["schemas"])
+
+
+def test_write_json_is_whole_or_not_at_all(tmp_path):
+    """Every experiment writes its JSON through jsonfile.write_json: numpy values become numbers,
+    folders are made, and a write that fails leaves the previous file as it was and no temporary
+    file behind."""
+    from experiments import jsonfile
+
+    path = jsonfile.write_json(tmp_path / "a" / "b.json", {"n": np.int64(3), "x": np.float32(0.5),
+                                                            "v": np.arange(3), "raw": b"\xffok"})
+    assert json.loads(path.read_text()) == {"n": 3, "x": 0.5, "v": [0, 1, 2], "raw": "\ufffdok"}
+    loop = {}
+    loop["self"] = loop  # json refuses a circular structure
+    with pytest.raises(ValueError, match="Circular"):
+        jsonfile.write_json(path, loop)
+    assert json.loads(path.read_text())["n"] == 3
+    assert sorted(p.name for p in path.parent.iterdir()) == ["b.json"]
