@@ -76,10 +76,17 @@ def test_cached_equals_uncached_real_model(smollm2):
     np.testing.assert_array_equal(cached.argmax(-1), full.argmax(-1))
 
 
+@pytest.mark.parametrize("layout", ["this backend's", "queries-major"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
-def test_paged_attention_equals_dense_attention(kv_dtype):
+def test_paged_attention_equals_dense_attention(kv_dtype, layout, monkeypatch):
     """Attention read block by block from pages (any page size, any block size, rows of different
-    lengths in scattered pages) equals one dense softmax over the same keys."""
+    lengths in scattered pages) equals one dense softmax over the same keys, in the score layout
+    this backend runs for chunks (keys-major on a CPU) and in the queries-major one of decode
+    steps and other backends."""
+    from jaxinfer.model import attention
+
+    if layout == "queries-major":
+        monkeypatch.setitem(attention.LAYOUT, (jax.default_backend(), "chunk"), attention.QUERIES_MAJOR)
     cfg = C.tiny(sliding_window=4, global_every=2, kv_dtype=kv_dtype)
     params = init_params(cfg, jax.random.key(0))
     ids = jnp.asarray([[5, 17, 99, 3, 42, 7, 8, 1, 9, 11, 13, 12], [8, 1, 2, 250, 9, 31, 4, 4, 6, 2, 1, 0]], jnp.int32)

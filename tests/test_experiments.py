@@ -196,3 +196,17 @@ def test_write_json_is_whole_or_not_at_all(tmp_path):
         jsonfile.write_json(path, loop)
     assert json.loads(path.read_text())["n"] == 3
     assert sorted(p.name for p in path.parent.iterdir()) == ["b.json"]
+
+
+def test_attention_layout_times_both_layouts(tmp_path):
+    """experiments/attention_layout.py: both score layouts of paged attention on the same pool give
+    the same output (checked inside) and each is timed; the library's layout on a CPU is keys-major."""
+    from experiments import attention_layout
+
+    r = attention_layout.main(["--smoke", "--out", str(tmp_path)])
+    assert [row["case"] for row in r["rows"]] == ["prefill 64 at 512", "decode 4 rows"]
+    for row in r["rows"]:
+        assert set(row["ms"]) == {"queries-major", "keys-major"} and all(t > 0 for t in row["ms"].values())
+        assert row["max_abs_diff"] < 1e-4
+    assert r["library_layout"] == {"chunk": ("BKHGT", "BKSGT", "BKHGT"), "step": ("BTKGH", "BKGTS", "BKGTH")}
+    assert json.loads((tmp_path / "attention_layout.json").read_text())["rows"][0]["case"] == "prefill 64 at 512"

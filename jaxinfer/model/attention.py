@@ -26,6 +26,19 @@ import jax.numpy as jnp
 from jaxinfer.model.cache import KVCache, read_block
 
 NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
+# How the queries [B, T, K, G, H], a block's scores [B, K, S, G, T] and the running output
+# [B, K, H, G, T] are laid out (axis names in memory order), by backend and by query kind:
+# "chunk" (prefill, verification: T > 1) or "step" (decode: T = 1). On XLA's CPU backend a
+# chunk's score product comes out keys-major whatever the einsum asks for, so queries-major
+# scores cost a transposed copy of every block's scores before the softmax and another of the
+# probabilities before the value product; keys-major scores, a values-major output and queries
+# arranged once before the loop skip all three (`experiments/attention_layout.py`, SmolLM2's
+# shapes: a 512-token chunk 1.2-1.4x faster per layer, more the longer its context). Decode
+# steps measured slower keys-major (`generate` 0.96x at batch 1 and 0.90x at batch 8,
+# experiments/figures/bench_regression_keys_major_everywhere.json) and keep the queries-major
+# form, as other backends do, where it was measured.
+QUERIES_MAJOR = ("BTKGH", "BKGTS", "BKGTH")
+LAYOUT = {("cpu", "chunk"): ("BKHGT", "BKSGT", "BKHGT")}
 # A decode step (one query per row) reads blocks of about this many positions: its cost is the
 # bytes it gathers, so a 40-token context should not read a 256-position block.
 DECODE_BLOCK_TOKENS = 64
@@ -71,6 +84,13 @@ def attend(q, k, v, mask, scale):
     return out.reshape(B, T, N, H), probs.reshape(B, N, T, -1)
 
 
+def _as(x: jax.Array, src: str, dst: str) -> jax.Array:
+    """x, whose axes are named by the letters of src, transposed to dst's order, with a size-1
+    axis for each letter of dst that src lacks (to broadcast against a dst-shaped array)."""
+    x = jnp.transpose(x, [src.index(a) for a in dst if a in src])
+    return x.reshape([x.shape[[a for a in dst if a in src].index(a)] if a in src else 1 for a in dst])
+
+
 def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale: float,
                     window: Optional[int] = None, local=True) -> jax.Array:
     """Attention of new queries over their rows' cached context, read block by block.
@@ -110,21 +130,27 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         first = (jnp.maximum(jnp.min(q_pos) - window + 1, 0) // blk).astype(jnp.int32)
         lo = jnp.where(local, first, lo)
 
+    # the scores' axes (S among them) and the running output's, in memory order
+    qc, sc, oc = LAYOUT.get((jax.default_backend(), "step" if T == 1 else "chunk"), QUERIES_MAJOR)
+    keys = sc.index("S")
+    qg = _as(qg, "BTKGH", qc)  # once, outside the loop over blocks
+
     def block(i, carry, masked=True):
-        m, l, acc = carry  # running max [B, K, G, T], sum [B, K, G, T], output [B, K, G, T, H]
+        m, l, acc = carry  # running max [B, K, G, T], sum [B, K, G, T], output (laid out as oc)
         kb, vb = read_block(cache, layer, i, q.dtype, bp)  # [B, S, K, H]
         k_pos = i * blk + jnp.arange(blk, dtype=q_pos.dtype)
-        s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, kb, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum(f"{qc},BSKH->{sc}", qg, kb, preferred_element_type=jnp.float32)  # unscaled
         if masked:
-            s = jnp.where(causal_mask(q_pos, k_pos, window, local)[:, None, None], s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
+            s = jnp.where(_as(causal_mask(q_pos, k_pos, window, local), "BTS", sc), s, NEG_INF)
+        # scale > 0, so max(s) x scale == max(s x scale) exactly: the scaled scores are never written out
+        m_new = jnp.maximum(m, s.max(axis=keys) * scale)
+        p = jnp.exp(s * scale - jnp.expand_dims(m_new, keys))
         corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+        pv = jnp.einsum(f"{sc},BSKH->{oc}", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l * corr + p.sum(axis=keys), acc * _as(corr, "BKGT", oc) + pv
 
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, H), jnp.float32))
+            jnp.zeros([dict(B=B, K=K, G=G, T=T, H=H)[a] for a in oc], jnp.float32))
     with jax.named_scope("paged_attention"):
         if n_table == 1:  # one block (a short closed batch): no loop. XLA's CPU backend makes a
             # loop of at most one trip per layer far slower than the block itself (it also fused the
@@ -136,5 +162,5 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
             _, l, acc = jax.lax.fori_loop(full, hi, block, carry)
         else:
             _, l, acc = jax.lax.fori_loop(lo, hi, block, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, H]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H).astype(q.dtype)
+    out = _as(acc / _as(jnp.maximum(l, 1e-30), "BKGT", oc), oc, "BTKGH")  # [B, T, K, G, H]
+    return out.reshape(B, T, N, H).astype(q.dtype)
