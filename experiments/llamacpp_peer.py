@@ -26,6 +26,16 @@ cores), write the F32 GGUF with it, and check it as `make-gguf` does:
         /work/llama-build/smollm2-f32.gguf F32
     python experiments/llamacpp_peer.py verify-gguf    # every tensor bit-identical, or exit 1
 
+One build for both (~12 minutes on 2 cores): build `llama` beside the server and the quantizer
+(`--target llama-server llama-quantize llama`), then use the unpacked source's `llama_cpp`
+package with the libraries of that build instead of pip-installing the sdist (which compiles
+llama.cpp a second time):
+
+    /work/venv-llama/bin/pip install numpy typing-extensions diskcache jinja2
+    mkdir -p llama_cpp_python-0.3.36/llama_cpp/lib
+    ln -s /work/llama-build/server-build/bin/*.so* llama_cpp_python-0.3.36/llama_cpp/lib/
+    echo "$PWD/llama_cpp_python-0.3.36" > "$(/work/venv-llama/bin/python -c 'import site; print(site.getsitepackages()[0])')/llama_src.pth"
+
 (-DGGML_NATIVE=OFF with explicit AVX2/FMA/F16C: a native build died with an illegal instruction
 on the benchmark machines. The copied binary finds its shared libraries through an absolute
 RUNPATH to server-build/bin, so keep that folder. On 2 cores each build takes 15-25 minutes.)
