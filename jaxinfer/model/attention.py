@@ -130,7 +130,7 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         first = (jnp.maximum(jnp.min(q_pos) - window + 1, 0) // blk).astype(jnp.int32)
         lo = jnp.where(local, first, lo)
 
-    # the scores' axes (S among them) and the running output's, in memory order
+    # the queries', the scores' (S among them) and the running output's axes, in memory order
     qc, sc, oc = LAYOUT.get((jax.default_backend(), "step" if T == 1 else "chunk"), QUERIES_MAJOR)
     keys = sc.index("S")
     qg = _as(qg, "BTKGH", qc)  # once, outside the loop over blocks
