@@ -26,7 +26,7 @@ cores), write the F32 GGUF with it, and check it as `make-gguf` does:
         /work/llama-build/smollm2-f32.gguf F32
     python experiments/llamacpp_peer.py verify-gguf    # every tensor bit-identical, or exit 1
 
-One build for both (~12 minutes on 2 cores): build `llama` beside the server and the quantizer
+One build for both (~8 minutes on 2 cores here): build `llama` beside the server and the quantizer
 (`--target llama-server llama-quantize llama`), then use the unpacked source's `llama_cpp`
 package with the libraries of that build instead of pip-installing the sdist (which compiles
 llama.cpp a second time):
