@@ -562,10 +562,6 @@ RUNNERS = {"environment": environment, "correctness": correctness, "decode": dec
 
 # Driver -----------------------------------------------------------------------------------------
 
-def _write(report: dict, out: Path) -> None:
-    jsonfile.write_json(out, report)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
@@ -592,7 +588,7 @@ def main(argv=None) -> dict:
 
     def partial(name: str, res: dict) -> None:  # a section's results so far, on disk
         report["sections"][name] = {"ok": True, "partial": True, **res}
-        _write(report, out)
+        jsonfile.write_json(out, report)
 
     ctx["partial"] = partial
     for i, name in enumerate(sections):
@@ -608,7 +604,7 @@ def main(argv=None) -> dict:
         ctx["compiles"][name] = {"count": clock.count, "seconds": clock.seconds}
         report["sections"][name] = res
         report["wall_s"] = time.perf_counter() - budget.t0
-        _write(report, out)
+        jsonfile.write_json(out, report)
         print(f"[{name}] {'ok' if res['ok'] else 'FAILED: ' + res['error']} in {res['seconds']:.1f} s", flush=True)
     from experiments.device_plot import plot, summary
 
@@ -616,7 +612,7 @@ def main(argv=None) -> dict:
         plot(report, out.with_suffix(".png"))
     except Exception as e:  # the JSON matters more than the picture
         report["plot_error"] = f"{type(e).__name__}: {e}"
-        _write(report, out)
+        jsonfile.write_json(out, report)
     print(summary(report))
     print(f"wrote {out} and {out.with_suffix('.png')} ({report['wall_s']:.0f} s)")
     return report

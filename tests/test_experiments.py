@@ -207,6 +207,6 @@ def test_attention_layout_times_both_layouts(tmp_path):
     assert [row["case"] for row in r["rows"]] == ["prefill 64 at 512", "decode 4 rows"]
     for row in r["rows"]:
         assert set(row["ms"]) == {"queries-major", "keys-major"} and all(t > 0 for t in row["ms"].values())
-        assert row["max_abs_diff"] < 1e-4
+        assert row["max_abs_diff"] <= 1e-5 * max(1.0, row["output_scale"])  # float32 summation order
     assert r["library_layout"] == {"chunk": ("BKHGT", "BKSGT", "BKHGT"), "step": ("BTKGH", "BKGTS", "BKGTH")}
     assert json.loads((tmp_path / "attention_layout.json").read_text())["rows"][0]["case"] == "prefill 64 at 512"
