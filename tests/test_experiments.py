@@ -210,3 +210,19 @@ def test_attention_layout_times_both_layouts(tmp_path):
         assert row["max_abs_diff"] <= 1e-5 * max(1.0, row["output_scale"])  # float32 summation order
     assert r["library_layout"] == {"chunk": ("BKHGT", "BKSGT", "BKHGT"), "step": ("BTKGH", "BKGTS", "BKGTH")}
     assert json.loads((tmp_path / "attention_layout.json").read_text())["rows"][0]["case"] == "prefill 64 at 512"
+
+
+def test_chunk_cut_serves_both_arms(tmp_path):
+    """experiments/chunk_cut.py: the same closed-loop workload served with chunks cut and padded,
+    alternating, on fresh engines; the library's first_piece is restored afterwards."""
+    from experiments import chunk_cut
+    from jaxinfer.serve import scheduler
+
+    keep = scheduler.first_piece
+    r = chunk_cut.main(["--smoke", "--out", str(tmp_path)])
+    assert scheduler.first_piece is keep
+    assert set(r["runs"]) == {"cut", "pad"} and r["requests"] == 6 and r["identical_completions"] == 6
+    for arm in ("cut", "pad"):  # every request runs to its length (no stop at eos)
+        run = r["runs"][arm][0]
+        assert run["output_tokens"] == r["max_tokens_sum"] > 0 and run["output_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "chunk_cut.json").read_text())["experiment"] == "chunk_cut"

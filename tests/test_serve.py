@@ -199,6 +199,31 @@ def test_mid_row_calls_where_a_call_is_dear(model, specs_and_ref):
     assert_same([r.result() for r in reqs], want)
 
 
+def test_identity_when_chunks_are_cut_to_pad_less(model):
+    """At a call cost of 0 rows (`call_rows`), chunks are cut at smaller buckets rather than padded
+    (a 70-token prompt as 64 + 6, not one 128-token call; `scheduler.first_piece`): every request's
+    tokens still equal generate alone, and a scoring request cut the same way gets the uncached
+    forward's prompt logprobs."""
+    rng = np.random.default_rng(5)
+    specs = [Spec(list(map(int, rng.integers(3, 256, n))), int(rng.integers(1, 25)), SETTINGS[i % len(SETTINGS)],
+                  2000 + i) for i, n in enumerate((40, 70, 100, 33, 90, 50))]
+    want = reference(model, specs)
+    engine = Engine(model, max_slots=4, page_size=8, max_len=128, n_pages=80, prefill_chunk=128, call_rows=0)
+    assert engine.runner.chunks == [32, 64, 128]
+    cuts, pick = [], engine.runner.pick
+    engine.runner.pick = lambda chunks: cuts.append((chunks[0].n, out := pick(chunks))) or out
+    assert_same(run_staggered(engine, specs), want)
+    assert any(len(out) == 1 and out[0].n < n for n, out in cuts), cuts
+    prompt = list(range(3, 73))  # 70 tokens: 64 + 6 (padded to 32), not one 128-token call
+    cuts.clear()
+    scored = engine.submit(prompt, max_new_tokens=0, prompt_logprobs=0)
+    engine.run_until_idle()
+    assert [out[0].n for _, out in cuts] == [64, 6], cuts
+    rows = np.asarray(jax.nn.log_softmax(jaxinfer.logits(model, prompt), axis=-1))
+    assert_close(scored.result().prompt_logprobs[1:], [rows[j - 1, prompt[j]] for j in range(1, len(prompt))],
+                 what="prompt logprobs")
+
+
 def test_identity_float16_kv_cache():
     """float16 pages (llama.cpp's default KV dtype, half of float32's bytes): the engine still gives
     generate's tokens on the same cache dtype."""

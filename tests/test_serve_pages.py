@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxinfer.serve.pages import OutOfPages, PagePool, prefix_hashes
-from jaxinfer.serve.scheduler import MAX_CALL_ROWS, DECODE, DONE, PREFILL, Chunk, Scheduler, Seq, call_rows, one_call
+from jaxinfer.serve.scheduler import MAX_CALL_ROWS, DECODE, DONE, PREFILL, Chunk, Scheduler, Seq, call_rows, first_piece, one_call
 
 
 def test_allocate_release_and_trash_page():
@@ -185,6 +185,26 @@ def test_one_call_takes_the_oldest_alone_or_many_short_chunks_together():
     four = wide + [(4, 64)]
     assert one_call(mixed[:3], 8, buckets, four, 32) == mixed[:1]
     assert one_call(mixed[:3], 8, buckets, four, 700) == mixed[1:3]
+
+
+def test_one_call_cuts_the_oldest_chunk_where_padding_costs_more_than_a_call():
+    """first_piece: the tokens of a chunk its call prefills, all of them padded to a bucket or a
+    smaller bucket's worth, whichever prefills the chunk in the fewest rows at `fixed` rows a call."""
+    buckets = [32, 64, 128, 256, 512]
+    # 321 tokens: 256 + 64 + 1 (padded to 32) in 3 calls, 352 + 3 x 40 rows, against 512 + 40 in one
+    assert first_piece(321, buckets, 40) == 256
+    assert first_piece(65, buckets, 40) == 65  # 128 + 40 in one call, against 64 + 32 + 2 x 40
+    # padding of at most one call's cost is kept (200 in a 256 call: 56 rows of padding, 40 a call)
+    assert first_piece(480, buckets, 40) == 480 and first_piece(200, buckets, 40) == 200
+    assert first_piece(70, buckets, 0) == 64  # 64 + 32 rows, against 128
+    assert first_piece(40, buckets, 0) == 40  # 64 rows either way (8 tokens pad to 32): one call
+    assert first_piece(20, buckets, 0) == 20 and first_piece(512, buckets, 0) == 512
+    assert first_piece(600, buckets, 0) == 600  # beyond every bucket: not the scheduler's chunk
+    seqs = [Seq(rid=i, prompt=[1] * 600, max_new_tokens=4) for i in range(2)]
+    long = Chunk(seq=seqs[0], start=100, n=321, last=True)
+    (cut,) = one_call([long, Chunk(seq=seqs[1], start=0, n=20, last=True)], 8, buckets, [(8, 32)], 32)
+    assert (cut.seq, cut.start, cut.n, cut.last) == (seqs[0], 100, 256, False)
+    assert long.n == 321  # the scheduler's chunk is left as it was: the rest comes next iteration
 
 
 def test_join_grows_pages_for_the_tokens_a_joining_request_samples():

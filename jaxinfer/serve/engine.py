@@ -134,7 +134,8 @@ class Engine:
             (steps of the measured step time, 1 to decode_steps), so a request that arrives then
             waits about that long for its slot rather than a whole scan of decode_steps.
           call_rows: a device call's fixed cost in token rows, which decides whether one call
-            prefills one request's chunk or many short ones (`scheduler.one_call`), and whether
+            prefills one request's chunk or many short ones and where a chunk is cut short to
+            pad less (`scheduler.one_call`), and whether
             calls of 8 requests' chunks are built (`Runner.mid_shapes`). Default: measured by
             `warmup` on this device (runner.MIXED_CALL_ROWS until then).
         """
@@ -298,9 +299,9 @@ class Engine:
                 scoring = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is not None]
                 plain = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is None]
                 while scoring:  # their programs return every position's logits: calls of their own
-                    call = self.runner.pick(scoring)
+                    call = self.runner.pick(scoring)  # (a chunk cut short continues next iteration)
                     self._score_call(call)
-                    scoring = [c for c in scoring if c not in call]
+                    scoring = [c for c in scoring if all(c.seq is not d.seq for d in call)]
                 chunks = self.runner.pick(plain) if plain else []
                 joining = {id(c.seq) for c in chunks if c.last}
                 steps = plan.steps

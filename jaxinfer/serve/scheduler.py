@@ -251,9 +251,9 @@ def one_call(chunks: list[Chunk], slots: int, buckets: list[int], wide: list[tup
     A call is [1, C] for the oldest chunk (C the smallest of `buckets` that holds it), or [R, C]
     (a shape of `wide`) for up to R chunks of at most C tokens each, whichever prefills the most
     prompt tokens per token row computed, counting the call's decode rows (`slots`) and its
-    fixed cost in rows (`fixed_rows`). (Cutting a chunk at a smaller bucket to pad less, 300
-    tokens as 256 + 64 rather than one 512 call, measured no faster on the serving load test and
-    delayed first tokens: not done.)
+    fixed cost in rows (`fixed_rows`). The oldest chunk alone may be cut to its `first_piece`
+    (300 tokens as 256 now and 44 in the next call, not one 512-row call), the rest waiting for
+    the next iteration.
     """
     fixed = fixed_rows + slots
     best = [chunks[0]]
@@ -263,7 +263,39 @@ def one_call(chunks: list[Chunk], slots: int, buckets: list[int], wide: list[tup
         rate = sum(c.n for c in fit) / (fixed + R * C)
         if len(fit) > 1 and rate > best_rate:
             best, best_rate = fit, rate
+    if len(best) == 1:
+        n = first_piece(best[0].n, buckets, fixed)
+        if n < best[0].n:
+            best = [dataclasses.replace(best[0], n=n, last=False)]
     return best
+
+
+def first_piece(n: int, buckets: list[int], fixed: int) -> int:
+    """The tokens a [1, C] call should prefill of a chunk of n: all n (C the smallest bucket that
+    holds them, padded), or a smaller bucket's worth, the rest in later calls, whichever prefills
+    the n tokens in the fewest token rows, each call costing `fixed` rows more than its C.
+
+    On the serving load test's workload (prompts of 30-600 tokens, SmolLM2-135M, a 2-core CPU)
+    the power-of-two buckets padded 28% of the prompt rows computed; cutting served 1.03x the
+    tokens per second (medians of 3 alternating rounds, each round 1.00-1.07x) at the same median
+    time to first token (`experiments/chunk_cut.py`, figures/chunk_cut.json). Cutting adds a
+    call, so it can only pay where the padding it saves exceeds `fixed`; ties keep the single
+    call, whose first token comes sooner.
+    """
+    top = next((b for b in buckets if b >= n), None)
+    if top is None or top - n <= fixed:
+        return n
+    # cost[m]: (rows, calls) to prefill m tokens; first[m]: its first call's tokens. Among equal
+    # costs the fewest calls, then the largest first piece.
+    cost, first = [(0, 0)] * (n + 1), [0] * (n + 1)
+    for m in range(1, n + 1):
+        cost[m], first[m] = (fixed + next(b for b in buckets if b >= m), 1), m
+        for b in sorted(buckets, reverse=True):
+            if b < m:
+                rows, calls = cost[m - b]
+                if (fixed + b + rows, calls + 1) < cost[m]:
+                    cost[m], first[m] = (fixed + b + rows, calls + 1), b
+    return first[n]
 
 
 MAX_CALL_ROWS = 1 << 16  # the fixed cost `call_rows` reports when no measured shape costs more than another
