@@ -226,3 +226,17 @@ def test_chunk_cut_serves_both_arms(tmp_path):
         run = r["runs"][arm][0]
         assert run["output_tokens"] == r["max_tokens_sum"] > 0 and run["output_tokens_per_s"] > 0
     assert json.loads((tmp_path / "chunk_cut.json").read_text())["experiment"] == "chunk_cut"
+
+
+def test_program_memory_measures_each_layout_in_its_own_process(tmp_path):
+    """experiments/program_memory.py: per layout, resident memory after loading, with the pool and
+    after each mixed-call program, measured in a fresh subprocess."""
+    from experiments import program_memory
+
+    r = program_memory.main(["--smoke", "--out", str(tmp_path)])
+    assert [row["layout"] for row in r["rows"]] == ["cpu", "canonical"]
+    for row in r["rows"]:
+        assert row["loaded_mb"] > 0 and row["with_pool_mb"] > 0 and len(row["programs"]) >= 2
+        total = row["with_pool_mb"] + sum(x["grew_mb"] for x in row["programs"])
+        assert abs(total - row["after_programs_mb"]) < 1e-6
+    assert json.loads((tmp_path / "program_memory.json").read_text())["experiment"] == "program_memory"
