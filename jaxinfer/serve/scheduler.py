@@ -275,8 +275,9 @@ def first_piece(n: int, buckets: list[int], fixed: int) -> int:
     holds them, padded), or a smaller bucket's worth, the rest in later calls, whichever prefills
     the n tokens in the fewest token rows, each call costing `fixed` rows more than its C.
 
-    On the serving load test's workload (prompts of 30-600 tokens, SmolLM2-135M, a 2-core CPU)
-    the power-of-two buckets padded 28% of the prompt rows computed; cutting served 1.03x the
+    Buckets are powers of two, so a prompt can be padded to nearly twice its rows (257 tokens in a
+    512-row call). On the serving load test's workload (prompts of 30-600 tokens, SmolLM2-135M, a
+    2-core CPU) cutting served 1.03x the
     tokens per second (medians of 3 alternating rounds, each round 1.00-1.07x) at the same median
     time to first token (`experiments/chunk_cut.py`, figures/chunk_cut.json). Cutting adds a
     call, so it can only pay where the padding it saves exceeds `fixed`; ties keep the single
