@@ -277,11 +277,10 @@ def first_piece(n: int, buckets: list[int], fixed: int) -> int:
 
     Buckets are powers of two, so a prompt can be padded to nearly twice its rows (257 tokens in a
     512-row call). On the serving load test's workload (prompts of 30-600 tokens, SmolLM2-135M, a
-    2-core CPU) cutting served 1.03x the
-    tokens per second (medians of 3 alternating rounds, each round 1.00-1.07x) at the same median
-    time to first token (`experiments/chunk_cut.py`, figures/chunk_cut.json). Cutting adds a
-    call, so it can only pay where the padding it saves exceeds `fixed`; ties keep the single
-    call, whose first token comes sooner.
+    2-core CPU) cutting served 1.03x the tokens per second (medians of 3 alternating rounds, each
+    round 1.00-1.07x) at the same median time to first token (`experiments/chunk_cut.py`,
+    figures/chunk_cut.json). Cutting adds a call, so it can only pay where the padding it saves
+    exceeds `fixed`; ties keep the single call, whose first token comes sooner.
     """
     top = next((b for b in buckets if b >= n), None)
     if top is None or top - n <= fixed:
