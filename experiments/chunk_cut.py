@@ -94,13 +94,7 @@ def main(argv=None, model=None) -> dict:
         args.rounds, args.requests, args.clients, args.slots, args.max_len = 1, 6, 2, 2, 256
         args.min_prompt, args.max_prompt, args.min_new, args.max_new = 33, 150, 2, 6
         if model is None:
-            from jaxinfer.model import config as C
-            from jaxinfer.model.model import Model
-            from jaxinfer.model.params import init_params
-            import jax
-
-            cfg = C.tiny(name="tiny-chunk-cut")
-            model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+            model = common.tiny_model("tiny-chunk-cut")
     else:
         enable_persistent_cache(None)
     if model is None:

@@ -51,6 +51,18 @@ def load_model(args, model=None):
     return m
 
 
+def tiny_model(name: str, **overrides):
+    """A tiny random model (`config.tiny`, no tokenizer): what the scripts' --smoke runs use."""
+    import jax
+
+    from jaxinfer.model import config as C
+    from jaxinfer.model.model import Model
+    from jaxinfer.model.params import init_params
+
+    cfg = C.tiny(name=name, **overrides)
+    return Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+
+
 def environment() -> dict:
     import jax
 

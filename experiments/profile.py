@@ -193,12 +193,7 @@ def main(argv=None, model=None) -> dict:
     if args.smoke:
         args.prompt_tokens, args.decode_steps = 16, 4
         if model is None:
-            from jaxinfer.model import config as C
-            from jaxinfer.model.model import Model
-            from jaxinfer.model.params import init_params
-
-            cfg = C.tiny(name="tiny-profile")
-            model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+            model = common.tiny_model("tiny-profile")
     if model is None:
         model = jaxinfer.load(args.model)  # the default load (on a CPU: the CPU decode layout)
     cfg, B, T = model.config, args.batch, args.prompt_tokens

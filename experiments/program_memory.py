@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `experiments` and `jaxinf
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import common, jsonfile  # noqa: E402
+from experiments.long_prompt import rss_bytes  # noqa: E402
 
 LAYOUTS = ("cpu", "canonical")
 
@@ -39,8 +40,7 @@ def rss_mb(trim: bool = True) -> float:
     """This process's resident memory in MiB (after returning free heap to the system if `trim`)."""
     if trim:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    return rss_bytes() / 2**20
 
 
 def measure(model_name: str, layout: str, smoke: bool) -> dict:
@@ -53,13 +53,9 @@ def measure(model_name: str, layout: str, smoke: bool) -> dict:
     from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
 
     if smoke:
-        from jaxinfer.model import config as C
         from jaxinfer.model import layout as lay
-        from jaxinfer.model.model import Model
-        from jaxinfer.model.params import init_params
 
-        cfg = C.tiny(name="tiny-program-memory", kv_dtype="float16")
-        model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+        model = common.tiny_model("tiny-program-memory", kv_dtype="float16")
         if layout == "cpu":
             model = lay.for_cpu_decode(model)
     else:

@@ -282,19 +282,18 @@ def first_piece(n: int, buckets: list[int], fixed: int) -> int:
     figures/chunk_cut.json). Cutting adds a call, so it can only pay where the padding it saves
     exceeds `fixed`; ties keep the single call, whose first token comes sooner.
     """
-    top = next((b for b in buckets if b >= n), None)
-    if top is None or top - n <= fixed:
+    up = sorted(buckets)
+    if n > up[-1] or up[bisect.bisect_left(up, n)] - n <= fixed:
         return n
     # cost[m]: (rows, calls) to prefill m tokens; first[m]: its first call's tokens. Among equal
     # costs the fewest calls, then the largest first piece.
     cost, first = [(0, 0)] * (n + 1), [0] * (n + 1)
     for m in range(1, n + 1):
-        cost[m], first[m] = (fixed + next(b for b in buckets if b >= m), 1), m
-        for b in sorted(buckets, reverse=True):
-            if b < m:
-                rows, calls = cost[m - b]
-                if (fixed + b + rows, calls + 1) < cost[m]:
-                    cost[m], first[m] = (fixed + b + rows, calls + 1), b
+        cost[m], first[m] = (fixed + up[bisect.bisect_left(up, m)], 1), m
+        for b in reversed(up[:bisect.bisect_left(up, m)]):  # the buckets below m, largest first
+            rows, calls = cost[m - b]
+            if (fixed + b + rows, calls + 1) < cost[m]:
+                cost[m], first[m] = (fixed + b + rows, calls + 1), b
     return first[n]
 
 
