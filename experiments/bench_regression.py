@@ -8,7 +8,8 @@ Each measurement runs in a fresh subprocess that imports jaxinfer from one tree,
 default model (`jaxinfer.load`, on a CPU the CPU decode layout), warms up, and times: prefill
 tokens/s for a 128-, a 512- and a 2,048-token prompt (batch 1, time to first token), and decode
 tokens/s at batch 1 and batch 8 (128 new tokens, greedy, no early stop;
-`Timings.decode_tokens_per_s`, compile time excluded). Trees alternate round by round (old, new,
+`Timings.decode_tokens_per_s`, compile time excluded), and at batch 8 over long contexts: rows of
+30, 130, ... 730 prompt tokens (the serving load's spread) and eight rows of 1,200. Trees alternate round by round (old, new,
 old, new ...), so a noisy neighbour slows both alike; the table reports medians and new/old
 ratios. Writes <out>/bench_regression.json.
 """
@@ -43,6 +44,11 @@ for b in (1, 8):
     jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False)  # compile
     t = jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False).timings
     out[f"decode_b{b}_tokens_per_s"] = t.decode_tokens_per_s
+for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)):
+    prompts = [ids[:n] for n in lengths]
+    jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False)  # compile
+    t = jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False).timings
+    out[f"decode_b8_{name}_tokens_per_s"] = t.decode_tokens_per_s
 print("RESULT " + json.dumps(out))
 """
 

@@ -111,6 +111,36 @@ def test_paged_attention_equals_dense_attention(kv_dtype, layout, monkeypatch):
         assert_close(got, ref, what=f"page size {page_size}, {block_pages} pages per block")  # summation order only
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_steps_over_big_and_small_blocks(window, monkeypatch):
+    """A decode step reads whole attention blocks up to the longest row's context and small blocks
+    past it, masked per row: rows of different lengths (one inside the first block, one across
+    three), each step's logits equal the dense forward over the same tokens."""
+    from jaxinfer.model import attention
+
+    monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 2)  # small blocks of one 2-position page
+    cfg = C.tiny(sliding_window=window, global_every=2 if window else 0)
+    params = init_params(cfg, jax.random.key(0))
+    ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 30), 1, cfg.vocab_size), np.int32)
+    prompt = np.asarray([4, 17])  # row 1 starts in the third 8-position block
+    cache = kv.init_cache(cfg, 2, 32, page_size=2).replace(block_pages=4)
+    tokens = np.zeros((2, 17), np.int32)
+    for b, n in enumerate(prompt):
+        tokens[b, :n] = ids[b, :n]
+    step = jax.jit(lambda t, pos, c, n: mdl.forward(params, t, pos, c, cfg, n_new=n))
+    _, cache = step(jnp.asarray(tokens), mdl.default_positions(2, 17), cache, jnp.asarray(prompt))
+    got = [[], []]
+    for i in range(12):
+        t = ids[np.arange(2), prompt + i][:, None]
+        lg, cache = step(jnp.asarray(t), mdl.default_positions(2, 1, cache.lengths), cache, jnp.ones(2, jnp.int32))
+        for b in range(2):
+            got[b].append(np.asarray(lg[b, 0]))
+    for b in range(2):
+        n = prompt[b] + 12
+        full, _ = mdl.forward(params, jnp.asarray(ids[b:b + 1, :n]), jnp.arange(n)[None], None, cfg)
+        assert_close(np.stack(got[b]), np.asarray(full[0, prompt[b]:n]), what=f"row {b}, window {window}")
+
+
 def test_forward_is_the_one_writer_of_lengths():
     """forward appends at cache.lengths and grows it by n_new; rewind is the only other change."""
     cfg = C.tiny()

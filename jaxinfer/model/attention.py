@@ -10,7 +10,8 @@ read back block by block (`cache.block` positions, a few pages at a time) with a
 softmax (running max and sum, as in FlashAttention). Only blocks that hold a filled position
 are read, so the cost follows the context that exists, not the cache's size, and one compiled
 program serves every context length; sliding-window layers skip the blocks that lie wholly
-before their window. A chunk longer than a block attends in query tiles of one block, each
+before their window. A decode step reads whole blocks up to the longest row's context and
+small blocks (`DECODE_BLOCK_TOKENS`) past it. A chunk longer than a block attends in query tiles of one block, each
 reading up to its own diagonal.
 
 Shape letters as in `jaxinfer.model.config`; S here is the keys one block (or the sequence) holds.
@@ -18,6 +19,7 @@ Shape letters as in `jaxinfer.model.config`; S here is the keys one block (or th
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import jax
@@ -39,8 +41,9 @@ NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 # form, as other backends do, where it was measured.
 QUERIES_MAJOR = ("BTKGH", "BKGTS", "BKGTH")
 LAYOUT = {("cpu", "chunk"): ("BKHGT", "BKSGT", "BKHGT")}
-# A decode step (one query per row) reads blocks of about this many positions: its cost is the
-# bytes it gathers, so a 40-token context should not read a 256-position block.
+# A decode step (one query per row) reads the part of its context past the last whole block in
+# blocks of about this many positions: its cost is the bytes it gathers plus a loop trip per
+# block, so a 40-token context should not read a 256-position block, nor a 730-token one take 12 trips.
 DECODE_BLOCK_TOKENS = 64
 
 
@@ -118,27 +121,15 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
     qg = q.reshape(B, T, K, G, H)
     bp = cache.block_pages
     n_table = cache.page_table.shape[1] // bp  # blocks a row's table holds
-    if T == 1 and n_table > 1 and bp > 1:  # decode: smaller blocks, so a short context reads less padding
-        small = max(1, DECODE_BLOCK_TOKENS // cache.page_size)
-        while bp % small:
-            small -= 1
-        n_table, bp = n_table * (bp // small), small
-    blk = bp * cache.page_size
-    hi = jnp.minimum(jnp.max(q_pos) // blk + 1, n_table).astype(jnp.int32)  # up to the last query's position
-    lo = jnp.zeros((), jnp.int32)
-    if window is not None:  # blocks wholly older than every query's window are never read
-        first = (jnp.maximum(jnp.min(q_pos) - window + 1, 0) // blk).astype(jnp.int32)
-        lo = jnp.where(local, first, lo)
-
     # the queries', the scores' (S among them) and the running output's axes, in memory order
     qc, sc, oc = LAYOUT.get((jax.default_backend(), "step" if T == 1 else "chunk"), QUERIES_MAJOR)
     keys = sc.index("S")
     qg = _as(qg, "BTKGH", qc)  # once, outside the loop over blocks
 
-    def block(i, carry, masked=True):
+    def block(bp, i, carry, masked=True):
         m, l, acc = carry  # running max [B, K, G, T], sum [B, K, G, T], output (laid out as oc)
         kb, vb = read_block(cache, layer, i, q.dtype, bp)  # [B, S, K, H]
-        k_pos = i * blk + jnp.arange(blk, dtype=q_pos.dtype)
+        k_pos = i * (bp * cache.page_size) + jnp.arange(bp * cache.page_size, dtype=q_pos.dtype)
         s = jnp.einsum(f"{qc},BSKH->{sc}", qg, kb, preferred_element_type=jnp.float32)  # unscaled
         if masked:
             s = jnp.where(_as(causal_mask(q_pos, k_pos, window, local), "BTS", sc), s, NEG_INF)
@@ -149,18 +140,42 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         pv = jnp.einsum(f"{sc},BSKH->{oc}", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(axis=keys), acc * _as(corr, "BKGT", oc) + pv
 
+    def blocks(bp, lo, hi, carry):
+        """carry after blocks lo .. hi - 1 of bp pages each; blocks wholly at or before every query
+        skip the mask (a pass less per score) unless a window applies."""
+        blk = bp * cache.page_size
+        if window is not None:  # blocks wholly older than every query's window are never read
+            first = (jnp.maximum(jnp.min(q_pos) - window + 1, 0) // blk).astype(jnp.int32)
+            lo = jnp.maximum(lo, jnp.where(local, first, 0))
+            return jax.lax.fori_loop(lo, hi, partial(block, bp), carry)
+        full = jnp.clip((jnp.min(q_pos) + 1) // blk, lo, hi).astype(jnp.int32)
+        carry = jax.lax.fori_loop(lo, full, partial(block, bp, masked=False), carry)
+        return jax.lax.fori_loop(full, hi, partial(block, bp), carry)
+
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros([dict(B=B, K=K, G=G, T=T, H=H)[a] for a in oc], jnp.float32))
+    last = jnp.max(q_pos)  # the last position any query reads
+    zero = jnp.zeros((), jnp.int32)
     with jax.named_scope("paged_attention"):
         if n_table == 1:  # one block (a short closed batch): no loop. XLA's CPU backend makes a
             # loop of at most one trip per layer far slower than the block itself (it also fused the
             # cache write into the read and copied the pool): generate, 8 rows, 40 vs 105 tokens/s.
-            _, l, acc = block(jnp.zeros((), jnp.int32), init)
-        elif window is None:  # blocks wholly at or before every query need no mask (a pass less per score)
-            full = jnp.clip((jnp.min(q_pos) + 1) // blk, lo, hi).astype(jnp.int32)
-            carry = jax.lax.fori_loop(lo, full, lambda i, c: block(i, c, masked=False), init)
-            _, l, acc = jax.lax.fori_loop(full, hi, block, carry)
+            _, l, acc = block(bp, zero, init)
+        elif T == 1 and bp > 1:
+            # A decode step costs the bytes it gathers plus each loop trip's overhead (one trip costs
+            # about what reading DECODE_BLOCK_TOKENS more positions does on a CPU). So it reads the
+            # cache's blocks while they lie wholly inside the longest row's context and small blocks
+            # for the rest: a 40-token context reads one small block, a 730-token one 2 blocks and 4
+            # small ones instead of 12 small ones.
+            small = max(1, DECODE_BLOCK_TOKENS // cache.page_size)
+            while bp % small:
+                small -= 1
+            n_big = jnp.minimum((last + 1) // cache.block, n_table).astype(jnp.int32)
+            carry = blocks(bp, zero, n_big, init)
+            hi = jnp.minimum(last // (small * cache.page_size) + 1, n_table * (bp // small)).astype(jnp.int32)
+            _, l, acc = blocks(small, n_big * (bp // small), hi, carry)
         else:
-            _, l, acc = jax.lax.fori_loop(lo, hi, block, init)
+            hi = jnp.minimum(last // cache.block + 1, n_table).astype(jnp.int32)  # up to the last query
+            _, l, acc = blocks(bp, zero, hi, init)
     out = _as(acc / _as(jnp.maximum(l, 1e-30), "BKGT", oc), oc, "BTKGH")  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
