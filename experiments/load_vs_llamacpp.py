@@ -5,8 +5,10 @@ and llama.cpp's own `llama-server`, one after the other, on identical F32 weight
     python experiments/load_vs_llamacpp.py --requests 12       # a shorter run
     python experiments/load_vs_llamacpp.py --smoke             # 4 tiny requests per server
     python experiments/load_vs_llamacpp.py --no-llama          # jaxinfer only
+    python experiments/load_vs_llamacpp.py --rounds 4          # 4 workloads each, alternating
 
-Servers, each a subprocess on 127.0.0.1 (a free port), started, measured and stopped before the next:
+Servers, each a subprocess on 127.0.0.1 (a free port), both started and warmed, then measured one
+at a time (the other idle) and stopped at the end:
   jaxinfer   `python -m jaxinfer serve --model M --max-slots S --kv-cache KV` (plus --jaxinfer-args),
              the default load (Q4_1 GGUF dequantized to float32); measured after its own warm-up;
   llama.cpp  `llama-server -m F32.gguf -np S -c CTX -t 2 -ctk KV -ctv KV` (-t: --llama-threads),
@@ -25,7 +27,11 @@ the same tokens unless float32 sums taken in another order flip a near-tie betwe
 Output token totals (the servers' own usage counts) and the number of identical completions are
 reported to check that the two did the same work. Two short untimed requests warm each server.
 Reported per server: output tokens/s over the run's wall time, TTFT p50/p99 (first non-empty text
-chunk), total output tokens, errors, peak server RSS; and the ratio jaxinfer / llama.cpp.
+chunk), total output tokens, errors, peak server RSS, CPU seconds; and the ratio jaxinfer / llama.cpp.
+Both servers' rates move by ~10% between runs minutes apart on a shared machine, so --rounds R
+sends R workloads (seeds seed .. seed + R - 1, fresh prompts each, so no prefix cache holds them)
+to each server in ABBA order (jaxinfer first in even rounds, llama.cpp first in odd ones) and
+reports each round's ratio and the medians.
 Bounded: at most --requests requests, none started after --time-limit s, a request fails after
 --request-timeout s without a byte from the server, a server not healthy within --start-timeout s
 is given up (and every server is stopped at the end, also on an error).
@@ -143,29 +149,43 @@ async def drive_sampling(server: Server, url: str, work: list[dict], args) -> tu
     return results, wall, float(np.nanmax(peak))
 
 
-def run_server(server: Server, work: list[dict], warm: list[dict], args) -> dict:
-    """Start `server`, send it the `warm` requests (untimed), run the workload, stop it: its summary."""
-    try:
-        start_s = server.start(args.start_timeout)
-        print(f"{server.name}: healthy after {start_s:.0f} s at {server.url}", flush=True)
-        asyncio.run(drive(server.url + "/v1/completions", warm, 2, 600))
-        rss_idle = server.rss_mb()
-        results, wall, rss_peak = asyncio.run(drive_sampling(server, server.url + "/v1/completions", work, args))
-    except RuntimeError as e:
-        return {"error": str(e)}
-    finally:
-        server.stop()
+def start_server(server: Server, warm: list[dict], args) -> dict:
+    """Start `server` and send it the `warm` requests (untimed): its start-up record."""
+    start_s = server.start(args.start_timeout)
+    print(f"{server.name}: healthy after {start_s:.0f} s at {server.url}", flush=True)
+    asyncio.run(drive(server.url + "/v1/completions", warm, 2, 600))
+    return {"command": shlex.join(server.cmd), "start_s": start_s, "rss_idle_mb": server.rss_mb()}
+
+
+def measure(server: Server, work: list[dict], args) -> dict:
+    """Run the workload against a started server: its summary."""
+    import psutil
+
+    cpu0 = sum(psutil.Process(server.proc.pid).cpu_times()[:2])
+    results, wall, rss_peak = asyncio.run(drive_sampling(server, server.url + "/v1/completions", work, args))
     errors = [r["error"] for r in results if r["error"]]
     ttft = np.array([r["ttft"] for r in results if r["ttft"] is not None])
     tokens = int(sum(r["tokens"] for r in results if not r["error"]))
-    return {"command": shlex.join(server.cmd), "start_s": start_s, "requests_sent": len(results),
-            "completed": len(results) - len(errors), "errors": len(errors), "error_examples": errors[:5],
-            "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+    return {"requests_sent": len(results), "completed": len(results) - len(errors), "errors": len(errors),
+            "error_examples": errors[:5], "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
-            "rss_idle_mb": rss_idle, "rss_peak_mb": rss_peak,
+            "rss_peak_mb": rss_peak, "cpu_s": sum(psutil.Process(server.proc.pid).cpu_times()[:2]) - cpu0,
             "per_request": sorted(({"id": r["id"], "tokens": r["tokens"], "ttft_s": r["ttft"], "text": r["text"],
                                     "error": r["error"]} for r in results), key=lambda r: r["id"])}
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Per side, the median over rounds of throughput and TTFT; the median of the rounds' ratios."""
+    out = {}
+    for side in ("jaxinfer", "llamacpp"):
+        got = [r[side] for r in rounds if side in r and "error" not in r[side]]
+        for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s"):
+            out[f"{side}_{k}"] = float(np.median([g[k] for g in got])) if got else None
+    ratios = [r["comparison"]["throughput_ratio"] for r in rounds if r.get("comparison")]
+    out["throughput_ratio_median"] = float(np.median(ratios)) if ratios else None
+    out["throughput_ratios"] = ratios
+    return out
 
 
 def compare(j: dict, q: dict, work: list[dict]) -> dict:
@@ -202,6 +222,8 @@ def main(argv=None) -> dict:
                    help="a request fails after this many s without a byte from the server")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="s for a server to load and warm up")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="workloads per server, alternating servers ABBA (round r uses seed + r); medians reported")
     p.add_argument("--out", default=str(ROOT / "experiments" / "figures"), help="folder for the JSON and logs")
     p.add_argument("--smoke", action="store_true", help="4 tiny requests, 2 slots, 2 clients")
     llamacpp_peer.add_arguments(p)
@@ -210,7 +232,7 @@ def main(argv=None) -> dict:
         args.requests, args.concurrency, args.slots, args.ctx = 4, 2, 2, 1024
         args.min_prompt, args.max_prompt, args.min_new, args.max_new = 30, 60, 4, 8
         args.jaxinfer_args = args.jaxinfer_args or "--max-len 256"
-    for name in ("requests", "concurrency", "slots", "min_prompt", "min_new"):
+    for name in ("requests", "concurrency", "slots", "min_prompt", "min_new", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_prompt < args.min_prompt or args.max_new < args.min_new:
@@ -227,7 +249,8 @@ def main(argv=None) -> dict:
     if skip:
         print(f"llama.cpp side skipped: {skip}")
     path = str(hub.fetch(args.model)) if args.model in hub.KNOWN_MODELS else args.model
-    work = workload(jaxinfer.load_tokenizer(path), args, np.random.default_rng(args.seed), args.requests + 2)
+    tok = jaxinfer.load_tokenizer(path)
+    work = workload(tok, args, np.random.default_rng(args.seed), args.requests + 2)
     # two short requests on other text warm each server; not the workload's prompts, which a
     # server's prefix cache would then serve
     work, warm = work[:-2], [{**w, "body": {**w["body"], "max_tokens": 2}} for w in work[-2:]]
@@ -236,26 +259,50 @@ def main(argv=None) -> dict:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     jport = free_port()
-    jserver = Server("jaxinfer", [sys.executable, "-m", "jaxinfer", "serve", "--model", args.model,
-                                  "--served-name", MODEL_NAME, "--max-slots", str(args.slots),
-                                  "--kv-cache", args.kv_cache, "--host", "127.0.0.1", "--port", str(jport),
-                                  *shlex.split(args.jaxinfer_args)],
-                     jport, out / "load_vs_llamacpp.jaxinfer.log", env)
+    servers = {"jaxinfer": Server("jaxinfer", [sys.executable, "-m", "jaxinfer", "serve", "--model", args.model,
+                                               "--served-name", MODEL_NAME, "--max-slots", str(args.slots),
+                                               "--kv-cache", args.kv_cache, "--host", "127.0.0.1",
+                                               "--port", str(jport), *shlex.split(args.jaxinfer_args)],
+                                  jport, out / "load_vs_llamacpp.jaxinfer.log", env)}
+    if not skip:
+        qport = free_port()
+        ctype = LLAMA_CACHE_TYPES[args.kv_cache]
+        servers["llamacpp"] = Server("llama.cpp", [peer.server, "-m", peer.gguf, "-np", str(args.slots),
+                                                   "-c", str(args.ctx), "-t", str(args.llama_threads), "-ctk", ctype,
+                                                   "-ctv", ctype, "--host", "127.0.0.1", "--port", str(qport),
+                                                   "--alias", MODEL_NAME],
+                                     qport, out / "load_vs_llamacpp.llamacpp.log")
     summary = {"experiment": "load_vs_llamacpp", "args": vars(args), "cpu_count": os.cpu_count(),
                "load_average_1m_start": os.getloadavg()[0],
                "prompt_tokens": int(sum(len(w["body"]["prompt"]) for w in work)),
                "max_tokens_sum": int(sum(w["body"]["max_tokens"] for w in work))}
-    summary["jaxinfer"] = run_server(jserver, work, warm, args)
-    if not skip:
-        qport = free_port()
-        ctype = LLAMA_CACHE_TYPES[args.kv_cache]
-        qserver = Server("llama.cpp", [peer.server, "-m", peer.gguf, "-np", str(args.slots), "-c", str(args.ctx),
-                                       "-t", str(args.llama_threads), "-ctk", ctype, "-ctv", ctype,
-                                       "--host", "127.0.0.1", "--port", str(qport),
-                                       "--alias", MODEL_NAME],
-                         qport, out / "load_vs_llamacpp.llamacpp.log")
-        summary["llamacpp"] = run_server(qserver, work, warm, args)
-        summary["comparison"] = compare(summary["jaxinfer"], summary["llamacpp"], work)
+    rounds = []
+    try:
+        started = {}
+        for name, server in servers.items():
+            try:
+                started[name] = start_server(server, warm, args)
+            except RuntimeError as e:
+                summary[name] = {"error": str(e)}
+        for r in range(args.rounds):
+            # a fresh workload each round (seed + r), so no server's prefix cache holds its prompts
+            w = work if r == 0 else workload(tok, args, np.random.default_rng(args.seed + r), args.requests)
+            this = {"seed": args.seed + r, "prompt_tokens": int(sum(len(x["body"]["prompt"]) for x in w))}
+            for name in (list(started) if r % 2 == 0 else list(started)[::-1]):  # ABBA: drift hits both
+                this[name] = {**started[name], **measure(servers[name], w, args)}
+                print(f"round {r + 1} {name}: {this[name]['output_tokens_per_s']:.1f} output tokens/s", flush=True)
+            if "jaxinfer" in this and "llamacpp" in this:
+                this["comparison"] = compare(this["jaxinfer"], this["llamacpp"], w)
+            rounds.append(this)
+    finally:
+        for server in servers.values():
+            server.stop()
+    if rounds:  # the first round as before, all rounds beside it
+        summary.update({k: v for k, v in rounds[0].items() if k in ("jaxinfer", "llamacpp", "comparison")})
+    if args.rounds > 1:
+        summary["rounds"] = [{k: ({kk: vv for kk, vv in v.items() if kk != "per_request"} if isinstance(v, dict)
+                                  and k != "comparison" else v) for k, v in r.items()} for r in rounds]
+        summary["medians"] = medians(rounds)
     summary["llama_cpp_skipped"] = skip
     summary["load_average_1m_end"] = os.getloadavg()[0]
 
@@ -267,6 +314,8 @@ def main(argv=None) -> dict:
             print(side, json.dumps({k: s.get(k) for k in keys} if "error" not in s else s))
     if summary.get("comparison"):
         print("comparison", json.dumps(summary["comparison"]))
+    if summary.get("medians"):
+        print("medians over rounds", json.dumps(summary["medians"]))
     jsonfile.write_json(out / "load_vs_llamacpp.json", summary, indent=2)
     print(f"wrote {out / 'load_vs_llamacpp.json'}")
     return summary

@@ -58,3 +58,20 @@ def test_load_comparison_matches_requests_by_id():
     c = load_vs_llamacpp.compare(j, q, [{}, {}, {}])
     assert c["throughput_ratio"] == 0.5 and c["identical_completions"] == 2 and c["same_output_tokens"]
     assert load_vs_llamacpp.compare({"error": "x"}, q, []) == {}
+
+
+def test_load_medians_over_rounds():
+    """--rounds: per side the median over rounds, and the median of the rounds' own ratios."""
+    from experiments import load_vs_llamacpp
+
+    def side(tps, ttft):
+        return {"output_tokens_per_s": tps, "ttft_p50_s": ttft, "ttft_p99_s": 2 * ttft}
+
+    rounds = [{"jaxinfer": side(j, 1.0), "llamacpp": side(q, 0.5), "comparison": {"throughput_ratio": j / q}}
+              for j, q in ((60.0, 70.0), (66.0, 60.0), (63.0, 63.0))]
+    m = load_vs_llamacpp.medians(rounds)
+    assert m["jaxinfer_output_tokens_per_s"] == 63.0 and m["llamacpp_output_tokens_per_s"] == 63.0
+    assert m["throughput_ratio_median"] == 1.0 and m["llamacpp_ttft_p99_s"] == 1.0
+    assert m["throughput_ratios"] == [60 / 70, 66 / 60, 1.0]
+    one_side = load_vs_llamacpp.medians([{"jaxinfer": side(5.0, 1.0)}])  # llama.cpp skipped
+    assert one_side["llamacpp_output_tokens_per_s"] is None and one_side["throughput_ratio_median"] is None
