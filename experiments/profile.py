@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from experiments import common  # noqa: E402
+from experiments import common, jsonfile  # noqa: E402
 from jaxinfer.decode import core  # noqa: E402
 from jaxinfer.decode import generate as gen  # noqa: E402
 from jaxinfer.decode import sampling as smp  # noqa: E402
@@ -243,9 +243,7 @@ def main(argv=None, model=None) -> dict:
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
                   layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
                   trace_summary=trace_summary(events), devices=device_time(events))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    jsonfile.write_json(os.path.join(args.out, "profile.json"), result)
     print(f"\ntrace in {folder} (TensorBoard profile plugin, or the .trace.json.gz in Perfetto)")
     return result
 
