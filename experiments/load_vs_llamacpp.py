@@ -120,6 +120,15 @@ class Server:
         except psutil.Error:
             return float("nan")
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the server has used so far; nan once it is gone."""
+        import psutil
+
+        try:
+            return sum(psutil.Process(self.proc.pid).cpu_times()[:2])
+        except psutil.Error:
+            return float("nan")
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -159,9 +168,7 @@ def start_server(server: Server, warm: list[dict], args) -> dict:
 
 def measure(server: Server, work: list[dict], args) -> dict:
     """Run the workload against a started server: its summary."""
-    import psutil
-
-    cpu0 = sum(psutil.Process(server.proc.pid).cpu_times()[:2])
+    cpu0 = server.cpu_s()
     results, wall, rss_peak = asyncio.run(drive_sampling(server, server.url + "/v1/completions", work, args))
     errors = [r["error"] for r in results if r["error"]]
     ttft = np.array([r["ttft"] for r in results if r["ttft"] is not None])
@@ -170,7 +177,7 @@ def measure(server: Server, work: list[dict], args) -> dict:
             "error_examples": errors[:5], "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
-            "rss_peak_mb": rss_peak, "cpu_s": sum(psutil.Process(server.proc.pid).cpu_times()[:2]) - cpu0,
+            "rss_peak_mb": rss_peak, "cpu_s": server.cpu_s() - cpu0,
             "per_request": sorted(({"id": r["id"], "tokens": r["tokens"], "ttft_s": r["ttft"], "text": r["text"],
                                     "error": r["error"]} for r in results), key=lambda r: r["id"])}
 
