@@ -307,8 +307,8 @@ def main(argv=None) -> dict:
     if rounds:  # the first round as before, all rounds beside it
         summary.update({k: v for k, v in rounds[0].items() if k in ("jaxinfer", "llamacpp", "comparison")})
     if args.rounds > 1:
-        summary["rounds"] = [{k: ({kk: vv for kk, vv in v.items() if kk != "per_request"} if isinstance(v, dict)
-                                  and k != "comparison" else v) for k, v in r.items()} for r in rounds]
+        summary["rounds"] = [{k: ({kk: vv for kk, vv in v.items() if kk != "per_request"} if isinstance(v, dict) else v)
+                              for k, v in r.items()} for r in rounds]
         summary["medians"] = medians(rounds)
     summary["llama_cpp_skipped"] = skip
     summary["load_average_1m_end"] = os.getloadavg()[0]

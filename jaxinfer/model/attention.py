@@ -147,9 +147,9 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         if window is not None:  # blocks wholly older than every query's window are never read
             first = (jnp.maximum(jnp.min(q_pos) - window + 1, 0) // blk).astype(jnp.int32)
             lo = jnp.maximum(lo, jnp.where(local, first, 0))
-            return jax.lax.fori_loop(lo, hi, partial(block, bp), carry)
-        if T == 1:  # one query's mask is trivial beside its reads, and every loop is copied into each
-            # layer of an unrolled program: a second loop here held 14% more program memory
+        if window is not None or T == 1:  # a step: one query's mask is trivial beside its reads, and
+            # every loop is copied into each layer of an unrolled program (a second loop for a step
+            # held 14% more program memory)
             return jax.lax.fori_loop(lo, hi, partial(block, bp), carry)
         full = jnp.clip((jnp.min(q_pos) + 1) // blk, lo, hi).astype(jnp.int32)
         carry = jax.lax.fori_loop(lo, full, partial(block, bp, masked=False), carry)
