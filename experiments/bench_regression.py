@@ -64,6 +64,12 @@ def measure(tree: str, model: str, new_tokens: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def commit_of(tree: str):
+    """The git commit checked out in `tree` (None outside a git checkout)."""
+    res = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return res.stdout.strip() or None
+
+
 def main(argv=None) -> dict:
     from experiments import common, jsonfile
 
@@ -86,7 +92,8 @@ def main(argv=None) -> dict:
     for k, v in table.items():
         v["ratio"] = v["new"] / v["old"]
         print(f"{k:28s} old {v['old']:8.1f}  new {v['new']:8.1f}  new/old {v['ratio']:.2f}x")
-    result = dict(old_tree=os.path.abspath(args.old), new_tree=os.path.abspath(args.new), rounds=args.rounds,
+    result = dict(old_tree=os.path.abspath(args.old), new_tree=os.path.abspath(args.new),
+                  old_commit=commit_of(args.old), new_commit=commit_of(args.new), rounds=args.rounds,
                   table=table, runs=runs)
     jsonfile.write_json(os.path.join(args.out, "bench_regression.json"), result)
     return result
