@@ -2,6 +2,7 @@
 
     git worktree add /tmp/old <commit>               # the tree to compare against
     python experiments/bench_regression.py --old /tmp/old
+    python experiments/bench_regression.py --old /tmp/old --sections decode --rounds 5   # batch 1 and 8 only
     python experiments/bench_regression.py --old /tmp/old --smoke
 
 Each measurement runs in a fresh subprocess that imports jaxinfer from one tree, loads the
@@ -33,18 +34,19 @@ model = jaxinfer.load(sys.argv[1])
 text = open(sys.argv[2]).read()
 ids = model.tokenizer.encode(text)
 new = int(sys.argv[3])
+sections = sys.argv[4].split(",")
 out = {}
-for n in (128, 512, 2048):
+for n in (128, 512, 2048) if "prefill" in sections else ():
     p = ids[:n]
     jaxinfer.generate(model, [p], max_new_tokens=1, stop_at_eos=False)  # compile
     t = jaxinfer.generate(model, [p], max_new_tokens=1, stop_at_eos=False).timings
     out[f"prefill_{n}_tokens_per_s"] = n / t.ttft_s
-for b in (1, 8):
+for b in (1, 8) if "decode" in sections else ():
     prompts = [ids[i * 40:(i + 1) * 40] for i in range(b)]
     jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False)  # compile
     t = jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False).timings
     out[f"decode_b{b}_tokens_per_s"] = t.decode_tokens_per_s
-for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)):
+for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)) if "long" in sections else ():
     prompts = [ids[:n] for n in lengths]
     jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False)  # compile
     t = jaxinfer.generate(model, prompts, max_new_tokens=new, stop_at_eos=False).timings
@@ -53,10 +55,13 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def measure(tree: str, model: str, new_tokens: int) -> dict:
+SECTIONS = ("prefill", "decode", "long")
+
+
+def measure(tree: str, model: str, new_tokens: int, sections=SECTIONS) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     text = os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")
-    res = subprocess.run([sys.executable, "-c", WORKER, model, text, str(new_tokens)], cwd=tree, env=env,
+    res = subprocess.run([sys.executable, "-c", WORKER, model, text, str(new_tokens), ",".join(sections)], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -78,13 +83,19 @@ def main(argv=None) -> dict:
     p.add_argument("--new", default=ROOT, help="source tree of the new version (default: this one)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="what to time, comma-separated: prefill (128/512/2,048 tokens), decode (batch 1 and 8 "
+                        "over 40-token prompts), long (batch 8 over long contexts); default all")
     args = p.parse_args(argv)
+    sections = tuple(x for x in args.sections.split(",") if x)
+    if not sections or set(sections) - set(SECTIONS):
+        raise SystemExit(f"--sections takes a comma-separated subset of {','.join(SECTIONS)}, got {args.sections!r}")
     if args.smoke:
         args.rounds, args.new_tokens = 1, 8
     runs = {"old": [], "new": []}
     for r in range(args.rounds):
         for name in ("old", "new"):
-            runs[name].append(measure(getattr(args, name), args.model, args.new_tokens))
+            runs[name].append(measure(getattr(args, name), args.model, args.new_tokens, sections))
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[name][-1].items()))
     keys = list(runs["new"][0])
     table = {k: dict(old=float(np.median([x[k] for x in runs["old"]])),
@@ -93,7 +104,7 @@ def main(argv=None) -> dict:
         v["ratio"] = v["new"] / v["old"]
         print(f"{k:28s} old {v['old']:8.1f}  new {v['new']:8.1f}  new/old {v['ratio']:.2f}x")
     result = dict(old_tree=os.path.abspath(args.old), new_tree=os.path.abspath(args.new),
-                  old_commit=commit_of(args.old), new_commit=commit_of(args.new), rounds=args.rounds,
+                  old_commit=commit_of(args.old), new_commit=commit_of(args.new), rounds=args.rounds, sections=sections,
                   table=table, runs=runs)
     jsonfile.write_json(os.path.join(args.out, "bench_regression.json"), result)
     return result

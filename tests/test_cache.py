@@ -112,18 +112,24 @@ def test_paged_attention_equals_dense_attention(kv_dtype, layout, monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_steps_over_big_and_small_blocks(window, monkeypatch):
+@pytest.mark.parametrize("table", ["blocks", "one_block"])
+def test_decode_steps_over_big_and_small_blocks(window, table, monkeypatch):
     """A decode step reads whole attention blocks up to the longest row's context and small blocks
-    past it, masked per row: rows of different lengths (one inside the first block, one across
-    three), each step's logits equal the dense forward over the same tokens."""
+    past it, masked per row ("blocks": 8-position blocks of 2-position small ones; "one_block": a
+    table of one 32-position block, read in 8-position small blocks up to the context): rows of
+    different lengths (one inside the first small block, one across three), each step's logits
+    equal the dense forward over the same tokens."""
     from jaxinfer.model import attention
 
-    monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 2)  # small blocks of one 2-position page
+    one = table == "one_block"
+    monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 8 if one else 2)
     cfg = C.tiny(sliding_window=window, global_every=2 if window else 0)
     params = init_params(cfg, jax.random.key(0))
     ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 30), 1, cfg.vocab_size), np.int32)
     prompt = np.asarray([4, 17])  # row 1 starts in the third 8-position block
-    cache = kv.init_cache(cfg, 2, 32, page_size=2).replace(block_pages=4)
+    cache = kv.init_cache(cfg, 2, 32, page_size=2)
+    cache = (cache.with_rows(cache.page_table[:, :16], cache.lengths).replace(block_pages=16) if one
+             else cache.replace(block_pages=4))
     tokens = np.zeros((2, 17), np.int32)
     for b, n in enumerate(prompt):
         tokens[b, :n] = ids[b, :n]
