@@ -70,8 +70,10 @@ def measure(tree: str, model: str, new_tokens: int, sections=SECTIONS) -> dict:
 
 
 def commit_of(tree: str):
-    """The git commit checked out in `tree` (None outside a git checkout)."""
-    res = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True)
+    """The git commit checked out in `tree`, with "-dirty" when tracked files differ from it (None
+    outside a git checkout)."""
+    res = subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty", "--abbrev=40"],
+                         capture_output=True, text=True)
     return res.stdout.strip() or None
 
 
