@@ -116,9 +116,9 @@ def test_paged_attention_equals_dense_attention(kv_dtype, layout, monkeypatch):
 def test_decode_steps_over_big_and_small_blocks(window, table, monkeypatch):
     """A decode step reads whole attention blocks up to the longest row's context and small blocks
     past it, masked per row ("blocks": 8-position blocks of 2-position small ones; "one_block": a
-    table of one 32-position block, read in 8-position small blocks up to the context): rows of
-    different lengths (one inside the first small block, one across three), each step's logits
-    equal the dense forward over the same tokens."""
+    table of one 32-position block, read in 8-position small blocks up to the context): two rows
+    of different lengths (prompts of 4 and 17 tokens, 12 steps each), each step's logits equal the
+    dense forward over the same tokens."""
     from jaxinfer.model import attention
 
     one = table == "one_block"
