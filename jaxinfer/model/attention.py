@@ -173,7 +173,7 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
                 carry = jax.lax.cond(j * small * cache.page_size <= last,
                                      lambda c, j=j: block(small, jnp.int32(j), c), lambda c: c, carry)
             _, l, acc = carry
-        elif n_table == 1:  # one block, read whole (a chunk: T > 1)
+        elif n_table == 1:  # one block, read whole: a chunk (T > 1), or a block no larger than a small one
             _, l, acc = block(bp, zero, init)
         elif T == 1 and bp > 1:
             # A decode step costs the bytes it gathers plus each loop trip's overhead (one trip costs
