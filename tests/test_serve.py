@@ -14,6 +14,7 @@ from jaxinfer.model import config
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
+from jaxinfer.serve.scheduler import Chunk, Seq
 from tests.tolerances import assert_close, smollm2_fp32_error
 
 SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20),
@@ -155,15 +156,15 @@ def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_an
 
 
 def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
-    """warmup times every mixed call shape and fits call_rows (scheduler.call_rows) from them;
-    call_rows given is kept. Chunk buckets stop at the longest context (max_len 64: 32 and 64),
+    """warmup times every mixed call shape and fits call_rows (scheduler.call_rows) from them,
+    and those times then pick a call's chunks; call_rows given is kept, and its rows pick them. Chunk buckets stop at the longest context (max_len 64: 16, 32 and 64),
     whatever prefill_chunk allows. Timed calls keep the token counts on the device, as serving
     does while nobody is penalized: only the very first call sends them."""
     from jaxinfer.serve import runner as runner_mod
     from jaxinfer.serve.scheduler import call_rows
 
     engine = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40)
-    assert engine.runner.chunks == [32, 64] and engine.runner.wide == [(4, 32), (4, 64)]
+    assert engine.runner.chunks == [16, 32, 64] and engine.runner.wide == [(4, 16), (4, 32), (4, 64)]
     reused, batch_rows = [], runner_mod.batch_rows
     monkeypatch.setattr(runner_mod, "batch_rows",
                         lambda *a, spare=None, **k: reused.append(spare is not None) or batch_rows(*a, spare=spare, **k))
@@ -177,6 +178,15 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
     fixed = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40, call_rows=7)
     fixed.warmup()
     assert fixed.stats().call_rows == 7
+    # Timed shapes choose a call's chunks by their seconds (scheduler.one_call); with call_rows
+    # given, the rows do (7 + 4 rows a call: [4, 16] prefills 40 / 75 rows, [1, 16] 10 / 27).
+    seqs = [Seq(rid=i, prompt=[1] * 10, max_new_tokens=1, slot=i) for i in range(4)]
+    short = [Chunk(seq=s, start=0, n=10, last=True) for s in seqs]
+    for e in (engine, fixed):
+        e.runner.call_seconds = {s: 1.0 if s[0] > 1 else 0.1 for s in e.runner.shapes()}
+    assert engine.runner.pick(short) == short[:1] and fixed.runner.pick(short) == short
+    engine.runner.call_seconds = {s: 0.1 for s in engine.runner.shapes()}
+    assert engine.runner.pick(short) == short
     with pytest.raises(ValueError, match="call_rows must be an int >= 0"):
         Engine(model, call_rows=-1, **ENGINE)
 
@@ -187,15 +197,15 @@ def test_mid_row_calls_where_a_call_is_dear(model, specs_and_ref):
     request's tokens still equal generate alone."""
     specs, want = specs_and_ref
     engine = Engine(model, max_slots=16, page_size=8, max_len=64, n_pages=120, prefill_chunk=64, call_rows=10_000)
-    assert engine.runner.wide == [(16, 32), (8, 32)]
+    assert engine.runner.wide == [(16, 16), (8, 16)]
     assert Engine(model, max_slots=16, page_size=8, max_len=64, n_pages=120, prefill_chunk=64,
-                  call_rows=32).runner.wide == [(16, 32)]  # a CPU's cost: no 8-row calls
+                  call_rows=32).runner.wide == [(16, 16)]  # a CPU's cost: no 8-row calls
     shapes, arrays = [], engine.runner._chunk_arrays
     engine.runner._chunk_arrays = lambda chunks, shape=None: shapes.append(arrays(chunks, shape).tokens.shape) or \
         arrays(chunks, shape)
     reqs = [submit(engine, s) for s in specs]
     engine.run_until_idle()
-    assert (8, 32) in shapes
+    assert (8, 16) in shapes
     assert_same([r.result() for r in reqs], want)
 
 
@@ -209,12 +219,12 @@ def test_identity_when_chunks_are_cut_to_pad_less(model):
                   2000 + i) for i, n in enumerate((40, 70, 100, 33, 90, 50))]
     want = reference(model, specs)
     engine = Engine(model, max_slots=4, page_size=8, max_len=128, n_pages=80, prefill_chunk=128, call_rows=0)
-    assert engine.runner.chunks == [32, 64, 128]
+    assert engine.runner.chunks == [16, 32, 64, 128]
     cuts, pick = [], engine.runner.pick
     engine.runner.pick = lambda chunks: cuts.append((chunks[0].n, out := pick(chunks))) or out
     assert_same(run_staggered(engine, specs), want)
     assert any(len(out) == 1 and out[0].n < n for n, out in cuts), cuts
-    prompt = list(range(3, 73))  # 70 tokens: 64 + 6 (padded to 32), not one 128-token call
+    prompt = list(range(3, 73))  # 70 tokens: 64 + 6 (padded to 16), not one 128-token call
     cuts.clear()
     scored = engine.submit(prompt, max_new_tokens=0, prompt_logprobs=0)
     engine.run_until_idle()

@@ -187,6 +187,22 @@ def test_one_call_takes_the_oldest_alone_or_many_short_chunks_together():
     assert one_call(mixed[:3], 8, buckets, four, 700) == mixed[1:3]
 
 
+def test_one_call_weighs_shapes_by_their_measured_seconds_when_it_has_them():
+    """With every shape's measured seconds, one_call compares prompt tokens per second, not per
+    row of a fitted line: two short chunks at a fitted fixed cost of 49 rows go to one [8, 16]
+    call by rows (19 / 185 rows against 7 / 73), but a [1, 16] call for the oldest alone wins at
+    a 2-core CPU's measured 80 ms against 265 ms; where every call costs about the same (a GPU)
+    the wide call wins. Seconds missing a shape are not used."""
+    seqs = [Seq(rid=i, prompt=[1] * 600, max_new_tokens=4) for i in range(3)]
+    two = [Chunk(seq=seqs[0], start=0, n=7, last=True), Chunk(seq=seqs[1], start=0, n=12, last=True)]
+    buckets, wide = [16, 32, 64], [(8, 16), (8, 32)]
+    cpu = {(1, 16): 0.080, (1, 32): 0.113, (1, 64): 0.144, (8, 16): 0.265, (8, 32): 0.415}
+    assert one_call(two, 8, buckets, wide, 49) == two
+    assert one_call(two, 8, buckets, wide, 49, cpu) == two[:1]
+    assert one_call(two, 8, buckets, wide, 49, {k: 0.03 for k in cpu}) == two
+    assert one_call(two, 8, buckets, wide, 49, {k: v for k, v in cpu.items() if k != (8, 32)}) == two
+
+
 def test_one_call_cuts_the_oldest_chunk_where_padding_costs_more_than_a_call():
     """first_piece: the tokens of a chunk its call prefills, all of them padded to a bucket or a
     smaller bucket's worth, whichever prefills the chunk in the fewest rows at `fixed` rows a call."""

@@ -133,11 +133,12 @@ class Engine:
           admission_wait: seconds; while a slot is free, a scan runs about this long at most
             (steps of the measured step time, 1 to decode_steps), so a request that arrives then
             waits about that long for its slot rather than a whole scan of decode_steps.
-          call_rows: a device call's fixed cost in token rows, which decides whether one call
-            prefills one request's chunk or many short ones and where a chunk is cut short to
-            pad less (`scheduler.one_call`), and whether
-            calls of 8 requests' chunks are built (`Runner.mid_shapes`). Default: measured by
-            `warmup` on this device (runner.MIXED_CALL_ROWS until then).
+          call_rows: a device call's fixed cost in token rows, which decides where a chunk is
+            cut short to pad less (`scheduler.first_piece`) and whether calls of 8 requests'
+            chunks are built (`Runner.mid_shapes`). Default: measured by `warmup` on this device
+            (runner.MIXED_CALL_ROWS until then), which also times every call shape, and those
+            times then decide whether a call prefills one request's chunk or many short ones
+            (`scheduler.one_call`); given, the rows decide that too.
         """
         cfg = model.config
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),

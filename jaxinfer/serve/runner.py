@@ -32,7 +32,12 @@ from jaxinfer.model.model import Model
 from jaxinfer.serve.live import Live, batch_rows
 from jaxinfer.serve.scheduler import Chunk, Seq, call_rows, one_call
 
-MIN_CHUNK = 32  # smallest prefill chunk bucket (chunks are padded to powers of two from here)
+# Smallest prefill chunk bucket (chunks are padded to powers of two from here). 16, not 32: a
+# request's new turn or a short prompt is often under 16 tokens, and on a CPU every padded row
+# costs as much as a real one (SmolLM2-135M, 2 cores: [1, 16] calls 80 ms, [1, 32] 113 ms). With
+# 16, bench_engine's burst ran 1.11x the useful tokens/s of 32 (medians of 5 alternating runs,
+# 136.9 vs 122.8), for two more programs ([1, 16] and [slots, 16]).
+MIN_CHUNK = 16
 MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
 # A device call's fixed cost in token rows, for choosing a mixed call's shape until `warmup` has
 # measured it: SmolLM2-135M on a 2-core CPU costs ~40 ms per forward plus ~1.1 ms per token row
@@ -138,8 +143,10 @@ class Runner:
         return [(1, c) for c in self.chunks] + self.wide
 
     def pick(self, chunks: list[Chunk]) -> list[Chunk]:
-        """The chunks of one call (`scheduler.one_call` over this runner's shapes)."""
-        return one_call(chunks, self.max_slots, self.chunks, self.wide, self.call_rows)
+        """The chunks of one call (`scheduler.one_call` over this runner's shapes, at their
+        measured seconds once `warmup` has timed them)."""
+        return one_call(chunks, self.max_slots, self.chunks, self.wide, self.call_rows,
+                        self.call_seconds if self.measure_call_rows else None)
 
     # ---- the calls ------------------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk], lives: list[Live]) -> PrefillOut:

@@ -245,22 +245,33 @@ class Scheduler:
 
 
 def one_call(chunks: list[Chunk], slots: int, buckets: list[int], wide: list[tuple[int, int]],
-             fixed_rows: int) -> list[Chunk]:
+             fixed_rows: int, seconds: Optional[dict[tuple[int, int], float]] = None) -> list[Chunk]:
     """The chunks one device call runs; the others wait for a later iteration.
 
     A call is [1, C] for the oldest chunk (C the smallest of `buckets` that holds it), or [R, C]
     (a shape of `wide`) for up to R chunks of at most C tokens each, whichever prefills the most
-    prompt tokens per token row computed, counting the call's decode rows (`slots`) and its
-    fixed cost in rows (`fixed_rows`). The oldest chunk alone may be cut to its `first_piece`
-    (300 tokens as 256 now and 44 in the next call, not one 512-row call), the rest waiting for
-    the next iteration.
+    prompt tokens per unit of the call's cost: its measured `seconds` per (R, C) shape when given
+    for every shape, else its token rows, counting the call's decode rows (`slots`) and its fixed
+    cost in rows (`fixed_rows`). The oldest chunk alone may be cut to its `first_piece` (300
+    tokens as 256 now and 44 in the next call, not one 512-row call), the rest waiting for the
+    next iteration.
+
+    Measured seconds decide better than rows where they are known: `fixed_rows` is a line fitted
+    through every shape's time, and on a busy CPU its intercept wanders (22 to 75 rows between
+    warmups here). At 49 it sent two short chunks to an [8, 16] call (265 ms) rather than one to
+    a [1, 16] call (80 ms), and the other in the next iteration's.
     """
     fixed = fixed_rows + slots
+    shapes = [(1, c) for c in buckets] + list(wide)
+    if seconds is not None and all(s in seconds for s in shapes):
+        cost = lambda R, C: seconds[R, C]  # noqa: E731
+    else:
+        cost = lambda R, C: fixed + R * C  # noqa: E731
     best = [chunks[0]]
-    best_rate = chunks[0].n / (fixed + next(c for c in buckets if c >= chunks[0].n))
+    best_rate = chunks[0].n / cost(1, next(c for c in buckets if c >= chunks[0].n))
     for R, C in wide:
         fit = [c for c in chunks if c.n <= C][:R]
-        rate = sum(c.n for c in fit) / (fixed + R * C)
+        rate = sum(c.n for c in fit) / cost(R, C)
         if len(fit) > 1 and rate > best_rate:
             best, best_rate = fit, rate
     if len(best) == 1:
