@@ -7,7 +7,8 @@ Every number comes from one run, systems side by side on the same requests, comp
 excluded (each system is warmed up first; the clock stops while JAX compiles):
 
   burst     32 greedy requests (prompts of 6-20 tokens from held-out text, outputs log-uniform in
-            8-128 tokens, no early stop), all submitted at once. `Engine(model)` with its defaults
+            8-128 tokens, no early stop), all submitted at once, each repeat with an empty
+            prefix cache (the repeats send the same prompts). `Engine(model)` with its defaults
             vs `generate` on first-come batches of max_slots requests (each batch runs to its
             longest output). Useful tokens/s counts each request's own tokens only.
   arrivals  the same requests arriving as a Poisson stream (--rate per second): time to first
@@ -56,6 +57,7 @@ def requests(tokenizer, n: int, prompt_range: tuple[int, int], new_range: tuple[
 
 
 def engine_burst(engine: Engine, work) -> dict:
+    engine.pool.forget()  # a burst of new prompts: no pages cached from the last repeat's same prompts
     t0 = time.perf_counter()
     handles = [engine.submit(w["prompt"], max_new_tokens=w["max_new"], stop_at_eos=False) for w in work]
     engine.run_until_idle()
@@ -97,7 +99,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="burst and decode repeats (medians)")
+    p.add_argument("--repeats", type=int, default=5, help="burst and decode repeats (medians)")
     args = p.parse_args(argv)
     prompt_range, new_range = (6, 20), (8, 128)
     if args.smoke:
@@ -136,6 +138,7 @@ def main(argv=None, model=None) -> dict:
     for w in work:
         t += rng.exponential(1.0 / args.rate)
         stream.append(dict(arrival=t, prompt=w["prompt"], max_new=w["max_new"]))
+    engine.pool.forget()  # the same prompts as the bursts: start with nothing cached
     eng = counted(bench_serve.serve_engine, engine, stream, engine.page_size, engine.stats().bytes_per_token)
     sta = bench_serve.serve_static(model, stream, slots)
     result["arrivals"] = dict(rate=args.rate, engine=eng, static=sta,
