@@ -240,3 +240,21 @@ def test_program_memory_measures_each_layout_in_its_own_process(tmp_path):
         total = row["with_pool_mb"] + sum(x["grew_mb"] for x in row["programs"])
         assert abs(total - row["after_programs_mb"]) < 1e-6
     assert json.loads((tmp_path / "program_memory.json").read_text())["experiment"] == "program_memory"
+
+
+def test_chunk_calls_runs_every_arm_with_its_own_buckets(tmp_path):
+    """experiments/chunk_calls.py: three engines (buckets from 32 or 16, calls chosen by rows or
+    by timed seconds) serve the same burst, alternating; each arm has its buckets, every arm gives
+    the same tokens, and the library's MIN_CHUNK is left as it was."""
+    from experiments import chunk_calls
+    from jaxinfer.serve import runner
+
+    keep = runner.MIN_CHUNK
+    r = chunk_calls.main(["--smoke", "--out", str(tmp_path)])
+    assert runner.MIN_CHUNK == keep
+    assert [r["warmup"][a]["chunks"][0] for a in ("before", "bucket16", "now")] == [32, 16, 16]
+    assert r["same_tokens"] and r["requests"] == 6
+    for arm in chunk_calls.ARMS:  # every request runs to its length (no stop at eos)
+        run = r["runs"][arm][0]
+        assert run["tokens"] == sum(2 + i for i in range(6)) and run["tokens_per_s"] > 0
+    assert json.loads((tmp_path / "chunk_calls.json").read_text())["experiment"] == "chunk_calls"
