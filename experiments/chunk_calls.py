@@ -58,7 +58,7 @@ def main(argv=None, model=None) -> dict:
     args = p.parse_args(argv)
     prompt_range, new_range, engine_kw = (6, 20), (8, 128), {}
     if args.smoke:
-        args.rounds, args.requests, new_range = 1, 6, (2, 8)
+        args.rounds, args.requests = 1, 6
         engine_kw = dict(max_slots=2, max_len=64, prefill_chunk=32)
         if model is None:
             model = common.tiny_model("tiny-chunk-calls")
