@@ -56,14 +56,16 @@ def requests(tokenizer, n: int, prompt_range: tuple[int, int], new_range: tuple[
     return out
 
 
-def engine_burst(engine: Engine, work) -> dict:
+def engine_burst(engine: Engine, work) -> tuple[dict, list[list[int]]]:
+    """The burst through the Engine: (useful tokens/s run, each request's token ids)."""
     engine.pool.forget()  # a burst of new prompts: no pages cached from the last repeat's same prompts
     t0 = time.perf_counter()
     handles = [engine.submit(w["prompt"], max_new_tokens=w["max_new"], stop_at_eos=False) for w in work]
     engine.run_until_idle()
     wall = time.perf_counter() - t0
-    toks = sum(len(h.result().token_ids) for h in handles)
-    return dict(tokens=toks, seconds=wall, tokens_per_s=toks / wall)
+    ids = [h.result().token_ids for h in handles]
+    toks = sum(len(t) for t in ids)
+    return dict(tokens=toks, seconds=wall, tokens_per_s=toks / wall), ids
 
 
 def static_burst(model, work, slots: int) -> dict:
@@ -126,7 +128,7 @@ def main(argv=None, model=None) -> dict:
         serving.append(c.count)
         return out
 
-    bursts = [(counted(engine_burst, engine, work), static_burst(model, work, slots)) for _ in range(args.repeats)]
+    bursts = [(counted(engine_burst, engine, work)[0], static_burst(model, work, slots)) for _ in range(args.repeats)]
     e = float(np.median([b[0]["tokens_per_s"] for b in bursts]))
     s = float(np.median([b[1]["tokens_per_s"] for b in bursts]))
     result["burst"] = dict(engine_tokens_per_s=e, static_tokens_per_s=s, ratio=e / s, runs=bursts)

@@ -83,15 +83,8 @@ def main(argv=None, model=None) -> dict:
     runs, outputs = {arm: [] for arm in ARMS}, {}
     for r in range(args.rounds):
         for arm in (list(ARMS) if r % 2 == 0 else list(reversed(ARMS))):
-            engine = engines[arm]
-            engine.pool.forget()  # every burst starts with an empty prefix cache
-            t0 = time.perf_counter()
-            handles = [engine.submit(w["prompt"], max_new_tokens=w["max_new"], stop_at_eos=False) for w in work]
-            engine.run_until_idle()
-            wall = time.perf_counter() - t0
-            outputs[arm] = [h.result().token_ids for h in handles]
-            toks = sum(len(t) for t in outputs[arm])
-            runs[arm].append(dict(tokens=toks, seconds=wall, tokens_per_s=toks / wall))
+            run, outputs[arm] = bench_engine.engine_burst(engines[arm], work)  # empty prefix cache each burst
+            runs[arm].append(run)
         print(f"round {r + 1}: " + ", ".join(f"{a} {runs[a][-1]['tokens_per_s']:.1f}" for a in ARMS), flush=True)
     med = {arm: float(np.median([x["tokens_per_s"] for x in runs[arm]])) for arm in ARMS}
     result = dict(experiment="chunk_calls", model=args.model if not args.smoke else model.config.name,
