@@ -171,3 +171,24 @@ class MixedStepTest(chex.TestCase):
         got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
         assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)
         assert np.asarray(em.count[:, 1]).sum() == 0  # the idle slot never decodes
+
+
+def test_decode_loop_skips_whole_groups_once_nothing_is_live():
+    """A fake step function counts its trips: with `every`, a group that starts live runs whole
+    (its steps emit), a group that starts with nothing live is skipped (zeros), and a group is
+    gcd(n_steps, every) steps."""
+    def step(s):
+        return s + 1, s + 1  # the state counts the steps that ran; each step emits its number
+
+    def live(s):
+        return s < 3  # live before the third step
+
+    for n_steps, every, ran, emitted in ((8, 1, 3, [1, 2, 3, 0, 0, 0, 0, 0]),
+                                         (8, 4, 4, [1, 2, 3, 4, 0, 0, 0, 0]),
+                                         (6, 4, 4, [1, 2, 3, 4, 0, 0]),  # groups of gcd(6, 4) = 2
+                                         (8, 8, 8, list(range(1, 9))),
+                                         (5, 8, 3, [1, 2, 3, 0, 0])):  # gcd 1: every step checked
+        state, out = jax.jit(lambda s: core.decode_loop(step, s, n_steps, live=live, every=every))(jnp.int32(0))
+        assert int(state) == ran and out.tolist() == emitted, (n_steps, every)
+    state, out = core.decode_loop(step, jnp.int32(0), 4)  # no `live`: every step runs
+    assert int(state) == 4 and out.tolist() == [1, 2, 3, 4]
