@@ -165,9 +165,9 @@ from jaxinfer import compile_cache
 from jaxinfer.model import layout
 if {cache_dir!r}:
     compile_cache.enable_persistent_cache({cache_dir!r})
-m = jaxinfer.load({model!r}, dtype={dtype!r}, layout="canonical")
+m = jaxinfer.load({model!r}, dtype={dtype!r}, layout="stacked")
 if {fast!r}:
-    m = layout.for_cpu_decode(m)
+    m = layout.to_layout(m, "per_layer")
 t_load = time.perf_counter() - t0
 out = jaxinfer.generate(m, [{ids!r}], max_new_tokens=1, stop_at_eos=False)
 print(json.dumps({{"load_s": t_load, "ttft_s": out.timings.ttft_s, "compilations": out.timings.n_compilations}}))
@@ -195,7 +195,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peers", default="transformers,llama.cpp", help="comma list; empty for none")
     ap.add_argument("--no-cpu-layout", action="store_true",
-                    help="skip jaxinfer in the CPU decode layout (jaxinfer.layout.for_cpu_decode)")
+                    help="skip jaxinfer in the per_layer layout (jaxinfer.layout.to_layout)")
     ap.add_argument("--quant-modes", default="int8,int4",
                     help="comma list of jaxinfer weight quantizations to add as rows; empty for none")
     ap.add_argument("--no-ttft", action="store_true", help="skip the cold/warm start subprocesses")
@@ -216,10 +216,10 @@ def main(argv=None):
     print(f"memory bandwidth (jitted 1 GiB read): {bw['read_GBps']:.1f} GB/s; copies: jax "
           f"{bw['jax_copy_Bps'] / 1e9:.1f}, numpy {bw['numpy_copy_Bps'] / 1e9:.1f} GB/s", flush=True)
 
-    base = jaxinfer.load(args.model, dtype=args.dtype, layout="canonical")
+    base = jaxinfer.load(args.model, dtype=args.dtype, layout="stacked")
     engines = [JaxinferEngine(base, "jaxinfer")]
     if not args.no_cpu_layout:  # per-layer arrays, fused projections: faster batch-1 decode
-        engines.append(JaxinferEngine(layout.for_cpu_decode(base), "jaxinfer-cpu-layout"))
+        engines.append(JaxinferEngine(layout.to_layout(base, "per_layer"), "jaxinfer-cpu-layout"))
     for mode in filter(None, args.quant_modes.split(",")):  # weight-only quantization, canonical layout
         engines.append(JaxinferEngine(dataclasses.replace(base, params=Q.quantize(base.params, base.config, mode)),
                                       f"jaxinfer-{mode}"))

@@ -116,7 +116,7 @@ def child(folder: str) -> dict:
     jax.numpy.zeros(1).block_until_ready()  # backend up before the baseline
     base = _rss()
     t0 = time.perf_counter()
-    m = jaxinfer.load(folder, layout="canonical")  # the layout as stored: no conversion copy
+    m = jaxinfer.load(folder, layout="stacked")  # the layout as stored: no conversion copy
     jax.block_until_ready(m.params)
     load_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

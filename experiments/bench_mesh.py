@@ -48,7 +48,7 @@ def main() -> None:
         host = jax.tree.map(np.asarray, prm.init_params(cfg, jax.random.key(0)))
         tokenizer = None
     else:
-        m = jaxinfer.load(args.model, layout="canonical")
+        m = jaxinfer.load(args.model, layout="stacked")
         cfg, host, tokenizer = m.config, jax.tree.map(np.asarray, m.params), m.tokenizer
     prompts = [[(13 * b + 7 * t) % (cfg.vocab_size - 3) + 3 for t in range(8 + b)] for b in range(args.batch)]
     models = {"1 device": Model(cfg, jax.tree.map(jnp.asarray, host), tokenizer)}

@@ -207,7 +207,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--shared", type=int, default=6, help="requests sharing the system prompt")
-    p.add_argument("--layout", default="canonical", choices=["canonical", "cpu", "auto"])
+    p.add_argument("--layout", default="stacked", choices=["stacked", "per_layer", "auto"])
     p.add_argument("--no-single", action="store_true", help="skip one-at-a-time (the slowest)")
     args = p.parse_args(argv)
     if args.smoke:

@@ -141,7 +141,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--quant-modes", default="float32,int8,int4,int8+kv-int8")
     p.add_argument("--out", default=str(ROOT / "experiments" / "out"))
     args = p.parse_args(argv)
-    m = model or jaxinfer.load(args.model, layout="canonical")
+    m = model or jaxinfer.load(args.model, layout="stacked")
     out = {"experiment": "bench_spec", "model": args.model, "tokens": args.tokens, "repeats": args.repeats}
     t0 = time.perf_counter()
     if "spec" in args.part:

@@ -45,7 +45,7 @@ def load_model(args, model=None):
     import jaxinfer
 
     t0 = time.perf_counter()
-    m = jaxinfer.load(args.model, layout="canonical")
+    m = jaxinfer.load(args.model, layout="stacked")
     print(f"loaded {args.model} ({m.config.n_params / 1e6:.1f}M parameters, {m.config.dtype}) "
           f"in {time.perf_counter() - t0:.1f} s")
     return m

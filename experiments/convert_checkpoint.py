@@ -46,10 +46,10 @@ def main():
             out = os.path.join(root, f"{name}-{dtype}")
             shutil.rmtree(out, ignore_errors=True)
             res, t_convert = timed(lambda: checkpoint.convert(name, out, dtype=dtype))
-            t_ckpt = [timed(lambda: jaxinfer.load(out, dtype=dtype, layout="canonical"))[1] for _ in range(args.repeats)]
-            t_gguf = [timed(lambda: jaxinfer.load(gguf, dtype=dtype, layout="canonical"))[1] for _ in range(args.repeats)]
-            a = np.asarray(jaxinfer.logits(jaxinfer.load(out, dtype=dtype, layout="canonical"), ids))
-            b = np.asarray(jaxinfer.logits(jaxinfer.load(gguf, dtype=dtype, layout="canonical"), ids))
+            t_ckpt = [timed(lambda: jaxinfer.load(out, dtype=dtype, layout="stacked"))[1] for _ in range(args.repeats)]
+            t_gguf = [timed(lambda: jaxinfer.load(gguf, dtype=dtype, layout="stacked"))[1] for _ in range(args.repeats)]
+            a = np.asarray(jaxinfer.logits(jaxinfer.load(out, dtype=dtype, layout="stacked"), ids))
+            b = np.asarray(jaxinfer.logits(jaxinfer.load(gguf, dtype=dtype, layout="stacked"), ids))
             row = {"model": name, "dtype": dtype, "params": res.n_params,
                    "convert_s": round(t_convert, 2), "size_mb": round(res.bytes_on_disk / 1e6, 1),
                    "gguf_mb": round(os.path.getsize(gguf) / 1e6, 1),

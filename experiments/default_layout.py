@@ -27,7 +27,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "default_layout.json"))
     args = ap.parse_args(argv)
-    models = {"canonical (before)": jaxinfer.load(args.model, layout="canonical"),
+    models = {"canonical (before)": jaxinfer.load(args.model, layout="stacked"),
               "default auto (after)": jaxinfer.load(args.model)}
     prompt = "The capital of France is"
     run = lambda m: jaxinfer.generate(m, prompt, max_new_tokens=args.new_tokens, stop_at_eos=False,

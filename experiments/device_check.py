@@ -245,8 +245,8 @@ def decode(args, preset, ctx, deadline) -> dict:
     S, filled = kv_slots(preset), preset.prompt + preset.new_tokens / 2  # mean filled slots per step
     base = SHORT[preset.dtype]  # "bf16" on the GPU
     quantized = lambda: jax.jit(Q.quantize, static_argnums=(1, 2))(params, cfg, "int8")
-    variants = {base: lambda: (ucfg, uparams), "canonical": lambda: (cfg, params),
-                "int8": lambda: unstacked(cfg, quantized()), "int8_canonical": lambda: (cfg, quantized()),
+    variants = {base: lambda: (ucfg, uparams), "stacked": lambda: (cfg, params),
+                "int8": lambda: unstacked(cfg, quantized()), "int8_stacked": lambda: (cfg, quantized()),
                 "int8kv": lambda: (ucfg.replace(kv_dtype="int8"), uparams),
                 "int8_reduce": lambda: built.get("int8") or unstacked(cfg, quantized())}
     order = run_order(preset, base)
@@ -259,7 +259,7 @@ def decode(args, preset, ctx, deadline) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            if label in ("prefill", "prefill_canonical"):
+            if label in ("prefill", "prefill_stacked"):
                 res[label] = prefill(*((ucfg, uparams) if label == "prefill" else (cfg, params)), preset, rng, peak)
             else:
                 if label not in built:
@@ -278,8 +278,8 @@ def decode(args, preset, ctx, deadline) -> dict:
     built.clear()
     gc.collect()
     res["ratios"] = _ratios(res["runs"], preset, base)
-    if "prefill" in res and "prefill_canonical" in res:
-        res["ratios"]["prefill_canonical_vs_unstacked"] = res["prefill_canonical"]["tok_s"] / res["prefill"]["tok_s"]
+    if "prefill" in res and "prefill_stacked" in res:
+        res["ratios"]["prefill_stacked_vs_unstacked"] = res["prefill_stacked"]["tok_s"] / res["prefill"]["tok_s"]
     return res
 
 
@@ -310,8 +310,8 @@ def reduce_gemv():
 def unstacked(cfg: C.ModelConfig, params) -> tuple[C.ModelConfig, dict]:
     """Canonical params (float or int8) in the unstacked layout (`layout.convert`, one compiled
     program) and the config declaring it: what `load(layout="auto")` gives float weights on one
-    device, and `load(layout="cpu", quant="int8")` int8 ones."""
-    return cfg.replace(layout="cpu"), jax.jit(LY.convert, static_argnums=(1, 2))(params, cfg, "cpu")
+    device, and `load(layout="per_layer", quant="int8")` int8 ones."""
+    return cfg.replace(layout="per_layer"), jax.jit(LY.convert, static_argnums=(1, 2))(params, cfg, "per_layer")
 
 
 def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
@@ -321,12 +321,12 @@ def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
     peers; prefill in both layouts; the other base batches; the int8 KV cache."""
     q, first = preset.quant_batches, []
     for b in preset.ab_batches:
-        first += [(base, b)] + ([("int8", b), ("int8_canonical", b)] if b in q else []) + [("canonical", b)]
+        first += [(base, b)] + ([("int8", b), ("int8_stacked", b)] if b in q else []) + [("stacked", b)]
     for b in q:
         first += [x for x in ((base, b), ("int8", b)) if x not in first]
     first += [x for x in preset.extra if x not in first]
     rest = [(base, b) for b in preset.batches if (base, b) not in first]
-    pre = [("prefill", 1), ("prefill_canonical", 1)] if preset.prefill else []
+    pre = [("prefill", 1), ("prefill_stacked", 1)] if preset.prefill else []
     return first + pre + rest + [("int8kv", b) for b in q]
 
 
@@ -366,7 +366,7 @@ def _ratios(runs, preset, base) -> dict:
     tok = {(r["label"], r["batch"]): r["tok_s"] for r in runs if "tok_s" in r}
     out, b1 = {}, min(preset.batches, default=1)
     for label, batches in (("int8", preset.quant_batches), ("int8kv", preset.quant_batches),
-                           ("canonical", preset.ab_batches)):
+                           ("stacked", preset.ab_batches)):
         for b in batches:
             if (label, b) in tok and (base, b) in tok:
                 out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
@@ -377,8 +377,8 @@ def _ratios(runs, preset, base) -> dict:
         if label != base and (label, b) in tok and (base, b) in tok:
             out[f"{label}_vs_{base}_batch{b}"] = tok[(label, b)] / tok[(base, b)]
     for b in preset.ab_batches:
-        if ("int8", b) in tok and ("int8_canonical", b) in tok:
-            out[f"int8_vs_int8_canonical_batch{b}"] = tok[("int8", b)] / tok[("int8_canonical", b)]
+        if ("int8", b) in tok and ("int8_stacked", b) in tok:
+            out[f"int8_vs_int8_stacked_batch{b}"] = tok[("int8", b)] / tok[("int8_stacked", b)]
     for b in preset.batches[1:]:
         if (base, b) in tok and (base, b1) in tok:
             out[f"{base}_batch{b}_vs_batch{b1}"] = tok[(base, b)] / tok[(base, b1)]

@@ -8,7 +8,7 @@ from experiments import common  # noqa: F401  (selects matplotlib's file-only ba
 import matplotlib.pyplot as plt
 
 COLORS = {"bf16": "tab:blue", "fp32": "tab:blue", "int8": "tab:orange", "int8kv": "tab:green",
-          "canonical": "tab:gray", "int8_canonical": "tab:brown"}
+          "stacked": "tab:gray", "int8_stacked": "tab:brown"}
 
 
 def _runs(report: dict) -> list[dict]:
@@ -69,8 +69,8 @@ def summary(report: dict) -> str:
     if "prefill" in d:
         p = d["prefill"]
         lines.append(f"  prefill {p['tokens']} tokens: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
-    if "prefill_canonical" in d:
-        p = d["prefill_canonical"]
+    if "prefill_stacked" in d:
+        p = d["prefill_stacked"]
         lines.append(f"  prefill, canonical layout: {p['tok_s']:.0f} tok/s, {p['pct_peak']:.1f}% of matmul peak")
     for k, v in d.get("ratios", {}).items():
         lines.append(f"  {k}: {v:.2f}x")

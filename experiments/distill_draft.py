@@ -65,7 +65,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="checkpoint folder (default checkpoints/<model>-draft-<layers>l)")
     args = p.parse_args(argv)
-    m = model or jaxinfer.load(args.model, layout="canonical")
+    m = model or jaxinfer.load(args.model, layout="stacked")
     cfg = m.config
     start = spec.truncated_draft(m, args.layers)
     dcfg = start.config.replace(name=f"{cfg.name}-draft-{args.layers}l")

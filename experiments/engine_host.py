@@ -62,8 +62,8 @@ def main(argv=None) -> dict:
     cfg = getattr(C, args.preset)(**overrides)
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
-    ucfg = cfg.replace(layout="cpu")  # what load gives float weights on one device
-    model = Model(config=ucfg, params=jax.jit(LY.convert, static_argnums=(1, 2))(params, cfg, "cpu"))
+    ucfg = cfg.replace(layout="per_layer")  # what load gives float weights on one device
+    model = Model(config=ucfg, params=jax.jit(LY.convert, static_argnums=(1, 2))(params, cfg, "per_layer"))
     del params
     rng = np.random.default_rng(0)
     work = [dict(arrival=0.0, prompt=rng.integers(3, cfg.vocab_size, int(rng.integers(16, 65))).tolist(), max_new=64)

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `experiments` and `jaxinf
 from experiments import common, jsonfile  # noqa: E402
 from experiments.long_prompt import rss_bytes  # noqa: E402
 
-LAYOUTS = ("cpu", "canonical")
+LAYOUTS = ("per_layer", "stacked")
 
 
 def rss_mb(trim: bool = True) -> float:
@@ -56,8 +56,8 @@ def measure(model_name: str, layout: str, smoke: bool) -> dict:
         from jaxinfer.model import layout as lay
 
         model = common.tiny_model("tiny-program-memory", kv_dtype="float16")
-        if layout == "cpu":
-            model = lay.for_cpu_decode(model)
+        if layout == "per_layer":
+            model = lay.to_layout(model, "per_layer")
     else:
         import jaxinfer
 

@@ -47,7 +47,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--out", default=str(ROOT / "experiments" / "out"))
     args = p.parse_args(argv)
-    m = model or jaxinfer.load(args.model, layout="canonical")
+    m = model or jaxinfer.load(args.model, layout="stacked")
     cfg = m.config
     ids = m.tokenizer.encode(TEXT.read_text(encoding="utf-8"))
     W = args.window

@@ -64,13 +64,12 @@ def _add_generate(sub) -> None:
                    help="persistent XLA compilation cache, so a second run starts warm "
                         "(default $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla)")
     p.add_argument("--no-compile-cache", action="store_true", help="do not read or write the compile cache")
-    p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
-                   help="weight layout: cpu = one array per layer with fused q/k/v and gate/up projections "
-                        "(jaxinfer.layout; 1.5x batch-1 decode on CPU, 2.4x on an H200; longer first compile); "
-                        "auto (default) picks cpu for float weights on one device (and int8 off the CPU), "
-                        "without --speculative (on a CPU backend: for up to 32 prompts), else canonical")
-    p.add_argument("--cpu-layout", "--unstack-layers", dest="layout", action="store_const", const="cpu",
-                   help="same as --layout cpu")
+    p.add_argument("--layout", choices=["auto", "stacked", "per_layer"], default="auto",
+                   help="params layout (jaxinfer.layout): per_layer = one array per layer with fused q/k/v and "
+                        "gate/up projections (faster decode; longer first compile); stacked = layers stacked on "
+                        "one axis, run as one scan; auto (default) picks per_layer for float weights on one "
+                        "device (and int8 off the CPU), without --speculative (on a CPU backend: for up to 32 "
+                        "prompts), else stacked")
 
 
 def _generate(args) -> int:
@@ -89,15 +88,14 @@ def _generate(args) -> int:
     check_seed(args.seed, len(args.prompt))
     for i, p in enumerate(args.prompt):
         check_text(p, f"prompt {i}")
-    if args.layout == "cpu" and (args.quant == "int4" or args.speculative or args.mesh is not None):
-        raise ValueError("--layout cpu works with float or int8 weights on one device, without --quant int4, "
+    if args.layout == "per_layer" and (args.quant == "int4" or args.speculative or args.mesh is not None):
+        raise ValueError("--layout per_layer works with float or int8 weights on one device, without --quant int4, "
                          "--speculative or --mesh")
     # The library's "auto" rule (`load.auto_layout`), plus what only the CLI knows: speculative
-    # decoding runs stacked, and above FEW_ROWS prompts
-    # the canonical layout decodes faster on XLA's CPU backend (see jaxinfer/model/layout.py); on
-    # a GPU the unstacked one stays faster (H200, 8B shapes: 2.01x at 64 rows).
+    # decoding runs stacked, and above FEW_ROWS prompts the stacked layout decodes faster on XLA's
+    # CPU backend (docs/notes/layout.md); on a GPU the per-layer one stays faster.
     wide = len(args.prompt) > FEW_ROWS and jax.default_backend() == "cpu"
-    layout = "canonical" if args.layout == "auto" and (args.speculative or wide) else args.layout
+    layout = "stacked" if args.layout == "auto" and (args.speculative or wide) else args.layout
     mesh = None
     if args.mesh is not None:  # a bad spec fails here, before the load and any compile
         from jaxinfer import sharding
@@ -254,12 +252,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
     p.add_argument("--kv-cache", choices=KV_DTYPES, help=KV_CACHE_HELP)
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
-    p.add_argument("--layout", choices=["auto", "canonical", "cpu"], default="auto",
-                   help="weight layout (jaxinfer.layout): auto (default) = cpu for float weights on one device "
-                        "(and int8 off the CPU) "
-                        "(the engine's 8-slot decode and the load test run faster in it on a CPU, "
-                        "experiments/bench_engine.py; 2.0-2.4x decode on an H200), else canonical; canonical "
-                        "compiles faster")
+    p.add_argument("--layout", choices=["auto", "stacked", "per_layer"], default="auto",
+                   help="params layout (jaxinfer.layout): auto (default) = per_layer for float weights on one "
+                        "device (and int8 off the CPU), else stacked; stacked compiles faster, per_layer decodes "
+                        "faster")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
 
@@ -296,8 +292,8 @@ def _check_serve_flags(args):
     check_int("--max-body-bytes", args.max_body_bytes, 1)
     if args.max_len is not None:  # its upper bound (the model's context) needs the config
         check_int("--max-len", args.max_len, 1)
-    if args.layout == "cpu" and (args.quant == "int4" or args.mesh is not None):
-        raise ValueError("--layout cpu works with float or int8 weights on one device, without --quant int4 or "
+    if args.layout == "per_layer" and (args.quant == "int4" or args.mesh is not None):
+        raise ValueError("--layout per_layer works with float or int8 weights on one device, without --quant int4 or "
                          "--mesh")
     kv_memory = _parse_bytes(args.kv_memory) if args.kv_memory is not None else None
     mesh = None

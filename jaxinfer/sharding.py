@@ -281,7 +281,7 @@ def shard_params(params: prm.Params, cfg: ModelConfig, where: Union[ShardingPlan
     Returns:
       The params tree as global jax Arrays with NamedShardings.
     """
-    prm.require_layout(cfg, "canonical", "shard_params")
+    prm.require_layout(cfg, "stacked", "shard_params")
     shardings = param_shardings(cfg, where)
     got, want = jax.tree.structure(params), jax.tree.structure(shardings)
     if got != want:

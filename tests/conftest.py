@@ -9,10 +9,10 @@ SMOLLM2_GGUF_NAME = "smollm2-135m"
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct in float32, canonical layout (tests transform its params; fetched once)."""
+    """SmolLM2-135M-Instruct in float32, stacked layout (tests transform its params; fetched once)."""
     import jaxinfer
 
-    return jaxinfer.load(SMOLLM2_GGUF_NAME, layout="canonical")
+    return jaxinfer.load(SMOLLM2_GGUF_NAME, layout="stacked")
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ def _real():
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "golden", "smollm2_reference.json")) as f:
         ref = json.load(f)
-    m = jaxinfer.load("smollm2-135m", layout="canonical")
+    m = jaxinfer.load("smollm2-135m", layout="stacked")
     host = jax.tree.map(np.asarray, m.params)
     golden = [p["ids"] for p in ref["prompts"][:3]]
     extra = [m.tokenizer.encode(t) for t in ("Once upon a time", "1, 2, 3,", "Hello", "JAX is a library for",

@@ -23,9 +23,9 @@ def tiny_model():
     return Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["canonical", "cpu-layout"])
+@pytest.mark.parametrize("fast", [False, True], ids=["stacked", "per_layer"])
 def test_no_recompile_inside_a_bucket(tiny_model, fast):
-    model = layout.for_cpu_decode(tiny_model) if fast else tiny_model
+    model = layout.to_layout(tiny_model, "per_layer") if fast else tiny_model
     run = lambda lengths, n: jaxinfer.generate(model, [[3] * k for k in lengths], max_new_tokens=n,
                                               stop_at_eos=False, chunk_size=4)
     first = run([5, 9], 9)

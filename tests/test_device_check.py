@@ -59,7 +59,7 @@ def test_correctness_against_transformers_golden(tiny_run):
     assert 0 < r["bf16"]["max_logit_diff"] <= dc.BF16_TOL  # bf16 really rounds, within its tolerance
     assert r["batch_vs_alone"]["greedy_identical"] and r["batch_vs_alone"]["sampled_identical"]
     assert r["same_seed"]["identical"] and sec["all_pass"]
-    assert r["loaded"] == {"layout": "cpu", "kv_writes": "slices"}  # load's defaults on this CPU
+    assert r["loaded"] == {"layout": "per_layer", "kv_writes": "slices"}  # load's defaults on this CPU
 
 
 def test_decode_rooflines_are_consistent(tiny_run):
@@ -67,9 +67,9 @@ def test_decode_rooflines_are_consistent(tiny_run):
     bw = d["bandwidth"]["roofline_GBps"] * 1e9
     assert bw == max(d["bandwidth"]["copy_GBps"], d["bandwidth"]["read_GBps"]) * 1e9 > 0
     runs = {(r["label"], r["batch"]): r for r in d["runs"]}
-    assert d["model"]["layout"] == "cpu" and d["model"]["writes"] == "slices"  # what load picks on this CPU
-    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8_canonical", 1), ("int8kv", 1),
-                         ("canonical", 1)}, d["runs"]
+    assert d["model"]["layout"] == "per_layer" and d["model"]["writes"] == "slices"  # what load picks on this CPU
+    assert set(runs) == {("fp32", 1), ("fp32", 4), ("int8", 1), ("int8_stacked", 1), ("int8kv", 1),
+                         ("stacked", 1)}, d["runs"]
     for r in runs.values():
         # (no upper bound here: the tiny model's 0.4 MB of weights sit in cache and a loaded CPU's
         # bandwidth probe is noisy, so it can beat the DRAM roofline; on a GPU the 8B run cannot)
@@ -81,13 +81,13 @@ def test_decode_rooflines_are_consistent(tiny_run):
         assert r["tok_s"] == np.median(r["all_tok_s"]) and isinstance(r["compiles"], int) and r["compiles"] >= 0
     fp = runs[("fp32", 1)]
     assert fp["weight_bytes"] == d["model"]["weight_bytes"]  # the same weights, one array per layer
-    assert runs[("canonical", 1)]["weight_bytes"] == fp["weight_bytes"]
-    assert runs[("int8", 1)]["weight_bytes"] == runs[("int8_canonical", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]
+    assert runs[("stacked", 1)]["weight_bytes"] == fp["weight_bytes"]
+    assert runs[("int8", 1)]["weight_bytes"] == runs[("int8_stacked", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]
     assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
     assert set(d["ratios"]) == {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "fp32_batch4_vs_batch1",
-                                "canonical_vs_fp32_batch1", "int8_vs_int8_canonical_batch1",
-                                "prefill_canonical_vs_unstacked"}
-    for p in (d["prefill"], d["prefill_canonical"]):
+                                "stacked_vs_fp32_batch1", "int8_vs_int8_stacked_batch1",
+                                "prefill_stacked_vs_unstacked"}
+    for p in (d["prefill"], d["prefill_stacked"]):
         assert p["tokens"] == dc.PRESETS["tiny"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
     assert d["skipped_for_time"] == []
 
@@ -97,7 +97,7 @@ def test_profile_names_where_the_time_goes(tiny_run):
     assert set(prof["runs"]) == {"prefill", "decode_b4"} and not prof["skipped_for_time"]
     for name, run in prof["runs"].items():
         assert "error" not in run, run
-        assert run["layout"] == "cpu" and run["trace_files"]  # load's layout; the trace beside the JSON
+        assert run["layout"] == "per_layer" and run["trace_files"]  # load's layout; the trace beside the JSON
         assert (tiny_run[1].parent / run["trace_files"][0]).stat().st_size > 0
         summary = run["trace_summary"]  # per process: what the trace held (to read other backends)
         assert sum(p["with_hlo_op"] for p in summary.values()) > 0

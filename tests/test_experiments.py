@@ -234,7 +234,7 @@ def test_program_memory_measures_each_layout_in_its_own_process(tmp_path):
     from experiments import program_memory
 
     r = program_memory.main(["--smoke", "--out", str(tmp_path)])
-    assert [row["layout"] for row in r["rows"]] == ["cpu", "canonical"]
+    assert [row["layout"] for row in r["rows"]] == ["per_layer", "stacked"]
     for row in r["rows"]:
         assert row["loaded_mb"] > 0 and row["with_pool_mb"] > 0 and len(row["programs"]) >= 2
         total = row["with_pool_mb"] + sum(x["grew_mb"] for x in row["programs"])

@@ -118,8 +118,8 @@ def test_checkpoint_roundtrip_equals_source(tiny_models, family, tmp_path):
 def test_bf16_checkpoint_restores_in_requested_dtype(tmp_path):
     checkpoint.convert(os.path.join(GOLDEN, "qwen2"), tmp_path / "q", dtype="bfloat16")
     assert checkpoint.read_marker(tmp_path / "q")["dtype"] == "bfloat16"
-    m32 = jaxinfer.load(str(tmp_path / "q"), dtype="float32", layout="canonical")
-    m16 = jaxinfer.load(str(tmp_path / "q"), dtype="bfloat16", layout="canonical")
+    m32 = jaxinfer.load(str(tmp_path / "q"), dtype="float32", layout="stacked")
+    m16 = jaxinfer.load(str(tmp_path / "q"), dtype="bfloat16", layout="stacked")
     assert m32.params["layers"]["wq"].dtype == np.float32
     assert m16.params["layers"]["wq"].dtype.name == "bfloat16"
     # bf16 storage then fp32: values are exactly the bf16 values

@@ -28,7 +28,7 @@ def gemma_path():
 
 @pytest.fixture(scope="module")
 def gemma(gemma_path):
-    return jaxinfer.load(gemma_path, layout="canonical")  # tests save and compare its params
+    return jaxinfer.load(gemma_path, layout="stacked")  # tests save and compare its params
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_chat_template(gemma):
 def test_bf16_checkpoint_holds_exactly_the_gguf_weights(gemma, gemma_path, tmp_path):
     data = gguf_io.read_tokenizer(gguf_io.open_gguf(gemma_path))
     checkpoint.save(tmp_path / "g", gemma.config, gemma.params, data, dtype="bfloat16", checksums=False)
-    m = jaxinfer.load(str(tmp_path / "g"), dtype="bfloat16", layout="canonical")
+    m = jaxinfer.load(str(tmp_path / "g"), dtype="bfloat16", layout="stacked")
     for a, b in zip(jax_leaves(m.params), jax_leaves(gemma.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))
     assert m.tokenizer.encode("Hello world") == gemma.tokenizer.encode("Hello world")

@@ -226,5 +226,5 @@ def test_cli_cpu_layout_with_quant_is_refused_before_loading(monkeypatch):
         raise AssertionError("the model was loaded before the bad flags were refused")
 
     monkeypatch.setattr(jaxinfer, "load", no_load)
-    assert cli.main(["generate", "--cpu-layout", "--quant", "int4", "hi"]) == 2
-    assert cli.main(["generate", "--cpu-layout", "--speculative", "lookup", "hi"]) == 2
+    assert cli.main(["generate", "--layout", "per_layer", "--quant", "int4", "hi"]) == 2
+    assert cli.main(["generate", "--layout", "per_layer", "--speculative", "lookup", "hi"]) == 2

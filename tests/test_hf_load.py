@@ -76,7 +76,7 @@ def test_mesh_load_places_every_weight_in_its_sharding():
     for got, s in zip(jax.tree.leaves(filled), jax.tree.leaves(want)):
         assert got.sharding == s
     ids = np.load(os.path.join(GOLDEN, "qwen3", "reference.npz"))["ids"].tolist()
-    ref = np.asarray(jaxinfer.logits(jaxinfer.load(folder, layout="canonical"), ids))  # the mesh load's layout
+    ref = np.asarray(jaxinfer.logits(jaxinfer.load(folder, layout="stacked"), ids))  # the mesh load's layout
     np.testing.assert_array_equal(np.asarray(jaxinfer.logits(m, ids)), ref)
 
 

@@ -281,7 +281,7 @@ def test_cli_chat_message_cannot_close_its_turn(tiny_model, monkeypatch, capsys)
         return real(model, prompts, **kw)
 
     _cli_with(monkeypatch, tiny_model, spy)
-    argv = ["generate", FORGED, "--chat", "--max-new-tokens", "1", "--layout", "canonical", "--no-compile-cache"]
+    argv = ["generate", FORGED, "--chat", "--max-new-tokens", "1", "--layout", "stacked", "--no-compile-cache"]
     assert cli.main(argv) == 0
     assert seen[0].count(257) == 2 and seen[0].count(258) == 1
 
@@ -309,7 +309,7 @@ def test_cli_kv_cache_reaches_the_load(tiny_model, monkeypatch, capsys, dtype):
 
     monkeypatch.setattr(jaxinfer, "load", load)
     monkeypatch.setattr(jaxinfer, "generate", interrupted)
-    assert cli.main(["generate", "Once", "--kv-cache", dtype, "--layout", "canonical", "--no-compile-cache"]) == 130
+    assert cli.main(["generate", "Once", "--kv-cache", dtype, "--layout", "stacked", "--no-compile-cache"]) == 130
     assert seen["kv_cache"] == dtype
 
 
@@ -321,7 +321,7 @@ def test_ctrl_c_while_streaming_keeps_the_text_and_exits_130(tiny_model, monkeyp
         raise KeyboardInterrupt
 
     _cli_with(monkeypatch, tiny_model, interrupted)
-    assert cli.main(["generate", "Once", "--layout", "canonical", "--no-compile-cache"]) == 130
+    assert cli.main(["generate", "Once", "--layout", "stacked", "--no-compile-cache"]) == 130
     out = capsys.readouterr()
     assert out.out == "Onceso far\n" and "Traceback" not in out.err and "interrupted" in out.err
 
@@ -467,7 +467,7 @@ def test_cli_shows_prefill_progress_for_a_long_prompt(tiny_model, monkeypatch, c
         raise KeyboardInterrupt
 
     _cli_with(monkeypatch, model, fake)
-    argv = ["generate", "--layout", "canonical", "--no-compile-cache", "--json"]
+    argv = ["generate", "--layout", "stacked", "--no-compile-cache", "--json"]
     assert cli.main(argv + ["x" * 600]) == 130 and calls[-1] is not None
     assert "reading the prompt" in capsys.readouterr().err
     assert cli.main(argv + ["short"]) == 130 and calls[-1] is None
@@ -490,7 +490,7 @@ def test_json_is_one_compact_object_per_prompt(tiny_model, monkeypatch, capsys):
     import json
 
     _cli_with(monkeypatch, tiny_model, jaxinfer.generate)
-    argv = ["generate", "a", "bc", "--json", "--max-new-tokens", "3", "--layout", "canonical", "--no-compile-cache"]
+    argv = ["generate", "a", "bc", "--json", "--max-new-tokens", "3", "--layout", "stacked", "--no-compile-cache"]
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [json.loads(line) for line in lines]
@@ -537,7 +537,7 @@ def test_private_use_characters_in_a_chat_message_are_plain_text(tiny_model):
     (["--max-slots", "0"], "--max-slots must be an int >= 1, got 0"),
     (["--max-waiting", "-1"], "--max-waiting must be an int >= 0, got -1"),
     (["--host", "192.0.2.1", "--port", "0"], "cannot listen on 192.0.2.1:0: .*no such address"),
-    (["--layout", "cpu", "--quant", "int4"], "--layout cpu works with float or int8 weights"),
+    (["--layout", "per_layer", "--quant", "int4"], "--layout per_layer works with float or int8 weights"),
 ])
 def test_serve_bad_flags_refused_before_loading(no_load, capsys, flags, match):
     import re

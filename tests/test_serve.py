@@ -335,13 +335,13 @@ def test_background_thread_and_async_stream(model, specs_and_ref):
 
 @pytest.mark.slow
 def test_identity_real_smollm2(smollm2):
-    """The real model, canonical and CPU decode layouts: greedy and sampled requests arriving at
+    """The real model, stacked and per-layer layouts: greedy and sampled requests arriving at
     different steps give generate's tokens alone."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
     settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40)]
     ref = [jaxinfer.generate(smollm2, p, seed=7 + i, sampling=settings[i % 2], max_new_tokens=12).completions[0]
            for i, p in enumerate(prompts)]
-    cpu = jaxinfer.layout.for_cpu_decode(smollm2)
+    cpu = jaxinfer.layout.to_layout(smollm2, "per_layer")
     for model in (smollm2, cpu):
         engine = Engine(model, max_slots=4, page_size=16, max_len=64, prefill_chunk=16)
         reqs = []

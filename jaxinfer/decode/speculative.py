@@ -70,7 +70,7 @@ def truncated_draft(model: Model, n_layers: int) -> Draft:
         raise ValueError(f"n_layers must be in [1, {model.config.n_layers}], got {n_layers}")
     layers = model.params["layers"]
     # Stacked layers are sliced on their L axis; the CPU layout's tuple is cut after n_layers.
-    layers = (jax.tree.map(lambda w: w[:n_layers], layers) if model.config.layout == "canonical"
+    layers = (jax.tree.map(lambda w: w[:n_layers], layers) if model.config.layout == "stacked"
               else layers[:n_layers])
     return Draft(config=model.config.replace(n_layers=n_layers, name=f"{model.config.name}-first{n_layers}"),
                  params={**model.params, "layers": layers})

@@ -110,7 +110,7 @@ class JaxinferLM(TemplateLM):
                 except (ValueError, OSError) as e:  # an optimisation: never fatal
                     log.warning("compile cache off (%s); every program is compiled afresh", e)
             self.model_name = str(model)
-            model = jaxinfer.load(str(model), dtype=dtype, quant=quant, kv_cache=kv_cache, layout="canonical")
+            model = jaxinfer.load(str(model), dtype=dtype, quant=quant, kv_cache=kv_cache, layout="stacked")
         else:
             self.model_name = model.config.name
         if model.tokenizer is None:

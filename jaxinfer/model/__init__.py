@@ -7,6 +7,6 @@
   attention.py  causal masks, dense attention, paged attention over the cache's blocks
   cache.py      KVCache: the paged pool, page tables and lengths, an immutable pytree; bytes_per_token
   rope.py       rotary inverse frequencies (plain, linear, llama3 scaling)
-  layout.py     the declared params layouts (canonical; CPU decode: one array per layer, fused projections)
+  layout.py     the two params layouts (stacked on L; per_layer: one array per layer, fused projections)
   quantize.py   int8 / int4 weight-only quantization
 """

@@ -23,7 +23,7 @@ from typing import Optional
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("linear", "llama3")  # see `jaxinfer.model.rope`
 DTYPES = ("float32", "bfloat16", "float16")
-LAYOUTS = ("canonical", "cpu")  # how the params tree is laid out (`jaxinfer.model.params.param_specs`)
+LAYOUTS = ("stacked", "per_layer")  # how the params tree is laid out (`jaxinfer.model.params.param_specs`)
 KV_WRITES = ("slices", "scatter")  # how new keys and values enter the KV pool (`jaxinfer.model.cache.write_mode`)
 
 
@@ -63,8 +63,8 @@ class ModelConfig:
     eos_token_id: Optional[int] = None
     dtype: str = "float32"  # parameter and activation dtype
     kv_dtype: Optional[str] = None  # KV-cache element dtype ("int8" adds scales); None = dtype
-    layout: str = "canonical"  # params tree: "canonical" (layers stacked on L) or "cpu" (one dict per layer,
-    #                            fused q/k/v and gate/up projections; `jaxinfer.model.layout`)
+    layout: str = "stacked"  # params tree: "stacked" (layers stacked on L, one scan) or "per_layer" (one dict
+    #                          per layer, fused q/k/v and gate/up projections; `jaxinfer.model.layout`)
     kv_writes: Optional[str] = None  # "slices" (one dynamic_update_slice per token) or "scatter" (one
     #                                  scatter per layer); None = by backend (`cache.write_mode`)
 

@@ -3,7 +3,7 @@
 One `forward` serves every caller: a prefill chunk (T prompt tokens per row), a decode step
 (T = 1), speculative verification (T = k + 1) and the uncached pass over a whole sequence (no
 cache). Token ids become vectors, pass L causal-attention blocks (one `lax.scan` over the stacked
-layer weights, or an unrolled loop in the CPU decode layout) and the last norm, and become logits
+layer weights, or an unrolled loop in the per-layer layout) and the last norm, and become logits
 over the vocabulary. Each stage runs under a `jax.named_scope` (embed, attention, mlp, logits;
 the cache writes and paged attention name their own), so a profiler trace reads as this path.
 
@@ -46,7 +46,7 @@ FEW_ROWS = 32
 
 
 def project(x: jax.Array, w) -> jax.Array:
-    """x [..., I] times an output-major matrix w [O, I] (the CPU layout's weights) -> [..., O].
+    """x [..., I] times an output-major matrix w [O, I] (the per-layer layout's weights) -> [..., O].
 
     w is a float array or an int8 `Int8Weight` (codes [O, I], scales [O, 1]), whose own matmul
     dequantizes it."""
@@ -98,8 +98,8 @@ def _out_projection(out: jax.Array, wo) -> jax.Array:
 
 
 def _attention_output(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
-    """out [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "cpu") wo_t [D, N*H]."""
-    if cfg.layout == "cpu":
+    """out [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "per_layer") wo_t [D, N*H]."""
+    if cfg.layout == "per_layer":
         B, T, N, H = out.shape
         return project(out.reshape(B, T, N * H), lp["wo_t"])
     return _out_projection(out, lp["wo"])
@@ -114,10 +114,10 @@ def _activation(cfg: ModelConfig):
 def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
     """Queries [B, T, N, H], keys and values [B, T, K, H] from normed inputs h [B, T, D].
 
-    A layer holds wq [D, N, H], wk and wv [D, K, H], or (cfg.layout "cpu", see
+    A layer holds wq [D, N, H], wk and wv [D, K, H], or (cfg.layout "per_layer", see
     `jaxinfer.model.layout`) one fused w_qkv [(N + 2K) * H, D]: one matmul instead of three.
     """
-    if cfg.layout == "canonical":
+    if cfg.layout == "stacked":
         return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
                 linear("BTD,DKH->BTKH", h, lp["wv"]))
     return split_qkv(project(h, lp["w_qkv"]), cfg)
@@ -138,10 +138,10 @@ def split_qkv(x: jax.Array, cfg: ModelConfig):
 def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D].
 
-    The layer holds w_gate and w_up [D, F] and w_down [F, D], or (cfg.layout "cpu") one fused
+    The layer holds w_gate and w_up [D, F] and w_down [F, D], or (cfg.layout "per_layer") one fused
     w_gate_up [2F, D] (gate first) and w_down_t [D, F].
     """
-    if cfg.layout == "cpu":
+    if cfg.layout == "per_layer":
         gate, up = jnp.split(project(x, lp["w_gate_up"]), 2, axis=-1)
         return project(_activation(cfg)(gate) * up, lp["w_down_t"])
     gate = linear("BTD,DF->BTF", x, lp["w_gate"])
@@ -161,12 +161,12 @@ def run_layers(block: Callable, carry, layers, meta, cfg: ModelConfig):
     """Apply `block(carry, (layer_params, *meta_i)) -> (carry, out)` for every layer, in order.
 
     The one place that runs both params layouts, as `cfg.layout` declares: layers stacked on a
-    leading L axis ("canonical") run as one `lax.scan`, so compile time does not grow with depth;
-    a tuple of per-layer dicts ("cpu", `jaxinfer.model.layout`) runs as an unrolled loop that
+    leading L axis ("stacked") run as one `lax.scan`, so compile time does not grow with depth;
+    a tuple of per-layer dicts ("per_layer", `jaxinfer.model.layout`) runs as an unrolled loop that
     reads each weight in place (XLA's CPU backend copies a layer's slice out of a stacked array
     before a matmul). Returns (carry, outs stacked over L).
     """
-    if cfg.layout == "canonical":
+    if cfg.layout == "stacked":
         return jax.lax.scan(block, carry, (layers, *meta))
     outs = []
     for i, lp in enumerate(layers):
@@ -374,7 +374,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
                   for xi, s in zip(rows.split(x), segs)]  # [B, 1, D] where a logit_index is given
         out_rows = _Rows([p.shape[:2] for p in picked])
         x = rms_norm(out_rows.join(picked), params["final_norm"], cfg.norm_eps)
-        if cfg.tie_embeddings and cfg.layout == "cpu":
+        if cfg.tie_embeddings and cfg.layout == "per_layer":
             logits = project(x, params["embed"])
         elif cfg.tie_embeddings:
             logits = linear("BTD,VD->BTV", x, params["embed"])

@@ -1,59 +1,21 @@
-"""The CPU decode layout: one array per layer, fused output-major projections (`cfg.layout = "cpu"`).
+"""The two params layouts, and converting between them.
 
-Named for where it was first measured; it is the faster decode layout on a GPU too. On an H200
-(Llama-3.1-8B shapes, bf16, `experiments/figures/device_check_ab.json`) the canonical layer scan
-copies each layer's slice of the stacked weights before its GEMM (`loop_dynamic_slice_fusion`s
-in the optimized HLO), as XLA's CPU backend does (1. below): this layout decodes 2.42x faster at
-batch 1 (92% of the bandwidth roofline) and 2.01x at batch 64, so `load(layout="auto")` picks it
-on every backend for float weights on one device. int8 weights (`quantize.Int8Weight`) unstack
-too: 2.64x the stacked int8 scan there at batch 1, so "auto" picks it for them off the CPU
-(`jaxinfer.weights.load.auto_layout`).
+  stacked    every layer weight stacked on a leading L axis (`wq [L, D, N, H]` ...); the forward
+             runs the layers as one `lax.scan`, so compile time does not grow with depth. The
+             layout checkpoints, quantization to int4 and sharding work on.
+  per_layer  a tuple of L per-layer dicts; the forward runs an unrolled loop. Each layer's
+             projections are fused and stored output-major ([out, in], as GGUF and PyTorch store
+             them): w_qkv [(N + 2K) * H, D], w_gate_up [2F, D], wo_t [D, N * H], w_down_t [D, F].
 
-Decoding one token multiplies a few activation rows by every weight matrix, so it is bound by
-how fast the weights stream from memory. Profiling a batch-1 SmolLM2-135M decode step (the
-`jax.profiler` trace of XLA's CPU thunks, on a quiet 2-core Xeon VM) showed three ways the
-canonical layout loses bandwidth, and this module removes two of them (and a fourth, below, is
-about XLA's CPU matmul itself):
-
-1. Stacked weights (`wq [L, D, N, H]`, one `lax.scan` over layers): inside the scan XLA's CPU
-   backend copies each layer's slice out of the stacked array (a `dynamic-slice` fusion) before
-   its matrix-vector product, so every weight byte is read twice and written once per token:
-   the copies took 37 of the 50 ms of a step. Here the layers are separate arrays and
-   `model.forward` runs an unrolled Python loop; each matmul reads its weight in place.
-2. Small matmuls run on one core. XLA's CPU dot splits a product over threads only above about
-   2^19 multiply-adds: a [1, 576] x [576, 576] matvec (wq) streams at ~12 GB/s, a [576, 960] one
-   at ~20 GB/s, in the same time. So wq, wk, wv become one `w_qkv` ((N + 2K) * H outputs) and
-   w_gate, w_up one `w_gate_up` (2F outputs, gate first): one matmul each, 5 per layer instead
-   of 7. (wo stays alone below the threshold: nothing it could be fused with.)
-3. (fixed in `model`, for every layout) contracting wo's two axes N, H let XLA transpose all of
-   wo on each call.
-
-4. Every layer matrix is stored output-major, [out, in] (as GGUF and PyTorch store them):
-   w_qkv [(N + 2K) * H, D], w_gate_up [2F, D], wo_t [D, N * H], w_down_t [D, F]. XLA's CPU dot
-   of a few rows against an [out, in] matrix (both operands contract their last axis) is faster
-   than against [in, out]: 30 [576, 3072] matrices took 15.5 vs 19.6 ms for 8 rows, 31 vs 37 ms
-   for 64, 120 vs 166 ms for 256, and the same for 1 and 512 rows. `generate` side by side
-   (`experiments/bench_regression.py`, medians of 3): decode 1.03x at batch 1 and 1.04x at
-   batch 8, prefill 1.08x / 1.02x / 1.09x at 128 / 512 / 2,048 tokens.
-
-5. (in `model.forward.project`) 2 to 32 rows are multiplied as an elementwise product summed over
-   the matrix's contiguous axis, which XLA gives to YNN's reduction kernel, instead of as a dot
-   (its GEMM): 1.1-1.45x faster per matrix, `generate` at batch 8 1.35x
-   (`experiments/figures/bench_regression_few_rows.json`).
-
-Measured back to back (decode tok/s, batch 1, medians of 5): canonical 21.5 -> unstacked 26.9 ->
-+ wo fix 28.9 -> + fused projections 30.9-34.0; in one interleaved `experiments/bench.py` run
-24.1 vs 15.9 (1.52x). With 5., this layout is also the faster one up to 32 rows (`generate`,
-decode tokens/s, medians, canonical vs cpu: 132.9 vs 156.5 at batch 8, 156.3 vs 169.1 at 16,
-171.1 vs 179.2 at 32); at 48 rows, where the dots are back, the canonical one is (231.0 vs 155.3:
-a layer's copied slice is then already in cache). The CLI picks this layout, on CPU, for up to 32
-prompts.
-
-Cutting matrices into independent parts so XLA's runtime could run them on both cores was
-measured too and was slower (12-13 GB/s instead of 20). The price of this layout is compile
-time (the loop body is traced L times) and one copy of the weights when converting; the
-persistent compilation cache (`jaxinfer.compile_cache`) pays the first back from the second
-run on. The canonical layout stays the one to checkpoint, quantize and shard.
+Why per_layer decodes faster: decoding multiplies a few activation rows by every weight, so it is
+bound by how fast the weights stream from memory. Inside a `lax.scan`, XLA (CPU and GPU) copies
+each layer's slice out of the stacked arrays before its matmul, so every weight byte is read
+twice and written once per token; separate arrays are read in place. Fusing q/k/v and gate/up
+makes one larger matmul of several small ones, which XLA's CPU dot spreads over more threads,
+and its dot of a few rows against an [out, in] matrix runs faster than against [in, out].
+`load(layout="auto")` picks per_layer for float weights on one device, and for int8 weights off
+the CPU (`jaxinfer.weights.load.auto_layout`). The measurements behind these choices are in the
+docs' notes (docs/notes/layout.md).
 """
 
 from __future__ import annotations
@@ -74,10 +36,10 @@ from jaxinfer.model.quantize import Int8Weight
 def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
     """The same weights in another layout: from the one `cfg.layout` declares to `layout`.
 
-    canonical -> cpu: the layer weights are unstacked into one dict per layer, and each layer's
+    stacked -> per_layer: the layer weights are unstacked into one dict per layer, and each layer's
     wq/wk/wv become w_qkv [(N + 2K) * H, D] (q heads, then k, then v), w_gate/w_up become
     w_gate_up [2F, D] (gate first), wo becomes wo_t [D, N * H] and w_down w_down_t [D, F] (all
-    output-major). cpu -> canonical is the inverse; a round trip gives the weights back bit for
+    output-major). per_layer -> stacked is the inverse; a round trip gives the weights back bit for
     bit. One copy of the layer weights is made; the input is not modified.
 
     Args:
@@ -91,12 +53,12 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if cfg.layout == layout:
         return params
-    if layout == "cpu":
+    if layout == "per_layer":
         stacked = params["layers"]
         for name in FUSED + ("wo", "w_down"):  # refused before any layer is sliced
             w = stacked[name]
             if not (isinstance(w, (jax.Array, Int8Weight)) or hasattr(w, "__array__")):
-                raise ValueError(f"the unstacked layout takes float or int8 weights, got {type(w).__name__} for "
+                raise ValueError(f"the per_layer layout takes float or int8 weights, got {type(w).__name__} for "
                                  f"{name}")
         n = cfg.n_layers
         per_layer = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
@@ -117,7 +79,7 @@ def _fuse(layer: Params) -> Params:
 
 
 def _unfuse(layer: Params, cfg: ModelConfig) -> Params:
-    """Inverse of `_fuse` (the canonical per-layer weights again)."""
+    """Inverse of `_fuse` (the stacked layout's per-layer weights again)."""
     D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up", "wo_t", "w_down_t")}
     out["wq"], out["wk"], out["wv"] = _input_major(layer["w_qkv"], [(D, N, H), (D, K, H), (D, K, H)], n_in=1)
@@ -152,17 +114,6 @@ def _input_major(w, shapes: list[tuple[int, ...]], n_in: int) -> list:
                            input_axes=tuple(range(-len(s), -len(s) + n_in)))
                 for q, sc, s in zip(_input_major(w.q, shapes, n_in), scales, shapes)]
     return [part.T.reshape(s) for part, s in zip(jnp.split(w, cuts, axis=0), shapes)]
-
-
-def for_cpu_decode(model: Model) -> Model:
-    """The same model in the CPU decode layout (module doc): config and params converted together.
-
-    Args:
-      model: a loaded `Model` with canonical (stacked, float) params.
-    Returns:
-      A new `Model` sharing the tokenizer; the layer weights are copied once.
-    """
-    return to_layout(model, "cpu")
 
 
 def to_layout(model: Model, layout: str) -> Model:

@@ -5,7 +5,7 @@ Random init, `jax.eval_shape` targets, checkpoint restore targets and sharding r
 from it. Params are a nested dict; per-layer weights are stacked on a leading L axis so the layer
 loop is one `lax.scan`.
 
-Layout (shape letters as in `jaxinfer.model.config`; the canonical layout, see `param_specs`):
+Layout (shape letters as in `jaxinfer.model.config`; the stacked layout, see `param_specs`):
   embed        [V, D]
   layers/
     attn_norm  [L, D]        ffn_norm   [L, D]
@@ -45,8 +45,8 @@ class ParamSpec:
 def param_specs(cfg: ModelConfig) -> Params:
     """Nested dict of ParamSpec describing every weight of `cfg`, in the layout `cfg.layout` declares.
 
-    "canonical": per-layer weights stacked on a leading L axis (one dict of [L, ...] arrays).
-    "cpu": a tuple of L per-layer dicts whose matrices are stored output-major ([out, in], as GGUF
+    "stacked": per-layer weights stacked on a leading L axis (one dict of [L, ...] arrays).
+    "per_layer": a tuple of L per-layer dicts whose matrices are stored output-major ([out, in], as GGUF
     and PyTorch store them): wq, wk, wv as one w_qkv [(N + 2K) * H, D] (q heads, then k, then v),
     w_gate, w_up as one w_gate_up [2F, D] (gate first), wo as wo_t [D, N * H], w_down as
     w_down_t [D, F]; see `jaxinfer.model.layout`. The rest of the tree is the same in both.
@@ -74,7 +74,7 @@ def param_specs(cfg: ModelConfig) -> Params:
     if cfg.post_norms:
         layer["post_attn_norm"] = ParamSpec((D,), ("embed",), "ones")
         layer["post_ffn_norm"] = ParamSpec((D,), ("embed",), "ones")
-    if cfg.layout == "cpu":
+    if cfg.layout == "per_layer":
         fused = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down")}
         fused["w_qkv"] = ParamSpec((((N + 2 * K) * H), D), ("qkv", "embed"), fan_in_last=True)
         fused["w_gate_up"] = ParamSpec((2 * F, D), ("gate_up", "embed"), fan_in_last=True)
@@ -93,7 +93,7 @@ def param_specs(cfg: ModelConfig) -> Params:
     return specs
 
 
-FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # canonical weights that the "cpu" layout fuses
+FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked-layout weights that the "per_layer" layout fuses
 
 
 def _is_spec(x) -> bool:

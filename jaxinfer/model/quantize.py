@@ -221,7 +221,7 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
         raise ValueError(f"head must be 'int8', 'int4' or 'none', got {head!r}")
     if isinstance(params.get("embed"), QuantizedWeight):
         raise ValueError("params are already quantized")
-    require_layout(cfg, "canonical", "quantize")
+    require_layout(cfg, "stacked", "quantize")
 
     def layer_weight(name, w):
         if name not in _N_INPUT_AXES:

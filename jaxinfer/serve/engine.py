@@ -117,7 +117,7 @@ class Engine:
                  busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT, call_rows: Optional[int] = None):
         """
         Args:
-          model: a loaded Model (canonical or CPU decode layout).
+          model: a loaded Model (either params layout).
           max_slots: requests decoded together (the decode scan's batch).
           page_size: positions per KV page.
           kv_memory: pool size in bytes; or n_pages: in pages (at most one of them). Default: a

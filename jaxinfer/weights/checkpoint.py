@@ -120,7 +120,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Union[Tokenizer
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    P.require_layout(cfg, "canonical", "checkpoint.save")
+    P.require_layout(cfg, "stacked", "checkpoint.save")
     dest = Path(path).absolute()
     check_replaceable(dest, overwrite)
     cfg = cfg.replace(dtype=dtype)
@@ -255,6 +255,8 @@ def read_config(path: os.PathLike) -> ModelConfig:
     unknown = sorted(set(raw) - fields)
     if unknown:
         raise CheckpointError(f"{Path(path) / MARKER}: config has unknown fields {unknown}")
+    if raw.get("layout") == "canonical":  # checkpoints written before the layouts were renamed
+        raw = dict(raw, layout="stacked")
     try:
         return ModelConfig(**raw)
     except (TypeError, ValueError) as e:
@@ -372,7 +374,7 @@ class SourceModel:
     """A model source read into host memory (`read_source`)."""
 
     config: ModelConfig
-    params: dict  # float32 numpy, canonical layout
+    params: dict  # float32 numpy, stacked layout
     tokenizer: Union[TokenizerData, str, None]  # a GGUF's tokenizer data, or a folder of HF tokenizer files
     kind: str  # "gguf", "known", "huggingface" or "checkpoint"
 

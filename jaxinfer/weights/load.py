@@ -22,7 +22,7 @@ from jaxinfer.weights.load_tokenizer import gguf_tokenizer, tokenizer_of
 from jaxinfer.weights.source import Source, classify
 
 
-LAYOUTS = ("auto", "canonical", "cpu")
+LAYOUTS = ("auto", "stacked", "per_layer")
 
 
 def to_device(params_np: dict, dtype: str) -> Params:
@@ -52,13 +52,12 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
         and Hugging Face folder params are placed sharded straight from host memory, so no device
         holds the whole model (checkpoint folders are loaded, then resharded). Not combined with
         `quant` yet.
-      layout: "canonical" (layers stacked on L and run as one scan: checkpoint, quantize, shard),
-        "cpu" (`jaxinfer.layout`: one array per layer, fused projections; named for where it
-        was first measured: about 1.5x faster batch-1 decode on a CPU, and on an H200 2.42x at
-        batch 1 and 2.01x at batch 64 for 8B shapes, where the scan copies each layer's slice
-        of the stacked weights; longer first compile; float or int8 weights on one device) or
-        "auto" (`auto_layout`): "cpu" for float weights on one device on any backend and for
-        int8 ones off the CPU, else "canonical".
+      layout: "stacked" (layers stacked on L and run as one scan: checkpoint, quantize, shard),
+        "per_layer" (`jaxinfer.layout`: one array per layer, fused projections; faster decode
+        on CPUs and GPUs, where the scan copies each layer's slice of the stacked weights;
+        longer first compile; float or int8 weights on one device) or
+        "auto" (`auto_layout`): "per_layer" for float weights on one device on any backend and for
+        int8 ones off the CPU, else "stacked".
     Returns:
       A `Model`.
     """
@@ -69,22 +68,24 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
         model = dataclasses.replace(model, config=model.config.replace(kv_dtype=kv_cache))
     if quant is not None:
         model = dataclasses.replace(model, params=quantize.quantize(model.params, model.config, quant))
-    if layout == "cpu" or (layout == "auto" and auto_layout(quant, mesh, jax.default_backend()) == "cpu"):
-        model = layouts.to_layout(model, "cpu")
+    if layout == "auto":
+        layout = auto_layout(quant, mesh, jax.default_backend())
+    if layout == "per_layer":
+        model = layouts.to_layout(model, "per_layer")
     return model
 
 
 def auto_layout(quant: Optional[str], mesh, backend: str) -> str:
     """The layout `load(layout="auto")` picks, by what was measured (`jaxinfer.model.layout`).
 
-    One device: float weights unstacked ("cpu") on every backend; int8 weights unstacked off the
+    One device: float weights per layer ("per_layer") on every backend; int8 weights unstacked off the
     CPU (H200, 8B shapes: 2.64x the stacked int8 scan at batch 1) but stacked on it (XLA's CPU
     backend converts int8 before its dot: SmolLM2 decode 27.7 stacked vs 17.2 tok/s unstacked).
-    int4 and meshes: "canonical".
+    int4 and meshes: "stacked".
     """
     if mesh is not None or quant not in (None, "int8"):
-        return "canonical"
-    return "cpu" if quant is None or backend != "cpu" else "canonical"
+        return "stacked"
+    return "per_layer" if quant is None or backend != "cpu" else "stacked"
 
 
 def _check_options(dtype, quant, kv_cache, mesh, layout) -> None:
@@ -99,8 +100,8 @@ def _check_options(dtype, quant, kv_cache, mesh, layout) -> None:
         raise ValueError(f"quant={quant!r} with a mesh is not supported yet: sharding rules cover float weights")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "cpu" and (quant == "int4" or mesh is not None):
-        raise ValueError("layout='cpu' works with float or int8 weights on one device, without quant='int4' or "
+    if layout == "per_layer" and (quant == "int4" or mesh is not None):
+        raise ValueError("layout='per_layer' works with float or int8 weights on one device, without quant='int4' or "
                          "a mesh")
 
 

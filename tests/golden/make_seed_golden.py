@@ -16,7 +16,7 @@ SETTINGS = [dict(temperature=0.8), dict(temperature=1.0, top_k=40), dict(tempera
 
 
 def main():
-    m = jaxinfer.load("smollm2-135m", layout="canonical")
+    m = jaxinfer.load("smollm2-135m", layout="stacked")
     rows = []
     for s in SETTINGS:
         out = jaxinfer.generate(m, PROMPTS, seed=[11, 22, 33], max_new_tokens=16, sampling=SamplingParams(**s),
