@@ -2,7 +2,7 @@
 
 A 2-D device mesh has a `data` axis (batch rows are split over it) and a `model` axis (tensor
 parallelism: the weights are split over it). Which dims go where follows from the logical axes
-that `params.param_specs(cfg)` gives every weight, through one table, `RULES`:
+that `params.param_specs(cfg)` gives every weight, through one table, `RULES`::
 
   logical axis   mesh axis   what is split
   heads          model       wq [L, D, N, H], wo [L, N, H, D] (and bq)
@@ -22,6 +22,7 @@ redundantly) and the plan records why, e.g. SmolLM2 has 9 query heads and 3 kv h
 model=4 or 8 its attention is replicated while FFN and vocab are split. This keeps every
 divisible dim sharded on any mesh and is what the tests run. A spec is *bad*, and raises a
 ValueError before anything compiles, when:
+
   - an axis name is not `data` or `model`, or a size is not a positive int;
   - data x model differs from the number of devices;
   - model > 1 divides none of heads, kv_heads, ffn and vocab (nothing would be split at all);

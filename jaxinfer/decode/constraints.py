@@ -1,6 +1,6 @@
 """Constrained decoding: JSON schemas, regexes, grammars and choices, on llguidance.
 
-A `Constraint` is a frozen, hashable value (it sits inside the frozen sampling settings):
+A `Constraint` is a frozen, hashable value (it sits inside the frozen sampling settings)::
 
   json_schema(schema, strict=True)   output is JSON that validates against `schema`
   json_object()                      output is any JSON object
@@ -13,9 +13,9 @@ A constraint that llguidance cannot honour raises ValueError when it is built (t
 the keyword or the grammar error), never later and never as a silently unconstrained answer.
 
 A `Compiler` holds one model's vocabulary (V token byte strings, V the model's logits width) and
-turns constraints into per-request `Matcher`s. Each compiled constraint is kept (an LRU of
+turns constraints into per-request `Matcher` objects. Each compiled constraint is kept (an LRU of
 template matchers, keyed by the Constraint value) so a schema is compiled once and each request
-gets a cheap copy. A matcher, per generated token:
+gets a cheap copy. A matcher, per generated token::
 
   fill_bitmask(out [U])     the allowed next tokens, U = ceil(V / 32) int32 words, token t allowed
                             iff bit t % 32 of word t // 32 is set (llguidance's and
@@ -254,7 +254,7 @@ def special_token_texts(tokenizer) -> frozenset[str]:
     Args:
       tokenizer: a jaxinfer Tokenizer.
     Returns:
-      The set of texts, e.g. {"<|im_start|>", "<|im_end|>", ...}.
+      The set of texts, e.g. `{"<|im_start|>", "<|im_end|>", ...}`.
     """
     return frozenset(p.decode("utf-8", errors="replace") for p in tokenizer.pieces(special_token_ids(tokenizer)))
 

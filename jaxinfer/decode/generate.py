@@ -183,12 +183,12 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       max_new_tokens: tokens to generate per prompt (>= 1).
       sampling: SamplingParams (default greedy): the sampler's settings, logit bias, penalties,
         min_tokens / ignore_eos, and a constraint (`jaxinfer.constraints`).
-      stop_at_eos: stop a row at the tokenizer's stop ids (eos, <|endoftext|>) or stop_tokens.
+      stop_at_eos: stop a row at the tokenizer's stop ids (eos, `<|endoftext|>`) or stop_tokens.
       stop_tokens: extra token ids that end a row.
       chunk_size: decode steps per jitted scan call (streaming granularity).
       on_tokens: optional callback, called with each row's new tokens after prefill and after
         every decode chunk (for streaming).
-      allow_special: encode special-token text in string prompts ("<|im_end|>") as the special
+      allow_special: encode special-token text in string prompts (`"<|im_end|>"`) as the special
         token; default False: it is plain text, so user text cannot forge control tokens. For
         chat, pass `inputs.chat_ids(model.tokenizer, messages)` as the prompt.
       prefill_chunk_size: prompts padded beyond this many tokens are read in chunks of it (a

@@ -2,7 +2,7 @@
 
 B batch rows, V vocabulary; in this module only (not the letters of `jaxinfer.model.config`):
 M logit-bias entries per row, E end-of-generation ids per row, S extra stop ids per row. Every setting is a [B] array, so rows with different settings (and rows
-with none) share one compiled program; the defaults leave a row's logits unchanged.
+with none) share one compiled program; the defaults leave a row's logits unchanged::
 
   logit_bias          OpenAI: logit[t] += bias[t], bias in [-100, 100]
   repetition_penalty  transformers' RepetitionPenaltyLogitsProcessor, over prompt and generated
@@ -52,7 +52,7 @@ class TokenCounts:
 
     @property
     def seen(self) -> jax.Array:
-        """bool [B, V]: the token occurs in the prompt or was generated."""
+        """Whether the token occurs in the prompt or was generated, [B, V] bool."""
         return self.in_prompt | (self.counts > 0)
 
     def update(self, tokens: jax.Array, active: Optional[jax.Array] = None) -> "TokenCounts":

@@ -104,7 +104,7 @@ class RowParams:
 
     @property
     def greedy(self) -> jax.Array:
-        """[B] bool: rows that take the argmax."""
+        """The rows that take the argmax, [B] bool."""
         return (self.temperature < GREEDY_BELOW) | (self.top_k == 1)
 
 

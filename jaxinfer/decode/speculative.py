@@ -327,8 +327,9 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
       k: tokens proposed per round (verified in one target forward of k + 1 tokens).
       max_ngram: longest suffix n-gram prompt lookup tries to match.
       rounds_per_chunk: rounds per jitted scan call (streaming granularity).
-      (model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, on_tokens:
-      as in `jaxinfer.generate`; on_tokens receives each row's newly emitted tokens.)
+      on_tokens: as in `jaxinfer.generate`; receives each row's newly emitted tokens.
+      model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens: as in
+        `jaxinfer.generate`.
     Returns:
       SpecOutput: completions and timings as `generate`, plus `stats` (acceptance rate, tokens per
       target call).

@@ -18,6 +18,7 @@ Face model shares that forward pass too), so it needs no request of its own.
 
 Tokenization of string pairs follows lm-evaluation-harness's `TemplateLM` for causal models
 (`_encode_pair` and `loglikelihood`), so that its numbers and ours are comparable:
+
   - trailing whitespace of the context moves to the front of the continuation;
   - the context is encoded alone, the context + continuation together; the continuation's ids
     are the tail of the joint encoding after the context's length (so a token that spans the
@@ -26,6 +27,7 @@ Tokenization of string pairs follows lm-evaluation-harness's `TemplateLM` for ca
     alone; if it starts with that token, its first token is the context instead;
   - text is encoded as the Hugging Face tokenizer encodes it: special-token text becomes the
     special token, and BOS is put first where the model wants one (`Tokenizer.with_bos`).
+
 Token-id pairs are scored as given.
 
 Length: a pair longer than `max_length` tokens loses tokens from the left of its context (as

@@ -66,7 +66,7 @@ def _split_eq(eq: str):
 class Int8Weight:
     """int8 weight with per-output-channel scales.
 
-    q:     [(L,) *in_axes, *out_axes] int8 (the float weight's layout), or [V, D] for the table.
+    q:     `[(L,) *in_axes, *out_axes]` int8 (the float weight's layout), or [V, D] for the table.
     scale: same rank as q, size 1 on the input axes; compute dtype.
     """
 

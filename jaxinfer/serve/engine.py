@@ -198,14 +198,19 @@ class Engine:
         """Queue a request; returns its handle at once (it runs at the engine's next steps).
 
         Same arguments and meaning as `generate` for one prompt (seed or key, required unless
-        greedy), plus:
+        greedy), plus the ones below.
+
+        Args:
           stop: stop strings (may span tokens; the text ends before the string).
           logprobs: also return the `logprobs` most likely alternatives of each new token (<= 20).
           prompt_logprobs: score the prompt: log p(token | tokens before it) for every prompt
             position from `score_from` on, with this many alternatives each (None = off). With
             max_new_tokens=0 the request only scores its prompt (no token is generated).
-        Raises ValueError (before anything runs) for bad arguments, a context beyond max_len or
-        the pool; EngineDead once the engine has failed for good.
+        Returns:
+          The `Request`: iterate it (or `async for`) for `Delta` objects, or call `result()`.
+        Raises:
+          ValueError: before anything runs, for bad arguments, a context beyond max_len or the pool.
+          EngineDead: once the engine has failed for good.
         """
         if self.dead is not None:
             raise EngineDead(f"the engine failed and takes no requests: {self.dead}")

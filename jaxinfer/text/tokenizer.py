@@ -108,7 +108,7 @@ class Tokenizer:
 
         Args:
           text: the prompt.
-          allow_special: special-token text ("<|im_end|>", "<end_of_turn>") becomes the control
+          allow_special: special-token text (`"<|im_end|>"`, `"<end_of_turn>"`) becomes the control
             token; by default it is the plain characters it is, so a prompt cannot close its own
             turn or open a system turn.
         Returns:
@@ -219,7 +219,7 @@ def openai_encoding(name: str) -> tiktoken.Encoding:
 
 
 def openai_tokenizer(name: str) -> Tokenizer:
-    """`cl100k_base` or `o200k_base` as a Tokenizer that stops at <|endoftext|> (no BOS, no template)."""
+    """`cl100k_base` or `o200k_base` as a Tokenizer that stops at `<|endoftext|>` (no BOS, no template)."""
     enc = openai_encoding(name)
     eot = enc.encode_single_token("<|endoftext|>")
     return Tokenizer(encoding=enc, eos_id=eot, stop_ids=(eot,))

@@ -1,7 +1,7 @@
 """Tool calls: a model's own tool-call text <-> OpenAI's `tool_calls`, whole or streamed, and the
 constraint that makes the model call a tool.
 
-Formats (detected from the chat template the model was trained with):
+Formats (detected from the chat template the model was trained with)::
 
   hermes   Qwen2.5, Qwen3 (and Hermes-style templates): one block per call,
              <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
@@ -16,8 +16,8 @@ Formats (detected from the chat template the model was trained with):
 streamed fragments concatenate to exactly the non-streamed string. Text outside the calls is the
 message `content` (None when only whitespace).
 
-Not supported: Llama's built-in tools (<|python_tag|>brave_search.call(...)), Mistral's newer
-[TOOL_CALLS]name[ARGS]{...} layout, pythonic tool calls.
+Not supported: Llama's built-in tools (`<|python_tag|>brave_search.call(...)`), Mistral's newer
+`[TOOL_CALLS]name[ARGS]{...}` layout, pythonic tool calls.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Checkpoints: a model's params, config and tokenizer data in one folder, saved with orbax.
 
-Layout of a checkpoint folder (e.g. `checkpoints/gemma3-270m/`):
+Layout of a checkpoint folder (e.g. `checkpoints/gemma3-270m/`)::
+
   params/                  orbax PyTree checkpoint of the params (layers stacked on L)
   tokenizer.json           a GGUF's tokenizer data (`TokenizerData` as JSON), if it came from a GGUF
   hf_tokenizer/            a Hugging Face folder's tokenizer files, copied unchanged (tokenizer.json,
@@ -327,7 +328,7 @@ def restore(path: os.PathLike, dtype: Optional[str] = None, *, shardings=None,
     Returns:
       (config with `dtype` set, params pytree, tokenizer data or None).
     Raises:
-      CheckpointError naming the bad file or tensor.
+      CheckpointError: naming the bad file or tensor.
     """
     import orbax.checkpoint as ocp
 

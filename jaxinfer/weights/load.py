@@ -39,7 +39,7 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
     Args:
       name_or_path: a known model name (see `jaxinfer.weights.hub.KNOWN_MODELS`), a GGUF file
         path, a jaxinfer checkpoint folder (`jaxinfer convert`), a Hugging Face folder
-        (config.json + *.safetensors) or a hub id "ORG/NAME" found in the local Hugging Face
+        (`config.json` + `*.safetensors`) or a hub id "ORG/NAME" found in the local Hugging Face
         cache (`jaxinfer.weights.hf_cache`; offline, no huggingface_hub needed).
       dtype: parameter dtype, one of "float32", "bfloat16", "float16"; default None keeps a
         Hugging Face folder's or a checkpoint's stored float dtype (bf16 stays bf16) and

@@ -1,4 +1,4 @@
-"""`load_tokenizer(name_or_path)`: the tokenizer alone, from wherever a model's tokenizer lives.
+"""`load_tokenizer(name_or_path)`: the tokenizer alone, from wherever a model's tokenizer lives::
 
   a GGUF file                  tokenizer.ggml.* (byte-level or SentencePiece BPE)
   a Hugging Face folder        tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
