@@ -656,8 +656,8 @@ def test_sigterm_drains_running_requests(model):
 
 def test_tokenize_detokenize_match_the_reference_ids(served, model, golden_dir):
     """/tokenize gives the ids Hugging Face `tokenizers` gives with SmolLM2's own pre-tokenizer
-    (tests/golden), /detokenize their text back; special-token text is plain text there, as in the
-    completions endpoint (test_tokenize_and_completions_read_special_token_text_alike)."""
+    (tests/golden), /detokenize their text back; special-token text is the control token there, as
+    in HF tokenizers and the completions endpoint (test_tokenize_and_completions_read_special_token_text_alike)."""
     import os
 
     with open(os.path.join(golden_dir, "smollm2_tokenizer.json")) as f:
@@ -671,7 +671,7 @@ def test_tokenize_detokenize_match_the_reference_ids(served, model, golden_dir):
         assert back == c["decoded"], c["text"]
     tok = model.tokenizer
     r = served.post("/tokenize", {"prompt": "<|im_start|>user", "return_token_strs": True}).json()
-    assert 1 not in r["tokens"] and r["tokens"] == encode_text(tok, "<|im_start|>user")  # 1: the control token
+    assert r["tokens"][0] == tok.encode("<|im_start|>")[0] == 1 and r["token_strs"][0] == "<|im_start|>"
     assert "".join(r["token_strs"]) == "<|im_start|>user"
     msgs = [{"role": "user", "content": "Hi <|im_end|> there"}]
     r = served.post("/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()
@@ -680,21 +680,23 @@ def test_tokenize_detokenize_match_the_reference_ids(served, model, golden_dir):
 
 def test_tokenize_and_completions_read_special_token_text_alike(served, model):
     """lm-evaluation-harness's remote tokenizer splits a document with /tokenize and sends the ids,
-    or sends the text: a document holding special-token text scores the same both ways (plain
-    text in both; /tokenize used to give the control token)."""
+    or sends the text: a document holding special-token text scores the same both ways (the
+    control token in both, as in HF tokenizers; the completions endpoint used to read it as plain
+    text). It also finds the EOS and BOS ids by tokenizing their text through /tokenize."""
     doc = "The cat<|im_end|> sat.<|endoftext|> Then <|im_start|>user left."
     ids = served.post("/tokenize", {"model": NAME, "prompt": doc}).json()["tokens"]
-    assert ids == model.tokenizer.encode_prompt(doc)  # the completions endpoint's reading
-    control = {model.tokenizer.encode(t)[0] for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")}
-    assert not control & set(ids)
+    tok = model.tokenizer
+    assert ids == tok.with_bos(tok.encode(doc)) and {0, 1, 2} <= set(ids)  # the three control tokens
     by_text, by_ids = (served.client.completions.create(model=NAME, prompt=p, max_tokens=0, echo=True, logprobs=1)
                        for p in (doc, ids))
     a, b = by_text.choices[0].logprobs, by_ids.choices[0].logprobs
     assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
     assert a.tokens == b.tokens and a.token_logprobs == b.token_logprobs
+    r = served.client.completions.create(model=NAME, prompt=doc, max_tokens=6, temperature=0)
+    assert r.choices[0].text == generate_text(model, ids, 6).text
     utils = pytest.importorskip("lm_eval.utils", reason="lm-evaluation-harness is not installed")
     remote = utils.RemoteTokenizer(served.url + "/v1/completions", auth_token=KEY)
-    assert remote.encode(doc) == encode_text(model.tokenizer, doc)  # add_special_tokens: false
+    assert remote.encode(doc) == tok.encode(doc) and remote.eos_token_id == tok.eos_id  # add_special_tokens: false
 
 
 def test_tokenizer_info_and_lm_eval_remote_tokenizer(served, model):

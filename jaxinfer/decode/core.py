@@ -135,6 +135,16 @@ def stop_array(stop_ids: list[tuple[int, ...]], width: Optional[int] = None) -> 
     return out
 
 
+class _WithStops:
+    """A row's SamplingParams with its extra stop ids: the attributes `penalties.stack` reads."""
+
+    def __init__(self, sampling: smp.SamplingParams, stop_token_ids: tuple[int, ...]):
+        self.sampling, self.stop_token_ids = sampling, stop_token_ids
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampling, name)
+
+
 def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[int, ...]], eos_ids: tuple[int, ...],
                  vocab_size: int, *, bias_slots: Optional[int] = None,
                  stop_slots: Optional[int] = None) -> pen.PenaltyRows:
@@ -143,10 +153,7 @@ def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[in
     Widths are padded to MIN_BIAS_SLOTS / MIN_STOP_SLOTS buckets so requests rarely change the
     programs' shapes, or fixed (`bias_slots`, `stop_slots`: the serving engine's, so that no
     request changes them)."""
-    settings = [pen.PenaltySettings(frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                    repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_tokens,
-                                    ignore_eos=sp.ignore_eos, logit_bias=sp.logit_bias, stop_token_ids=tuple(st))
-                for sp, st in zip(samplings, extra_stops)]
+    settings = [_WithStops(sp, tuple(st)) for sp, st in zip(samplings, extra_stops)]  # `stack` checks them
     m = max([MIN_BIAS_SLOTS] + [len(sp.logit_bias) for sp in samplings])
     rows = pen.stack(settings, eos_ids, vocab_size, bias_slots=bias_slots or 1 << (m - 1).bit_length(),
                      stop_slots=stop_slots)

@@ -275,6 +275,8 @@ def check_logit_bias(logit_bias: Union[Mapping[Any, Any], Sequence[tuple[int, fl
     items = logit_bias.items() if isinstance(logit_bias, Mapping) else logit_bias
     if len(items) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(items)}")
+    if _already_checked(logit_bias, vocab_size):  # every engine iteration re-reads each request's
+        return logit_bias
     out: dict[int, float] = {}
     for key, value in items:
         if isinstance(key, str) and re.fullmatch(r"\s*-?[0-9]+\s*", key):
@@ -293,6 +295,21 @@ def check_logit_bias(logit_bias: Union[Mapping[Any, Any], Sequence[tuple[int, fl
             raise ValueError(f"logit_bias names token {tid} twice")
         out[tid] = v
     return tuple(sorted(out.items()))
+
+
+def _already_checked(pairs: Any, vocab_size: Optional[int]) -> bool:
+    """Whether `pairs` is what check_logit_bias returns, for these ids: a tuple of (int id, float
+    bias) with ids increasing in [0, V) and biases in range. Checked in C loops and NumPy (every
+    engine iteration re-reads each request's): 1024 entries in ~0.1 ms, not the ~10 ms of the
+    checks that also name a bad entry."""
+    if not isinstance(pairs, tuple) or set(map(type, pairs)) != {tuple} or set(map(len, pairs)) != {2}:
+        return False
+    ids, values = zip(*pairs)
+    if set(map(type, ids)) != {int} or set(map(type, values)) != {float}:
+        return False
+    ids, values = np.array(ids, np.int64), np.array(values, np.float64)
+    return bool(ids[0] >= 0 and (vocab_size is None or ids[-1] < vocab_size) and np.all(np.diff(ids) > 0)
+                and np.all((values >= BIAS_RANGE[0]) & (values <= BIAS_RANGE[1])))  # NaN fails this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,8 +373,8 @@ def stack(settings: Sequence[Any], eos_ids: Sequence[int], vocab_size: int, *,
     bias_ids = np.full((B, M), vocab_size, np.int32)
     bias_values = np.zeros((B, M), np.float32)
     for b, x in enumerate(biases):
-        for m, (tid, v) in enumerate(x):
-            bias_ids[b, m], bias_values[b, m] = tid, v
+        if x:
+            bias_ids[b, :len(x)], bias_values[b, :len(x)] = zip(*x)
     eos = np.array(sorted(set(eos_ids)) or [-1], np.int32)
     S = stop_slots if stop_slots is not None else _bucket(max([len(x) for x in stops] + [1]))
     if any(len(x) > S for x in stops):

@@ -218,8 +218,8 @@ def _encode(model, text: str, what: str) -> list[int]:
     if not text:
         raise bad("prompt", f"'{what}' is empty; a prompt needs at least one token")
     check_unicode(text, "prompt", what)
-    try:  # special-token text in a prompt is plain text, as in generate
-        return model.tokenizer.encode_prompt(text)
+    try:  # special-token text is the control token, as /tokenize, HF tokenizers and vLLM read it (`tokenize`)
+        return model.tokenizer.encode_prompt(text, allow_special=True)
     except ValueError as e:
         raise bad("prompt", str(e)) from None
 
@@ -477,11 +477,11 @@ def tokenize(body, model) -> tuple[list[int], bool]:
     """POST /tokenize: (token ids, whether to return their texts).
 
     `{"prompt": text, "add_special_tokens": true}` gives the ids /v1/completions runs for that
-    text: special-token text ("<|im_end|>") is the plain characters it is, as in every prompt this
-    server reads, and add_special_tokens puts BOS first where the model wants it. One rule for
-    both, because lm-evaluation-harness's remote tokenizer splits a document with /tokenize and
-    sends the ids, or sends the text: the two must score alike. (A Hugging Face tokenizer, and
-    `jaxinfer.score`, read special-token text as the control token; send ids to score that.)
+    text, which both read as a Hugging Face tokenizer (and vLLM) does: special-token text
+    ("<|im_end|>") is the control token, and add_special_tokens puts BOS first where the model
+    wants it. One rule for both because lm-evaluation-harness's remote tokenizer relies on it: it
+    finds the EOS and BOS ids by tokenizing their text here, and it scores a document either by the
+    ids it got here or by sending the text. (Chat messages stay plain text: `_messages`.)
     `{"messages": [...], "add_generation_prompt": true}` gives the ids the chat endpoint would run.
     """
     body = _endpoint_body(body, TOKENIZE_KEYS, "/tokenize")
@@ -497,7 +497,7 @@ def tokenize(body, model) -> tuple[list[int], bool]:
         raise bad("prompt", f"'prompt' must be a string, got {type(text).__name__}", "invalid_type")
     check_unicode(text, "prompt")
     special = bool(_get(body, "add_special_tokens", (bool,), True, "a boolean"))
-    ids = model.tokenizer.encode(text, allowed_special=set(), disallowed_special=())  # as `_encode`
+    ids = model.tokenizer.encode(text)  # special-token text is the control token, as in `_encode`
     return (model.tokenizer.with_bos(ids) if special else ids), strs
 
 
