@@ -634,5 +634,5 @@ def test_logits_with_nothing_to_sample_are_a_named_error(tiny_model, fill):
     def from_step_2(x, inp):  # the prefill's token and the first decode step are fine
         return jnp.where(inp.steps[:, None] >= 2, fill, x)
 
-    with pytest.raises(InvalidLogitsError, match="row 0: no token could be sampled at step 2: .* all -inf or held a NaN"):
+    with pytest.raises(InvalidLogitsError, match="row 0: no token could be sampled at step 2: .* -inf or held a NaN"):
         jaxinfer.generate(tiny_model, "Hi", max_new_tokens=6, logits_processor=from_step_2)

@@ -529,7 +529,8 @@ class Compiler:
             refused = self._refused.get(constraint)
         if refused is not None:
             raise ValueError(refused)
-        m = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0, limits=_limits())  # drops the GIL
+        # drops the GIL while it builds
+        m = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0, limits=_limits())
         if m.is_error():
             refused = f"{constraint.kind} constraint cannot be compiled for this tokenizer: {_reason(m)}"
         else:

@@ -288,14 +288,15 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
 def _check_drawable(tokens: np.ndarray, done) -> None:
     """Raise InvalidLogitsError for the first row that had nothing to sample (core.INVALID_TOKEN).
 
-    tokens: [B, n] this call's tokens (0 where a row emitted nothing); done: tokens each row had before."""
+    tokens: [B, n] this call's tokens (0 where a row emitted nothing); done: an int or [B], the
+    tokens each row had before this call."""
     rows, steps = np.nonzero(tokens == core.INVALID_TOKEN)
     if rows.size:
         b = int(rows[0])
+        step = int(np.broadcast_to(done, (tokens.shape[0],))[b]) + int(steps[0])
         raise core.InvalidLogitsError(
-            f"row {b}: no token could be sampled at step {int(np.broadcast_to(done, (tokens.shape[0],))[b]) + int(steps[0])}: "
-            "the logits the sampler received (after the logit controls, the constraint's mask and any "
-            "logits_processor) were all -inf or held a NaN")
+            f"row {b}: no token could be sampled at step {step}: the logits the sampler received (after the "
+            "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN")
 
 
 def _uncached_logits(params, tokens, cfg):

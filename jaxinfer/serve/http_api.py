@@ -15,8 +15,8 @@ requests than `max_slots + max_waiting` in flight a 429 with Retry-After; a clie
 away mid-request has its engine requests cancelled; a request that fails inside the engine fails
 alone (500 / an error event): code "constraint_failed" naming the parameter when its constraint
 engine gave up mid-generation, else "engine_error". A constraint that cannot be served at all is
-a 400 before admission (`_compile_constraint`). Every refusal is logged (one line on the `jaxinfer.serve` logger)
-and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
+a 400 before admission (`_compile_constraint`). Every refusal is logged (one line on the
+`jaxinfer.serve` logger) and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
 finishes the running requests before the engine stops.
 """
 
@@ -43,8 +43,8 @@ from jaxinfer.serve import metrics as mx
 from jaxinfer.serve import protocol as proto
 from jaxinfer.serve import responses as rsp
 from jaxinfer.serve.engine import EngineDead
-from jaxinfer.serve.request import ConstraintFailed
 from jaxinfer.serve.protocol import ApiError
+from jaxinfer.serve.request import ConstraintFailed
 
 log = logging.getLogger("jaxinfer.serve")
 
