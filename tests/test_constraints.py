@@ -298,3 +298,17 @@ def test_objects_generate_only_listed_properties_unless_asked(tok, compiler):
     assert accepts(loose, extra) and accepts(loose, nested_extra)
     for text in (listed, extra, nested_extra):
         jsonschema.validate(json.loads(text), schema)  # all valid: closing only narrows what is generated
+
+
+def test_compile_walks_a_new_constraint_and_keeps_its_refusal(tok):
+    """A constraint llguidance gives up on (or that admits no output) is a ValueError from
+    `compile` with llguidance's reason, before any request uses it; the refusal is kept."""
+    compiler = C.Compiler(tok, tok.vocab_size, stop_ids=[2])
+    with pytest.raises(ValueError, match="admits no output at all"):
+        compiler.compile(C.regex(r"[^\s\S]"))
+    with pytest.raises(ValueError, match=r"gives up after 1 token: .*5001 items; max is 2000"):
+        compiler.compile(C.choice([f"option{i}" for i in range(5000)]))
+    assert "<non-verbose/>" not in compiler._refused[C.choice([f"option{i}" for i in range(5000)])]
+    with pytest.raises(ValueError, match="5001 items"):  # from the kept refusal
+        compiler.matcher(C.choice([f"option{i}" for i in range(5000)]))
+    compiler.compile(C.grammar('root ::= ("a" | "b") root'))  # no end, but nothing to give up on: "length"

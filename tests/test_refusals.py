@@ -597,3 +597,42 @@ def test_serve_port_0_binds_a_free_port_before_the_load_and_announces_it(tiny_mo
     assert app.state.server.context == 64
     with socket.socket() as probe:  # the CLI closed its socket when uvicorn returned
         probe.bind(("127.0.0.1", port))
+
+
+# ---- the smaller refusals of issue 49 ------------------------------------------------------------
+
+@pytest.mark.parametrize("pair", [("a\ud800", "b"), ("a", "b\udfff"), ("", "\ud800")])
+def test_score_refuses_a_lone_surrogate_before_compiling(tiny_model, pair):
+    """The tokenizer would replace it silently; generate, chat and the server refuse it already."""
+    from jaxinfer.compile_cache import CompileCounter
+
+    with CompileCounter() as compiles, pytest.raises(ValueError, match="lone surrogate"):
+        jaxinfer.score(tiny_model, [pair])
+    assert compiles.count == 0, "compiled before refusing"
+
+
+def test_more_logit_bias_entries_than_the_engine_holds_are_refused():
+    """The engine's bias arrays have 1024 slots (penalties.MAX_LOGIT_BIAS), as the server's limit."""
+    jaxinfer.SamplingParams(logit_bias={i: 1.0 for i in range(1024)})
+    with pytest.raises(ValueError, match="logit_bias takes at most 1024 token ids, got 1025"):
+        jaxinfer.SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
+
+
+def test_a_logits_processor_of_the_wrong_shape_is_named(tiny_model):
+    """[B, 10] instead of [B, V] used to be sampled as a 10-token vocabulary."""
+    with pytest.raises(ValueError, match=r"must return logits \[B, V\] = \(1, 259\), got \(1, 10\)"):
+        jaxinfer.generate(tiny_model, "Hi", max_new_tokens=4, logits_processor=lambda x, _: x[:, :10])
+
+
+@pytest.mark.parametrize("fill", [-np.inf, np.nan])
+def test_logits_with_nothing_to_sample_are_a_named_error(tiny_model, fill):
+    """All -inf or NaN logits used to give token 0 (an empty "stop" where 0 is a stop id)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.decode.core import InvalidLogitsError
+
+    def from_step_2(x, inp):  # the prefill's token and the first decode step are fine
+        return jnp.where(inp.steps[:, None] >= 2, fill, x)
+
+    with pytest.raises(InvalidLogitsError, match="row 0: no token could be sampled at step 2: .* -inf or held a NaN"):
+        jaxinfer.generate(tiny_model, "Hi", max_new_tokens=6, logits_processor=from_step_2)

@@ -3,8 +3,10 @@
 code and OpenAI's error object. One server per module (uvicorn in a thread, 127.0.0.1, a free
 port) over a tiny random model that has SmolLM2's real tokenizer and chat template."""
 
+import concurrent.futures
 import dataclasses
 import json
+import random
 import signal
 import time
 
@@ -96,7 +98,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(model):
     engine = srv.make_engine(model, max_slots=4, kv_memory=None, prefill_chunk=64)
-    engine.warmup()
+    engine.warmup(logprobs=True, scoring=True)  # as `jaxinfer serve` warms up
     app = srv.create_app(FailingEngine(engine), model, model_name=NAME, api_key=KEY,
                          limits=srv.Limits(max_slots=4, max_waiting=2, max_body_bytes=64 << 10))
     server, thread, url = start_server(app)
@@ -360,6 +362,108 @@ def test_metrics_are_prometheus_text(served):
     assert 'jaxinfer_time_to_first_token_seconds_bucket{le="+Inf"}' in text
 
 
+# ---- nothing a request carries compiles a program after warm-up --------------------------------
+
+WORDS = "the cat sat on a mat while seven quiet robots counted blue apples near the river".split()
+TOOL = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+
+
+def random_request(rng: random.Random, vocab: int) -> tuple[str, dict]:
+    """A random valid request (path, body) mixing every per-request option the server takes:
+    logit_bias of 0 to 1024 entries, penalties, min_tokens, ignore_eos, stop lists, constraints,
+    logprobs / top_logprobs counts, n, echo scoring, streaming, prompts of many lengths. At most
+    3 engine requests each (two such in flight stay under the served fixture's 6)."""
+    chat = rng.random() < 0.4
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 12, 40, 90])))
+    body = {"model": NAME, "max_tokens": rng.randint(1, 6), "seed": rng.randrange(1 << 32),
+            "temperature": rng.choice([0.0, 0.7, 1.3]), "top_p": rng.choice([1.0, 0.9]),
+            "top_k": rng.choice([0, 1, 40]), "min_p": rng.choice([0.0, 0.05])}
+    size = rng.choice([0, 1, 16, 17, 40, 300, 1024])
+    body["logit_bias"] = {str(t): rng.uniform(-100, 100) for t in rng.sample(range(3, vocab), size)}
+    for name, lo, hi in (("frequency_penalty", -2, 2), ("presence_penalty", -2, 2), ("repetition_penalty", 0.5, 2)):
+        if rng.random() < 0.3:
+            body[name] = rng.uniform(lo, hi)
+    body["ignore_eos"] = rng.random() < 0.2
+    if rng.random() < 0.5:
+        body["stop"] = ["".join(rng.choice("abc .") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 32))]
+    kind = rng.choice([None, None, "choice", "regex", "json", "tool"] if chat else [None, None, "choice", "regex", "json"])
+    if kind == "choice":
+        body["guided_choice"] = [rng.choice(WORDS) + str(i) for i in range(rng.randint(2, 40))]
+    elif kind == "regex":
+        body["guided_regex"] = rng.choice([r"[0-9]{2,5}", r"(yes|no) [a-z]+", r"[A-Z][a-z]{1,8}"])
+    elif kind == "json":
+        body["response_format"] = {"type": "json_object"}
+    elif kind == "tool":
+        body.update(tools=TOOL, tool_choice="required")
+    elif rng.random() < 0.3:
+        body["min_tokens"] = rng.randint(1, body["max_tokens"])
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+        if rng.random() < 0.4:
+            body.update(logprobs=True, top_logprobs=rng.randint(0, 20))
+        else:
+            body["stream"] = rng.random() < 0.5
+        body["n"] = rng.randint(1, 3)
+        return "/v1/chat/completions", body
+    ids = [rng.randrange(3, vocab) for _ in range(rng.choice([1, 20, 150]))]
+    body["prompt"] = rng.choice([text, ids, [text, text[:9] or "a"]])
+    n_prompts = 2 if isinstance(body["prompt"], list) and isinstance(body["prompt"][0], str) else 1
+    body["n"] = rng.randint(1, 3 // n_prompts)
+    if kind is None and rng.random() < 0.2:  # the scoring call: prompt logprobs, nothing generated
+        body.update(echo=True, max_tokens=0, logprobs=rng.randint(0, 20))
+        body.pop("min_tokens", None)
+    elif rng.random() < 0.4:
+        body.update(logprobs=rng.randint(0, 20), echo=rng.random() < 0.5)
+    else:
+        body["stream"] = rng.random() < 0.5
+    return "/v1/completions", body
+
+
+def test_nothing_a_request_carries_compiles_after_warmup(served, model):
+    """After `warmup` (the served fixture's, as `jaxinfer serve` runs it), a random mix of every request option compiles
+    no program: not in the engine (its own count), not anywhere in this process (JAX's compile
+    events on every thread). logit_bias over 16 entries used to compile a program per size."""
+    from jaxinfer.compile_cache import BACKEND_COMPILE_EVENT
+
+    wait_idle(served)
+    rng = random.Random(49)
+    vocab = model.config.vocab_size
+    requests = [random_request(rng, vocab) for _ in range(32)]
+    compiled = []
+
+    def listen(event, duration_s, **kw):
+        if event == BACKEND_COMPILE_EVENT:
+            compiled.append(duration_s)
+
+    def send(req):
+        path, body = req
+        if body.get("stream"):
+            with httpx.stream("POST", served.url + path, json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                text = r.read().decode()
+            assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]") and '"error"' not in text, \
+                (body, text[-300:])
+        else:
+            r = served.post(path, body)
+            assert r.status_code == 200, (body, r.text[:300])
+
+    before = served.engine.compiles_while_serving
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(send, requests))
+        for k in (0, 9, 40, 64):  # the Python API's own per-request widths: extra stop ids
+            stops = rng.sample(range(3, vocab), k)
+            served.engine.submit([5, 6, 8, 9], max_new_tokens=3, stop_tokens=stops, seed=k,
+                                 sampling=SamplingParams(temperature=0.9)).result(timeout=60)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == [] and served.engine.compiles_while_serving == before, \
+        f"{len(compiled)} programs compiled while serving ({sum(compiled):.1f} s)"
+    assert served.stats()["serving_compiles_total"] == served.engine.compiles_while_serving
+
+
 # ---- limits that agree: one context bound for defaults, validation and /v1/models --------------
 
 @pytest.fixture(scope="module")
@@ -553,7 +657,7 @@ def test_sigterm_drains_running_requests(model):
 def test_tokenize_detokenize_match_the_reference_ids(served, model, golden_dir):
     """/tokenize gives the ids Hugging Face `tokenizers` gives with SmolLM2's own pre-tokenizer
     (tests/golden), /detokenize their text back; special-token text is the control token there, as
-    in HF tokenizers (the completions endpoint keeps it plain text)."""
+    in HF tokenizers and the completions endpoint (test_tokenize_and_completions_read_special_token_text_alike)."""
     import os
 
     with open(os.path.join(golden_dir, "smollm2_tokenizer.json")) as f:
@@ -572,6 +676,27 @@ def test_tokenize_detokenize_match_the_reference_ids(served, model, golden_dir):
     msgs = [{"role": "user", "content": "Hi <|im_end|> there"}]
     r = served.post("/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()
     assert r["tokens"] == chat_ids(tok, msgs)  # what the chat endpoint runs: contents stay plain text
+
+
+def test_tokenize_and_completions_read_special_token_text_alike(served, model):
+    """lm-evaluation-harness's remote tokenizer splits a document with /tokenize and sends the ids,
+    or sends the text: a document holding special-token text scores the same both ways (the
+    control token in both, as in HF tokenizers; the completions endpoint used to read it as plain
+    text). It also finds the EOS and BOS ids by tokenizing their text through /tokenize."""
+    doc = "The cat<|im_end|> sat.<|endoftext|> Then <|im_start|>user left."
+    ids = served.post("/tokenize", {"model": NAME, "prompt": doc}).json()["tokens"]
+    tok = model.tokenizer
+    assert ids == tok.with_bos(tok.encode(doc)) and {0, 1, 2} <= set(ids)  # the three control tokens
+    by_text, by_ids = (served.client.completions.create(model=NAME, prompt=p, max_tokens=0, echo=True, logprobs=1)
+                       for p in (doc, ids))
+    a, b = by_text.choices[0].logprobs, by_ids.choices[0].logprobs
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+    assert a.tokens == b.tokens and a.token_logprobs == b.token_logprobs
+    r = served.client.completions.create(model=NAME, prompt=doc, max_tokens=6, temperature=0)
+    assert r.choices[0].text == generate_text(model, ids, 6).text
+    utils = pytest.importorskip("lm_eval.utils", reason="lm-evaluation-harness is not installed")
+    remote = utils.RemoteTokenizer(served.url + "/v1/completions", auth_token=KEY)
+    assert remote.encode(doc) == tok.encode(doc) and remote.eos_token_id == tok.eos_id  # add_special_tokens: false
 
 
 def test_tokenizer_info_and_lm_eval_remote_tokenizer(served, model):

@@ -150,6 +150,95 @@ def test_a_schema_the_engine_cannot_honour_is_a_400_naming_the_keyword(served):
     assert e.param == "tools" and "uniqueItems" in e.message and "'f'" in e.message
 
 
+# Constraints the grammar engine gives up on (issue 49): each used to come back over HTTP as a
+# normal 200 "stop" answer. (body parameter, its value, the builder, words of llguidance's reason)
+GIVES_UP = {
+    "choice_of_5000": ("guided_choice", [f"option{i}" for i in range(5000)], C.choice, "5001 items; max is 2000"),
+    "exploding_regex": ("guided_regex", "((a{100}){100}){100}", C.regex, "too many expressions"),
+    "never_ends": ("guided_grammar", 'root ::= "a" root', C.grammar, "Too many items"),
+    "grammar_of_20000": ("guided_grammar", "root ::= " + " | ".join(f'"tok{i}"' for i in range(20000)), C.grammar,
+                         "20001 items"),
+    "matches_nothing": ("guided_regex", r"[^\s\S]", C.regex, "admits no output at all"),
+    "schema_of_3000": ("guided_json", {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}},
+                       C.json_schema, "items; max is 2000"),
+    "self_referential_ref": ("guided_json", {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+                             C.json_schema, "admits no output at all"),
+}
+
+
+@pytest.mark.parametrize("case", list(GIVES_UP))
+def test_a_constraint_the_engine_gives_up_on_is_refused_before_admission(served, model, case):
+    """A 400 naming the parameter and llguidance's reason, streaming or not (nothing admitted:
+    the engine's counters do not move), and a ValueError from generate before anything compiles."""
+    from jaxinfer.compile_cache import CompileCounter
+
+    param, value, build, words = GIVES_UP[case]
+    finished = served.engine.stats().requests_finished
+    for stream in (False, True):
+        e = refused(served.client.completions.create, prompt="Go:", max_tokens=8, stream=stream,
+                    extra_body={param: value})
+        assert e.param == param and words in e.message and "cannot be served" in e.message, e.message
+    assert served.engine.stats().requests_finished == finished
+    with CompileCounter() as compiles, pytest.raises(ValueError, match="cannot be served") as e:
+        gen(model, "Go:", 8, constraint=build(value))
+    assert words in str(e.value) and compiles.count == 0
+
+
+# A grammar that passes admission (the walk's 16 one-letter tokens stay inside the 24 letters) and
+# gives up once a sampled path reaches the 5,000-way choice.
+LATE = "start: /[a-z]{24}/ (" + " | ".join(f'"x{i}"' for i in range(5000)) + ")"
+
+
+def test_a_constraint_that_gives_up_mid_generation_fails_that_request_alone(served, model):
+    """Never a "stop": a 500 naming the parameter and llguidance's reason, an error object ending
+    the stream, a ConstraintError from generate; a request beside it is served as if alone."""
+    import concurrent.futures
+
+    import httpx
+
+    kw = dict(model=NAME, prompt="Go:", max_tokens=40, temperature=1.0, seed=3)
+    neighbour = dict(model=NAME, prompt="The weather today", max_tokens=24, temperature=0.8, seed=1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(served.client.completions.create, **neighbour)
+        with pytest.raises(openai.InternalServerError) as e:
+            served.client.completions.create(extra_body={"guided_grammar": LATE}, **kw)
+        r = beside.result()
+    err = e.value.body
+    assert e.value.status_code == 500 and err["code"] == "constraint_failed" and err["param"] == "guided_grammar"
+    assert "5001 items" in err["message"] and "gave up after" in err["message"], err
+    assert r.choices[0].text == gen(model, "The weather today", 24, seed=1, temperature=0.8).text
+    with httpx.stream("POST", served.url + "/v1/completions", json={**kw, "stream": True, "guided_grammar": LATE},
+                      timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert resp.status_code == 200 and events[-1]["error"]["code"] == "constraint_failed", events[-1]
+    assert all(c["finish_reason"] is None for ev in events[:-1] for c in ev["choices"])  # never "stop"
+    text = "".join(c["text"] for ev in events[:-1] for c in ev["choices"])
+    assert re.fullmatch("[a-z]*", text)
+    with pytest.raises(C.ConstraintError, match="5001 items"):
+        gen(model, "Go:", 40, seed=3, temperature=1.0, constraint=C.grammar(LATE))
+    assert served.engine.healthy
+
+
+def test_min_tokens_with_a_constraint_is_refused(served):
+    """A guided_choice is complete after its option: min_tokens cannot lengthen it (it used to
+    return the 1-token answer silently)."""
+    e = refused(served.client.completions.create, prompt="Well?", max_tokens=16,
+                extra_body={"guided_choice": ["yes", "no"], "min_tokens": 8})
+    assert e.param == "min_tokens" and "constraint" in e.message
+    e = refused(served.client.chat.completions.create, messages=ASK, max_tokens=16, tools=TOOLS,
+                tool_choice="required", extra_body={"min_tokens": 2})
+    assert e.param == "min_tokens"
+    with pytest.raises(ValueError, match="min_tokens=8 cannot be combined with a constraint"):
+        SamplingParams(min_tokens=8, constraint=C.choice(["yes", "no"]))
+
+
+def test_logit_bias_keys_are_ascii_digits(served):
+    """"١٢" (Arabic-Indic digits) used to be read as token 12, while "+12" was refused."""
+    for key in ("\u0661\u0662", "\uff11\uff12", "+12", " 12"):
+        e = refused(served.client.completions.create, prompt="x", max_tokens=2, logit_bias={key: 5})
+        assert e.param == "logit_bias", key
+
+
 # ---- tool calls ----------------------------------------------------------------------------------
 
 def _check_calls(calls):
@@ -189,6 +278,33 @@ def test_forced_tool_calls_validate_and_stream_the_same(served, choice, parallel
     content, streamed, ids, finish = _streamed(served.client, **kw)
     assert streamed == [(x.function.name, x.function.arguments) for x in calls]  # the same seed, the same call
     assert content == "" and finish == "tool_calls" and len(set(ids.values())) == len(calls)
+
+
+def test_a_forced_tool_call_cut_by_max_tokens_returns_what_was_written(served, model):
+    """finish_reason "length" with the reply so far, as OpenAI returns it: cut inside the name, the
+    text is the content (it used to be dropped: content null, no tool_calls); cut inside the
+    arguments, the call with its arguments so far (a prefix of the JSON text). Streamed alike."""
+    kw = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.8, seed=5)
+    whole = served.client.chat.completions.create(max_tokens=120, **kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    call = whole.choices[0].message.tool_calls[0].function
+    ref = gen(model, chat_ids(model.tokenizer, ASK, tools=TOOLS), 120, seed=5, temperature=0.8,
+              constraint=C.tool_call(model.tokenizer, TOOLS, "required"))
+    in_args = next(k for k in range(len(ref.token_ids)) if '"city"' in model.tokenizer.decode(ref.token_ids[:k]))
+    for cut in (3, in_args):
+        r = served.client.chat.completions.create(max_tokens=cut, **kw)
+        c = r.choices[0]
+        assert c.finish_reason == "length" and r.usage.completion_tokens == cut
+        text = model.tokenizer.decode(ref.token_ids[:cut])
+        if cut == 3:  # inside `[{"name": ...`
+            assert c.message.tool_calls is None and c.message.content == text.strip() and ref.text.startswith(text)
+        else:
+            got = c.message.tool_calls[0].function
+            assert c.message.content is None and got.name == call.name
+            assert call.arguments.startswith(got.arguments) and got.arguments != call.arguments
+        content, streamed, _, finish = _streamed(served.client, max_tokens=cut, **kw)
+        assert finish == "length" and (content or None) == c.message.content
+        assert streamed == [(x.function.name, x.function.arguments) for x in c.message.tool_calls or ()]
 
 
 def test_auto_without_a_template_format_is_plain_text(served, model):

@@ -11,6 +11,13 @@ A `Constraint` is a frozen, hashable value (it sits inside the frozen sampling s
 
 A constraint that llguidance cannot honour raises ValueError when it is built (the message names
 the keyword or the grammar error), never later and never as a silently unconstrained answer.
+Some fail only for a vocabulary or only once generation starts (a choice of 5,000 options, a
+regex whose lexer explodes, a grammar with no string at all, a grammar that never ends): the
+`Compiler` walks each new constraint PROBE_TOKENS tokens along one path before it is used
+(`Compiler.compile`) and raises ValueError with llguidance's reason when the engine gives up on
+the way. One that gives up later, on a path the walk did not take, makes the matcher's `error`
+say why; `generate` and the serving engine then end that request with `ConstraintError`, never
+as a finished answer.
 
 A `Compiler` holds one model's vocabulary (V token byte strings, V the model's logits width) and
 turns constraints into per-request `Matcher` objects. Each compiled constraint is kept (an LRU of
@@ -63,6 +70,28 @@ JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})"
 
 KINDS = ("json_schema", "regex", "grammar", "choice")
 _NEEDS_TOKENIZER = "no tokenizer - can't validate"
+# Tokens a new constraint is walked along one path before its first use (`Compiler.compile`):
+# llguidance's resource limits (2,000 Earley items in a row, 50,000 per step, the lexer's states)
+# are hit on the first token or two by the constraints that hit them at all (a 5,000-way choice,
+# ((a{100}){100}){100}, a 3,000-property schema); a walk costs ~1 ms per token at V = 49152.
+PROBE_TOKENS = 16
+
+
+class ConstraintError(RuntimeError):
+    """The constraint engine (llguidance) gave up while generating: a resource limit reached on
+    a path that the admission walk (`Compiler.compile`) did not take. The message says why."""
+
+
+def _limits() -> "llguidance.LLParserLimits":
+    """llguidance's default limits with short error messages: its verbose ones carry the parser
+    state and the whole grammar (a client's schema, into a log line or an HTTP error)."""
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _reason(m: "llguidance.LLMatcher") -> str:
+    """llguidance's error message, on one line, without its `<non-verbose/>` marker."""
+    text = (m.get_error() or "error").replace("<non-verbose/>", " ")
+    return " ".join(text.split())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +400,48 @@ class Matcher:
         """Why the matcher is in error (a disallowed token, a resource limit), else None."""
         if not self._m.is_error():
             return None
-        return self._m.get_error() or "error"
+        return _reason(self._m)
+
+
+def probe(m: "llguidance.LLMatcher", mask_words: int, stop_ids: Sequence[int],
+          steps: int = PROBE_TOKENS) -> Optional[str]:
+    """Walk a fresh matcher `steps` tokens along one path, as generation would: each step
+    computes the mask, then takes the lowest-id token it allows (not a stop id, unless the
+    grammar names only that), until the output may end.
+
+    Args:
+      m: a fresh llguidance matcher (consumed: pass a copy).
+      mask_words: U, the int32 words of a mask.
+      stop_ids: the ids that end the output.
+      steps: tokens to walk at most.
+    Returns:
+      Why the constraint cannot be served (no output at all, or llguidance's error and after
+      how many tokens), or None.
+    """
+    mask = np.zeros((1, mask_words), np.int32)
+    stops = np.asarray(sorted(stop_ids), np.int64)
+    for n in range(steps + 1):
+        if m.is_error():
+            return _gave_up(m, n)
+        if m.is_accepting() or n == steps:
+            return None
+        llg_np.fill_next_token_bitmask(m, mask, 0)
+        if m.is_error():
+            return _gave_up(m, n)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if allowed.size == 0:
+            return "it admits no output at all (no text matches it)"
+        text = np.setdiff1d(allowed, stops)  # a stop id here is one the grammar names (not accepting)
+        m.consume_token(int(text[0] if text.size else allowed[0]))
+    return None
+
+
+def _gave_up(m: "llguidance.LLMatcher", n: int) -> str:
+    """Why a matcher in error after `n` walked tokens cannot be served."""
+    if n == 0 and _reason(m).startswith("NoExtensionBias"):  # stopped before the first token
+        return "it admits no output at all (no text matches it)"
+    where = "on its first token" if n == 0 else f"after {n} token{'s' if n != 1 else ''}"
+    return f"the constraint engine (llguidance) gives up {where}: {_reason(m)}"
 
 
 def _check_bitmask(out: np.ndarray, rows: int, words: int) -> np.ndarray:
@@ -395,7 +465,8 @@ class Compiler:
             never allowed. Default: the tokenizer's vocabulary size.
           stop_ids: ids that end the output where the grammar allows it; default the
             tokenizer's stop ids (or its EOS).
-          cache_size: compiled constraints kept (least recently used dropped first).
+          cache_size: compiled constraints kept (least recently used dropped first), and as many
+            refused ones.
           threads: threads for `fill_bitmasks`; default llguidance's rule, 80% of the CPUs this
             process may use (at most 32). With one thread the rows are filled in turn: on a 2-core
             machine that is faster than a thread pool (8 rows: 0.05 ms against 0.25 ms).
@@ -417,6 +488,9 @@ class Compiler:
         self.stop_ids = tuple(stops)
         self._tokenizer = llguidance.LLTokenizer(_Vocabulary(tokenizer, vocab_size, stops), eos_token=stops)
         self._cache: collections.OrderedDict[Constraint, llguidance.LLMatcher] = collections.OrderedDict()
+        # Refusals are kept too (constraint -> message): a client that resends a grammar the engine
+        # gives up on costs a dict lookup, not another compile and walk (up to ~1 s each).
+        self._refused: collections.OrderedDict[Constraint, str] = collections.OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         if threads is None:
@@ -428,11 +502,14 @@ class Compiler:
         self._executor: Optional[llguidance.LLExecutor] = None
 
     def compile(self, constraint: Constraint) -> None:
-        """Compile `constraint` for this vocabulary now (else `matcher` does it on first use).
+        """Compile `constraint` for this vocabulary now (else `matcher` does it on first use),
+        and walk it PROBE_TOKENS tokens along one path (`probe`): both are done once per
+        constraint, which is kept for the requests that use it.
 
         Raises:
           ValueError: the grammar cannot be built for this tokenizer (e.g. a special token it
-            lacks), with llguidance's message.
+            lacks), admits no output at all, or the constraint engine gives up on the walk (a
+            resource limit), with llguidance's message.
         """
         self._template(constraint)
 
@@ -449,9 +526,22 @@ class Compiler:
             if m is not None:
                 self._cache.move_to_end(constraint)
                 return m
-        m = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0)  # drops the GIL
+            refused = self._refused.get(constraint)
+        if refused is not None:
+            raise ValueError(refused)
+        # drops the GIL while it builds
+        m = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0, limits=_limits())
         if m.is_error():
-            raise ValueError(f"{constraint.kind} constraint cannot be compiled for this tokenizer: {m.get_error()}")
+            refused = f"{constraint.kind} constraint cannot be compiled for this tokenizer: {_reason(m)}"
+        else:
+            problem = probe(m.deep_copy(), self.mask_words, self.stop_ids)
+            refused = None if problem is None else f"{constraint.kind} constraint cannot be served: {problem}"
+        if refused is not None:
+            with self._lock:
+                self._refused[constraint] = refused
+                while len(self._refused) > self._cache_size:
+                    self._refused.popitem(last=False)
+            raise ValueError(refused)
         with self._lock:
             self._cache[constraint] = m
             while len(self._cache) > self._cache_size:

@@ -47,6 +47,10 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
 
 MIN_STOP_SLOTS = 8  # stop-id arrays are padded to a power of two >= this (few programs)
+# The token a row "samples" when its logits leave nothing to draw (all -inf, or a NaN): the row
+# stops there (`is_stop`), and the host raises `InvalidLogitsError` (generate) or fails the
+# request (the engine) instead of handing out token 0.
+INVALID_TOKEN = -1
 MIN_BIAS_SLOTS = 16  # logit_bias entries per row are padded to a power of two >= this
 # A closed batch of one row checks whether it is live once per this many decode steps, not every
 # step: on XLA's CPU backend the per-step `lax.cond` around a one-row step copies the KV pool in
@@ -100,6 +104,10 @@ class ProcessorInput:
 LogitsProcessor = Callable[[jax.Array, ProcessorInput], jax.Array]
 
 
+class InvalidLogitsError(FloatingPointError):
+    """A row's logits left no token to sample: all -inf (every token banned) or NaN."""
+
+
 @struct.dataclass
 class Emitted:
     """Tokens one step produced per row (E slots, the first `count` of them real)."""
@@ -111,28 +119,44 @@ class Emitted:
     top_logprobs: jax.Array  # [B, E, n_top] float32
 
 
-def stop_array(stop_ids: list[tuple[int, ...]]) -> np.ndarray:
-    """Per-row stop ids -> [B, M] int32 padded with -1, M a power of two >= MIN_STOP_SLOTS."""
-    m = max([MIN_STOP_SLOTS] + [len(s) for s in stop_ids])
-    m = 1 << (m - 1).bit_length()
+def stop_array(stop_ids: list[tuple[int, ...]], width: Optional[int] = None) -> np.ndarray:
+    """Per-row stop ids -> [B, M] int32 padded with -1, M a power of two >= MIN_STOP_SLOTS (or
+    `width`, a fixed M, as the serving engine's programs take)."""
+    longest = max([0] + [len(s) for s in stop_ids])
+    if width is None:
+        m = 1 << (max(MIN_STOP_SLOTS, longest) - 1).bit_length()
+    elif longest > width:
+        raise ValueError(f"a row has {longest} stop ids, more than the {width} slots")
+    else:
+        m = width
     out = np.full((len(stop_ids), m), -1, np.int32)
     for b, s in enumerate(stop_ids):
         out[b, :len(s)] = s
     return out
 
 
+class _WithStops:
+    """A row's SamplingParams with its extra stop ids: the attributes `penalties.stack` reads."""
+
+    def __init__(self, sampling: smp.SamplingParams, stop_token_ids: tuple[int, ...]):
+        self.sampling, self.stop_token_ids = sampling, stop_token_ids
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampling, name)
+
+
 def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[int, ...]], eos_ids: tuple[int, ...],
-                 vocab_size: int) -> pen.PenaltyRows:
+                 vocab_size: int, *, bias_slots: Optional[int] = None,
+                 stop_slots: Optional[int] = None) -> pen.PenaltyRows:
     """Per-row logit controls from each row's SamplingParams and extra stop ids (host side).
 
     Widths are padded to MIN_BIAS_SLOTS / MIN_STOP_SLOTS buckets so requests rarely change the
-    programs' shapes."""
-    settings = [pen.PenaltySettings(frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                    repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_tokens,
-                                    ignore_eos=sp.ignore_eos, logit_bias=sp.logit_bias, stop_token_ids=tuple(st))
-                for sp, st in zip(samplings, extra_stops)]
+    programs' shapes, or fixed (`bias_slots`, `stop_slots`: the serving engine's, so that no
+    request changes them)."""
+    settings = [_WithStops(sp, tuple(st)) for sp, st in zip(samplings, extra_stops)]  # `stack` checks them
     m = max([MIN_BIAS_SLOTS] + [len(sp.logit_bias) for sp in samplings])
-    rows = pen.stack(settings, eos_ids, vocab_size, bias_slots=1 << (m - 1).bit_length())
+    rows = pen.stack(settings, eos_ids, vocab_size, bias_slots=bias_slots or 1 << (m - 1).bit_length(),
+                     stop_slots=stop_slots)
     stops = np.asarray(rows.stop_ids)
     wide = np.full((stops.shape[0], max(MIN_STOP_SLOTS, stops.shape[1])), -1, np.int32)
     wide[:, :stops.shape[1]] = stops
@@ -177,21 +201,28 @@ def select_tokens(logits: jax.Array, rows: Rows, counts: pen.TokenCounts,
                 processor: Optional[LogitsProcessor] = None, processor_input: Optional[ProcessorInput] = None):
     """Each row's next token from its logits [B, V]: controls, the logits processor, the sampler.
 
-    Returns (tokens [B] int32, logprobs [B] of the sampled distribution's logits, those logits [B, V]).
+    Returns (tokens [B] int32, logprobs [B] of the sampled distribution's logits, those logits [B, V]);
+    a row whose logits leave nothing to draw gets INVALID_TOKEN. Raises ValueError (at trace
+    time) when the processor returns another shape than [B, V].
     """
     x = _controlled(logits, rows, counts)
     if processor is not None:
         with jax.named_scope("logits_processor"):
-            x = processor(x, processor_input).astype(jnp.float32)
+            y = processor(x, processor_input)
+        if getattr(y, "shape", None) != x.shape:  # at trace time, before anything runs
+            raise ValueError(f"the logits processor must return logits [B, V] = {tuple(x.shape)}, "
+                             f"got {getattr(y, 'shape', type(y).__name__)}")
+        x = y.astype(jnp.float32)
     tok, lp = smp.sample(x, smp.step_keys(rows.keys, rows.steps), rows.sampling)
-    return tok, lp, x
+    drawable = jnp.any(x > -jnp.inf, axis=-1) & ~jnp.any(jnp.isnan(x), axis=-1)  # [B]
+    return jnp.where(drawable, tok, INVALID_TOKEN), lp, x
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    """tokens [B, ...] in each row's stop ids [B, M] -> [B, ...] bool."""
+    """tokens [B, ...] in each row's stop ids [B, M] (or INVALID_TOKEN) -> [B, ...] bool."""
     extra = tokens.ndim - 1
     stops = stop_ids.reshape(stop_ids.shape[:1] + (1,) * extra + stop_ids.shape[1:])
-    return jnp.any(tokens[..., None] == stops, axis=-1)
+    return jnp.any(tokens[..., None] == stops, axis=-1) | (tokens == INVALID_TOKEN)
 
 
 def _emitted(tokens, logprobs, count, logits, n_top: int, top: Optional[jax.Array] = None) -> Emitted:

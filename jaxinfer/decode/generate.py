@@ -103,6 +103,7 @@ class _Batch:
     max_len: int  # S: positions per row in the cache
     rows: core.Rows
     counts: pen.TokenCounts
+    compiler: Optional[constraints.Compiler] = None  # the constraint's, compiled and walked (`Compiler.compile`)
 
 
 def _prepare(model: Model, prompts: Prompts, key, seed, max_new_tokens: int, sampling: SamplingParams,
@@ -122,6 +123,10 @@ def _prepare(model: Model, prompts: Prompts, key, seed, max_new_tokens: int, sam
     check_context(ids, max_new_tokens, 0, cfg)
     check_token_ids(list(stop_tokens) or [0], cfg.vocab_size, "stop_tokens")
     stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens, sampling.ignore_eos)
+    compiler = None
+    if sampling.constraint is not None:  # one llguidance can't serve is refused here, before any XLA compile
+        compiler = constraints.Compiler(model.tokenizer, cfg.vocab_size, stop_ids=stop_ids)
+        compiler.compile(sampling.constraint)
     keys = request_keys(len(ids), key, seed, sampling)
     tokens, lengths = pack_prompts(ids)
     Tb = tokens.shape[1]
@@ -130,7 +135,7 @@ def _prepare(model: Model, prompts: Prompts, key, seed, max_new_tokens: int, sam
     return _Batch(ids=ids, tokens=tokens, lengths=lengths, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
                   chunk=Tb if prefill_chunk_size is None else min(Tb, prefill_chunk_size),
                   max_len=bucket(max(Tb, int(lengths.max()) + max_new_tokens), MIN_KV_BUCKET), rows=rows,
-                  counts=core.host_counts(ids, cfg.vocab_size))
+                  counts=core.host_counts(ids, cfg.vocab_size), compiler=compiler)
 
 
 def _history(batch: _Batch, first: np.ndarray) -> np.ndarray:
@@ -145,8 +150,7 @@ class _Constrained:
     """The host side of constrained rows: a grammar matcher per row, a token mask before each step."""
 
     def __init__(self, model: Model, batch: _Batch, constraint):
-        compiler = constraints.Compiler(model.tokenizer, model.config.vocab_size, stop_ids=batch.stop_ids)
-        self.matchers = [compiler.matcher(constraint) for _ in batch.ids]
+        self.matchers = [batch.compiler.matcher(constraint) for _ in batch.ids]
         self.complete = np.zeros((len(batch.ids),), bool)  # the grammar admits nothing more
         self.vocab = model.config.vocab_size
 
@@ -155,12 +159,17 @@ class _Constrained:
         for b, m in enumerate(self.matchers):
             if live[b]:
                 m.fill_bitmask(out[b])
+                if m.error is not None:  # its mask now allows only the stop ids: never a finished answer
+                    raise constraints.ConstraintError(f"row {b}: the constraint engine (llguidance) gave up "
+                                                      f"while generating: {m.error}")
         return out
 
     def consume(self, b: int, token: int) -> None:
         m = self.matchers[b]
         if not m.consume(token):
-            raise RuntimeError(f"row {b}: the sampled token {token} broke the constraint ({m.error})")
+            # the mask allowed `token`: refusing it now means the engine gave up on its way
+            raise constraints.ConstraintError(f"row {b}: the constraint engine (llguidance) gave up at token "
+                                              f"{token}: {m.error}")
         self.complete[b] |= m.is_stopped
 
 
@@ -216,6 +225,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
                                                          batch.chunk, on_prefill, logits_processor, history)
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
+        _check_drawable(first[:, None], 0)
         if on_tokens:
             on_tokens([[int(t)] for t in first])
         finished = np.isin(first, batch.stop_ids)
@@ -260,6 +270,7 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
         lps = shd.to_host(em.logprobs)[:, :, 0].T
         count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
         new = [[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)]
+        _check_drawable(np.where(count > 0, toks, 0), np.array([len(t) for t in out_tokens]))
         for b in range(B):
             out_tokens[b] += new[b]
             out_lps[b] += [float(x) for x, c in zip(lps[b], count[b]) if c]
@@ -272,6 +283,20 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
         if on_tokens:
             on_tokens(new)
     return out_tokens, out_lps
+
+
+def _check_drawable(tokens: np.ndarray, done) -> None:
+    """Raise InvalidLogitsError for the first row that had nothing to sample (core.INVALID_TOKEN).
+
+    tokens: [B, n] this call's tokens (0 where a row emitted nothing); done: an int or [B], the
+    tokens each row had before this call."""
+    rows, steps = np.nonzero(tokens == core.INVALID_TOKEN)
+    if rows.size:
+        b = int(rows[0])
+        step = int(np.broadcast_to(done, (tokens.shape[0],))[b]) + int(steps[0])
+        raise core.InvalidLogitsError(
+            f"row {b}: no token could be sampled at step {step}: the logits the sampler received (after the "
+            "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN")
 
 
 def _uncached_logits(params, tokens, cfg):

@@ -34,6 +34,12 @@ _NEG_INF = -jnp.inf
 # Temperatures below this are greedy: dividing logits by a smaller one overflows float32 to
 # inf and the draw would no longer be the most likely token. (vLLM uses the same cut.)
 GREEDY_BELOW = 1e-5
+# min_tokens cannot lengthen a constrained output: the grammar decides where it ends (a choice
+# is complete after its option, and nothing may follow), so the pair would silently return fewer
+# tokens than min_tokens. Refused rather than documented as ignored.
+MIN_TOKENS_WITH_CONSTRAINT = ("min_tokens={} cannot be combined with a constraint: the constraint decides where the "
+                              "output ends and nothing may follow a complete one; drop min_tokens, or ask for the "
+                              "length in the constraint itself (minLength, a regex repetition)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,8 @@ class SamplingParams:
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise TypeError(f"constraint must be built by jaxinfer.constraints (json_schema, regex, grammar, "
                             f"choice, json_object), got {type(self.constraint).__name__}")
+        if self.constraint is not None and self.min_tokens:
+            raise ValueError(MIN_TOKENS_WITH_CONSTRAINT.format(self.min_tokens))
 
     @property
     def greedy(self) -> bool:

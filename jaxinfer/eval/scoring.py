@@ -40,7 +40,7 @@ import dataclasses
 import time
 from typing import Optional, Sequence, Union
 
-from jaxinfer.decode.inputs import check_int, check_token_ids
+from jaxinfer.decode.inputs import check_int, check_text, check_token_ids
 from jaxinfer.model.model import Model
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
 from jaxinfer.serve.pages import prefix_hashes
@@ -105,6 +105,9 @@ def _pair_ids(model: Model, pair, i: int) -> tuple[list[int], list[int]]:
     if isinstance(ctx, str) and isinstance(cont, str):
         if model.tokenizer is None:
             raise ValueError("string pairs need a model with a tokenizer; pass token ids")
+        for what, text in ((f"pairs[{i}] context", ctx), (f"pairs[{i}] continuation", cont)):
+            if text:  # a lone surrogate would be replaced silently by the tokenizer
+                check_text(text, what)
         ctx_ids, cont_ids = encode_pair(model.tokenizer, ctx, cont)
     elif not isinstance(ctx, str) and not isinstance(cont, str):
         vocab = model.config.vocab_size
@@ -167,20 +170,20 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
     """
     from jaxinfer.serve.engine import Engine
 
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+        raise TypeError(f"pairs must be a sequence of (context, continuation) pairs, got {type(pairs).__name__}")
+    if max_length is not None:
+        check_int("max_length", max_length, 2)
+    # Every pair is checked and encoded before an Engine is made (its KV pool is a compiled program).
+    pair_ids = [_pair_ids(model.model if isinstance(model, Engine) else model, pair, i) for i, pair in enumerate(pairs)]
     engine = model if isinstance(model, Engine) else Engine(
         model, max_slots=max_slots, kv_memory=kv_memory,
         max_len=None if max_length is None else min(max_length, model.config.max_seq_len))
-    model = engine.model
-    limit = engine.max_len if max_length is None else check_int("max_length", max_length, 2)
+    limit = engine.max_len if max_length is None else max_length
     if limit > engine.max_len:
         raise ValueError(f"max_length={limit} is beyond the engine's max_len {engine.max_len}")
     in_flight = 4 * engine.max_slots if max_in_flight is None else check_int("max_in_flight", max_in_flight, 1)
-    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
-        raise TypeError(f"pairs must be a sequence of (context, continuation) pairs, got {type(pairs).__name__}")
-    encoded = []
-    for i, pair in enumerate(pairs):
-        ctx, cont = _pair_ids(model, pair, i)
-        encoded.append((_truncate(ctx, cont, limit, i), cont))
+    encoded = [(_truncate(ctx, cont, limit, i), cont) for i, (ctx, cont) in enumerate(pair_ids)]
     unique: dict[tuple, int] = {}
     slot_of = [unique.setdefault((tuple(c), tuple(x)), len(unique)) for c, x in encoded]
     jobs = [(list(c), list(x)) for c, x in unique]

@@ -18,8 +18,10 @@ replaced sooner), only about `admission_wait` seconds of steps while a slot is f
 that sends its next request when its last one ends finds the slot taken by a scan otherwise:
 on the serving load test a whole 16-step scan, ~1.2 s on a CPU), and none while a prompt still
 has chunks to read (so its next chunk comes after one step). Sampling settings, keys, step
-counters, stop ids and budgets are per-slot arrays, so nothing about a request is a static argument: after
-`warmup`, serving compiles nothing (`compiled_programs` counts).
+counters, stop ids and budgets are per-slot arrays of fixed widths (MAX_STOP_TOKENS stop ids,
+`penalties.MAX_LOGIT_BIAS` bias entries), so nothing about a request is a static argument or a
+shape: after `warmup`, serving compiles nothing (`compiles_while_serving` counts the programs
+that `step` and `submit` build, and /metrics reports it).
 
 The promise: a request's tokens equal `generate(model, [prompt], seed=s, ...)` alone. Its key is
 derived as generate derives row 0's (`inputs.request_keys`), its t-th token is sampled with
@@ -34,6 +36,7 @@ request fails at once, and `submit` raises `EngineDead`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -45,6 +48,7 @@ from typing import Optional, Sequence, Union
 import jax
 import numpy as np
 
+from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode import constraints
 from jaxinfer.decode import inputs
 from jaxinfer.decode import sampling as smp
@@ -52,14 +56,13 @@ from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import nbytes as params_nbytes
-from jaxinfer.serve.live import Live
+from jaxinfer.serve.live import MAX_STOP_TOKENS, Live
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
 from jaxinfer.serve.pages import PagePool
-from jaxinfer.serve.request import Request
+from jaxinfer.serve.request import EngineError, Request
 from jaxinfer.serve.scheduler import DECODE, PREFILL, Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
-MAX_STOP_TOKENS = 64  # stop token ids per request
 CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host memory available
 DEVICE_MEMORY_FRACTION = 0.85  # default KV pool on an accelerator: this share of its free memory
 ADMISSION_WAIT = 0.2  # s: the longest scan while a slot is free (see Engine's admission_wait)
@@ -83,7 +86,7 @@ class EngineStats:
     prefix_hit_tokens: int  # prompt tokens not recomputed thanks to it, total
     tokens_generated: int
     requests_finished: int
-    requests_failed: int  # ended by an engine fault
+    requests_failed: int  # ended by an error: an engine fault, or its constraint engine giving up
     preemptions: int
     steps: int
     scans: int  # decode scans run (host syncs of the decode loop)
@@ -91,6 +94,7 @@ class EngineStats:
     bytes_per_token: int  # KV bytes of one token (k and v, all layers, scales included)
     pool_bytes: int
     call_rows: int  # a device call's fixed cost in token rows, as prompt chunks are scheduled (measured at warmup)
+    compiles: int  # programs built by `step` and `submit` (after `warmup`: 0)
     healthy: bool
 
 
@@ -189,6 +193,7 @@ class Engine:
         self._compiler = None  # constraints.Compiler, built when the first constrained request comes
         self._touched: set[int] = set()  # requests of the device call under way (failed together)
         self.tokens_generated = self.requests_finished = self.requests_failed = self.steps = self.scans = 0
+        self.compiles_while_serving = 0  # programs built by `step` and `submit` (`warmup` builds them all)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
@@ -240,7 +245,8 @@ class Engine:
             raise ValueError(f"logit_bias names token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
         matcher = self._constraints().matcher(sampling.constraint) if sampling.constraint is not None else None
         self.check_fits(len(ids), max_new_tokens)
-        key_data = _key_data(key, seed, sampling)
+        with self._counting_compiles():
+            key_data = _key_data(key, seed, sampling)
         rid = next(self._ids)
         req = Request(rid, ids, max_new_tokens, drive=self.step, running=lambda: self.running,
                       on_cancel=self._cancel)
@@ -295,7 +301,7 @@ class Engine:
     def step(self) -> bool:
         """One scheduler iteration: admit, then one mixed call (new prompts' chunks beside a decode
         step of every slot) and a decode scan for the rest of the iteration. False when idle."""
-        with self._step_lock:
+        with self._step_lock, self._counting_compiles():
             self._drain_inbox()
             if self.dead is not None or self.scheduler.idle():
                 return False
@@ -321,6 +327,15 @@ class Engine:
                 self._recover(self._touched, e)
             self.steps += 1
             return True
+
+    @contextlib.contextmanager
+    def _counting_compiles(self):
+        """Count the programs built inside the block (on this thread) in compiles_while_serving."""
+        with CompileCounter() as compiles:
+            try:
+                yield
+            finally:
+                self.compiles_while_serving += compiles.count
 
     def _steps_wanted(self) -> int:
         """Decode steps for this scan: one while a constrained request decodes (its next mask needs
@@ -481,11 +496,11 @@ class Engine:
             if item[0] == "submit":
                 item[1].req.fail(f"the engine failed: {message}")
 
-    def _fail(self, lv: Live, message: str) -> None:
+    def _fail(self, lv: Live, message: str, error_type: type = EngineError) -> None:
         self.scheduler.finish(lv.seq)
         self._live.pop(lv.seq.rid, None)
         self.requests_failed += 1
-        lv.req.fail(message)
+        lv.req.fail(message, error_type)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -509,7 +524,11 @@ class Engine:
             self.scheduler.sampled(lv.seq, t)
         self.tokens_generated += len(kept)
         n = len(kept)
-        if reason is not None:
+        if reason == "error":  # never a finished answer: the tokens so far, then the error
+            if n:
+                lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
+            self._fail(lv, lv.error, lv.error_type)
+        elif reason is not None:
             self._finish(lv, reason, kept, logprobs[:n], tops[:n])
         else:
             lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
@@ -535,7 +554,8 @@ class Engine:
                            requests_finished=self.requests_finished, requests_failed=self.requests_failed,
                            preemptions=s.preemptions, steps=self.steps, scans=self.scans, page_size=self.page_size,
                            bytes_per_token=kv.bytes_per_token(self.cfg), pool_bytes=self.runner.cache.nbytes,
-                           call_rows=self.runner.call_rows, healthy=self.dead is None)
+                           call_rows=self.runner.call_rows, compiles=self.compiles_while_serving,
+                           healthy=self.dead is None)
 
     def requests_that_fit(self, n_tokens: int) -> int:
         """How many requests of n_tokens (prompt + new) the whole pool holds at once."""

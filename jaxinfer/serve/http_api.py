@@ -13,8 +13,10 @@ Faults: a bad body is a 400 with OpenAI's error object (one that can never fit, 
 over `max_body_bytes` a 413; without the bearer token (when an api key is set) a 401; more
 requests than `max_slots + max_waiting` in flight a 429 with Retry-After; a client that goes
 away mid-request has its engine requests cancelled; a request that fails inside the engine fails
-alone (500 / an error event). Every refusal is logged (one line on the `jaxinfer.serve` logger)
-and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
+alone (500 / an error event): code "constraint_failed" naming the parameter when its constraint
+engine gave up mid-generation, else "engine_error". A constraint that cannot be served at all is
+a 400 before admission (`_compile_constraint`). Every refusal is logged (one line on the
+`jaxinfer.serve` logger) and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
 finishes the running requests before the engine stops.
 """
 
@@ -42,6 +44,7 @@ from jaxinfer.serve import protocol as proto
 from jaxinfer.serve import responses as rsp
 from jaxinfer.serve.engine import EngineDead
 from jaxinfer.serve.protocol import ApiError
+from jaxinfer.serve.request import ConstraintFailed
 
 log = logging.getLogger("jaxinfer.serve")
 
@@ -118,8 +121,9 @@ def _reject(st: ServerState, http: HttpRequest, e: ApiError) -> Response:
 
 
 async def _compile_constraint(st: ServerState, job: proto.Job) -> None:
-    """Compile the job's constraint for the model's vocabulary (off the event loop; kept by the
-    engine): a grammar this tokenizer cannot spell is a 400 naming the parameter."""
+    """Compile the job's constraint for the model's vocabulary and walk it a few tokens (off the
+    event loop; kept by the engine): a grammar this tokenizer cannot spell, one that admits no
+    output, or one the constraint engine gives up on is a 400 naming the parameter and why."""
     if job.sampling.constraint is None:
         return
     try:
@@ -234,8 +238,7 @@ async def _generate(http: HttpRequest, chat: bool):
         st.counts["requests_failed_total"] += 1
         for r in reqs:
             r.cancel()
-        return _error(ApiError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
-                               code="engine_error"))
+        return _error(_failure(job, e))
     finally:
         watcher.cancel()
     if any(c.finish_reason == "cancelled" for c in comps):
@@ -270,8 +273,7 @@ async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
             i, d, comp = await queue.get()
             if isinstance(d, Exception):
                 st.counts["requests_failed_total"] += 1
-                err = ApiError(500, f"the engine failed on this request: {type(d).__name__}: {d}", code="engine_error")
-                yield rsp.sse(err.body())
+                yield rsp.sse(_failure(job, d).body())
                 left -= 1
             elif comp is not None:
                 comps[i] = comp
@@ -292,6 +294,14 @@ async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
                 r.cancel()
         for t in tasks:
             t.cancel()
+
+
+def _failure(job: proto.Job, e: Exception) -> ApiError:
+    """The error object of a request that failed inside the engine: its constraint engine gave up
+    mid-generation (the parameter named), or an engine fault."""
+    if isinstance(e, ConstraintFailed):
+        return ApiError(500, f"'{job.constraint_param}': {e}", param=job.constraint_param, code="constraint_failed")
+    return ApiError(500, f"the engine failed on this request: {type(e).__name__}: {e}", code="engine_error")
 
 
 def _check_model(st: ServerState, name) -> None:

@@ -20,9 +20,11 @@ from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import outputs
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
-from jaxinfer.serve.request import Delta, Request
+from jaxinfer.serve.request import ConstraintFailed, Delta, EngineError, Request
 from jaxinfer.serve.scheduler import Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
+
+MAX_STOP_TOKENS = 64  # extra stop token ids one request may carry (`Engine.submit`'s stop_tokens)
 
 
 @dataclasses.dataclass
@@ -48,22 +50,39 @@ class Live:
     prompt_lps: dict = dataclasses.field(default_factory=dict)  # position -> (logprob, top list)
     text: str = ""  # final text so far (stop strings removed)
     sent: int = 0  # characters of text already handed out
+    error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
+    error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
 
     def accept(self, tokens: list[int], logprobs: list[float], tops: list) -> tuple[list[int], Optional[str]]:
         """Take a device call's tokens for this request, one at a time, until it ends.
 
         Returns (the tokens kept, the finish reason or None). The scheduler is told separately.
+        Reason "error": the request cannot go on (`error` says why; the engine fails it): its
+        constraint engine gave up (its mask then allowed only the stop ids, so the token sampled
+        under it is no answer), or the sampler had no token to draw (`core.INVALID_TOKEN`).
         """
         kept, reason = [], None
         done = len(self.seq.generated)
         for t in tokens:
+            if self.matcher is not None and self.matcher.error is not None:  # (its mask may have left nothing)
+                self._constraint_failed(done + len(kept))
+                reason = "error"
+                break
+            if t < 0:
+                self.error = (f"no token could be sampled after {done + len(kept)} tokens: the logits were all "
+                              "-inf or NaN")
+                reason = "error"
+                break
             kept.append(t)
             if self.counts is not None:
                 self.counts[t] += 1
             if t in self.stop_ids:
                 reason = "stop"
-            elif self.matcher is not None and (not self.matcher.consume(t) or self.matcher.is_stopped):
-                reason = "stop"  # the grammar is complete (a token it refused cannot be sampled)
+            elif self.matcher is not None and not self.matcher.consume(t):
+                self._constraint_failed(done + len(kept) - 1)
+                reason = "error"
+            elif self.matcher is not None and self.matcher.is_stopped:
+                reason = "stop"  # the grammar is complete
             elif done + len(kept) >= self.seq.max_new_tokens:
                 reason = "length"
             new = ""
@@ -72,13 +91,17 @@ class Live:
             self.text += new
             if self.stop is not None and new:
                 at = self.stop.feed(new)
-                if at is not None:
+                if at is not None and reason != "error":
                     self.text, reason = self.text[:at], "stop"
             if reason is not None:
                 break
         self.logprobs += logprobs[:len(kept)]
         self.top += tops[:len(kept)]
         return kept, reason
+
+    def _constraint_failed(self, n: int) -> None:
+        self.error = f"the constraint engine (llguidance) gave up after {n} tokens: {self.matcher.error}"
+        self.error_type = ConstraintFailed
 
     def delta(self, tokens: list[int], logprobs: list[float], tops: list, finish_reason: Optional[str] = None) -> Delta:
         """The Delta for these tokens: the text that is final now (held back while it may still
@@ -128,10 +151,14 @@ def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab
             counts[i], in_prompt[i] = lv.counts, lv.in_prompt
         if lv.matcher is not None:
             lv.matcher.fill_bitmask(mask[i])
+    # Fixed widths (every request's stop ids, MAX_LOGIT_BIAS bias slots): no request's settings
+    # change a program's shapes, so nothing compiles after `Engine.warmup`.
+    stop_width = 1 << (len(eos_ids) + MAX_STOP_TOKENS - 1).bit_length()
     rows = core.Rows(sampling=smp.row_params(samplings), keys=jax.random.wrap_key_data(key_data), steps=steps,
-                     stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives]),
+                     stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives], stop_width),
                      budget=np.asarray(budgets, np.int32), finished=np.zeros((R,), bool),
                      controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
-                                                            for lv in lives], eos_ids, V),
+                                                            for lv in lives], eos_ids, V,
+                                                bias_slots=pen.MAX_LOGIT_BIAS, stop_slots=MAX_STOP_TOKENS),
                      mask=mask)
     return rows, spare if reuse else pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)

@@ -33,7 +33,8 @@ METRIC_NAMES = {"running": "requests_running", "waiting": "requests_waiting", "p
                 "pages_in_use": "kv_pages_in_use", "pages_cached": "kv_pages_cached", "pages_free": "kv_pages_free",
                 "prefix_hit_pages": "prefix_cache_hit_pages_total", "prefix_hit_tokens": "prefix_cache_hit_tokens_total",
                 "tokens_generated": "generated_tokens_total", "requests_finished": "requests_finished_total",
-                "preemptions": "preemptions_total", "steps": "engine_steps_total", "pool_bytes": "kv_pool_bytes"}
+                "preemptions": "preemptions_total", "steps": "engine_steps_total", "pool_bytes": "kv_pool_bytes",
+                "compiles": "serving_compiles_total"}
 
 
 def engine_stats(engine) -> dict:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from jaxinfer.decode import penalties as pen
 from jaxinfer.decode.inputs import SEED_LIMIT, chat_ids, check_token_ids
-from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.decode.sampling import MIN_TOKENS_WITH_CONSTRAINT, SamplingParams
 from jaxinfer.serve import structured
 from jaxinfer.text.tool_calls import FUNCTION_NAME
 
@@ -32,7 +32,7 @@ MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
 MAX_N = 16
 CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a tool call's id (and a tool message's tool_call_id)
-MAX_LOGIT_BIAS = 1024  # entries; up to 16 share the warmed-up programs, each power of two above compiles once
+MAX_LOGIT_BIAS = pen.MAX_LOGIT_BIAS  # entries: the engine's fixed bias width (no size compiles a program)
 
 # Accepted and without effect on the tokens (or validated below).
 _HARMLESS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream",
@@ -181,8 +181,8 @@ def _logit_bias(body: dict, vocab: int) -> tuple:
     lb = _get(body, "logit_bias", (dict,), {}, "an object mapping token ids to biases")
     if len(lb) > MAX_LOGIT_BIAS:
         raise bad("logit_bias", f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}")
-    for k, v in lb.items():
-        if not re.fullmatch(r"\d{1,9}", k) or int(k) >= vocab:
+    for k, v in lb.items():  # ASCII digits only: `\d` and int() also read "١٢" (Arabic-Indic) as 12
+        if not re.fullmatch(r"[0-9]{1,9}", k) or int(k) >= vocab:
             raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab}) written as strings, "
                       f"got {_show(k)}")
         if not _is_number(v) or not pen.BIAS_RANGE[0] <= v <= pen.BIAS_RANGE[1]:
@@ -201,11 +201,15 @@ def _sampling(body: dict, vocab: int, constraint) -> SamplingParams:
     rep = _get(body, "repetition_penalty", (int, float), 1.0, "a number > 0 (1 = off)")
     if not 0 < rep <= 1e6:
         raise bad("repetition_penalty", f"'repetition_penalty' must be a number > 0 (1 = off), got {_show(rep)}")
+    min_tokens = _int(body, "min_tokens", 0, 0, 1 << 30)
+    if min_tokens and constraint is not None:
+        raise bad("min_tokens", f"'min_tokens': {MIN_TOKENS_WITH_CONSTRAINT.format(min_tokens)}",
+                  "unsupported_value")
     return SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
                           top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, *pen.PENALTY_RANGE),
                           presence_penalty=_number(body, "presence_penalty", 0.0, *pen.PENALTY_RANGE),
-                          repetition_penalty=float(rep), min_tokens=_int(body, "min_tokens", 0, 0, 1 << 30),
+                          repetition_penalty=float(rep), min_tokens=min_tokens,
                           ignore_eos=bool(_get(body, "ignore_eos", (bool,), False, "a boolean")),
                           logit_bias=_logit_bias(body, vocab), constraint=constraint)
 
@@ -214,8 +218,8 @@ def _encode(model, text: str, what: str) -> list[int]:
     if not text:
         raise bad("prompt", f"'{what}' is empty; a prompt needs at least one token")
     check_unicode(text, "prompt", what)
-    try:  # special-token text in a prompt is plain text, as in generate
-        return model.tokenizer.encode_prompt(text)
+    try:  # special-token text is the control token, as /tokenize, HF tokenizers and vLLM read it (`tokenize`)
+        return model.tokenizer.encode_prompt(text, allow_special=True)
     except ValueError as e:
         raise bad("prompt", str(e)) from None
 
@@ -472,9 +476,12 @@ def _endpoint_body(body, allowed: set, endpoint: str) -> dict:
 def tokenize(body, model) -> tuple[list[int], bool]:
     """POST /tokenize: (token ids, whether to return their texts).
 
-    `{"prompt": text, "add_special_tokens": true}` tokenizes as the model's Hugging Face tokenizer
-    does: special-token text becomes its control token (the completions endpoint, by contrast, reads
-    a string prompt as plain text) and add_special_tokens puts BOS first where the model wants it.
+    `{"prompt": text, "add_special_tokens": true}` gives the ids /v1/completions runs for that
+    text, which both read as a Hugging Face tokenizer (and vLLM) does: special-token text
+    ("<|im_end|>") is the control token, and add_special_tokens puts BOS first where the model
+    wants it. One rule for both because lm-evaluation-harness's remote tokenizer relies on it: it
+    finds the EOS and BOS ids by tokenizing their text here, and it scores a document either by the
+    ids it got here or by sending the text. (Chat messages stay plain text: `_messages`.)
     `{"messages": [...], "add_generation_prompt": true}` gives the ids the chat endpoint would run.
     """
     body = _endpoint_body(body, TOKENIZE_KEYS, "/tokenize")
@@ -490,7 +497,7 @@ def tokenize(body, model) -> tuple[list[int], bool]:
         raise bad("prompt", f"'prompt' must be a string, got {type(text).__name__}", "invalid_type")
     check_unicode(text, "prompt")
     special = bool(_get(body, "add_special_tokens", (bool,), True, "a boolean"))
-    ids = model.tokenizer.encode(text)
+    ids = model.tokenizer.encode(text)  # special-token text is the control token, as in `_encode`
     return (model.tokenizer.with_bos(ids) if special else ids), strs
 
 

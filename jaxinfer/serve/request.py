@@ -15,11 +15,17 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, Optional
 
+from jaxinfer.decode.constraints import ConstraintError
 from jaxinfer.decode.outputs import Completion
 
 
 class EngineError(RuntimeError):
     """The engine failed while running this request (the message says why)."""
+
+
+class ConstraintFailed(EngineError, ConstraintError):
+    """The request's constraint engine (llguidance) gave up mid-generation (a resource limit);
+    the engine itself is fine and serves the others."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Request:
         self._deltas: list[Delta] = []
         self._completion: Optional[Completion] = None
         self._error: Optional[str] = None
+        self._error_type: type = EngineError
         self._wakers: list[Callable[[], None]] = []
         self.first_token_at: Optional[float] = None
 
@@ -91,8 +98,11 @@ class Request:
 
     def _final(self) -> Completion:
         if self._error is not None:
-            raise EngineError(f"request {self.id} failed in the engine: {self._error}")
+            self._raise()
         return self._completion
+
+    def _raise(self) -> None:
+        raise self._error_type(f"request {self.id} failed in the engine: {self._error}")
 
     def _deltas_until(self, deadline: Optional[float]) -> Iterator[Delta]:
         i = 0
@@ -109,7 +119,7 @@ class Request:
             yield from new
             if done:
                 if self._error is not None:
-                    raise EngineError(f"request {self.id} failed in the engine: {self._error}")
+                    self._raise()
                 return
             if not new and not self._running():
                 if deadline is not None and time.perf_counter() > deadline:
@@ -138,7 +148,7 @@ class Request:
                     yield d
                 if done:
                     if self._error is not None:
-                        raise EngineError(f"request {self.id} failed in the engine: {self._error}")
+                        self._raise()
                     return
                 if self._running():
                     await event.wait()
@@ -166,12 +176,13 @@ class Request:
         for w in wakers:
             w()
 
-    def fail(self, message: str) -> None:
-        """End the request with an error (the engine could not run it)."""
+    def fail(self, message: str, error_type: type = EngineError) -> None:
+        """End the request with an error (the engine could not run it); waiting callers get
+        `error_type` (EngineError, or ConstraintFailed when its constraint engine gave up)."""
         with self._cond:
             if self.done:
                 return
-            self._error = message
+            self._error, self._error_type = message, error_type
             self._cond.notify_all()
             wakers = list(self._wakers)
         for w in wakers:

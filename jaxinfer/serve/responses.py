@@ -25,6 +25,15 @@ from jaxinfer.serve.protocol import Job
 from jaxinfer.text import tool_calls as tc
 
 
+# JSON has no -Infinity: a token the constraint's mask or a ban excludes has log p = -inf, and
+# is reported as this (vLLM's convention), e.g. among the top_logprobs of a 2-option choice.
+MIN_LOGPROB = -9999.0
+
+
+def _lp(x) -> float:
+    return max(float(x), MIN_LOGPROB)
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -41,7 +50,7 @@ def _top(model, alternatives) -> dict[str, float]:
     """Completions' top_logprobs entry: {token text: logprob}, best first (first of equal texts kept)."""
     out: dict[str, float] = {}
     for t, lp in alternatives or ():
-        out.setdefault(_text(model, t), float(lp))
+        out.setdefault(_text(model, t), _lp(lp))
     return out
 
 
@@ -51,12 +60,13 @@ def completion_logprobs(model, comp: Completion, k: int, echo: bool) -> dict:
     if echo:
         for j, t in enumerate(comp.prompt_ids):
             ids.append(t)
-            lps.append(comp.prompt_logprobs[j] if comp.prompt_logprobs else None)
+            lp = comp.prompt_logprobs[j] if comp.prompt_logprobs else None
+            lps.append(None if lp is None else _lp(lp))
             top = comp.prompt_top_logprobs[j] if comp.prompt_top_logprobs else None
             tops.append(None if top is None else _top(model, top[:k]))
     for j, t in enumerate(comp.token_ids):
         ids.append(t)
-        lps.append(float(comp.logprobs[j]))
+        lps.append(_lp(comp.logprobs[j]))
         tops.append(_top(model, comp.top_logprobs[j][:k]) if comp.top_logprobs else {})
     tokens = [_text(model, t) for t in ids]
     offsets, at = [], 0
@@ -72,9 +82,9 @@ def chat_logprobs(model, comp: Completion, k: int) -> dict:
     for j, t in enumerate(comp.token_ids):
         piece = _piece(model, t)
         alts = comp.top_logprobs[j][:k] if comp.top_logprobs else []
-        content.append({"token": piece.decode("utf-8", errors="replace"), "logprob": float(comp.logprobs[j]),
+        content.append({"token": piece.decode("utf-8", errors="replace"), "logprob": _lp(comp.logprobs[j]),
                         "bytes": list(piece),
-                        "top_logprobs": [{"token": _text(model, a), "logprob": float(lp),
+                        "top_logprobs": [{"token": _text(model, a), "logprob": _lp(lp),
                                           "bytes": list(_piece(model, a))} for a, lp in alts]})
     return {"content": content}
 

@@ -144,6 +144,7 @@ class ToolCallParser:
         self._text = ""
         self._pos = 0  # text before this is settled (emitted as content, or consumed by a call)
         self._marker_at = 0  # end of the last call marker (<tool_call>, [TOOL_CALLS]) seen
+        self._opened_at = 0  # where the text of the calls being read began (its marker, "[" or "{")
         self._state = "start"
         self._calls: list[_Call] = []
         self._content: list[str] = []  # content emitted so far (leading whitespace dropped)
@@ -207,6 +208,7 @@ class ToolCallParser:
             if final:
                 self._state = "content"
         elif self.fmt == "llama3":
+            self._opened_at = self._pos + len(rest) - len(stripped)
             if stripped.startswith(_PYTHON_TAG):
                 self._pos += len(rest) - len(stripped) + len(_PYTHON_TAG)
                 self._state = "open"
@@ -223,6 +225,7 @@ class ToolCallParser:
                 self._state = "content_only"
         else:  # json: a bare array
             if stripped.startswith("["):
+                self._opened_at = self._pos + len(rest) - len(stripped)
                 self._pos += len(rest) - len(stripped) + 1
                 self._state = "open"
             else:
@@ -244,6 +247,7 @@ class ToolCallParser:
                         break
             return self._emit_content(end, final)
         out = self._emit_content(at, final)
+        self._opened_at = at
         self._pos = self._marker_at = at + len(marker)
         if self.fmt == "mistral":
             self._state = "mistral_array"
@@ -276,6 +280,8 @@ class ToolCallParser:
                 out = self._emit_content(self._marker_at, final)
                 self._state = "content"
                 return out
+            if self._first_of_container() == len(self._calls):  # no call read since it opened:
+                self._pos = self._opened_at  # its opening ("[", a marker) is content too
             self._state = "content_only"
         return []
 
@@ -296,6 +302,12 @@ class ToolCallParser:
             out += self._args_delta(i, end if end is not None else len(self._text))
         obj_end = c.obj.advance(self._text, final)
         if obj_end is None:
+            if final and c.name is None:  # cut before its name was whole (max_tokens): no call, and
+                self._calls.pop()  # the text written so far is the content, the reply's valid prefix
+                if not any(x.name is not None for x in self._calls[self._first_of_container():]):
+                    c.start = self._opened_at
+                self._pos = c.start
+                self._state = "content_only"
             return out
         if c.name is None:  # complete but not written name-first: parse it whole
             try:
@@ -342,6 +354,10 @@ class ToolCallParser:
         return []
 
     # -- helpers --
+
+    def _first_of_container(self) -> int:
+        """Index of the first call read since the current marker / array opened."""
+        return next((k for k, x in enumerate(self._calls) if x.start >= self._opened_at), len(self._calls))
 
     def _index(self, i: int) -> int:
         return sum(1 for c in self._calls[:i] if c.name is not None)
