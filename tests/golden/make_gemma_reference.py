@@ -43,7 +43,7 @@ from float64_reference import update_npz  # noqa: E402
 from sites_reference import sites_arrays  # noqa: E402
 
 SEED, N_NEW = 0, 32  # columns per position: make_reference.TOP_K and .M
-STEER_LAYER, STEER_SCALE_OF_NORM, STEER_NEW, STEER_COLS = 6, 0.5, 16, 64  # gemma3_sites.npz (sites_reference.py)
+STEER_LAYER, STEER_SCALE_OF_NORM, STEER_NEW, STEER_COLS = 6, 0.1, 16, 64  # gemma3_sites.npz (sites_reference.py)
 
 PROMPTS = [
     "The capital of France is",
