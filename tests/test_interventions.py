@@ -245,3 +245,11 @@ def test_score_with_interventions(smollm2):
     steered = jaxinfer.score(smollm2, pairs, interventions=[[I.add("resid_post", 10, v, 60.0)], [], []])
     assert abs(steered[0].logprob - plain[0].logprob) > 0.5
     assert [s.logprob for s in steered[1:]] == [s.logprob for s in plain[1:]]  # plain rows: bit for bit
+
+
+def test_speculative_decoding_refuses_interventions(models):
+    m = models["per_layer", "llama"]
+    with pytest.raises(ValueError, match="speculative decoding does not apply interventions"):
+        jaxinfer.speculative.generate(m, [IDS], interventions=[I.add("resid_post", 0, _vec(64, 0))])
+    with pytest.raises(ValueError, match="capture"):
+        jaxinfer.speculative.generate(m, [IDS], capture="resid_post")
