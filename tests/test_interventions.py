@@ -253,3 +253,58 @@ def test_speculative_decoding_refuses_interventions(models):
         jaxinfer.speculative.generate(m, [IDS], interventions=[I.add("resid_post", 0, _vec(64, 0))])
     with pytest.raises(ValueError, match="capture"):
         jaxinfer.speculative.generate(m, [IDS], capture="resid_post")
+
+
+def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
+    """The serving engine's mixed step (item 6 builds on it): slot 0 decodes steered, slot 2's
+    prompt joins as a chunk with its own vector; both rows sample what `generate` samples for
+    each alone with the same intervention and seed."""
+    import jax.numpy as jnp
+
+    from jaxinfer.decode import core
+    from jaxinfer.decode import generate as gen
+    from jaxinfer.decode import sampling as smp
+    from jaxinfer.model import cache as kv
+    from experiments.common import tiny_model
+
+    m = tiny_model("mixed-hooks")
+    cfg, params = m.config, m.params
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)
+    old, new, n = [5, 17, 99, 3, 42, 7, 8], [8, 1, 2], 6
+    ivs = [[I.add("resid_post", 0, _vec(cfg.d_model, 1), 4.0)], [], [I.add("resid_mid", 1, _vec(cfg.d_model, 2), 3.0)]]
+    want_old = jaxinfer.generate(m, [old], max_new_tokens=n + 1, sampling=sampling, seed=11, stop_at_eos=False,
+                                 interventions=ivs[0]).completions[0].token_ids
+    want_new = jaxinfer.generate(m, [new], max_new_tokens=n, sampling=sampling, seed=12, stop_at_eos=False,
+                                 interventions=ivs[2]).completions[0].token_ids
+    for prompt, want, seed in ((old, want_old, 11), (new, want_new, 12)):  # the vectors change the tokens
+        assert jaxinfer.generate(m, [prompt], max_new_tokens=len(want), sampling=sampling, seed=seed,
+                                 stop_at_eos=False).completions[0].token_ids != want
+    hooks = I.hooks_for(ivs, cfg, 3)
+    keys = smp.row_keys(np.array([11, 0, 12]))
+    rows = gen.initial_rows(keys, sampling, (), n, eos_ids=(), vocab_size=cfg.vocab_size)
+    counts = core.host_counts([old, [0], new], cfg.vocab_size)
+    table = np.zeros((3, 4), np.int32)
+    table[0], table[2] = [1, 2, 3, 4], [5, 6, 7, 8]
+    pool = kv.init_pool(cfg, 10, 4, batch_size=3, width=4)
+    t = np.zeros((3, 8), np.int32)
+    t[0, :len(old)] = old
+    cache, counts, out = core.prefill(params, pool.with_rows(table * np.array([[1], [0], [0]]), np.zeros(3, np.int32)),
+                                      t, np.zeros(3, np.int32), np.asarray([len(old), 0, 0], np.int32),
+                                      np.asarray([True, False, False]), rows, counts, jnp.zeros_like(t), cfg,
+                                      hooks=hooks)
+    assert int(out.first.tokens[0, 0]) == want_old[0]
+    rows = rows.replace(steps=np.asarray([1, 0, 0], np.int32), budget=np.asarray([n, 0, n], np.int32))
+    counts = counts.replace(counts=np.asarray(counts.counts) * np.array([[1], [0], [0]]),
+                            generated=np.asarray([1, 0, 0], np.int32))
+    state = core.DecodeState(cache=cache.with_rows(table, np.asarray([len(old), 0, 0], np.int32)),
+                             tokens=np.asarray([want_old[0], 0, 0], np.int32), rows=rows, counts=counts, hooks=hooks)
+    chunk = np.zeros((1, 4), np.int32)
+    chunk[0, :len(new)] = new
+    chunks = core.Chunks(tokens=chunk, starts=np.zeros((1,), np.int32), n_real=np.asarray([len(new)], np.int32),
+                         last=np.ones((1,), bool), slots=np.asarray([2], np.int32), page_table=table[2:])
+    state, em0, first = core.mixed_step_jit(params, state, chunks, cfg)
+    assert int(first.tokens[0, 0]) == want_new[0]
+    state, em = core.decode_jit(params, state, cfg, n)
+    got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
+    got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
+    assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)
