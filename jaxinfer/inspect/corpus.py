@@ -35,6 +35,7 @@ MANIFEST = "manifest.json"
 FORMATS = ("safetensors", "npy")
 DTYPES = ("float32", "float16")
 STORE_VERSION = 1
+MAX_TOKENS = 1024  # default cut of a text (the contexts probes and sparse autoencoders are usually trained on)
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -138,7 +139,9 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
       folder: the store (created if missing; continued if it holds a manifest of the same settings).
       sites, layers: what to capture (site names; layer indices or None for every layer).
       batch_tokens: the most padded tokens (rows x padded length) of one pass: bounds device memory.
-      max_tokens: texts are cut to this many tokens (default and upper bound: the context length).
+      max_tokens: texts are cut to this many tokens (default min(MAX_TOKENS, the context length);
+        at most the context length). One pass attends densely, [N, T, T] scores per row, so long
+        texts cost memory quadratically: batch_tokens bounds the rows, not that.
       shard_rows: a shard is written once it holds this many rows (whole texts, so a little more).
       format: "safetensors" (one file per shard) or "npy" (one file per array per shard).
       dtype: "float32" or "float16" (rows as stored).
@@ -155,7 +158,8 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     check_int("shard_rows", shard_rows, 1)
-    max_tokens = cfg.max_seq_len if max_tokens is None else check_int("max_tokens", max_tokens, 1, cfg.max_seq_len)
+    max_tokens = (min(MAX_TOKENS, cfg.max_seq_len) if max_tokens is None
+                  else check_int("max_tokens", max_tokens, 1, cfg.max_seq_len))
     check_int("batch_tokens", batch_tokens, 1)
     capture = as_capture(sites, layers, cfg)
     folder = Path(folder)
