@@ -394,8 +394,8 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
     hooks = (None,) * len(segs) if hooks is None else tuple(hooks)
     # Captured sites: one buffer per site, [layers captured + 1, *x.shape] (`sites.record`).
     cap_sites, cap_layers = sites_lib.capture_buffers(hooks)
-    slot_of_layer = jnp.asarray([cap_layers.index(i) if i in cap_layers else len(cap_layers)
-                                 for i in range(cfg.n_layers)], jnp.int32)
+    slot_of_layer = None if not cap_sites else jnp.asarray(
+        [cap_layers.index(i) if i in cap_layers else len(cap_layers) for i in range(cfg.n_layers)], jnp.int32)
     buf = {s: jnp.zeros((len(cap_layers) + 1,) + x.shape[:2] + sites_lib.site_shape(s, cfg), x.dtype)
            for s in cap_sites}
 

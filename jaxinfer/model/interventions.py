@@ -93,9 +93,9 @@ def _host_array(x):
     a = np.asarray(x)
     if a.dtype == object or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
         raise TypeError(f"intervention params must be numeric arrays, got {type(x).__name__} ({a.dtype})")
-    if a.dtype == np.float64:  # the forward runs in float32 or narrower; float64 would only widen it
-        a = a.astype(np.float32)
-    return a
+    # JAX runs in 32 bits unless x64 is on: canonical dtypes here, so the slot key is what runs
+    wide = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+    return a.astype(wide[a.dtype]) if a.dtype in wide else a
 
 
 def _float_vector(x, what: str) -> np.ndarray:
@@ -291,8 +291,9 @@ def per_row(interventions: PerRow, n_rows: int) -> Optional[list[list[Interventi
                     "prompt), not a mix")
 
 
-def _check(iv: Intervention, cfg: ModelConfig) -> None:
-    """Site, layers, the params' site shapes, finiteness and fn's output shape, for `cfg`."""
+def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
+    """Site, layers, the params' site shapes, finiteness and fn's output shape, for `cfg` (fn is
+    traced once per slot key: `traced` holds the keys already seen)."""
     shape = sites_lib.site_shape(iv.site, cfg)
     if iv.layers is not None:
         sites_lib.check_layers(iv.layers, cfg, f"{iv!r}: layers")
@@ -306,6 +307,9 @@ def _check(iv: Intervention, cfg: ModelConfig) -> None:
             raise ValueError(f"{iv!r}: params hold NaN or inf")
     if iv.fn is _replace_heads and int(np.max(iv.params["heads"])) >= cfg.n_heads:
         raise ValueError(f"{iv!r}: heads must be in [0, {cfg.n_heads}), got {iv.params['heads'].tolist()}")
+    if iv.key() in traced:
+        return
+    traced.add(iv.key())
     x = jax.ShapeDtypeStruct((2,) + shape, jnp.dtype(cfg.dtype))
     pos = jax.ShapeDtypeStruct((2,), jnp.int32)
     try:
@@ -339,6 +343,7 @@ def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows
     if not any(rows) and not cap_sites:
         return None
     checked: set[int] = set()
+    traced: set[tuple] = set()
     keys: list[tuple] = []  # slot -> (key, k)
     owner: list[Intervention] = []  # slot -> its first intervention (its template)
     row_slots: list[list[int]] = []
@@ -347,7 +352,7 @@ def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows
         ids = []
         for iv in r:
             if id(iv) not in checked:
-                _check(iv, cfg)
+                _check(iv, cfg, traced)
                 checked.add(id(iv))
             key = iv.key()
             k = seen.get(key, 0)

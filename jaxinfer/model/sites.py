@@ -27,6 +27,7 @@ their params and gates and a row whose gate is off keeps its x bit for bit. The 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -54,7 +55,7 @@ def check_layers(layers, cfg: ModelConfig, what: str = "layers") -> tuple[int, .
     """None (every layer), an int or a sequence of ints in [0, L) -> a sorted tuple without repeats."""
     if layers is None:
         return tuple(range(cfg.n_layers))
-    if isinstance(layers, (int,)) and not isinstance(layers, bool):
+    if isinstance(layers, numbers.Integral) and not isinstance(layers, bool):
         layers = [layers]
     try:
         out = [int(x) for x in layers]
@@ -92,7 +93,8 @@ class Capture:
             raise ValueError(f"Capture.sites names a site twice: {sites}")
         object.__setattr__(self, "sites", sites)
         if self.layers is not None:
-            layers = (self.layers,) if isinstance(self.layers, int) else tuple(int(x) for x in self.layers)
+            layers = ((int(self.layers),) if isinstance(self.layers, numbers.Integral)
+                      else tuple(int(x) for x in self.layers))
             object.__setattr__(self, "layers", layers)
 
 
