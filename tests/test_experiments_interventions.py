@@ -3,6 +3,8 @@ writes its JSON and PNG; the facts they report are checked, their timings are no
 
 import json
 
+import pytest
+
 from experiments import logit_lens, steering
 
 
@@ -27,6 +29,7 @@ def test_steering_experiment(smollm2, tmp_path):
     assert all(len(row["samples"]) == 2 for row in r["rows"])
 
 
+@pytest.mark.slow  # compiles generate at two batch sizes, both arms, the capture and the writer (~1-2 min)
 def test_steering_speed_rows(smollm2, tmp_path):
     r = _run(steering, "steering_speed", smollm2, tmp_path, "--speed")
     assert len(r["rows"]) == 5 and r["rows"][-1]["ratio"] == 0  # no compile for new vectors and scales

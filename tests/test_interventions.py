@@ -117,8 +117,8 @@ def _rows(m):
             [I.project_out("resid_mid", None, _vec(D, 3))]]
 
 
-@pytest.mark.parametrize("lay", ("stacked", "per_layer"))
-@pytest.mark.parametrize("sampling", (GREEDY, SamplingParams(temperature=0.9, top_p=0.9)))
+@pytest.mark.parametrize("lay, sampling", [("stacked", GREEDY),
+                                           ("per_layer", SamplingParams(temperature=0.9, top_p=0.9))])
 def test_mixed_batch_rows_equal_each_row_alone(models, lay, sampling):
     m = models[lay, "gemma3"]
     prompts = [IDS, IDS[:5], IDS[3:], IDS]
