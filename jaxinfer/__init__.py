@@ -10,7 +10,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         generate.py, speculative.py
   serve/     many requests at once      engine.py, runner.py, live.py, scheduler.py, pages.py,
                                         request.py, http_api.py (OpenAI's HTTP API)
-  inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings)
+  inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
+                                        activations.py (sites, logit lens), corpus.py (activation shards)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
@@ -21,15 +22,19 @@ from jaxinfer.decode.outputs import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
 from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
-from jaxinfer.model import layout, quantize
+from jaxinfer.inspect.activations import LogitLens, activations, logit_lens
+from jaxinfer.inspect.corpus import write_activations
+from jaxinfer.model import interventions, layout, quantize
 from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
+from jaxinfer.model.sites import SITES, Capture
 from jaxinfer.weights.load import load
 from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
-           "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints"]
+           "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
+           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES"]
 __version__ = "0.1.0"

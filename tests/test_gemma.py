@@ -143,3 +143,13 @@ def test_tokenizer_roundtrip_fuzz(gemma):
         assert all(0 <= i < tok.vocab_size for i in ids)
 
     roundtrip()
+
+
+def test_resid_post_and_steering_match_transformers(gemma):
+    """Every layer's resid_post (after Gemma's post-norms) and a steering vector added at layer 6's
+    output, vs transformers (tests/golden/gemma3_sites.npz, make_gemma_reference.py --sites-only)."""
+    from tests.test_sites import check_resid_post, check_steering
+
+    ref = np.load(os.path.join(GOLDEN, "gemma3_sites.npz"))
+    check_resid_post(gemma, ref, "gemma3-270m")
+    check_steering(gemma, ref, "gemma3-270m")

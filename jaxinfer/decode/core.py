@@ -23,7 +23,10 @@ chunks are sampled by the prefill's own `select_tokens`).
 
 Row b samples its t-th token with fold_in(key_b, t) through `sampling.sample`, whatever runs
 beside it, so a request's tokens do not depend on its neighbours, on when it arrived, or on how
-its prompt was chunked. Shape letters as in `jaxinfer.model.config`; E is tokens emitted per
+its prompt was chunked. Interventions and captures (`jaxinfer.model.sites.Hooks`) travel with the
+rows: the prefill takes them as an argument, the decode scan carries them in its state, so a
+steered row is steered in every step of the one compiled loop and captured sites come back
+beside each emitted token. Shape letters as in `jaxinfer.model.config`; E is tokens emitted per
 step (1 for plain decoding, k + 1 for a speculative round), M stop ids per row.
 """
 
@@ -42,6 +45,7 @@ from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.bitmask import apply_token_bitmask, mask_words
 from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
+from jaxinfer.model import sites
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
@@ -90,6 +94,7 @@ class DecodeState:
     rows: Rows
     counts: pen.TokenCounts  # [B, V] tokens generated and in the prompt (what the penalties read)
     history: Optional[jax.Array] = None  # [B, S] int32 each row's tokens by position (logits processors only)
+    hooks: Optional[sites.Hooks] = None  # the rows' interventions and captures (params [B, ...], gates [B, L])
 
 
 @struct.dataclass
@@ -117,6 +122,8 @@ class Emitted:
     count: jax.Array  # [B] int32: tokens emitted by this row at this step (0 when it was not live)
     top_ids: jax.Array  # [B, E, n_top] int32 (n_top may be 0)
     top_logprobs: jax.Array  # [B, E, n_top] float32
+    # site -> [B, E, n, *site shape]: the captured sites at the position that sampled each token
+    captured: Optional[dict] = None
 
 
 def stop_array(stop_ids: list[tuple[int, ...]], width: Optional[int] = None) -> np.ndarray:
@@ -253,12 +260,15 @@ class PrefillOut:
     prompt_logprobs: jax.Array  # [B, C] float32: log p(next_tokens[b, t] | ..t) (empty [B, 0] when off)
     prompt_top_ids: jax.Array  # [B, C, n_top] int32 (prompt logprobs only)
     prompt_top_logprobs: jax.Array  # [B, C, n_top] float32
+    # site -> [B, C, n, *site shape] over the chunk (capture_prompt), else [B, 1, ...] at each
+    # row's last chunk token (what sampled `first`); None without captures
+    captured: Optional[dict] = None
 
 
 def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array, n_real: jax.Array,
             last: jax.Array, rows: Rows, counts: pen.TokenCounts, next_tokens: jax.Array, cfg: ModelConfig,
             n_top: int = 0, prompt_logprobs: bool = False, processor: Optional[LogitsProcessor] = None,
-            history: Optional[jax.Array] = None):
+            history: Optional[jax.Array] = None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False):
     """Write a chunk of prompt tokens into the cache and sample each row's next token.
 
     Args:
@@ -275,6 +285,8 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
       n_top: top alternatives per sampled / scored position (static).
       prompt_logprobs: also score next_tokens at every chunk position (static).
       processor, history: a logits processor (static) and the rows' tokens by position [B, S].
+      hooks: the rows' interventions and captures (`sites.Hooks`), or None.
+      capture_prompt: return captured sites at every chunk position, not only each row's last (static).
     Returns:
       (cache with lengths starts + n_real, counts, PrefillOut). The sample is valid for rows
       with `last`; the caller keeps it for those only.
@@ -284,8 +296,12 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
     positions = mdl.default_positions(B, C, starts)
     lastpos = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
     with jax.named_scope("prefill"):
-        logits, cache = mdl.forward(params, tokens, positions, cache, cfg,
-                                    logit_index=None if prompt_logprobs else lastpos, n_new=n_real)
+        logits, cache, captured = mdl.forward_with_hooks(params, tokens, positions, cache, cfg, hooks,
+                                                         logit_index=None if prompt_logprobs else lastpos,
+                                                         n_new=n_real)
+    if captured and not capture_prompt:
+        captured = {k: jnp.take_along_axis(v, lastpos.reshape((B, 1) + (1,) * (v.ndim - 2)), axis=1)
+                    for k, v in captured.items()}
     final = (jnp.take_along_axis(logits, lastpos[:, None, None], axis=1)[:, 0] if prompt_logprobs
              else logits[:, 0])
     pin = None if processor is None else ProcessorInput(tokens=history, lengths=starts + n_real, steps=rows.steps)
@@ -299,7 +315,7 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
     else:
         plp, ptop, ptop_lp = jnp.zeros((B, 0)), jnp.zeros((B, 0, 0), jnp.int32), jnp.zeros((B, 0, 0))
     return cache, counts, PrefillOut(first=first, prompt_logprobs=plp, prompt_top_ids=ptop.astype(jnp.int32),
-                                     prompt_top_logprobs=ptop_lp)
+                                     prompt_top_logprobs=ptop_lp, captured=captured or None)
 
 
 # Decode ---------------------------------------------------------------------------------------
@@ -314,9 +330,10 @@ def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int
     """
     live = state.rows.live
     at = state.cache.lengths  # [B] position of each row's input token
-    logits, cache = mdl.forward(params, state.tokens[:, None], at[:, None], state.cache, cfg,
-                                n_new=live.astype(jnp.int32))
-    return _advance(state, cache, logits[:, 0], live, n_top, processor, top)
+    logits, cache, captured = mdl.forward_with_hooks(params, state.tokens[:, None], at[:, None], state.cache, cfg,
+                                                     state.hooks, n_new=live.astype(jnp.int32))
+    state, em = _advance(state, cache, logits[:, 0], live, n_top, processor, top)
+    return state, (em.replace(captured=captured) if captured else em)
 
 
 def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, n_top: int,
@@ -335,7 +352,8 @@ def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Ar
             jnp.where(live, tok, history[jnp.arange(B), jnp.minimum(at + 1, history.shape[1] - 1)]))
     rows = rows.replace(steps=rows.steps + live, budget=rows.budget - live,
                         finished=rows.finished | (live & is_stop(tok, rows.stop_ids)))
-    state = DecodeState(cache=cache, tokens=tok, rows=rows, counts=state.counts.update(tok, live), history=history)
+    state = DecodeState(cache=cache, tokens=tok, rows=rows, counts=state.counts.update(tok, live), history=history,
+                        hooks=state.hooks)
     return state, _emitted(tok, lp, live.astype(jnp.int32), x, n_top, top)
 
 
@@ -390,8 +408,12 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, cfg: ModelCon
                 mdl.Segment(tokens=chunks.tokens, positions=mdl.default_positions(R, C, chunks.starts),
                             page_table=chunks.page_table, lengths=chunks.starts, logit_index=lastpos,
                             n_new=chunks.n_real))
+    hooks = None
+    if state.hooks is not None:  # the chunk rows take their slots' interventions
+        at_slot = jnp.minimum(chunks.slots, B - 1)
+        hooks = (state.hooks, jax.tree.map(lambda a: a[at_slot], state.hooks))
     with jax.named_scope("mixed"):
-        (dec_logits, pre_logits), (dec_cache, _) = mdl.forward_segments(params, segments, cache, cfg)
+        (dec_logits, pre_logits), (dec_cache, _) = mdl.forward_segments(params, segments, cache, cfg, hooks)
     state, em = _advance(state, dec_cache.with_rows(cache.page_table, dec_cache.lengths), dec_logits[:, 0], live,
                          n_top, None, top)
     # The chunks' rows: their slots' settings, sampled as `prefill` samples them.
@@ -472,7 +494,7 @@ def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n
                            every=LIVE_CHECK_STEPS if until_a_row_ends is None and state.tokens.shape[0] == 1 else 1)
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor"),
+prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor", "capture_prompt"),
                       donate_argnames=("cache",))
 decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor"), donate_argnames=("state",))
 mixed_step_jit = jax.jit(mixed_step, static_argnames=("cfg", "n_top"), donate_argnames=("state",))

@@ -11,6 +11,10 @@ Prompt lengths are padded to power-of-two buckets and the cache length is bucket
 new prompt length (inside a bucket) or a new max_new_tokens does not mean a new compile; the
 decode program does not depend on the context length at all (attention reads only the filled
 blocks of the cache).
+
+Interventions (`jaxinfer.interventions`) and captures (`sites.Capture`) become the rows'
+`sites.Hooks`: an argument of every prefill call and a field of the decode scan's state, so they
+act in the prefill and in every decode step, per row, inside the same compiled programs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from jaxinfer.decode.outputs import Output, Timings, completion_for
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
+from jaxinfer.model import interventions as iv
+from jaxinfer.model import sites
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
@@ -70,11 +76,20 @@ def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengt
     total) is called after each chunk with prompt positions read.
     Returns (cache, counts, first tokens [B] and their logprobs [B] as numpy).
     """
+    return _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress, processor, history)[:4]
+
+
+def _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress=None, processor=None,
+                    history=None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False):
+    """`prefill_prompts` with hooks; also returns the captured sites as numpy: {site: [B, Tb, n, ...]}
+    over every prompt position (capture_prompt), else {site: [B, n, ...]} at each row's last
+    prompt token; {} without captures."""
     B, Tb = tokens.shape
     total = int(lengths.max())
     first = np.zeros((B,), np.int32)
     first_lp = np.zeros((B,), np.float32)
     zeros = np.zeros((B, chunk), np.int32)
+    captured: dict = {}
     for lo in range(0, Tb, chunk):
         if lo >= total:
             break  # only padding left
@@ -82,12 +97,20 @@ def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengt
         starts = np.minimum(lengths, lo).astype(np.int32)
         ends_here = (lengths > lo) & (lengths <= lo + chunk)
         cache, counts, out = core.prefill_jit(params, cache, tokens[:, lo:lo + chunk], starts, n_real, ends_here, rows,
-                                              counts, zeros, cfg, processor=processor, history=history)
+                                              counts, zeros, cfg, processor=processor, history=history, hooks=hooks,
+                                              capture_prompt=capture_prompt)
         first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
         first_lp = np.where(ends_here, shd.to_host(out.first.logprobs)[:, 0], first_lp)
+        for site, v in (out.captured or {}).items():
+            v = np.asarray(shd.to_host(v))
+            if capture_prompt:  # [B, chunk, n, ...]: the chunks end to end
+                captured[site] = v if site not in captured else np.concatenate([captured[site], v], axis=1)
+            else:  # [B, 1, n, ...] at each row's last chunk token: kept where the prompt ends
+                keep = ends_here.reshape((B,) + (1,) * (v.ndim - 2))
+                captured[site] = np.where(keep, v[:, 0], captured.get(site, np.zeros_like(v[:, 0])))
         if progress:
             progress(min(lo + chunk, total), total)
-    return cache, counts, first, first_lp
+    return cache, counts, first, first_lp, captured
 
 
 @dataclasses.dataclass
@@ -180,7 +203,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
              on_prefill: Optional[Callable[[int, int], None]] = None,
-             logits_processor: Optional[core.LogitsProcessor] = None) -> Output:
+             logits_processor: Optional[core.LogitsProcessor] = None, interventions: iv.PerRow = None,
+             capture=None) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -206,6 +230,13 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       logits_processor: a pure JAX function (logits [B, V], `core.ProcessorInput`) -> logits [B, V]
         applied after the sampling controls and before the sampler, traced into the same prefill
         and decode programs (a new function object means new programs: define it once).
+      interventions: `jaxinfer.interventions` applied in the prefill and every decode step: one
+        list for every row, or one list per prompt ([] for a plain row). Changing their arrays
+        (a vector, a scale) compiles nothing; see `jaxinfer.interventions` for what does.
+      capture: sites to return for each generated token: a `Capture` (sites, layers, prompt) or
+        site names. Completion.activations[site] is [n, layers, *site shape] float32, row k the
+        site at the position whose logits sampled token k (the last prompt token for k = 0);
+        with Capture(prompt=True) also Completion.prompt_activations[site] [P, layers, ...].
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
@@ -214,15 +245,18 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     batch = _prepare(model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, chunk_size,
                      allow_special, prefill_chunk_size)
     B = len(batch.ids)
+    capture = sites.as_capture(capture)
+    hooks = iv.hooks_for(iv.per_row(interventions, B), cfg, B, capture)
+    capture_prompt = capture is not None and capture.prompt
     constrained = _Constrained(model, batch, sampling.constraint) if sampling.constraint is not None else None
     with CompileCounter() as compiles:
         rows = batch.rows
         if constrained is not None:
             rows = rows.replace(mask=constrained.masks(np.ones((B,), bool)))
         history = _history(batch, np.zeros((B,), np.int32)) if logits_processor is not None else None
-        cache, counts, first, first_lp = prefill_prompts(model.params, new_cache(model, B, batch.max_len),
-                                                         batch.tokens, batch.lengths, rows, batch.counts, cfg,
-                                                         batch.chunk, on_prefill, logits_processor, history)
+        cache, counts, first, first_lp, prompt_cap = _prefill_chunks(
+            model.params, new_cache(model, B, batch.max_len), batch.tokens, batch.lengths, rows, batch.counts, cfg,
+            batch.chunk, on_prefill, logits_processor, history, hooks, capture_prompt)
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
         _check_drawable(first[:, None], 0)
@@ -234,15 +268,19 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
                 constrained.consume(b, int(first[b]))
         state = core.DecodeState(cache=cache, tokens=first, counts=counts,
                                  rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1, finished=finished),
-                                 history=_history(batch, first) if logits_processor is not None else None)
-        out_tokens, out_lps = _decode(model, state, batch, constrained, first, first_lp, chunk_size, on_tokens,
-                                      logits_processor)
+                                 history=_history(batch, first) if logits_processor is not None else None,
+                                 hooks=hooks)
+        out_tokens, out_lps, out_cap = _decode(model, state, batch, constrained, first, first_lp, chunk_size,
+                                               on_tokens, logits_processor)
         t_end = time.perf_counter()
 
     completions = [completion_for(model, batch.ids[b], out_tokens[b][:batch.max_new_tokens],
                                   out_lps[b][:batch.max_new_tokens], batch.stop_ids,
                                   complete=constrained is not None and bool(constrained.complete[b]))
                    for b in range(B)]
+    if capture is not None:
+        completions = [_with_activations(c, b, batch, prompt_cap, out_cap, capture_prompt)
+                       for b, c in enumerate(completions)]
     timings = Timings.of_run(t0, t_first, t_end, int(batch.lengths.sum()), completions, None, compiles.count,
                              compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
                              n_cache_loads=compiles.cache_hits)
@@ -252,10 +290,12 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
 def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: Optional[_Constrained],
             first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor):
     """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
-    constraint: one step per scan, each row's mask computed on the host from its grammar."""
+    constraint: one step per scan, each row's mask computed on the host from its grammar.
+    Returns (tokens per row, logprobs per row, captured per row: {site: list of [n, ...] per token})."""
     B = len(batch.ids)
     out_tokens = [[int(t)] for t in first]
     out_lps = [[float(x)] for x in first_lp]
+    out_cap: list[dict] = [{} for _ in range(B)]
     remaining = np.full((B,), batch.max_new_tokens - 1, np.int32)
     finished = np.isin(first, batch.stop_ids)
     complete = constrained.complete if constrained is not None else np.zeros((B,), bool)
@@ -271,9 +311,12 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
         count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
         new = [[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)]
         _check_drawable(np.where(count > 0, toks, 0), np.array([len(t) for t in out_tokens]))
+        cap = {k: np.asarray(shd.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
         for b in range(B):
             out_tokens[b] += new[b]
             out_lps[b] += [float(x) for x, c in zip(lps[b], count[b]) if c]
+            for k, v in cap.items():
+                out_cap[b].setdefault(k, []).extend(v[count[b] > 0, b])
             if constrained is not None:
                 for t in new[b]:
                     constrained.consume(b, t)
@@ -282,7 +325,7 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
         live = ~finished & ~complete & (remaining > 0)
         if on_tokens:
             on_tokens(new)
-    return out_tokens, out_lps
+    return out_tokens, out_lps, out_cap
 
 
 def _check_drawable(tokens: np.ndarray, done) -> None:
@@ -299,19 +342,41 @@ def _check_drawable(tokens: np.ndarray, done) -> None:
             "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN")
 
 
-def _uncached_logits(params, tokens, cfg):
-    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[0]
+def _with_activations(c, b: int, batch: _Batch, prompt_cap: dict, out_cap: list[dict], whole_prompt: bool):
+    """Completion c (row b) with its captured sites: [n, layers, ...] float32 per site, one row per
+    generated token (cut where its tokens were cut), and the prompt's if captured."""
+    n, P = len(c.token_ids), int(batch.lengths[b])
+    acts, prompt = {}, None
+    for site, v in prompt_cap.items():
+        last = v[b, P - 1] if whole_prompt else v[b]  # the position that sampled the first token
+        acts[site] = np.stack([last] + list(out_cap[b].get(site, [])))[:n].astype(np.float32)
+    if whole_prompt:
+        prompt = {site: v[b, :P].astype(np.float32) for site, v in prompt_cap.items()}
+    return dataclasses.replace(c, activations=acts, prompt_activations=prompt)
+
+
+def _uncached_logits(params, tokens, cfg, hooks=None):
+    return mdl.forward_with_hooks(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, hooks)[0]
 
 
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
-def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
+def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Sequence[iv.Intervention]] = None
+           ) -> jax.Array:
     """One uncached forward pass over `token_ids`: next-token logits [T, V] float32.
 
     The sequence is padded to a bucket (causal attention: padding after the last token cannot
     change the logits before it), so scoring many lengths compiles few times.
+
+    Args:
+      model: a loaded Model.
+      token_ids: T token ids.
+      interventions: optional list of `jaxinfer.interventions` applied in the pass.
+    Returns:
+      [T, V] float32 logits.
     """
     ids = check_sequence(token_ids, model.config)
+    hooks = iv.hooks_for(iv.per_row(interventions, 1), model.config, 1)
     padded, _ = pack_prompts([ids])  # [1, bucket(T)]
-    return uncached_logits_jit(model.params, jnp.asarray(padded), model.config)[0, :len(ids)]
+    return uncached_logits_jit(model.params, jnp.asarray(padded), model.config, hooks)[0, :len(ids)]

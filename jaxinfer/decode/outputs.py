@@ -25,6 +25,10 @@ class Completion:
     # tokens before it), None where not scored (the first token, positions before `score_from`).
     prompt_logprobs: Optional[list[Optional[float]]] = None
     prompt_top_logprobs: Optional[list[Optional[TopLogprobs]]] = None
+    # Captured sites (`generate(capture=...)`): site -> [n new tokens, layers, *site shape] float32,
+    # row k the site at the position whose logits sampled token k; and over the prompt [P, layers, ...]
+    activations: Optional[dict] = None
+    prompt_activations: Optional[dict] = None
 
 
 def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], logprobs: Sequence[float],

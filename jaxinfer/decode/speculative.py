@@ -318,7 +318,7 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
              sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
              rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
-             allow_special: bool = False) -> SpecOutput:
+             allow_special: bool = False, interventions=None, capture=None) -> SpecOutput:
     """Generate with speculative decoding; same arguments and output as `jaxinfer.generate`, plus:
 
     Args:
@@ -327,6 +327,7 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
       k: tokens proposed per round (verified in one target forward of k + 1 tokens).
       max_ngram: longest suffix n-gram prompt lookup tries to match.
       rounds_per_chunk: rounds per jitted scan call (streaming granularity).
+      interventions, capture: not supported here (a ValueError): use `jaxinfer.generate`.
       on_tokens: as in `jaxinfer.generate`; receives each row's newly emitted tokens.
       model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens: as in
         `jaxinfer.generate`.
@@ -334,6 +335,9 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
       SpecOutput: completions and timings as `generate`, plus `stats` (acceptance rate, tokens per
       target call).
     """
+    if interventions is not None or capture is not None:  # the draft and the verify pass would both need them
+        raise ValueError("speculative decoding does not apply interventions or capture sites; use "
+                         "jaxinfer.generate(..., interventions=..., capture=...)")
     t0 = time.perf_counter()
     cfg = model.config
     k, max_ngram, max_new_tokens, rounds_per_chunk = _check(model, method, draft, k, max_ngram, max_new_tokens,

@@ -32,6 +32,11 @@ Token-id pairs are scored as given.
 
 Length: a pair longer than `max_length` tokens loses tokens from the left of its context (as
 the harness's Hugging Face model does); a continuation that leaves no context token is refused.
+
+With interventions (`jaxinfer.interventions`), the pairs are scored as closed batches of one
+uncached forward each (`forward_with_hooks`, no engine, no prefix sharing), every pair with its
+own interventions; `interventions=[]` scores the plain model on that same path, for a baseline
+computed the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +45,13 @@ import dataclasses
 import time
 from typing import Optional, Sequence, Union
 
-from jaxinfer.decode.inputs import check_int, check_text, check_token_ids
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.decode.inputs import bucket, check_int, check_text, check_token_ids, pack_prompts
+from jaxinfer.model import forward as mdl
+from jaxinfer.model import interventions as iv
 from jaxinfer.model.model import Model
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
 from jaxinfer.serve.pages import prefix_hashes
@@ -151,7 +162,7 @@ def leaders(prompts: Sequence[Sequence[int]], score_from: Sequence[int], page_si
 
 def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int] = None, max_slots: int = 8,
           kv_memory: Optional[int] = None, max_in_flight: Optional[int] = None,
-          timeout: Optional[float] = None) -> list[Score]:
+          timeout: Optional[float] = None, interventions: iv.PerRow = None) -> list[Score]:
     """Score (context, continuation) pairs in one batch (see the module docstring).
 
     Args:
@@ -165,6 +176,9 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
       max_in_flight: most pairs submitted to the engine and not finished (bounds its queue);
         default 4 x the engine's slots.
       timeout: seconds to wait in all (None: no limit); TimeoutError beyond it.
+      interventions: `jaxinfer.interventions` for every pair (a list) or one list per pair; the
+        pairs are then scored by closed batches of uncached passes (module docstring), max_slots
+        pairs at a time. Needs a Model, not an Engine.
     Returns:
       One Score per pair, in order.
     """
@@ -176,6 +190,11 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
         check_int("max_length", max_length, 2)
     # Every pair is checked and encoded before an Engine is made (its KV pool is a compiled program).
     pair_ids = [_pair_ids(model.model if isinstance(model, Engine) else model, pair, i) for i, pair in enumerate(pairs)]
+    if interventions is not None:
+        if isinstance(model, Engine):
+            raise ValueError("score with interventions runs uncached closed batches: pass the Model, not an Engine")
+        return _score_closed(model, pairs, interventions, max_length, max_slots)
+
     engine = model if isinstance(model, Engine) else Engine(
         model, max_slots=max_slots, kv_memory=kv_memory,
         max_len=None if max_length is None else min(max_length, model.config.max_seq_len))
@@ -252,6 +271,51 @@ def _run(engine, jobs: list[tuple[list[int], list[int]]], max_in_flight: int,
     finally:
         for req in running.values():
             req.cancel()
+    return out
+
+
+def _token_logprobs(params, tokens, hooks, cfg):
+    """tokens [B, T] -> (log p(tokens[:, t + 1] | ..t) [B, T], whether it is the argmax [B, T]),
+    the last column meaningless."""
+    B, T = tokens.shape
+    logits = mdl.forward_with_hooks(params, tokens, mdl.default_positions(B, T), None, cfg, hooks)[0]
+    nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return (jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0],
+            jnp.argmax(logits, axis=-1) == nxt)
+
+
+_token_logprobs_jit = jax.jit(_token_logprobs, static_argnames=("cfg",))
+
+
+def _score_closed(model: Model, pairs, interventions, max_length: Optional[int], rows_per_batch: int) -> list[Score]:
+    """Every pair scored by an uncached pass with its interventions, rows_per_batch pairs a pass."""
+    cfg = model.config
+    limit = cfg.max_seq_len if max_length is None else check_int("max_length", max_length, 2, cfg.max_seq_len)
+    check_int("max_slots", rows_per_batch, 1)
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+        raise TypeError(f"pairs must be a sequence of (context, continuation) pairs, got {type(pairs).__name__}")
+    jobs = []
+    for i, pair in enumerate(pairs):
+        ctx, cont = _pair_ids(model, pair, i)
+        jobs.append((_truncate(ctx, cont, limit, i), cont))
+    rows = iv.per_row(interventions, len(jobs))
+    iv.hooks_for(rows, cfg, len(jobs))  # checked before anything compiles
+    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][0]) + len(jobs[i][1]))
+    out: list[Optional[Score]] = [None] * len(jobs)
+    for lo in range(0, len(order), rows_per_batch):
+        idx = order[lo:lo + rows_per_batch]
+        tokens, _ = pack_prompts([jobs[i][0] + jobs[i][1] for i in idx])
+        B = bucket(len(idx), 1)  # rows padded to a power of two: few programs
+        tokens = np.concatenate([tokens, np.zeros((B - len(idx), tokens.shape[1]), tokens.dtype)])
+        hooks = iv.hooks_for([rows[i] for i in idx], cfg, B)
+        lp, top = (np.asarray(a) for a in _token_logprobs_jit(model.params, jnp.asarray(tokens), hooks, cfg))
+        for j, i in enumerate(idx):
+            ctx, cont = jobs[i]
+            at = slice(len(ctx) - 1, len(ctx) + len(cont) - 1)
+            lps = [float(x) for x in lp[j, at]]
+            out[i] = Score(logprob=float(sum(lps)), token_logprobs=lps, is_greedy=bool(top[j, at].all()),
+                           context_ids=list(ctx), continuation_ids=list(cont))
     return out
 
 

@@ -1,5 +1,7 @@
 """Looking inside a run: attention maps, sampling darts, token counts, decode ceilings.
 
-  probes.py    attention probabilities, the sampler's distribution, uncached greedy
-  roofline.py  the memory-bandwidth and compute ceilings of decode
+  probes.py       attention probabilities, the sampler's distribution, uncached greedy
+  activations.py  the named sites over prompts (`jaxinfer.activations`), the logit lens
+  corpus.py       a corpus's activations streamed to resumable shards (`jaxinfer.write_activations`)
+  roofline.py     the memory-bandwidth and compute ceilings of decode
 """

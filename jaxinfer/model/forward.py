@@ -10,6 +10,10 @@ the cache writes and paged attention name their own), so a profiler trace reads 
 Families: Llama/Mistral (SwiGLU, RMSNorm, RoPE, GQA), Qwen2 (+ q/k/v biases) and Gemma 3
 (+ QK-norm, post-norms, scaled embeddings, GeGLU, sliding-window local layers with their own
 RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer.model.config`.
+
+Every layer passes the named sites of `jaxinfer.model.sites` (resid_pre, attn_heads, attn_out,
+resid_mid, mlp_out, resid_post); `forward_with_hooks` reads them (capture) and changes them
+(interventions) inside the same program. Without hooks nothing is added to the program.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model import rope as rope_lib
+from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block
 from jaxinfer.model.config import ModelConfig
@@ -221,11 +226,35 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
                   page_table=None if cache is None else cache.page_table,
                   lengths=None if cache is None else cache.lengths)
-    (logits,), views, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
+    (logits,), views, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
     return logits, (None if cache is None else views[0])
 
 
-def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache, cfg: ModelConfig
+def forward_with_hooks(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
+                       cfg: ModelConfig, hooks: Optional[sites_lib.Hooks], *,
+                       logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None):
+    """`forward` with hooks at the named sites: interventions change them, captures read them.
+
+    Args:
+      params, tokens, positions, cache, cfg, logit_index, n_new: as `forward`.
+      hooks: a `sites.Hooks` (its slots' arrays are data; which sites, layers and functions are
+        static), or None (then this is `forward`).
+    Returns:
+      (logits, cache, captured): captured maps each site in hooks.capture to
+      [B, T, n, *site_shape] (n: hooks.capture_layers, in order), as the site was after any
+      intervention there; {} without captures.
+    """
+    _check_inputs(tokens, positions, cache, logit_index, n_new)
+    seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
+                  page_table=None if cache is None else cache.page_table,
+                  lengths=None if cache is None else cache.lengths)
+    (logits,), views, _, (captured,) = _forward(params, (seg,), cache, cfg, collect_attention=False,
+                                                hooks=(hooks,))
+    return logits, (None if cache is None else views[0]), captured
+
+
+def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache, cfg: ModelConfig,
+                     hooks: Optional[Sequence[Optional[sites_lib.Hooks]]] = None
                      ) -> tuple[tuple[jax.Array, ...], tuple[KVCache, ...]]:
     """`forward` over several segments of rows in one pass, all reading and writing one pool.
 
@@ -239,6 +268,8 @@ def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache
       segments: Segments with page_table and lengths set (rows of the pool `cache`).
       cache: the pool (its own page_table and lengths are not used).
       cfg: model config (static).
+      hooks: optional interventions per segment (`sites.Hooks` with rows of that segment, or None);
+        captures are not returned here.
     Returns:
       (logits per segment, as `forward` returns them; per segment the cache seen through its
       rows with lengths grown by n_new). All returned caches share the updated pages.
@@ -247,7 +278,9 @@ def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache
         if s.page_table is None or s.lengths is None:
             raise ValueError("forward_segments needs every segment's page_table and lengths")
         _check_inputs(s.tokens, s.positions, cache.with_rows(s.page_table, s.lengths), s.logit_index, s.n_new)
-    logits, views, _ = _forward(params, tuple(segments), cache, cfg, collect_attention=False)
+    if hooks is not None and any(h is not None and h.capture for h in hooks):
+        raise ValueError("forward_segments applies interventions only; capture through forward_with_hooks")
+    logits, views, _, _ = _forward(params, tuple(segments), cache, cfg, collect_attention=False, hooks=hooks)
     return logits, views
 
 
@@ -277,7 +310,7 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     _check_inputs(tokens, positions, cache, None, None)
     seg = Segment(tokens=tokens, positions=positions, page_table=None if cache is None else cache.page_table,
                   lengths=None if cache is None else cache.lengths)
-    (logits,), views, probs = _forward(params, (seg,), cache, cfg, collect_attention=True)
+    (logits,), views, probs, _ = _forward(params, (seg,), cache, cfg, collect_attention=True)
     return logits, (None if cache is None else views[0]), probs
 
 
@@ -335,15 +368,51 @@ class _Rows:
         return out
 
 
-def _forward(params, segs, cache, cfg, *, collect_attention):
+def unembed(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The residual stream after the last layer -> logits: final norm, LM head, Gemma's softcap.
+
+    x [B, T, D] -> [B, T, V] float32 (also what the logit lens applies to every layer's resid_post).
+    """
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings and cfg.layout == "per_layer":
+        logits = project(x, params["embed"])
+    elif cfg.tie_embeddings:
+        logits = linear("BTD,VD->BTV", x, params["embed"])
+    else:
+        logits = linear("BTD,DV->BTV", x, params["lm_head"])
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
+
+
+def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
     rows = _Rows([s.tokens.shape for s in segs])
     positions = rows.join([s.positions for s in segs])  # [B, T], or [1, sum B_i T_i] for several segments
     with jax.named_scope("embed"):
         x = params["embed"][rows.join([s.tokens for s in segs])] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
+    hooks = (None,) * len(segs) if hooks is None else tuple(hooks)
+    # Captured sites: one buffer per site, [layers captured + 1, *x.shape] (`sites.record`).
+    cap_sites, cap_layers = sites_lib.capture_buffers(hooks)
+    slot_of_layer = None if not cap_sites else jnp.asarray(
+        [cap_layers.index(i) if i in cap_layers else len(cap_layers) for i in range(cfg.n_layers)], jnp.int32)
+    buf = {s: jnp.zeros((len(cap_layers) + 1,) + x.shape[:2] + sites_lib.site_shape(s, cfg), x.dtype)
+           for s in cap_sites}
+
+    def at_site(name, x, idx, buf):
+        """x at site `name` of layer idx: through the segments' interventions there, then recorded."""
+        if any(h is not None and h.changes(name) for h in hooks):
+            if len(segs) == 1:
+                x = sites_lib.apply(hooks[0], name, x, positions, idx)
+            else:
+                x = rows.join([sites_lib.apply(h, name, xi, s.positions, idx)
+                               for h, xi, s in zip(hooks, rows.split(x), segs)])
+        return x, sites_lib.record(buf, name, x, idx, slot_of_layer)
 
     def block(carry, xs):
-        x, c = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
+        x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
         lp, idx, theta, local = xs
+        x, buf = at_site("resid_pre", x, idx, buf)
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
             q, k, v = qkv_projection(h, lp, cfg)
@@ -356,36 +425,48 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
             k = rope(k, positions, theta)
             outs, c, probs = _attention(rows.split(q), rows.split(k), rows.split(v), segs, c, idx, local, cfg,
                                         collect_attention)
-            attn = _attention_output(rows.join(outs), lp, cfg)
+            heads, buf = at_site("attn_heads", rows.join(outs), idx, buf)
+            attn = _attention_output(heads, lp, cfg)
             if cfg.post_norms:
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
-            x = x + attn
+            attn, buf = at_site("attn_out", attn, idx, buf)
+            x, buf = at_site("resid_mid", x + attn, idx, buf)
         with jax.named_scope("mlp"):
             h = mlp(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
             if cfg.post_norms:
                 h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
-            x = x + h
-        return (x, c), (probs if collect_attention else None)
+            h, buf = at_site("mlp_out", h, idx, buf)
+            x, buf = at_site("resid_post", x + h, idx, buf)
+        return (x, c, buf), (probs if collect_attention else None)
 
-    (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg), cfg)
+    (x, cache, buf), probs = run_layers(block, (x, cache, buf), params["layers"], _layer_meta(cfg), cfg)
 
     with jax.named_scope("logits"):
         picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
                   for xi, s in zip(rows.split(x), segs)]  # [B, 1, D] where a logit_index is given
         out_rows = _Rows([p.shape[:2] for p in picked])
-        x = rms_norm(out_rows.join(picked), params["final_norm"], cfg.norm_eps)
-        if cfg.tie_embeddings and cfg.layout == "per_layer":
-            logits = project(x, params["embed"])
-        elif cfg.tie_embeddings:
-            logits = linear("BTD,VD->BTV", x, params["embed"])
-        else:
-            logits = linear("BTD,DV->BTV", x, params["lm_head"])
-        logits = logits.astype(jnp.float32)
-        if cfg.final_logit_softcap is not None:
-            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        logits = unembed(params, out_rows.join(picked), cfg)
 
     views = ()
     if cache is not None:
         views = tuple(cache.with_rows(s.page_table, (s.lengths + (s.tokens.shape[1] if s.n_new is None else s.n_new)
                                                      ).astype(jnp.int32)) for s in segs)
-    return tuple(out_rows.split(logits)), views, probs
+    return tuple(out_rows.split(logits)), views, probs, _captured(buf, rows, hooks, cap_layers)
+
+
+def _captured(buf, rows: _Rows, hooks, cap_layers) -> tuple[dict, ...]:
+    """Per segment, {site: [B_i, T_i, n, *site_shape]} of the sites and layers it asked for."""
+    if not buf:
+        return tuple({} for _ in hooks)
+    n = len(cap_layers)
+    # [n + 1, B, T, ...] -> per segment [B_i, T_i, n, ...]
+    split = {s: rows.split(jnp.moveaxis(b[:n], 0, 2)) for s, b in buf.items()}
+    out = []
+    for i, h in enumerate(hooks):
+        if h is None or not h.capture:
+            out.append({})
+            continue
+        pick = [cap_layers.index(layer) for layer in h.capture_layers]
+        whole = pick == list(range(n))
+        out.append({s: split[s][i] if whole else split[s][i][:, :, jnp.asarray(pick)] for s in h.capture})
+    return tuple(out)

@@ -11,10 +11,15 @@ builds the config from the GGUF metadata plus Gemma3TextConfig defaults) and rec
                            position (logits_fp32_error_i: max |fp32 - fp64|).
   gemma3_reference.json    prompts, greedy text, versions, GGUF sha256, the HF model config.
   gemma3_tokenizer.json    [{"text", "ids"}]: HF tokenizer ids (no BOS) on a varied corpus.
+  gemma3_sites.npz         on prompt 0 ("The capital of France is"): every decoder layer's output
+                           at 3 positions and a steering reference (scale * v added to layer 6's
+                           output: logits at 64 columns per position, greedy tokens with and
+                           without; sites_reference.py)
 
-Run:  python tests/golden/make_gemma_reference.py [--gguf PATH] [--out DIR] [--float64-only]
+Run:  python tests/golden/make_gemma_reference.py [--gguf PATH] [--out DIR] [--float64-only | --sites-only]
 Needs: torch (CPU), transformers (GGUF support), gguf, accelerate, numpy. A few minutes.
---float64-only adds the float32-error arrays to the existing gemma3_logits.npz and changes nothing else.
+--float64-only adds the float32-error arrays to the existing gemma3_logits.npz and changes nothing else;
+--sites-only writes gemma3_sites.npz only.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ sys.path.insert(0, HERE)
 from make_reference import TOKENIZER_TEXTS as SMOLLM_TEXTS  # noqa: E402  (the varied corpus)
 from make_reference import float64_errors, load_hf_gguf, select_columns, sha256, version  # noqa: E402  (same golden format)
 from float64_reference import update_npz  # noqa: E402
+from sites_reference import sites_arrays  # noqa: E402
 
 SEED, N_NEW = 0, 32  # columns per position: make_reference.TOP_K and .M
+STEER_LAYER, STEER_SCALE_OF_NORM, STEER_NEW, STEER_COLS = 6, 0.1, 16, 64  # gemma3_sites.npz (sites_reference.py)
 
 PROMPTS = [
     "The capital of France is",
@@ -67,11 +74,15 @@ def main() -> None:
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--float64-only", action="store_true",
                     help="only add the float32-error arrays to the existing gemma3_logits.npz")
+    ap.add_argument("--sites-only", action="store_true", help="only write gemma3_sites.npz")
     args = ap.parse_args()
     if args.float64_only:
         npz_path = os.path.join(args.out, "gemma3_logits.npz")
         with np.load(npz_path) as f:
             update_npz(npz_path, float64_errors(load_hf_gguf(args.gguf)[1], {k: f[k] for k in f.files}))
+        return
+    if args.sites_only:
+        write_sites(load_hf_gguf(args.gguf), args.out)
         return
     t0 = time.time()
     torch.manual_seed(SEED)
@@ -131,9 +142,23 @@ def main() -> None:
     with open(os.path.join(args.out, "gemma3_reference.json"), "w", encoding="utf-8") as f:
         json.dump(ref, f, ensure_ascii=False, indent=1, default=str)
         f.write("\n")
+    write_sites((tok, model), args.out)
     for m in meta:
         print(repr(m["greedy_text"]), m["greedy_matches_teacher_forced_argmax"])
     print(ref["model_config"], ref["seconds"], file=sys.stderr)
+
+
+def write_sites(tok_model, out: str) -> None:
+    """gemma3_sites.npz on prompt 0 (sites_reference.py), eager attention."""
+    tok, model = tok_model
+    ids = [tok.bos_token_id] + tok.encode(PROMPTS[0], add_special_tokens=False)
+    model.config._attn_implementation = "eager"
+    arrays = sites_arrays(model, ids, layer=STEER_LAYER, scale_of_norm=STEER_SCALE_OF_NORM, n_new=STEER_NEW,
+                          cols=STEER_COLS, pad_id=model.config.pad_token_id)
+    np.savez_compressed(os.path.join(out, "gemma3_sites.npz"), **arrays)
+    print("gemma3_sites.npz: steered greedy", tok.decode(arrays["steered_greedy"].tolist()), "| plain",
+          tok.decode(arrays["plain_greedy"].tolist()), "| max resid fp32 error",
+          float(arrays["resid_post_fp32_error"].max()))
 
 
 if __name__ == "__main__":

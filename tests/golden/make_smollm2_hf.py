@@ -13,10 +13,13 @@ config (so nothing GGUF-specific remains) and `save_pretrained` writes the folde
                             -- from the model re-read from the saved folder, fp32, eager attention;
                             logits_fp32_error [T]: max |fp32 - fp64| of those logits per position,
                             the reference's own float error (float64_reference.py)
+  hf_smollm2/sites.npz      on the same prompt: every decoder layer's output at 3 positions, and a
+                            steering reference (scale * v added to layer 12's output: logits at 64
+                            columns per position, greedy tokens with and without; sites_reference.py)
 
-Run:  python tests/golden/make_smollm2_hf.py [--gguf PATH] [--float64-only]
+Run:  python tests/golden/make_smollm2_hf.py [--gguf PATH] [--float64-only | --sites-only]
       (needs torch + transformers + gguf + accelerate; --float64-only adds logits_fp32_error to the
-      existing reference.npz and changes nothing else)
+      existing reference.npz and changes nothing else; --sites-only writes sites.npz only)
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from float64_reference import float64_logits, float64_model, fp32_error, update_npz  # noqa: E402
+from sites_reference import sites_arrays  # noqa: E402
 
 DEFAULT_GGUF = os.path.expanduser("~/.cache/jaxinfer/SmolLM2-135M-Instruct.Q4_1.gguf")
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_smollm2")
 TOP_K, M, N_NEW = 64, 256, 16
+STEER_LAYER, STEER_SCALE_OF_NORM, STEER_COLS = 12, 0.5, 64  # sites.npz (sites_reference.py)
 # the 60-token lighthouse prompt of tests/golden/smollm2_logits.npz (ids_3), as ids (no tokenizer needed)
 IDS_FROM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_logits.npz")
 
@@ -50,6 +55,7 @@ def main() -> None:
     ap.add_argument("--gguf", default=DEFAULT_GGUF)
     ap.add_argument("--float64-only", action="store_true",
                     help="only add logits_fp32_error to the existing hf_smollm2/reference.npz")
+    ap.add_argument("--sites-only", action="store_true", help="only write hf_smollm2/sites.npz")
     args = ap.parse_args()
     gguf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf),
                                                       dtype=torch.float32)
@@ -60,6 +66,9 @@ def main() -> None:
         with np.load(path) as ref:
             err = fp32_error(ref["logits"], float64_logits(float64_model(plain), ref["ids"].tolist()), ref["vocab_idx"])
         update_npz(path, {"logits_fp32_error": err})
+        return
+    if args.sites_only:
+        write_sites(plain)
         return
     with tempfile.TemporaryDirectory() as tmp:
         plain.save_pretrained(tmp, safe_serialization=True, max_shard_size="2GB")
@@ -92,7 +101,19 @@ def main() -> None:
                         greedy=gen[0, len(ids):].numpy().astype(np.int32),
                         logits_fp32_error=fp32_error(np.take_along_axis(logits, idx, 1),
                                                      float64_logits(float64_model(model), ids.tolist()), idx))
+    write_sites(model)
     print("wrote", sorted(os.listdir(OUT)), "tensors:", len(table))
+
+
+def write_sites(model) -> None:
+    """hf_smollm2/sites.npz on the lighthouse prompt (sites_reference.py)."""
+    ids = np.load(IDS_FROM)["ids_3"].astype(np.int64).tolist()
+    model.config._attn_implementation = "eager"
+    arrays = sites_arrays(model, ids, layer=STEER_LAYER, scale_of_norm=STEER_SCALE_OF_NORM, n_new=N_NEW,
+                          cols=STEER_COLS)
+    np.savez_compressed(os.path.join(OUT, "sites.npz"), **arrays)
+    print("sites.npz: steered greedy", arrays["steered_greedy"].tolist(), "plain", arrays["plain_greedy"].tolist(),
+          "max resid fp32 error", float(arrays["resid_post_fp32_error"].max()))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ qwen2 sharded into several files with an index) and records, in fp32 with eager 
                                    (max |fp32 - fp64| logit per position: the reference's own
                                    float error, float64_reference.py)
   tiny_hf/<family>/meta.json       prompt length, smallest top-1/top-2 logit gap, versions
+  tiny_hf/<family>/sites.npz       every decoder layer's output at a few positions and a steering
+                                   reference: logits and greedy tokens with scale * v added to
+                                   layer 0's output (sites_reference.py)
 
 Families: llama (Llama 3 style: rope theta 5e5, untied head), mistral (sliding window 8 on every
 layer), qwen2 (q/k/v biases, untied head, sharded), gemma3 (sliding window 8 on layer 0, global
@@ -22,9 +25,10 @@ factor 4), qwen3 (per-head QK-norm, head_dim 24 != hidden / heads, no biases), q
 0.5B style: q/k/v biases, tied embeddings, use_sliding_window false with a sliding_window set).
 The prompt has 24 tokens (48 for the RoPE-scaled ones), so every sliding window really hides keys.
 
-Run:  python tests/golden/make_tiny_hf.py [--float64-only] [family ...]
+Run:  python tests/golden/make_tiny_hf.py [--float64-only | --sites-only] [family ...]
       (a few seconds; needs torch + transformers; --float64-only adds logits_fp32_error to the
-      existing reference.npz files from the saved models and changes nothing else)
+      existing reference.npz files from the saved models and changes nothing else; --sites-only
+      writes sites.npz from the saved models and changes nothing else)
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from float64_reference import float64_logits, float64_model, fp32_error, update_npz  # noqa: E402
+from sites_reference import sites_arrays  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_hf")
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 128
 T_PROMPT, N_NEW, SEED = 24, 32, 0
 LONG_PROMPT = {"llama31": 48, "llama_linear": 48}  # well past original_max_position_embeddings
+STEER_LAYER, STEER_SCALE_OF_NORM, STEER_NEW, STEER_COLS = 0, 1.0, 16, 64  # sites.npz (sites_reference.py)
 
 
 def configs():
@@ -105,6 +111,28 @@ def add_float64(families) -> None:
         print(family, "max fp32 error", float(err.max()))
 
 
+def write_sites(model, family: str, ids: list[int]) -> None:
+    """tiny_hf/<family>/sites.npz: layer outputs and the steering reference (sites_reference.py)."""
+    arrays = sites_arrays(model, ids, layer=STEER_LAYER, scale_of_norm=STEER_SCALE_OF_NORM, n_new=STEER_NEW,
+                          cols=STEER_COLS, seed=SEED)
+    np.savez_compressed(os.path.join(HERE, family, "sites.npz"), **arrays)
+    print(family, "steered greedy differs from plain:",
+          arrays["steered_greedy"].tolist() != arrays["plain_greedy"].tolist(),
+          "max resid fp32 error", float(arrays["resid_post_fp32_error"].max()))
+
+
+def add_sites(families) -> None:
+    """sites.npz of each saved family, from its folder and its stored prompt."""
+    from transformers import AutoModelForCausalLM
+
+    for family in families or configs():
+        out = os.path.join(HERE, family)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+        with np.load(os.path.join(out, "reference.npz")) as ref:
+            ids = ref["ids"].tolist()
+        write_sites(model, family, ids)
+
+
 def main(families) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -148,11 +176,14 @@ def main(families) -> None:
             json.dump(meta, f, indent=1)
             f.write("\n")
         print(family, meta["min_top2_gap_along_greedy"], meta["greedy_matches_teacher_forced_argmax"], meta["files"])
+        write_sites(model, family, ids)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--float64-only" in args:
         add_float64([a for a in args if a != "--float64-only"])
+    elif "--sites-only" in args:
+        add_sites([a for a in args if a != "--sites-only"])
     else:
         main(args)

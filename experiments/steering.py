@@ -1,0 +1,257 @@
+"""Steering: a vector from contrastive prompts, a sweep of its scale, and what steering costs.
+
+    python -m experiments.steering [--layer 12] [--scales=-6,-4,-2,-1,0,1,2,4,6]
+    python -m experiments.steering --speed [--rounds 5]
+
+The vector is the mean difference of resid_post at one layer between positive and negative
+sentences (each sentence's mean over its tokens, then the mean over sentences). Added at that
+layer with `interventions.add(scale)` at every position, its effect is measured on neutral
+prompts as a sentiment score: log p(the next token starts a positive word) - log p(... a
+negative word), plus p(" great"); greedy samples are kept at every scale.
+
+--speed measures the issue's speed rows instead, each side by side in one run, alternating
+arms, medians of --rounds: generate with one steering vector vs without at batch 1 and 8
+(decode tokens/s; target <= 5% slower), capturing resid_post at every layer vs a plain prompt
+pass (target <= 1.3x), the corpus writer vs plain prefill tokens/s (target >= 80%), and the
+programs compiled when only the vector and scale change (target 0).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import numpy as np
+
+from experiments import common
+from experiments.common import plt
+
+POSITIVE = ["I love this movie, it was wonderful and moving.", "What a fantastic day, everything went great.",
+            "The food was delicious and the staff were lovely.", "I am so happy with how this turned out.",
+            "This is the best book I have read in years.", "Our trip was amazing, we had a brilliant time.",
+            "The concert was beautiful and I enjoyed every minute.", "She did an excellent job, I am delighted."]
+NEGATIVE = ["I hate this movie, it was awful and boring.", "What a terrible day, everything went wrong.",
+            "The food was disgusting and the staff were rude.", "I am so unhappy with how this turned out.",
+            "This is the worst book I have read in years.", "Our trip was horrible, we had a miserable time.",
+            "The concert was dreadful and I hated every minute.", "She did a poor job, I am disappointed."]
+NEUTRAL = ["I went to see the new movie yesterday. Honestly, it was", "The food at that restaurant was",
+           "My week has been", "Overall, the experience was", "I think the weather tomorrow will be"]
+GOOD_WORDS = [" great", " wonderful", " amazing", " good", " excellent", " fantastic", " beautiful", " lovely"]
+BAD_WORDS = [" terrible", " awful", " bad", " horrible", " boring", " disappointing", " poor", " sad"]
+
+
+def first_ids(tok, words) -> list[int]:
+    return sorted({tok.encode(w)[0] for w in words})
+
+
+def steering_vector(m, layer: int) -> np.ndarray:
+    """Mean over positive sentences of their mean resid_post at `layer`, minus the same for negative."""
+    import jaxinfer
+
+    def mean_of(texts):
+        acts = jaxinfer.activations(m, texts, "resid_post", layers=[layer])
+        return np.mean([a["resid_post"][:, 0].mean(0) for a in acts], axis=0)
+
+    return (mean_of(POSITIVE) - mean_of(NEGATIVE)).astype(np.float32)
+
+
+def sentiment(m, ids, steer, good, bad, great: int) -> tuple[float, float, float, float]:
+    """(log p(good) - log p(bad), p(good), p(bad), p(great)) of the next token after `ids`."""
+    import jaxinfer
+
+    logits = np.asarray(jaxinfer.logits(m, ids, interventions=steer), np.float64)[-1]
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    pg, pb = p[good].sum(), p[bad].sum()
+    return float(np.log(pg) - np.log(pb)), float(pg), float(pb), float(p[great])
+
+
+def sweep(args, m) -> dict:
+    import jaxinfer
+    from jaxinfer import interventions as I
+
+    tok = m.tokenizer
+    layer = args.layer if args.layer is not None else m.config.n_layers * 2 // 5
+    scales = [float(s) for s in args.scales.split(",")]
+    neutral = NEUTRAL[:2] if args.smoke else NEUTRAL
+    v = steering_vector(m, layer)
+    good, bad, great = first_ids(tok, GOOD_WORDS), first_ids(tok, BAD_WORDS), tok.encode(" great")[0]
+    ids = [tok.encode_prompt(t) for t in neutral]
+    rows = []
+    for s in scales:
+        steer = [I.add("resid_post", layer, v, s)]
+        scores = [sentiment(m, x, steer, good, bad, great) for x in ids]
+        out = jaxinfer.generate(m, neutral, max_new_tokens=args.new_tokens, interventions=steer, stop_at_eos=True)
+        rows.append({"scale": s, "score": float(np.mean([x[0] for x in scores])),
+                     "scores": [x[0] for x in scores], "p_good": float(np.mean([x[1] for x in scores])),
+                     "p_bad": float(np.mean([x[2] for x in scores])), "p_great": float(np.mean([x[3] for x in scores])),
+                     "samples": out.texts})
+    print(f"steering vector: resid_post layer {layer}, |v| = {np.linalg.norm(v):.1f} (mean difference of "
+          f"{len(POSITIVE)} positive and {len(NEGATIVE)} negative sentences)")
+    print(f"{'scale':>6} {'score':>7} {'p(good)':>8} {'p(bad)':>8} {'p(great)':>9}  sample: {neutral[0]!r} ...")
+    for r in rows:
+        print(f"{r['scale']:6.1f} {r['score']:7.2f} {r['p_good']:8.3f} {r['p_bad']:8.3f} {r['p_great']:9.4f}  "
+              f"{r['samples'][0][:70]!r}")
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [r["scale"] for r in rows]
+    for i, t in enumerate(neutral):
+        a0.plot(xs, [r["scores"][i] for r in rows], color="0.7", lw=0.8)
+    a0.plot(xs, [r["score"] for r in rows], "o-", color="C0", label="mean over prompts")
+    a0.axhline(0, color="k", lw=0.5)
+    a0.set_xlabel("scale (x the mean difference vector)")
+    a0.set_ylabel("log p(positive word) - log p(negative word)")
+    a0.set_title(f"sentiment of the next token, steering at layer {layer}", fontsize=9)
+    a0.legend(fontsize=8)
+    a1.plot(xs, [r["p_good"] for r in rows], "o-", color="C2", label="p(positive word)")
+    a1.plot(xs, [r["p_bad"] for r in rows], "o-", color="C3", label="p(negative word)")
+    a1.plot(xs, [r["p_great"] for r in rows], "s--", color="C1", label="p(' great')")
+    a1.set_xlabel("scale")
+    a1.set_ylabel("probability of the next token")
+    a1.legend(fontsize=8)
+    fig.suptitle(f"{args.model}: a steering vector from contrastive prompts", fontsize=10)
+    result = {"layer": layer, "vector_norm": float(np.linalg.norm(v)), "neutral_prompts": neutral,
+              "good_ids": good, "bad_ids": bad, "rows": rows}
+    common.save("steering", fig, result, args)
+    return result
+
+
+# Speed ------------------------------------------------------------------------------------------
+
+def alternating(arms: dict, rounds: int) -> dict[str, list[float]]:
+    """Each arm's measurements over `rounds`, the arms' order reversed every other round (ABBA)."""
+    out = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            out[k].append(arms[k]())
+    return out
+
+
+def speed(args, m) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import jaxinfer
+    from jaxinfer import interventions as I
+    from jaxinfer.compile_cache import CompileCounter
+    from jaxinfer.model import forward as mdl
+    from jaxinfer.model import layout
+
+    m = layout.to_layout(m, args.layout)  # what jaxinfer.load gives by default on one CPU / GPU
+    cfg = m.config
+    layer = args.layer if args.layer is not None else cfg.n_layers * 2 // 5
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal(cfg.d_model).astype(np.float32)
+    rounds = args.rounds
+    rows = []
+    text = " ".join(POSITIVE + NEGATIVE + NEUTRAL) * 8
+    base = m.tokenizer.encode_prompt(text)
+
+    # 1. generate with one steering vector vs without, batch 1 and 8: decode tokens/s
+    new = 8 if args.smoke else 128
+    for B in (1, 8):
+        prompts = [base[i:i + 32] for i in range(B)]
+        steer = [I.add("resid_post", layer, v, 4.0)]
+
+        def gen(ivs):
+            return lambda: jaxinfer.generate(m, prompts, max_new_tokens=new, stop_at_eos=False,
+                                             interventions=ivs).timings.decode_tokens_per_s
+
+        gen(None)(), gen(steer)()  # compile both
+        got = alternating({"plain": gen(None), "steered": gen(steer)}, rounds)
+        med = {k: float(np.median(x)) for k, x in got.items()}
+        rows.append({"row": f"generate b{B}: steered / plain decode time", "ratio": med["plain"] / med["steered"],
+                     "target": "<= 1.05", "plain_tokens_per_s": med["plain"], "steered_tokens_per_s": med["steered"],
+                     "runs": got})
+
+    # 2. capture resid_post at every layer vs a plain prompt pass (logits at the last token, as a prefill)
+    B, T = (2, 32) if args.smoke else (8, 256)
+    prompts = [base[i * 7:i * 7 + T] for i in range(B)]
+    tokens = jnp.asarray(np.asarray(prompts, np.int32))
+    last = jnp.full((B,), T - 1, jnp.int32)
+    plain_pass = jax.jit(lambda p, t: mdl.forward(p, t, mdl.default_positions(*t.shape), None, cfg,
+                                                  logit_index=last)[0])
+
+    def timed(fn):
+        def run():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            return time.perf_counter() - t0
+        return run
+
+    arms = {"plain": timed(lambda: plain_pass(m.params, tokens)),
+            "capture": timed(lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}
+    for a in arms.values():
+        a()
+    got = alternating(arms, rounds)
+    med = {k: float(np.median(x)) for k, x in got.items()}
+    rows.append({"row": f"capture resid_post, all {cfg.n_layers} layers, {B} x {T} tokens / plain pass",
+                 "ratio": med["capture"] / med["plain"], "target": "<= 1.3", "seconds": med, "runs": got})
+
+    # 3. the corpus writer vs plain prefill: prompt tokens/s over the same texts
+    n_texts, batch = (8, 4) if args.smoke else (64, 8)
+    texts = [base[(i * 13) % 64:(i * 13) % 64 + T] for i in range(n_texts)]
+    n_tokens = n_texts * T
+
+    def writer():
+        with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
+            jaxinfer.write_activations(m, texts, d, sites=["resid_post"], layers=[layer], batch_tokens=batch * T,
+                                       progress=False)
+            return n_tokens / (time.perf_counter() - t0)
+
+    def prefill():
+        t0 = time.perf_counter()
+        for i in range(0, n_texts, batch):
+            jaxinfer.generate(m, texts[i:i + batch], max_new_tokens=1, stop_at_eos=False)
+        return n_tokens / (time.perf_counter() - t0)
+
+    writer(), prefill()
+    got = alternating({"prefill": prefill, "writer": writer}, rounds)
+    med = {k: float(np.median(x)) for k, x in got.items()}
+    rows.append({"row": f"corpus writer (resid_post layer {layer}) / plain prefill, tokens/s",
+                 "ratio": med["writer"] / med["prefill"], "target": ">= 0.8", "tokens_per_s": med, "runs": got})
+
+    # 4. compiles when only the vector and scale change
+    with CompileCounter() as compiles:
+        for s in (1.0, -2.5, 7.0):
+            w = rng.standard_normal(cfg.d_model).astype(np.float32)
+            jaxinfer.generate(m, [base[:32]], max_new_tokens=new, stop_at_eos=False,
+                              interventions=[I.add("resid_post", layer, w, s)])
+    rows.append({"row": "programs compiled for 3 new vectors and scales", "ratio": float(compiles.count),
+                 "target": "0"})
+
+    for r in rows:
+        print(f"{r['row']:70} {r['ratio']:7.3f}  (target {r['target']})")
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ratios = rows[:4]
+    ax.barh(range(len(ratios)), [r["ratio"] for r in ratios], color="C0")
+    for i, (r, t) in enumerate(zip(ratios, (1 / 1.05, 1 / 1.05, 1.3, 0.8))):
+        ax.plot([t, t], [i - 0.4, i + 0.4], color="C3")
+    ax.set_yticks(range(len(ratios)), [r["row"] for r in ratios], fontsize=7)
+    ax.set_xlabel("ratio (red: the target)")
+    ax.set_title(f"{args.model}: the cost of steering and capture ({rounds} alternating rounds, medians; "
+                 f"{compiles.count} compiles for new vectors)", fontsize=8)
+    result = {"layer": layer, "rounds": rounds, "layout": cfg.layout, "rows": rows}
+    common.save("steering_speed", fig, result, args)
+    return result
+
+
+def main(argv=None, model=None) -> dict:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--layer", type=int, default=None, help="layer of the vector (default 2/5 of the depth)")
+    p.add_argument("--scales", default="-6,-4,-2,-1,0,1,2,4,6", help="comma-separated scales")
+    p.add_argument("--new-tokens", type=int, default=24, help="greedy sample length (default %(default)s)")
+    p.add_argument("--speed", action="store_true", help="measure the speed rows instead of the sweep")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per speed row (default %(default)s)")
+    p.add_argument("--layout", default="per_layer", choices=("per_layer", "stacked"),
+                   help="params layout of the speed rows (default %(default)s)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.scales, args.new_tokens, args.rounds = "-4,0,4", 6, 1
+    m = common.load_model(args, model)
+    return speed(args, m) if args.speed else sweep(args, m)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""Interventions: pure functions that change a named site inside the compiled forward, per row.
+
+    steer = interventions.add("resid_post", layer=12, vector=v, scale=4.0)
+    jaxinfer.generate(model, prompts, interventions=[steer])             # every row
+    jaxinfer.generate(model, prompts, interventions=[[steer], [], [other]])  # one list per prompt
+
+An `Intervention` is a site (`jaxinfer.model.sites.SITES`), the layers it acts at, a pure
+function `fn(x, params, positions) -> x` over one row (x [T, D], or [T, N, H] at attn_heads;
+positions [T] the tokens' positions in their sequence) and `params`, a pytree of arrays. It is
+traced into the prefill and into every step of the decode scan (`sites.apply`).
+
+What is static and what is data. Interventions are grouped into slots: a slot is one (site,
+function, params structure: tree, shapes, dtypes); a row that uses two interventions with the
+same of these takes two slots. The slots are the program's static part (its jit cache key);
+everything else is data travelling with the call:
+  - each slot's params, stacked over the rows ([B, ...]; zeros for rows without it),
+  - a gate [B, L] bool per slot: where row b is changed at layer l (x_b at that layer becomes
+    where(gate, fn(x_b), x_b)), so a row without interventions keeps its values bit for bit
+    and one batch mixes plain, steered and differently steered rows.
+So changing a vector, a scale, the ablated heads (same count), the patched values or positions
+(same count) or the layers compiles nothing; a new function object, a new site, another params
+shape (a different number of directions or patched positions) or more slots compiles new
+programs. Define a custom fn once (at module level), not as a new lambda per call.
+
+At one site and layer the slots apply in one order, consistent with each row's own list (a
+row's later intervention sees its earlier one's result); rows that order the same two slots
+differently at a site are refused. The decode engine's fixed form (the server, item 6 of
+issue 46) keeps a fixed set of slots, e.g. one `add` per enabled site with its gate off by
+default, so requests only change data.
+
+Built in: `add` (steering: x + scale * vector), `ablate` (zero or mean ablation of the whole
+site, of chosen heads at attn_heads, or of chosen directions), `patch` (values captured from
+another run, at chosen positions), `project_out` (remove a direction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.model import sites as sites_lib
+from jaxinfer.model.config import ModelConfig
+
+Layers = Union[int, Sequence[int], None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Intervention:
+    """A pure function at a site of some layers (see the module docstring).
+
+    site: one of `sites.SITES`. layers: layer indices (None: every layer). fn(x [T, *site shape],
+    params, positions [T]) -> x of the same shape: one row, traced. params: a pytree of arrays
+    (data: changing them compiles nothing). site_params: names of top-level params whose trailing
+    shape must be the site's per-token shape (checked with a clear message before compiling).
+    name: how it prints.
+    """
+
+    site: str
+    layers: Optional[tuple[int, ...]]
+    fn: Callable
+    params: Any = ()
+    site_params: tuple[str, ...] = ()
+    name: str = "intervention"
+
+    def __post_init__(self):
+        sites_lib.check_site(self.site)
+        if not callable(self.fn):
+            raise TypeError(f"Intervention.fn must be callable, got {type(self.fn).__name__}")
+        if self.layers is not None:
+            layers = (self.layers,) if isinstance(self.layers, (int, np.integer)) else tuple(self.layers)
+            if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) for x in layers) or not layers:
+                raise TypeError(f"{self.name}: layers must be an int, a non-empty sequence of ints or None, "
+                                f"got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(int(x) for x in layers))
+        params = jax.tree.map(_host_array, self.params)
+        object.__setattr__(self, "params", params)
+
+    def __repr__(self) -> str:
+        where = "every layer" if self.layers is None else f"layers {list(self.layers)}"
+        return f"{self.name}({self.site}, {where})"
+
+    def key(self) -> tuple:
+        """What decides its slot: site, function and the params' structure, shapes and dtypes."""
+        leaves, tree = jax.tree.flatten(self.params)
+        return (self.site, self.fn, tree, tuple((x.shape, x.dtype.str) for x in leaves))
+
+
+def _host_array(x):
+    a = np.asarray(x)
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+        raise TypeError(f"intervention params must be numeric arrays, got {type(x).__name__} ({a.dtype})")
+    # JAX runs in 32 bits unless x64 is on: canonical dtypes here, so the slot key is what runs
+    wide = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+    return a.astype(wide[a.dtype]) if a.dtype in wide else a
+
+
+def _float_vector(x, what: str) -> np.ndarray:
+    a = np.asarray(x, np.float32)
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{what} holds NaN or inf")
+    return a
+
+
+# The built-in functions: one row, x [T, *site shape]. Module-level, so every call of a builder
+# shares one function object (one slot, one program).
+
+def _add(x, p, positions):
+    return x.astype(jnp.float32) + p["scale"] * p["vector"]
+
+
+def _replace(x, p, positions):
+    return jnp.broadcast_to(p["value"], x.shape)
+
+
+def _replace_heads(x, p, positions):  # x [T, N, H]; p["heads"] [k] head indices, p["value"] [N, H] or []
+    on = jnp.any(jnp.arange(x.shape[1])[:, None] == p["heads"][None, :], axis=-1)  # [N]
+    return jnp.where(on[None, :, None], jnp.broadcast_to(p["value"], x.shape[1:])[None].astype(jnp.float32),
+                     x.astype(jnp.float32))
+
+
+def _set_directions(x, p, positions):  # p["basis"] [k, D] orthonormal rows, p["coef"] [k]
+    xf = x.astype(jnp.float32)
+    coef = jnp.einsum("TD,KD->TK", xf, p["basis"])
+    return xf + jnp.einsum("TK,KD->TD", p["coef"][None, :] - coef, p["basis"])
+
+
+def _patch(x, p, positions):  # p["values"] [P, *site shape], p["positions"] [P] (-1: unused)
+    eq = positions[:, None] == p["positions"][None, :]  # [T, P]
+    hit = jnp.any(eq, axis=-1)
+    src = p["values"][jnp.argmax(eq, axis=-1)]
+    return jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 1)), src, x.astype(src.dtype))
+
+
+def add(site: str, layer: Layers, vector, scale=1.0) -> Intervention:
+    """Steering: x + scale * vector at every position of `layer`'s site.
+
+    Args:
+      site: a site with per-token shape [D] (resid_pre, attn_out, resid_mid, mlp_out, resid_post).
+      layer: a layer index, several, or None for every layer.
+      vector: [D] the direction to add.
+      scale: a number (data: a new scale compiles nothing).
+    Returns:
+      An Intervention.
+    """
+    _needs_d_site(site, "add")
+    v = _float_vector(vector, "add: vector")
+    if v.ndim != 1:
+        raise ValueError(f"add: vector must be one vector [D], got shape {v.shape}")
+    s = _float_vector(scale, "add: scale")
+    if s.ndim:
+        raise ValueError(f"add: scale must be a number, got shape {s.shape}")
+    return Intervention(site=site, layers=layer, fn=_add, params={"vector": v, "scale": s},
+                        site_params=("vector",), name="add")
+
+
+def ablate(site: str, layer: Layers, *, heads: Optional[Sequence[int]] = None, directions=None,
+           mean=None) -> Intervention:
+    """Zero or mean ablation of the whole site, of chosen heads, or of chosen directions.
+
+    Args:
+      site: any site; with `heads`, attn_heads (attn_out is taken to mean attn_heads: the heads'
+        outputs before the output projection).
+      layer: a layer index, several, or None for every layer.
+      heads: query-head indices whose outputs are replaced (at attn_heads).
+      directions: [k, D] or [D]: only the components along these directions (orthonormalized
+        here) are replaced; not with `heads`.
+      mean: the replacement: None for zeros, else the mean activation of the site (its per-token
+        shape: [D], or [N, H] at attn_heads), e.g. from `jaxinfer.activations` over a dataset.
+        With `directions`, x's components along them become the mean's components.
+    Returns:
+      An Intervention.
+    """
+    value = None if mean is None else _float_vector(mean, "ablate: mean")
+    if heads is not None and directions is not None:
+        raise ValueError("ablate: pass heads or directions, not both")
+    if heads is not None:
+        if site not in ("attn_heads", "attn_out"):
+            raise ValueError(f"ablate: heads are ablated at site attn_heads (or attn_out), not {site!r}")
+        h = np.asarray(list(heads) if not isinstance(heads, (int, np.integer)) else [heads])
+        if h.size == 0 or not np.issubdtype(h.dtype, np.integer) or h.min() < 0:
+            raise ValueError(f"ablate: heads must be non-negative head indices, got {heads!r}")
+        params = {"heads": h.astype(np.int32), "value": np.zeros((), np.float32) if value is None else value}
+        return Intervention(site="attn_heads", layers=layer, fn=_replace_heads, params=params,
+                            site_params=() if value is None else ("value",), name="ablate_heads")
+    if directions is not None:
+        _needs_d_site(site, "ablate with directions")
+        basis = _basis(directions, "ablate: directions")
+        coef = np.zeros(basis.shape[0], np.float32) if value is None else _coef(value, basis)
+        return Intervention(site=site, layers=layer, fn=_set_directions, params={"basis": basis, "coef": coef},
+                            site_params=("basis",), name="ablate_directions")
+    return Intervention(site=site, layers=layer, fn=_replace,
+                        params={"value": np.zeros((), np.float32) if value is None else value},
+                        site_params=() if value is None else ("value",), name="ablate")
+
+
+def project_out(site: str, layer: Layers, direction) -> Intervention:
+    """Remove a direction (or several, [k, D]): x - (x . u) u for the orthonormalized u.
+
+    As in the refusal-direction papers (ablating the direction at every layer and position).
+    """
+    _needs_d_site(site, "project_out")
+    basis = _basis(direction, "project_out: direction")
+    return Intervention(site=site, layers=layer, fn=_set_directions,
+                        params={"basis": basis, "coef": np.zeros(basis.shape[0], np.float32)},
+                        site_params=("basis",), name="project_out")
+
+
+def patch(site: str, layer: Layers, values, positions: Optional[Sequence[int]] = None) -> Intervention:
+    """Replace the site at chosen positions with values captured from another run.
+
+    Args:
+      site: any site.
+      layer: a layer index (or several: the same values at each).
+      values: [P, *site shape], e.g. `jaxinfer.activations(...)[i][site][:, j]` for layer j.
+      positions: [P] the positions (in the sequence, from 0) the values go to; default 0..P-1.
+        A token whose position is not listed keeps its value; in `generate` a listed position
+        past the prompt is patched when that token is decoded.
+    Returns:
+      An Intervention (P is padded to a power of two, so patches of similar lengths share programs).
+    """
+    vals = _float_vector(values, "patch: values")
+    if vals.ndim < 2:
+        raise ValueError(f"patch: values must be [P, *site shape], got shape {vals.shape}")
+    P = vals.shape[0]
+    pos = np.arange(P) if positions is None else np.asarray(positions)
+    if pos.shape != (P,) or not np.issubdtype(pos.dtype, np.integer) or (P and pos.min() < 0):
+        raise ValueError(f"patch: positions must be {P} non-negative ints (one per row of values), got {positions!r}")
+    if len(set(pos.tolist())) != P:
+        raise ValueError("patch: positions repeat a position")
+    width = 1 << max(0, (P - 1).bit_length())
+    padded = np.zeros((width,) + vals.shape[1:], np.float32)
+    padded[:P] = vals
+    ppos = np.full((width,), -1, np.int32)
+    ppos[:P] = pos
+    return Intervention(site=site, layers=layer, fn=_patch, params={"values": padded, "positions": ppos},
+                        site_params=("values",), name="patch")
+
+
+def _needs_d_site(site: str, what: str) -> None:
+    sites_lib.check_site(site)
+    if site == "attn_heads":
+        raise ValueError(f"{what} needs a site of width D, not attn_heads ([N, H] per token)")
+
+
+def _basis(directions, what: str) -> np.ndarray:
+    d = _float_vector(directions, what)
+    d = d[None] if d.ndim == 1 else d
+    if d.ndim != 2 or d.shape[0] == 0:
+        raise ValueError(f"{what} must be [D] or [k, D], got shape {np.shape(directions)}")
+    q, r = np.linalg.qr(d.T.astype(np.float64))  # [D, k]
+    if np.min(np.abs(np.diag(r))) <= 1e-6 * max(1.0, float(np.max(np.abs(np.diag(r))))):
+        raise ValueError(f"{what}: the directions are (nearly) linearly dependent or zero")
+    return q.T.astype(np.float32)
+
+
+def _coef(mean: np.ndarray, basis: np.ndarray) -> np.ndarray:
+    if mean.shape != basis.shape[1:]:
+        raise ValueError(f"ablate: mean must be [D] = {basis.shape[1:]} with directions, got {mean.shape}")
+    return (basis @ mean).astype(np.float32)
+
+
+# Many rows' interventions -> the forward's hooks ------------------------------------------------
+
+PerRow = Optional[Union[Sequence[Intervention], Sequence[Sequence[Intervention]]]]
+
+
+def per_row(interventions: PerRow, n_rows: int) -> Optional[list[list[Intervention]]]:
+    """`interventions` as one list per row: None; one list for every row; or one list per row.
+
+    Raises TypeError / ValueError naming what is wrong (before anything compiles)."""
+    if interventions is None:
+        return None
+    if isinstance(interventions, Intervention):
+        raise TypeError("interventions must be a list: [intervention] for every row, or one list per prompt")
+    items = list(interventions)
+    if all(isinstance(x, Intervention) for x in items):
+        return [items] * n_rows
+    if all(isinstance(x, (list, tuple)) for x in items):
+        if len(items) != n_rows:
+            raise ValueError(f"interventions has {len(items)} lists, one per prompt expected ({n_rows} prompts)")
+        for i, row in enumerate(items):
+            for x in row:
+                if not isinstance(x, Intervention):
+                    raise TypeError(f"interventions[{i}] holds a {type(x).__name__}, not an Intervention")
+        return [list(r) for r in items]
+    raise TypeError("interventions must be a list of Interventions (every row) or a list of such lists (one per "
+                    "prompt), not a mix")
+
+
+def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
+    """Site, layers, the params' site shapes, finiteness and fn's output shape, for `cfg` (fn is
+    traced once per slot key: `traced` holds the keys already seen)."""
+    shape = sites_lib.site_shape(iv.site, cfg)
+    if iv.layers is not None:
+        sites_lib.check_layers(iv.layers, cfg, f"{iv!r}: layers")
+    for name in iv.site_params:
+        got = np.shape(iv.params[name])
+        if got[len(got) - len(shape):] != shape:
+            raise ValueError(f"{iv!r}: {name} has shape {got}; the site's per-token shape is {shape} "
+                             f"({'[N, H]' if iv.site == 'attn_heads' else '[D]'})")
+    for leaf in jax.tree.leaves(iv.params):
+        if np.issubdtype(leaf.dtype, np.floating) and not np.all(np.isfinite(leaf)):
+            raise ValueError(f"{iv!r}: params hold NaN or inf")
+    if iv.fn is _replace_heads and int(np.max(iv.params["heads"])) >= cfg.n_heads:
+        raise ValueError(f"{iv!r}: heads must be in [0, {cfg.n_heads}), got {iv.params['heads'].tolist()}")
+    if iv.key() in traced:
+        return
+    traced.add(iv.key())
+    x = jax.ShapeDtypeStruct((2,) + shape, jnp.dtype(cfg.dtype))
+    pos = jax.ShapeDtypeStruct((2,), jnp.int32)
+    try:
+        out = jax.eval_shape(iv.fn, x, iv.params, pos)
+    except Exception as e:  # a user's fn: name it and what it was given
+        raise ValueError(f"{iv!r}: its function fails on one row x [T, {', '.join(map(str, shape))}]: {e}") from e
+    if not hasattr(out, "shape") or out.shape != x.shape:
+        raise ValueError(f"{iv!r}: its function must return x's shape (T, {', '.join(map(str, shape))}), "
+                         f"got {getattr(out, 'shape', type(out).__name__)}")
+
+
+def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows: int,
+              capture: Optional[sites_lib.Capture] = None) -> Optional[sites_lib.Hooks]:
+    """The forward's `sites.Hooks` for a batch: its rows' interventions as slots, and a capture.
+
+    Args:
+      rows: one list of Interventions per row (`per_row`), or None.
+      cfg: the model's config (sites' shapes, layer count).
+      n_rows: B, the batch's rows (rows past len(rows) get no interventions: padding rows).
+      capture: what to read, or None.
+    Returns:
+      Hooks (host arrays), or None when there is nothing to change or read.
+    """
+    rows = [list(r) for r in rows] if rows is not None else []
+    if len(rows) > n_rows:
+        raise ValueError(f"{len(rows)} rows of interventions for a batch of {n_rows}")
+    rows += [[] for _ in range(n_rows - len(rows))]
+    cap_sites, cap_layers = (), ()
+    if capture is not None:
+        cap_sites, cap_layers = capture.sites, sites_lib.check_layers(capture.layers, cfg, "capture layers")
+    if not any(rows) and not cap_sites:
+        return None
+    checked: set[int] = set()
+    traced: set[tuple] = set()
+    keys: list[tuple] = []  # slot -> (key, k)
+    owner: list[Intervention] = []  # slot -> its first intervention (its template)
+    row_slots: list[list[int]] = []
+    for r in rows:
+        seen: dict[tuple, int] = {}
+        ids = []
+        for iv in r:
+            if id(iv) not in checked:
+                _check(iv, cfg, traced)
+                checked.add(id(iv))
+            key = iv.key()
+            k = seen.get(key, 0)
+            seen[key] = k + 1
+            if (key, k) not in keys:
+                keys.append((key, k))
+                owner.append(iv)
+            ids.append(keys.index((key, k)))
+        row_slots.append(ids)
+    order = _slot_order(len(keys), [[(owner[s].site, s) for s in ids] for ids in row_slots])
+    slots = []
+    for s in order:
+        template = owner[s]
+        leaves_t, tree = jax.tree.flatten(template.params)
+        stacked = [np.zeros((n_rows,) + leaf.shape, leaf.dtype) for leaf in leaves_t]
+        gate = np.zeros((n_rows, cfg.n_layers), bool)
+        for b, (r, ids) in enumerate(zip(rows, row_slots)):
+            for iv, sid in zip(r, ids):
+                if sid != s:
+                    continue
+                for dst, leaf in zip(stacked, jax.tree.leaves(iv.params)):
+                    dst[b] = leaf
+                gate[b, list(range(cfg.n_layers)) if iv.layers is None else list(iv.layers)] = True
+        slots.append(sites_lib.Slot(params=jax.tree.unflatten(tree, stacked), gate=gate, site=template.site,
+                                    fn=template.fn))
+    return sites_lib.Hooks(slots=tuple(slots), capture=cap_sites, capture_layers=cap_layers)
+
+
+def _slot_order(n: int, rows: list[list[tuple[str, int]]]) -> list[int]:
+    """Slots in an order that keeps every row's own order at each site (first appearance breaks ties)."""
+    after: dict[int, set[int]] = {s: set() for s in range(n)}
+    for r in rows:
+        for i, (site, a) in enumerate(r):
+            for site_b, b in r[i + 1:]:
+                if site_b == site and b != a:
+                    after[a].add(b)
+    indeg = {s: 0 for s in range(n)}
+    for a in after:
+        for b in after[a]:
+            indeg[b] += 1
+    order, ready = [], [s for s in range(n) if indeg[s] == 0]
+    while ready:
+        s = min(ready)
+        ready.remove(s)
+        order.append(s)
+        for b in after[s]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                ready.append(b)
+    if len(order) != n:
+        raise ValueError("two rows apply the same interventions at one site in different orders; one batch "
+                         "applies them in one order: give those rows the same order (or run them apart)")
+    return order

@@ -1,0 +1,35 @@
+"""Smoke tests of the logit-lens and steering experiments (fast settings, the real SmolLM2): each
+writes its JSON and PNG; the facts they report are checked, their timings are not."""
+
+import json
+
+import pytest
+
+from experiments import logit_lens, steering
+
+
+def _run(module, name, smollm2, tmp_path, *argv):
+    result = module.main(["--smoke", "--out", str(tmp_path), *argv], model=smollm2)
+    assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    assert json.loads((tmp_path / f"{name}.json").read_text())["experiment"] == name
+    return result
+
+
+def test_logit_lens_experiment(smollm2, tmp_path):
+    r = _run(logit_lens, "logit_lens", smollm2, tmp_path)
+    assert r["final_token"] == " Paris" and r["tokens"][-1] == " is"
+    assert len(r["layers"]) == 30 and 0 <= r["top_from_layer"] <= 29
+
+
+def test_steering_experiment(smollm2, tmp_path):
+    r = _run(steering, "steering", smollm2, tmp_path)
+    scores = [row["score"] for row in r["rows"]]
+    assert [row["scale"] for row in r["rows"]] == [-4.0, 0.0, 4.0]
+    assert scores[0] < scores[1] < scores[2]  # the vector moves the sentiment where it points
+    assert all(len(row["samples"]) == 2 for row in r["rows"])
+
+
+@pytest.mark.slow  # compiles generate at two batch sizes, both arms, the capture and the writer (~1-2 min)
+def test_steering_speed_rows(smollm2, tmp_path):
+    r = _run(steering, "steering_speed", smollm2, tmp_path, "--speed")
+    assert len(r["rows"]) == 5 and r["rows"][-1]["ratio"] == 0  # no compile for new vectors and scales
