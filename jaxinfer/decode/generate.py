@@ -234,7 +234,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         list for every row, or one list per prompt ([] for a plain row). Changing their arrays
         (a vector, a scale) compiles nothing; see `jaxinfer.interventions` for what does.
       capture: sites to return for each generated token: a `Capture` (sites, layers, prompt) or
-        site names. Completion.activations[site] is [n, layers, *site shape] float32, row k the
+        site names. `Completion.activations[site]` is `[n, layers, *site shape]` float32, row k the
         site at the position whose logits sampled token k (the last prompt token for k = 0);
         with Capture(prompt=True) also Completion.prompt_activations[site] [P, layers, ...].
     Returns:
