@@ -9,7 +9,9 @@ the cache writes and paged attention name their own), so a profiler trace reads 
 
 Families: Llama/Mistral (SwiGLU, RMSNorm, RoPE, GQA), Qwen2 (+ q/k/v biases) and Gemma 3
 (+ QK-norm, post-norms, scaled embeddings, GeGLU, sliding-window local layers with their own
-RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer.model.config`.
+RoPE base) are switches on `ModelConfig`; with `cfg.moe` every layer's MLP is the
+mixture-of-experts block of `jaxinfer.model.moe` (Qwen2/3-MoE, Mixtral, OLMoE).
+Shape letters are defined in `jaxinfer.model.config`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.model import moe
 from jaxinfer.model import rope as rope_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block
@@ -147,6 +150,18 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     gate = linear("BTD,DF->BTF", x, lp["w_gate"])
     up = linear("BTD,DF->BTF", x, lp["w_up"])
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
+
+
+def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig) -> tuple[jax.Array, Optional[moe.Routing]]:
+    """The layer's MLP: x [B, T, D] -> ([B, T, D], the router's choices [B, T, k] or None).
+
+    The dense gated MLP, or (cfg.moe) the mixture-of-experts block, whose shared expert is a
+    dense MLP of its own.
+    """
+    if cfg.moe is None:
+        return mlp(x, lp, cfg), None
+    shared = mlp(x, moe.shared_expert(lp, cfg), cfg) if cfg.moe.shared_ffn_dim else None
+    return moe.moe_block(x, lp, cfg, shared)
 
 
 def _layer_meta(cfg: ModelConfig):
@@ -277,8 +292,28 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     _check_inputs(tokens, positions, cache, None, None)
     seg = Segment(tokens=tokens, positions=positions, page_table=None if cache is None else cache.page_table,
                   lengths=None if cache is None else cache.lengths)
-    (logits,), views, probs = _forward(params, (seg,), cache, cfg, collect_attention=True)
+    (logits,), views, (probs, _) = _forward(params, (seg,), cache, cfg, collect_attention=True)
     return logits, (None if cache is None else views[0]), probs
+
+
+def forward_routed(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
+                   cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
+                   n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache], moe.Routing]:
+    """`forward` that also returns the router's choices at every layer (mixture-of-experts models).
+
+    Same arguments and the same blocks as `forward`. Returns (logits, cache or None, Routing with
+    ids and weights [L, B, T, k]: the experts each of the T tokens chose at each layer, and their
+    weights), whatever logit_index picks.
+    """
+    if cfg.moe is None:
+        raise ValueError(f"{cfg.name} has no mixture-of-experts layers: there is no router to report")
+    _check_inputs(tokens, positions, cache, logit_index, n_new)
+    seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
+                  page_table=None if cache is None else cache.page_table,
+                  lengths=None if cache is None else cache.lengths)
+    (logits,), views, (_, routing) = _forward(params, (seg,), cache, cfg, collect_attention=False,
+                                              collect_routing=True)
+    return logits, (None if cache is None else views[0]), routing
 
 
 def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect):
@@ -335,7 +370,16 @@ class _Rows:
         return out
 
 
-def _forward(params, segs, cache, cfg, *, collect_attention):
+def _qk_norm(q: jax.Array, k: jax.Array, lp: Params, cfg: ModelConfig):
+    """RMSNorm of queries [B, T, N, H] and keys [B, T, K, H]: per head, or (cfg.qk_norm_whole,
+    OLMoE) over all of a token's query (key) values at once."""
+    if not cfg.qk_norm_whole:
+        return rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+    whole = lambda x, w: rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.norm_eps).reshape(x.shape)
+    return whole(q, lp["q_norm"]), whole(k, lp["k_norm"])
+
+
+def _forward(params, segs, cache, cfg, *, collect_attention, collect_routing=False):
     rows = _Rows([s.tokens.shape for s in segs])
     positions = rows.join([s.positions for s in segs])  # [B, T], or [1, sum B_i T_i] for several segments
     with jax.named_scope("embed"):
@@ -350,8 +394,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
             if cfg.qkv_bias:
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
             if cfg.qk_norm:
-                q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
-                k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+                q, k = _qk_norm(q, k, lp, cfg)
             q = rope(q, positions, theta)
             k = rope(k, positions, theta)
             outs, c, probs = _attention(rows.split(q), rows.split(k), rows.split(v), segs, c, idx, local, cfg,
@@ -361,13 +404,13 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
             x = x + attn
         with jax.named_scope("mlp"):
-            h = mlp(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
+            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
             if cfg.post_norms:
                 h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
             x = x + h
-        return (x, c), (probs if collect_attention else None)
+        return (x, c), (probs if collect_attention else None, routing if collect_routing else None)
 
-    (x, cache), probs = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg), cfg)
+    (x, cache), (probs, routing) = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg), cfg)
 
     with jax.named_scope("logits"):
         picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
@@ -388,4 +431,4 @@ def _forward(params, segs, cache, cfg, *, collect_attention):
     if cache is not None:
         views = tuple(cache.with_rows(s.page_table, (s.lengths + (s.tokens.shape[1] if s.n_new is None else s.n_new)
                                                      ).astype(jnp.int32)) for s in segs)
-    return tuple(out_rows.split(logits)), views, probs
+    return tuple(out_rows.split(logits)), views, (probs, routing)
