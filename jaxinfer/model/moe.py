@@ -75,7 +75,7 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
         group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
         best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [N, top_k_groups]
         keep = jnp.zeros((N, m.n_groups), bool).at[jnp.arange(N)[:, None], best].set(True)
-        choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, 0.0)
+        choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, m.top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if m.norm_top_k:

@@ -27,7 +27,8 @@ Per family, in tiny_moe/<family>/:
                   batch_greedy [3, 32] (each prompt run alone)
   meta.json       prompt lengths, the smallest top-1/top-2 logit gap, tokens per expert, versions
 qwen3_moe also holds chat.json: a conversation, the text transformers' apply_chat_template renders
-and its ids. tiny_moe/qwen3_moe.gguf is that folder converted by llama.cpp (f32).
+and its ids. tiny_moe/qwen3_moe.gguf is that folder converted by llama.cpp (f32), and
+tiny_moe/deepseek_v3_router.npz DeepSeek V3's router alone (`deepseek_router`).
 
 Run:  python tests/golden/make_tiny_moe.py [family ...]           (a few seconds; torch + transformers)
       python tests/golden/make_tiny_moe.py --gguf LLAMA_CPP_DIR    (only the GGUF; LLAMA_CPP_DIR is
@@ -219,6 +220,31 @@ def main(families) -> None:
               meta["tokens_per_expert"])
 
 
+def deepseek_router() -> None:
+    """tiny_moe/deepseek_v3_router.npz: DeepSeek V3's router (sigmoid scores, a per-expert bias for
+    choosing, 4 groups of which 2 are kept, top 4 of 16, renormalised, scaled by 2.5) on 32 random
+    hidden states: hidden [32, 64], weight [16, 64], bias [16], ids [32, 4] and weights [32, 4]
+    (each row's experts in increasing order: transformers returns them unsorted)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(hidden_size=D, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(SEED)
+    router = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / np.sqrt(D))
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(16, generator=g))
+        hidden = torch.randn(32, D, generator=g)
+        _, weights, ids = router(hidden)
+    order = torch.argsort(ids, dim=-1)
+    np.savez_compressed(os.path.join(HERE, "deepseek_v3_router.npz"), hidden=hidden.numpy(),
+                        weight=router.weight.detach().numpy(), bias=router.e_score_correction_bias.numpy(),
+                        ids=torch.gather(ids, 1, order).numpy().astype(np.int32),
+                        weights=torch.gather(weights, 1, order).numpy().astype(np.float32))
+    print("deepseek_v3_router", ids.shape)
+
+
 def write_gguf(llama_cpp: str) -> None:
     """tiny_moe/qwen3_moe.gguf: the qwen3_moe folder through llama.cpp's own converter, in f32."""
     sys.path[:0] = [os.path.join(llama_cpp, "gguf-py"), llama_cpp]
@@ -238,3 +264,5 @@ if __name__ == "__main__":
         write_gguf(args[1])
     else:
         main(args)
+        if not args or "deepseek_v3_router" in args:
+            deepseek_router()
