@@ -44,6 +44,7 @@ from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.moe import Routing
 from jaxinfer.model.params import Params
 
 MIN_STOP_SLOTS = 8  # stop-id arrays are padded to a power of two >= this (few programs)
@@ -109,6 +110,7 @@ class Emitted:
     count: jax.Array  # [B] int32: tokens emitted by this row at this step (0 when it was not live)
     top_ids: jax.Array  # [B, E, n_top] int32 (n_top may be 0)
     top_logprobs: jax.Array  # [B, E, n_top] float32
+    routing: Optional[Routing] = None  # [B, E, L, k]: experts chosen at the step's input position (`routing`)
 
 
 def stop_array(stop_ids: list[tuple[int, ...]]) -> np.ndarray:
@@ -222,12 +224,13 @@ class PrefillOut:
     prompt_logprobs: jax.Array  # [B, C] float32: log p(next_tokens[b, t] | ..t) (empty [B, 0] when off)
     prompt_top_ids: jax.Array  # [B, C, n_top] int32 (prompt logprobs only)
     prompt_top_logprobs: jax.Array  # [B, C, n_top] float32
+    routing: Optional[Routing] = None  # [B, C, L, k]: experts chosen at every chunk position (`routing`)
 
 
 def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array, n_real: jax.Array,
             last: jax.Array, rows: Rows, counts: pen.TokenCounts, next_tokens: jax.Array, cfg: ModelConfig,
             n_top: int = 0, prompt_logprobs: bool = False, processor: Optional[LogitsProcessor] = None,
-            history: Optional[jax.Array] = None):
+            history: Optional[jax.Array] = None, routing: bool = False):
     """Write a chunk of prompt tokens into the cache and sample each row's next token.
 
     Args:
@@ -244,6 +247,7 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
       n_top: top alternatives per sampled / scored position (static).
       prompt_logprobs: also score next_tokens at every chunk position (static).
       processor, history: a logits processor (static) and the rows' tokens by position [B, S].
+      routing: also return the router's choices at every chunk position (static; MoE models).
     Returns:
       (cache with lengths starts + n_real, counts, PrefillOut). The sample is valid for rows
       with `last`; the caller keeps it for those only.
@@ -253,8 +257,8 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
     positions = mdl.default_positions(B, C, starts)
     lastpos = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
     with jax.named_scope("prefill"):
-        logits, cache = mdl.forward(params, tokens, positions, cache, cfg,
-                                    logit_index=None if prompt_logprobs else lastpos, n_new=n_real)
+        logits, cache, *route = (mdl.forward_routed if routing else mdl.forward)(
+            params, tokens, positions, cache, cfg, logit_index=None if prompt_logprobs else lastpos, n_new=n_real)
     final = (jnp.take_along_axis(logits, lastpos[:, None, None], axis=1)[:, 0] if prompt_logprobs
              else logits[:, 0])
     pin = None if processor is None else ProcessorInput(tokens=history, lengths=starts + n_real, steps=rows.steps)
@@ -268,24 +272,34 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
     else:
         plp, ptop, ptop_lp = jnp.zeros((B, 0)), jnp.zeros((B, 0, 0), jnp.int32), jnp.zeros((B, 0, 0))
     return cache, counts, PrefillOut(first=first, prompt_logprobs=plp, prompt_top_ids=ptop.astype(jnp.int32),
-                                     prompt_top_logprobs=ptop_lp)
+                                     prompt_top_logprobs=ptop_lp, routing=_by_row(route))
 
 
 # Decode ---------------------------------------------------------------------------------------
 
+def _by_row(route: list) -> Optional[Routing]:
+    """`forward_routed`'s choices [L, B, T, k] as [B, T, L, k] (None when not asked for)."""
+    if not route:
+        return None
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2), route[0])
+
+
 def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0,
-                processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None):
+                processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
+                routing: bool = False):
     """One token per live row: forward each row's last token, sample the next.
 
     Rows that are not live still run (fixed shapes) but keep their token, length and counters.
     `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
+    `routing`: the Emitted also holds the router's choices at each row's input token (MoE models).
     Returns (state, Emitted with E = 1).
     """
     live = state.rows.live
     at = state.cache.lengths  # [B] position of each row's input token
-    logits, cache = mdl.forward(params, state.tokens[:, None], at[:, None], state.cache, cfg,
-                                n_new=live.astype(jnp.int32))
-    return _advance(state, cache, logits[:, 0], live, n_top, processor, top)
+    logits, cache, *route = (mdl.forward_routed if routing else mdl.forward)(
+        params, state.tokens[:, None], at[:, None], state.cache, cfg, n_new=live.astype(jnp.int32))
+    state, em = _advance(state, cache, logits[:, 0], live, n_top, processor, top)
+    return state, em.replace(routing=_by_row(route))
 
 
 def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, n_top: int,
@@ -419,7 +433,7 @@ def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable]
 
 def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0,
            processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
-           until_a_row_ends: Optional[jax.Array] = None):
+           until_a_row_ends: Optional[jax.Array] = None, routing: bool = False):
     """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1]).
 
     `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
@@ -427,6 +441,7 @@ def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n
     the start stopped are skipped, so the host can give its slot to a new request at once (the
     serving engine; a row that only used up this call's budget stops with the others, at the end).
     Without it, a batch of one row checks liveness once per LIVE_CHECK_STEPS steps.
+    `routing` (static): each step's Emitted holds the router's choices (`decode_step`).
     """
     started = state.rows.live
 
@@ -437,11 +452,12 @@ def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n
         return going & ~(until_a_row_ends & jnp.any(started & ~s.rows.live))
 
     with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor, top), state, n_steps, live=live,
-                           every=LIVE_CHECK_STEPS if until_a_row_ends is None and state.tokens.shape[0] == 1 else 1)
+        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor, top, routing), state, n_steps,
+                           live=live, every=LIVE_CHECK_STEPS if until_a_row_ends is None and state.tokens.shape[0] == 1 else 1)
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor"),
+prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor", "routing"),
                       donate_argnames=("cache",))
-decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor"), donate_argnames=("state",))
+decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor", "routing"),
+                     donate_argnames=("state",))
 mixed_step_jit = jax.jit(mixed_step, static_argnames=("cfg", "n_top"), donate_argnames=("state",))
