@@ -152,16 +152,18 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
 
 
-def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig) -> tuple[jax.Array, Optional[moe.Routing]]:
+def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None
+                 ) -> tuple[jax.Array, Optional[moe.Routing]]:
     """The layer's MLP: x [B, T, D] -> ([B, T, D], the router's choices [B, T, k] or None).
 
     The dense gated MLP, or (cfg.moe) the mixture-of-experts block, whose shared expert is a
-    dense MLP of its own.
+    dense MLP of its own. `layer`: the layer's index when lp holds every layer's experts
+    (`moe.unscanned`).
     """
     if cfg.moe is None:
         return mlp(x, lp, cfg), None
     shared = mlp(x, moe.shared_expert(lp, cfg), cfg) if cfg.moe.shared_ffn_dim else None
-    return moe.moe_block(x, lp, cfg, shared)
+    return moe.moe_block(x, lp, cfg, shared, layer)
 
 
 def _layer_meta(cfg: ModelConfig):
@@ -385,6 +387,8 @@ def _forward(params, segs, cache, cfg, *, collect_attention, collect_routing=Fal
     with jax.named_scope("embed"):
         x = params["embed"][rows.join([s.tokens for s in segs])] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
 
+    layers, experts = moe.unscanned(params["layers"], cfg)  # stacked experts stay whole (read in place)
+
     def block(carry, xs):
         x, c = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
         lp, idx, theta, local = xs
@@ -404,13 +408,14 @@ def _forward(params, segs, cache, cfg, *, collect_attention, collect_routing=Fal
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
             x = x + attn
         with jax.named_scope("mlp"):
-            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
+            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), {**lp, **experts}, cfg,
+                                      idx if experts else None)
             if cfg.post_norms:
                 h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
             x = x + h
         return (x, c), (probs if collect_attention else None, routing if collect_routing else None)
 
-    (x, cache), (probs, routing) = run_layers(block, (x, cache), params["layers"], _layer_meta(cfg), cfg)
+    (x, cache), (probs, routing) = run_layers(block, (x, cache), layers, _layer_meta(cfg), cfg)
 
     with jax.named_scope("logits"):
         picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)

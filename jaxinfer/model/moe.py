@@ -45,6 +45,7 @@ from jaxinfer.model.params import Params
 from jaxinfer.model.quantize import Int8Weight
 
 MAX_BLOCK = 32  # rows per block of the "blocks" kernel, at most (`block_rows`)
+EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in]
 
 
 @struct.dataclass
@@ -97,16 +98,36 @@ def kernel_for(m: MoEConfig) -> str:
     return m.kernel or ("blocks" if jax.default_backend() == "cpu" else "ragged")
 
 
-def _expert_product(rows: jax.Array, w, e: jax.Array) -> jax.Array:
+def unscanned(layers: Params, cfg: ModelConfig) -> tuple[Params, Params]:
+    """(the layer weights the stacked layout's `lax.scan` slices, the experts' it must not).
+
+    Inside the scan XLA copies each layer's slice of a stacked weight before using it: for the
+    experts that would copy all X of them (2.4 GB a layer for Qwen3-30B-A3B in float32) to read
+    k. So the stacked experts [L, X, out, in] stay whole, and the blocks kernel reads expert
+    (layer, e) in place (`grouped_matmul`'s `layer`). The per-layer layout has nothing to hold back.
+    """
+    if cfg.moe is None or cfg.layout != "stacked":
+        return layers, {}
+    return ({k: v for k, v in layers.items() if k not in EXPERT_WEIGHTS},
+            {k: v for k, v in layers.items() if k in EXPERT_WEIGHTS})
+
+
+def _one_expert(a: jax.Array, e: jax.Array, layer: Optional[jax.Array]) -> jax.Array:
+    """a[e] of [X, ...], or a[layer, e] of [L, X, ...]: one slice, read where it lies."""
+    lead = (e,) if layer is None else (layer, e)
+    start = lead + (0,) * (a.ndim - len(lead))
+    return jax.lax.dynamic_slice(a, start, (1,) * len(lead) + a.shape[len(lead):]).reshape(a.shape[len(lead):])
+
+
+def _expert_product(rows: jax.Array, w, e: jax.Array, layer: Optional[jax.Array] = None) -> jax.Array:
     """rows [b, I] times expert e's output-major matrix [O, I] -> [b, O] (float or int8 weights)."""
     if isinstance(w, Int8Weight):  # per-output-channel scales [X, O, 1]: one multiply per output
-        q = jax.lax.dynamic_index_in_dim(w.q, e, 0, keepdims=False)
-        s = jax.lax.dynamic_index_in_dim(w.scale, e, 0, keepdims=False)[:, 0]
+        q, s = _one_expert(w.q, e, layer), _one_expert(w.scale, e, layer)[:, 0]
         return jnp.einsum("bI,OI->bO", rows, q.astype(rows.dtype)) * s.astype(rows.dtype)
-    return jnp.einsum("bI,OI->bO", rows, jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False))
+    return jnp.einsum("bI,OI->bO", rows, _one_expert(w, e, layer))
 
 
-def _blocks(x: jax.Array, w, sizes: jax.Array, block: int) -> jax.Array:
+def _blocks(x: jax.Array, w, sizes: jax.Array, block: int, layer: Optional[jax.Array] = None) -> jax.Array:
     """The "blocks" kernel: x [Q, I] sorted by expert, sizes [X] -> [Q, O].
 
     Block j covers rows lo_j .. lo_j + block of one expert; the blocks run in row order, so rows a
@@ -114,7 +135,7 @@ def _blocks(x: jax.Array, w, sizes: jax.Array, block: int) -> jax.Array:
     overwritten by the blocks that own them.
     """
     Q, I = x.shape
-    X, O = w.shape[0], w.shape[1]
+    X, O = w.shape[-3], w.shape[-2]
     starts = jnp.cumsum(sizes) - sizes  # [X] first row of each expert
     n_blocks = (sizes + block - 1) // block  # [X]
     ends = jnp.cumsum(n_blocks)  # [X] blocks up to and including each expert
@@ -126,8 +147,8 @@ def _blocks(x: jax.Array, w, sizes: jax.Array, block: int) -> jax.Array:
 
     def one_block(i, out):
         rows = jax.lax.dynamic_slice_in_dim(x, lo[i], block)
-        return jax.lax.dynamic_update_slice_in_dim(out, _expert_product(rows, w, expert[i]).astype(out.dtype),
-                                                   lo[i], 0)
+        y = _expert_product(rows, w, expert[i], layer)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), lo[i], 0)
 
     out = jax.lax.fori_loop(0, ends[-1], one_block, jnp.zeros((Q + block, O), x.dtype))
     return out[:Q]
@@ -144,39 +165,46 @@ def _ragged(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, dims)
 
 
-def grouped_matmul(x: jax.Array, w, sizes: jax.Array, kernel: str, block: int = 1) -> jax.Array:
+def grouped_matmul(x: jax.Array, w, sizes: jax.Array, kernel: str, block: int = 1,
+                   layer: Optional[jax.Array] = None) -> jax.Array:
     """Rows grouped by expert times their expert's matrix: a grouped matmul.
 
     Args:
       x: [Q, I] rows sorted by expert: the first sizes[0] rows go to expert 0, and so on.
-      w: [X, O, I] output-major matrices, float or `Int8Weight` (scales [X, O, 1]).
+      w: [X, O, I] output-major matrices, float or `Int8Weight` (scales [X, O, 1]); with `layer`,
+        every layer's [L, X, O, I] (the stacked layout, `unscanned`).
       sizes: [X] int rows per expert (sum Q; traced: the routing decides them).
       kernel: "blocks" or "ragged" (module docstring).
       block: rows per block of the "blocks" kernel (static).
+      layer: the layer whose experts to use, when w holds all of them.
     Returns:
       [Q, O]: row q times the matrix of its expert.
     """
     if kernel == "ragged":
+        if layer is not None:
+            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
         return _ragged(x, w, sizes)
-    return _blocks(x, w, sizes, block)
+    return _blocks(x, w, sizes, block, layer)
 
 
-def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str) -> jax.Array:
+def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
+            layer: Optional[jax.Array] = None) -> jax.Array:
     """The routed experts' weighted sum: x [N, D] -> [N, D].
 
     Each token's k slots are sorted by expert, run through their expert's SwiGLU (gate and up
     as one grouped matmul, then down) and added back up with the router's weights.
-    w_gate_up [X, 2Fe, D] (gate rows first), w_down [X, D, Fe].
+    w_gate_up [X, 2Fe, D] (gate rows first), w_down [X, D, Fe]; with `layer`, [L, X, ...] of
+    every layer (`grouped_matmul`).
     """
     N, k = routing.ids.shape
-    X = w_gate_up.shape[0]
+    X = w_gate_up.shape[-3]
     flat = routing.ids.reshape(-1)  # [Q] slot s = token s // k's (s % k)-th choice
     order = jnp.argsort(flat, stable=True)  # slots sorted by expert
     sizes = jnp.bincount(flat, length=X)  # [X]
     block = block_rows(N * k, X)
-    h = grouped_matmul(x[order // k], w_gate_up, sizes, kernel, block)  # [Q, 2Fe]
+    h = grouped_matmul(x[order // k], w_gate_up, sizes, kernel, block, layer)  # [Q, 2Fe]
     gate, up = jnp.split(h, 2, axis=-1)
-    y = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, kernel, block)  # [Q, D], sorted
+    y = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, kernel, block, layer)  # [Q, D], sorted
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in slot order
     return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
 
@@ -188,8 +216,8 @@ def shared_expert(lp: Params, cfg: ModelConfig) -> Params:
     return {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"], "w_down": lp["ws_down"]}
 
 
-def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.Array] = None
-              ) -> tuple[jax.Array, Routing]:
+def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.Array] = None,
+              layer: Optional[jax.Array] = None) -> tuple[jax.Array, Routing]:
     """The mixture-of-experts MLP of one layer: x [B, T, D] -> ([B, T, D], Routing [B, T, k]).
 
     Args:
@@ -198,6 +226,7 @@ def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.A
       cfg: model config with `cfg.moe` set.
       shared: [B, T, D] the shared expert's output (`forward.mlp` over `shared_expert(lp, cfg)`),
         or None when the model has none; gated by sigmoid(x . shared_gate) where cfg.moe says so.
+      layer: this layer's index, when lp's experts are every layer's (`unscanned`).
     """
     m = cfg.moe
     B, T, D = x.shape
@@ -205,7 +234,7 @@ def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.A
     with jax.named_scope("router"):
         routing = route(xt, lp["router"], lp.get("router_bias"), m)
     with jax.named_scope("experts"):
-        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m)).reshape(B, T, D)
+        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m), layer).reshape(B, T, D)
     if shared is not None:
         if m.shared_gate:
             shared = shared * jax.nn.sigmoid(jnp.einsum("BTD,D->BT", x, lp["shared_gate"].astype(x.dtype)))[..., None]
