@@ -176,6 +176,20 @@ def test_kernels_agree_in_the_forward(models):
     assert_close(out["ragged"], out["blocks"], what="ragged vs blocks kernel")
 
 
+def test_stacked_scan_does_not_copy_a_layers_experts():
+    """In the stacked layout's layer scan, XLA copies the slice of every stacked weight it reads: a
+    decode step must not slice a whole layer's experts [X, 2Fe, D] (16 experts here, to use 2)."""
+    import re
+
+    from jaxinfer.model.params import abstract_params
+
+    cfg = C.tiny_moe(moe=C.MoEConfig(n_experts=16, top_k=2, expert_ffn_dim=24))
+    tok = jnp.zeros((1, 1), jnp.int32)
+    hlo = jax.jit(F.forward, static_argnames=("cfg",)).lower(abstract_params(cfg), tok, tok, None, cfg).compile().as_text()
+    assert re.search(r"f32\[2,16,48,64\]", hlo)  # the stacked experts are there ...
+    assert not re.search(r"= f32\[16,(48,64|64,24)\]", hlo)  # ... and no layer's slice of them is made
+
+
 def test_block_rows_follow_the_slots_per_expert():
     assert moe.block_rows(8, 128) == 1  # a decode step of Qwen3-30B-A3B: one row per block
     assert moe.block_rows(256, 128) == 8
