@@ -310,6 +310,24 @@ def test_unimplemented_moe_configs_refused_by_name(tmp_path, family, changes, na
     assert named in _config_error(tmp_path, family, **changes)
 
 
+@pytest.mark.parametrize("arch,named", [("deepseek2", "multi-head latent attention is not implemented yet"),
+                                         ("gpt-oss", "attention sinks and MXFP4 experts are not implemented yet")])
+def test_unimplemented_gguf_architectures_refused_by_name(tmp_path, arch, named):
+    import gguf
+
+    from jaxinfer.weights import gguf as gguf_io
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(gguf_io.GGUFError, match=named):
+        jaxinfer.load(str(path))
+
+
 def test_active_parameters():
     """Qwen3-30B-A3B: 30.5B parameters, 3.3B activated (the published figures; ours is 3.35B with the
     whole embedding table counted, 3.04B read per token: one embedding row, the head, 8 of 128 experts)."""

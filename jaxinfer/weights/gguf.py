@@ -30,6 +30,8 @@ from jaxinfer.text.tokenizer import TokenizerData
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", "qwen3moe", "qwen2moe", "olmoe")
 NORM_TOP_K = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}  # llama.cpp's build_moe_ffn calls
+NOT_YET = {"deepseek2": "multi-head latent attention is not implemented yet",  # DeepSeek V2 and V3
+           "gpt-oss": "attention sinks and MXFP4 experts are not implemented yet"}
 
 
 class GGUFError(ValueError):
@@ -61,6 +63,8 @@ def _field(reader, key: str, default: Any = None):
 def read_config(reader, name: str = "gguf") -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.*` keys)."""
     arch = _field(reader, "general.architecture")
+    if arch in NOT_YET:
+        raise GGUFError(f"GGUF architecture {arch!r}: {NOT_YET[arch]}")
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
 
