@@ -227,6 +227,17 @@ def test_fused_expert_tensors_load_the_same(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
 
 
+def test_experts_filled_on_device_equal_the_host_path():
+    """Large stacked weights are filled on device, one expert's tensor at a time (`hf._fill` at
+    (layer, expert, row) offsets); forced here for every weight: the same params as the host path,
+    and `read_params` (jaxinfer convert's host copy) too."""
+    cfg = hf_io.read_config(_folder("qwen2_moe")).replace(dtype="float32")
+    host = hf_io.load_params(_folder("qwen2_moe"), cfg)
+    device = hf_io.load_params(_folder("qwen2_moe"), cfg, host_stack_bytes=0)
+    jax.tree.map(np.testing.assert_array_equal, device, host)
+    jax.tree.map(np.testing.assert_array_equal, hf_io.read_params(_folder("qwen2_moe"), cfg), host)
+
+
 def test_gguf_from_llama_cpp_converter_equals_the_folder(models):
     """tiny_moe/qwen3_moe.gguf, written by llama.cpp's convert_hf_to_gguf.py from the qwen3_moe
     folder: the same config and logits within the parity tolerance of transformers'."""
