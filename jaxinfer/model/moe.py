@@ -68,7 +68,10 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
     Returns:
       Routing with ids, weights [N, k].
     """
-    logits = jnp.einsum("ND,XD->NX", x, router.astype(x.dtype)).astype(jnp.float32)
+    # the logits in the activations' dtype, as Qwen, Mixtral and OLMoE compute them; DeepSeek's
+    # sigmoid router works in float32 throughout
+    dt = jnp.float32 if m.score == "sigmoid" else x.dtype
+    logits = jnp.einsum("ND,XD->NX", x.astype(dt), router.astype(dt)).astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if m.score == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     if m.n_groups > 1:  # DeepSeek V3: a group's score is the sum of its two best experts' scores
