@@ -339,6 +339,43 @@ def test_unimplemented_gguf_architectures_refused_by_name(tmp_path, arch, named)
         jaxinfer.load(str(path))
 
 
+def test_experts_split_over_8_devices_equal_one_device(tmp_path):
+    """Expert parallelism: the experts split over the mesh's model axis ((2, 4): 2 of 8 experts per
+    device; (1, 8): one), run by the ragged kernel the partitioner splits by expert; greedy and
+    seeded tokens equal one device's, logits within float error (tests/moe_sharding_worker.py, in
+    a subprocess with 8 CPU devices)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "moe_meshes.json"
+    proc = subprocess.run([sys.executable, os.path.join(here, "moe_sharding_worker.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    one = res["single"]
+    for name, got in res["meshes"].items():
+        assert got["rules"]["experts"] == "model" and got["kernel"] == "ragged"
+        assert got["expert_shard"] == [2, 8 // int(name.split("x")[1]), 64, 64], name  # [L, X / model, 2Fe, D]
+        assert got["greedy"] == one["greedy"], name
+        assert got["sampled"] == one["sampled"], name
+        assert_close(got["logits"], one["logits"], what=f"{name} vs one device")
+
+
+def test_memory_report_qwen3_235b_a22b():
+    """Qwen3-235B-A22B in bfloat16 (470 GB of weights): its experts split over 8 and 64 devices."""
+    from jaxinfer import sharding as shd
+
+    cfg = C.qwen3_235b_a22b(dtype="bfloat16")
+    r8, r64 = shd.memory_report(cfg, 1, 8), shd.memory_report(cfg, 1, 64)
+    assert round(r8.weights_total / 1e9) == 470
+    assert r8.weights_per_device < r8.weights_total / 7.5 and r64.weights_per_device < r64.weights_total / 50
+    assert "experts" not in r8.reasons and "experts" not in r64.reasons
+    assert "kv_heads" in r8.reasons  # 4 kv heads: kept whole on 8 shards
+
+
 def test_active_parameters():
     """Qwen3-30B-A3B: 30.5B parameters, 3.3B activated (the published figures; ours is 3.35B with the
     whole embedding table counted, 3.04B read per token: one embedding row, the head, 8 of 128 experts)."""
