@@ -17,7 +17,7 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
 """
 
 from jaxinfer.decode import constraints, speculative
-from jaxinfer.decode.generate import generate, logits
+from jaxinfer.decode.generate import generate, logits, routing
 from jaxinfer.decode.outputs import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
 from jaxinfer.eval.scoring import Score, score
@@ -34,7 +34,7 @@ from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
+           "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
            "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES"]
 __version__ = "0.1.0"

@@ -8,13 +8,19 @@ that `params.param_specs(cfg)` gives every weight, through one table, `RULES`::
   heads          model       wq [L, D, N, H], wo [L, N, H, D] (and bq)
   kv_heads       model       wk, wv [L, D, K, H] and the KV cache pool [L, P, ps, K, H]
   ffn            model       w_gate, w_up [L, D, F], w_down [L, F, D]
+  experts        model       a mixture-of-experts model's routed experts we_gate_up, we_down
+                             [L, X, ...] and its router [L, X, D]: expert parallelism
   vocab          model       embed [V, D], lm_head [D, V]
   batch          data        tokens [B, T], the cache's B axis, per-row keys and lengths
   (layers, embed, head_dim and everything else are replicated)
 
 The jitted prefill and decode steps are not changed: they receive sharded arguments and XLA's
 GSPMD partitioner inserts the collectives (an all-reduce after wo and w_down, an all-gather of
-the logits for sampling), so results equal the single-device ones up to summation order.
+the logits for sampling), so results equal the single-device ones up to summation order. With
+the experts split, each device runs its own experts' share of the grouped matmul and the
+partial outputs are all-reduced; that needs the `ragged_dot` kernel (`config_for`), which the
+partitioner splits by expert, where the CPU's blocks kernel would gather every expert to every
+device.
 
 "Bad" versus "replicated with a reason". A dim whose size the mesh axis does not divide cannot
 be split evenly; it is then replicated (every device of the axis holds it whole and computes it
@@ -51,7 +57,8 @@ MODEL = "model"
 AXES = (DATA, MODEL)
 
 # Logical axis -> mesh axis. Logical axes not listed are replicated.
-RULES: Mapping[str, str] = {"heads": MODEL, "kv_heads": MODEL, "ffn": MODEL, "vocab": MODEL, "batch": DATA}
+RULES: Mapping[str, str] = {"heads": MODEL, "kv_heads": MODEL, "ffn": MODEL, "experts": MODEL, "vocab": MODEL,
+                            "batch": DATA}
 
 AnyMesh = Union[Mesh, AbstractMesh]
 
@@ -153,7 +160,11 @@ class ShardingPlan:
 
 
 def _model_dims(cfg: ModelConfig) -> dict[str, int]:
-    return {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.ffn_dim, "vocab": cfg.vocab_size}
+    dims = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.ffn_dim, "vocab": cfg.vocab_size}
+    if cfg.moe is not None:  # every layer's MLP is experts: no weight has the dense "ffn" axis
+        del dims["ffn"]
+        dims["experts"] = cfg.moe.n_experts
+    return dims
 
 
 def plan(cfg: ModelConfig, mesh: AnyMesh, *, strict: bool = False) -> ShardingPlan:
@@ -191,7 +202,25 @@ def plan(cfg: ModelConfig, mesh: AnyMesh, *, strict: bool = False) -> ShardingPl
 _WHAT = {"heads": "query heads (wq, wo) are kept",
          "kv_heads": "kv heads (wk, wv and the KV cache) are kept",
          "ffn": "the MLP (w_gate, w_up, w_down) is kept",
+         "experts": "the routed experts (we_gate_up, we_down) and the router are kept",
          "vocab": "the embedding and LM head are kept"}
+
+
+def config_for(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh]) -> ModelConfig:
+    """The config to run `cfg` with on a mesh: where the plan splits the experts (expert
+    parallelism), their matmuls run as `ragged_dot` (`MoEConfig.kernel`), which XLA's partitioner
+    splits by expert group (each device multiplies its own experts; the outputs are all-reduced).
+    The CPU's blocks kernel reads one expert at a runtime index, and the partitioner answers that
+    with an all-gather of every expert to every device. Other configs are returned unchanged.
+
+    Args:
+      cfg: the model config.
+      where: a ShardingPlan or a mesh.
+    """
+    p = _as_plan(cfg, where)
+    if cfg.moe is None or p.rules.get("experts") is None:
+        return cfg
+    return cfg.replace(moe=dataclasses.replace(cfg.moe, kernel="ragged"))
 
 
 def _dims_text(dims: Mapping[str, int]) -> str:
@@ -280,7 +309,8 @@ def shard_params(params: prm.Params, cfg: ModelConfig, where: Union[ShardingPlan
       where: a ShardingPlan, or a mesh (planned with default, non-strict rules).
       dtype: convert to this dtype while placing (default: keep).
     Returns:
-      The params tree as global jax Arrays with NamedShardings.
+      The params tree as global jax Arrays with NamedShardings. Run them with `config_for(cfg,
+      where)` (a mixture-of-experts model with its experts split needs the ragged kernel).
     """
     prm.require_layout(cfg, "stacked", "shard_params")
     shardings = param_shardings(cfg, where)

@@ -48,6 +48,7 @@ from jaxinfer.model import forward as mdl
 from jaxinfer.model import sites
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.moe import Routing
 from jaxinfer.model.params import Params
 
 MIN_STOP_SLOTS = 8  # stop-id arrays are padded to a power of two >= this (few programs)
@@ -124,6 +125,7 @@ class Emitted:
     top_logprobs: jax.Array  # [B, E, n_top] float32
     # site -> [B, E, n, *site shape]: the captured sites at the position that sampled each token
     captured: Optional[dict] = None
+    routing: Optional[Routing] = None  # [B, E, L, k]: experts chosen at the step's input position (`routing`)
 
 
 def stop_array(stop_ids: list[tuple[int, ...]], width: Optional[int] = None) -> np.ndarray:
@@ -263,12 +265,14 @@ class PrefillOut:
     # site -> [B, C, n, *site shape] over the chunk (capture_prompt), else [B, 1, ...] at each
     # row's last chunk token (what sampled `first`); None without captures
     captured: Optional[dict] = None
+    routing: Optional[Routing] = None  # [B, C, L, k]: experts chosen at every chunk position (`routing`)
 
 
 def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array, n_real: jax.Array,
             last: jax.Array, rows: Rows, counts: pen.TokenCounts, next_tokens: jax.Array, cfg: ModelConfig,
             n_top: int = 0, prompt_logprobs: bool = False, processor: Optional[LogitsProcessor] = None,
-            history: Optional[jax.Array] = None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False):
+            history: Optional[jax.Array] = None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False,
+            routing: bool = False):
     """Write a chunk of prompt tokens into the cache and sample each row's next token.
 
     Args:
@@ -287,6 +291,7 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
       processor, history: a logits processor (static) and the rows' tokens by position [B, S].
       hooks: the rows' interventions and captures (`sites.Hooks`), or None.
       capture_prompt: return captured sites at every chunk position, not only each row's last (static).
+      routing: also return the router's choices at every chunk position (static; MoE models).
     Returns:
       (cache with lengths starts + n_real, counts, PrefillOut). The sample is valid for rows
       with `last`; the caller keeps it for those only.
@@ -296,9 +301,10 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
     positions = mdl.default_positions(B, C, starts)
     lastpos = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
     with jax.named_scope("prefill"):
-        logits, cache, captured = mdl.forward_with_hooks(params, tokens, positions, cache, cfg, hooks,
-                                                         logit_index=None if prompt_logprobs else lastpos,
-                                                         n_new=n_real)
+        logits, cache, captured, route = mdl.forward_full(params, tokens, positions, cache, cfg, hooks,
+                                                          routing=routing,
+                                                          logit_index=None if prompt_logprobs else lastpos,
+                                                          n_new=n_real)
     if captured and not capture_prompt:
         captured = {k: jnp.take_along_axis(v, lastpos.reshape((B, 1) + (1,) * (v.ndim - 2)), axis=1)
                     for k, v in captured.items()}
@@ -315,25 +321,35 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
     else:
         plp, ptop, ptop_lp = jnp.zeros((B, 0)), jnp.zeros((B, 0, 0), jnp.int32), jnp.zeros((B, 0, 0))
     return cache, counts, PrefillOut(first=first, prompt_logprobs=plp, prompt_top_ids=ptop.astype(jnp.int32),
-                                     prompt_top_logprobs=ptop_lp, captured=captured or None)
+                                     prompt_top_logprobs=ptop_lp, captured=captured or None,
+                                     routing=_by_row(route))
+
+
+def _by_row(route) -> Optional[Routing]:
+    """`forward_full`'s router choices [L, B, T, k] as [B, T, L, k] (None when not asked for)."""
+    if route is None:
+        return None
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2), route)
 
 
 # Decode ---------------------------------------------------------------------------------------
 
 def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0,
-                processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None):
+                processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
+                routing: bool = False):
     """One token per live row: forward each row's last token, sample the next.
 
     Rows that are not live still run (fixed shapes) but keep their token, length and counters.
     `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
+    `routing`: the Emitted also holds the router's choices at each row's input token (MoE models).
     Returns (state, Emitted with E = 1).
     """
     live = state.rows.live
     at = state.cache.lengths  # [B] position of each row's input token
-    logits, cache, captured = mdl.forward_with_hooks(params, state.tokens[:, None], at[:, None], state.cache, cfg,
-                                                     state.hooks, n_new=live.astype(jnp.int32))
+    logits, cache, captured, route = mdl.forward_full(params, state.tokens[:, None], at[:, None], state.cache, cfg,
+                                                      state.hooks, routing=routing, n_new=live.astype(jnp.int32))
     state, em = _advance(state, cache, logits[:, 0], live, n_top, processor, top)
-    return state, (em.replace(captured=captured) if captured else em)
+    return state, em.replace(captured=captured or None, routing=_by_row(route))
 
 
 def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, n_top: int,
@@ -472,7 +488,7 @@ def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable]
 
 def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0,
            processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
-           until_a_row_ends: Optional[jax.Array] = None):
+           until_a_row_ends: Optional[jax.Array] = None, routing: bool = False):
     """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1]).
 
     `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
@@ -480,6 +496,7 @@ def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n
     the start stopped are skipped, so the host can give its slot to a new request at once (the
     serving engine; a row that only used up this call's budget stops with the others, at the end).
     Without it, a batch of one row checks liveness once per LIVE_CHECK_STEPS steps.
+    `routing` (static): each step's Emitted holds the router's choices (`decode_step`).
     """
     started = state.rows.live
 
@@ -490,11 +507,12 @@ def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n
         return going & ~(until_a_row_ends & jnp.any(started & ~s.rows.live))
 
     with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor, top), state, n_steps, live=live,
-                           every=LIVE_CHECK_STEPS if until_a_row_ends is None and state.tokens.shape[0] == 1 else 1)
+        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor, top, routing), state, n_steps,
+                           live=live, every=LIVE_CHECK_STEPS if until_a_row_ends is None and state.tokens.shape[0] == 1 else 1)
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor", "capture_prompt"),
-                      donate_argnames=("cache",))
-decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor"), donate_argnames=("state",))
+prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor", "capture_prompt",
+                                               "routing"), donate_argnames=("cache",))
+decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor", "routing"),
+                     donate_argnames=("state",))
 mixed_step_jit = jax.jit(mixed_step, static_argnames=("cfg", "n_top"), donate_argnames=("state",))

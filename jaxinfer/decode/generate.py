@@ -41,6 +41,7 @@ from jaxinfer.model import interventions as iv
 from jaxinfer.model import sites
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
+from jaxinfer.model.moe import Routing
 from jaxinfer.model.params import Params
 
 MIN_KV_BUCKET = 64  # smallest cache (positions per row)
@@ -69,18 +70,22 @@ def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int,
 
 def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
                     counts, cfg: ModelConfig, chunk: int, progress: Optional[Callable[[int, int], None]] = None,
-                    processor: Optional[core.LogitsProcessor] = None, history=None):
+                    processor: Optional[core.LogitsProcessor] = None, history=None,
+                    routes: Optional[list] = None):
     """Read right-padded prompts tokens [B, Tb] into the cache, `chunk` positions per program call.
 
     Row b's first token is sampled in the chunk that holds its last prompt token. progress(done,
-    total) is called after each chunk with prompt positions read.
+    total) is called after each chunk with prompt positions read. With a list `routes`, each
+    chunk's router choices (numpy `Routing` [B, C, L, k], MoE models) are appended to it.
     Returns (cache, counts, first tokens [B] and their logprobs [B] as numpy).
     """
-    return _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress, processor, history)[:4]
+    return _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress, processor, history,
+                           routes=routes)[:4]
 
 
 def _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress=None, processor=None,
-                    history=None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False):
+                    history=None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False,
+                    routes: Optional[list] = None):
     """`prefill_prompts` with hooks; also returns the captured sites as numpy: {site: [B, Tb, n, ...]}
     over every prompt position (capture_prompt), else {site: [B, n, ...]} at each row's last
     prompt token; {} without captures."""
@@ -98,7 +103,9 @@ def _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, pr
         ends_here = (lengths > lo) & (lengths <= lo + chunk)
         cache, counts, out = core.prefill_jit(params, cache, tokens[:, lo:lo + chunk], starts, n_real, ends_here, rows,
                                               counts, zeros, cfg, processor=processor, history=history, hooks=hooks,
-                                              capture_prompt=capture_prompt)
+                                              capture_prompt=capture_prompt, routing=routes is not None)
+        if routes is not None:
+            routes.append(jax.tree.map(shd.to_host, out.routing))
         first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
         first_lp = np.where(ends_here, shd.to_host(out.first.logprobs)[:, 0], first_lp)
         for site, v in (out.captured or {}).items():
@@ -204,7 +211,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
              on_prefill: Optional[Callable[[int, int], None]] = None,
              logits_processor: Optional[core.LogitsProcessor] = None, interventions: iv.PerRow = None,
-             capture=None) -> Output:
+             capture=None, return_routing: bool = False) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -237,6 +244,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         site names. `Completion.activations[site]` is `[n, layers, *site shape]` float32, row k the
         site at the position whose logits sampled token k (the last prompt token for k = 0);
         with Capture(prompt=True) also Completion.prompt_activations[site] [P, layers, ...].
+      return_routing: mixture-of-experts models: each Completion's `routing` holds the experts
+        every layer chose, and their weights, at every position the model read (the prompt, then
+        the generated tokens), recorded as the programs ran.
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
@@ -245,6 +255,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     batch = _prepare(model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, chunk_size,
                      allow_special, prefill_chunk_size)
     B = len(batch.ids)
+    if return_routing and cfg.moe is None:
+        raise ValueError(f"return_routing needs a mixture-of-experts model; {cfg.name} has dense MLPs only")
     capture = sites.as_capture(capture)
     hooks = iv.hooks_for(iv.per_row(interventions, B), cfg, B, capture)
     capture_prompt = capture is not None and capture.prompt
@@ -254,9 +266,10 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if constrained is not None:
             rows = rows.replace(mask=constrained.masks(np.ones((B,), bool)))
         history = _history(batch, np.zeros((B,), np.int32)) if logits_processor is not None else None
+        routes = [] if return_routing else None
         cache, counts, first, first_lp, prompt_cap = _prefill_chunks(
             model.params, new_cache(model, B, batch.max_len), batch.tokens, batch.lengths, rows, batch.counts, cfg,
-            batch.chunk, on_prefill, logits_processor, history, hooks, capture_prompt)
+            batch.chunk, on_prefill, logits_processor, history, hooks, capture_prompt, routes)
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
         _check_drawable(first[:, None], 0)
@@ -270,8 +283,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
                                  rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1, finished=finished),
                                  history=_history(batch, first) if logits_processor is not None else None,
                                  hooks=hooks)
-        out_tokens, out_lps, out_cap = _decode(model, state, batch, constrained, first, first_lp, chunk_size,
-                                               on_tokens, logits_processor)
+        out_tokens, out_lps, out_cap, out_routes = _decode(model, state, batch, constrained, first, first_lp,
+                                                           chunk_size, on_tokens, logits_processor, return_routing)
         t_end = time.perf_counter()
 
     completions = [completion_for(model, batch.ids[b], out_tokens[b][:batch.max_new_tokens],
@@ -281,21 +294,38 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     if capture is not None:
         completions = [_with_activations(c, b, batch, prompt_cap, out_cap, capture_prompt)
                        for b, c in enumerate(completions)]
+    if return_routing:
+        completions = [dataclasses.replace(c, routing=_row_routing(routes, b, out_routes[b], int(batch.lengths[b]),
+                                                                   len(c.token_ids)))
+                       for b, c in enumerate(completions)]
     timings = Timings.of_run(t0, t_first, t_end, int(batch.lengths.sum()), completions, None, compiles.count,
                              compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
                              n_cache_loads=compiles.cache_hits)
     return Output(completions=completions, timings=timings)
 
 
+def _row_routing(prompt_routes: list, b: int, steps: list, n_prompt: int, n_new: int) -> Routing:
+    """Row b's router choices, numpy [n_prompt + n_new - 1, L, k]: its prompt positions from the
+    prefill chunks (Routing [B, C, L, k] each), then the decode steps' input tokens (`steps`: one
+    (ids, weights) [L, k] per step in which the row emitted; the last token is never an input)."""
+    keep = n_new - 1
+    ids = [np.concatenate([r.ids[b] for r in prompt_routes])[:n_prompt]] + [i[None] for i, _ in steps[:keep]]
+    weights = [np.concatenate([r.weights[b] for r in prompt_routes])[:n_prompt]] + [w[None] for _, w in steps[:keep]]
+    return Routing(ids=np.concatenate(ids), weights=np.concatenate(weights))
+
+
 def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: Optional[_Constrained],
-            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor):
+            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor, routing: bool = False):
     """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
     constraint: one step per scan, each row's mask computed on the host from its grammar.
-    Returns (tokens per row, logprobs per row, captured per row: {site: list of [n, ...] per token})."""
+    Returns (tokens per row, logprobs per row, captured per row: {site: list of [n, ...] per token},
+    and with `routing` the router's choices: per row a list of numpy (ids, weights) [L, k], one per
+    decode step in which the row emitted, else None)."""
     B = len(batch.ids)
     out_tokens = [[int(t)] for t in first]
     out_lps = [[float(x)] for x in first_lp]
     out_cap: list[dict] = [{} for _ in range(B)]
+    out_routes = [[] for _ in range(B)] if routing else None
     remaining = np.full((B,), batch.max_new_tokens - 1, np.int32)
     finished = np.isin(first, batch.stop_ids)
     complete = constrained.complete if constrained is not None else np.zeros((B,), bool)
@@ -305,13 +335,17 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
             state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
                                                           budget=np.minimum(remaining, 1)))
         steps = 1 if constrained is not None else chunk_size
-        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor)
+        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor, routing=routing)
         toks = shd.to_host(em.tokens)[:, :, 0].T  # [B, n]
         lps = shd.to_host(em.logprobs)[:, :, 0].T
         count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
         new = [[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)]
         _check_drawable(np.where(count > 0, toks, 0), np.array([len(t) for t in out_tokens]))
         cap = {k: np.asarray(shd.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
+        if routing:  # [n, B, 1, L, k]: the choices at each step's input token
+            r_ids, r_w = shd.to_host(em.routing.ids)[:, :, 0], shd.to_host(em.routing.weights)[:, :, 0]
+            for b in range(B):
+                out_routes[b] += [(r_ids[j, b], r_w[j, b]) for j in np.flatnonzero(count[b])]
         for b in range(B):
             out_tokens[b] += new[b]
             out_lps[b] += [float(x) for x, c in zip(lps[b], count[b]) if c]
@@ -325,7 +359,7 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
         live = ~finished & ~complete & (remaining > 0)
         if on_tokens:
             on_tokens(new)
-    return out_tokens, out_lps, out_cap
+    return out_tokens, out_lps, out_cap, out_routes
 
 
 def _check_drawable(tokens: np.ndarray, done) -> None:
@@ -362,6 +396,14 @@ def _uncached_logits(params, tokens, cfg, hooks=None):
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
+def _uncached_routing(params, tokens, cfg):
+    logits, _, r = mdl.forward_routed(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)
+    return logits, r
+
+
+uncached_routing_jit = jax.jit(_uncached_routing, static_argnames=("cfg",))
+
+
 def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Sequence[iv.Intervention]] = None
            ) -> jax.Array:
     """One uncached forward pass over `token_ids`: next-token logits [T, V] float32.
@@ -380,3 +422,21 @@ def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Seque
     hooks = iv.hooks_for(iv.per_row(interventions, 1), model.config, 1)
     padded, _ = pack_prompts([ids])  # [1, bucket(T)]
     return uncached_logits_jit(model.params, jnp.asarray(padded), model.config, hooks)[0, :len(ids)]
+
+
+def routing(model: Model, token_ids: Sequence[int]) -> tuple[jax.Array, Routing]:
+    """One uncached forward pass over `token_ids` that also reports the router's choices.
+
+    The scoring path of a mixture-of-experts model: the logits `logits` returns, and at every
+    position the experts each layer chose and their weights (what an RL trainer replays).
+
+    Returns:
+      (logits [T, V] float32, Routing with ids and weights [T, L, k]).
+    """
+    if model.config.moe is None:
+        raise ValueError(f"routing needs a mixture-of-experts model; {model.config.name} has dense MLPs only")
+    ids = check_sequence(token_ids, model.config)
+    padded, _ = pack_prompts([ids])
+    logits, r = uncached_routing_jit(model.params, jnp.asarray(padded), model.config)
+    T = len(ids)
+    return logits[0, :T], jax.tree.map(lambda a: jnp.moveaxis(a[:, 0, :T], 0, 1), r)

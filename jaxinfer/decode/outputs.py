@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from jaxinfer.model.model import Model
+from jaxinfer.model.moe import Routing
 
 TopLogprobs = list[tuple[int, float]]  # the most likely tokens at one position: (token id, logprob), best first
 
@@ -29,6 +30,10 @@ class Completion:
     # row k the site at the position whose logits sampled token k; and over the prompt [P, layers, ...]
     activations: Optional[dict] = None
     prompt_activations: Optional[dict] = None
+    # The router's choices (`generate(return_routing=True)`, mixture-of-experts models): numpy ids and
+    # weights [P + N - 1, L, k], the experts each layer chose at every position the model read (the
+    # P prompt tokens, then the generated ones but the last); token_ids[i] came out of row P - 1 + i.
+    routing: Optional[Routing] = None
 
 
 def completion_for(model: Model, prompt_ids: list[int], tokens: Sequence[int], logprobs: Sequence[float],

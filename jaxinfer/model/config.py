@@ -9,6 +9,8 @@ Shape letters used across jaxinfer (defined once, here):
             W page-table width (pages per row), X a stored vector's width (H, or 1 for int8 scales)
   decode    M stop ids per row, E tokens one decode call emits per row,
             U words of a packed token bitmask (ceil(V / 32) int32)
+  experts   X routed experts per layer, k experts per token, Fe one expert's hidden width,
+            Fs the shared expert's hidden width, Q token-expert slots (tokens x k)
 
 The config is hashable so it can be a static argument of `jax.jit`. Presets are functions that
 return a config and accept keyword overrides, e.g. `llama3_8b(max_seq_len=4096)`.
@@ -25,6 +27,67 @@ ROPE_SCALINGS = ("linear", "llama3")  # see `jaxinfer.model.rope`
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("stacked", "per_layer")  # how the params tree is laid out (`jaxinfer.model.params.param_specs`)
 KV_WRITES = ("slices", "scatter")  # how new keys and values enter the KV pool (`jaxinfer.model.cache.write_mode`)
+ROUTER_SCORES = ("softmax", "sigmoid")  # how a router turns its logits into expert scores (`jaxinfer.model.moe`)
+EXPERT_KERNELS = ("blocks", "ragged")  # how the chosen experts' matmuls run (`jaxinfer.model.moe.grouped_matmul`)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward block (`jaxinfer.model.moe`): a router sends each token to
+    k of X experts (SwiGLU MLPs of width Fe) and sums their outputs weighted by its scores; an
+    optional shared expert (width Fs) sees every token. Dropless: no capacity, no token is dropped.
+
+    The router's knobs cover Qwen2/3-MoE, Mixtral and OLMoE (softmax over all X, top-k, with or
+    without renormalising the k weights) and leave room for DeepSeek V3 (sigmoid scores, a
+    per-expert bias used for choosing only, group-limited choice, a scale on the routed output).
+    """
+
+    n_experts: int  # X: routed experts per layer
+    top_k: int  # k: experts each token is sent to
+    expert_ffn_dim: int  # Fe: hidden width of one routed expert
+    score: str = "softmax"  # "softmax" over all X logits, or "sigmoid" of each (DeepSeek V3)
+    norm_top_k: bool = False  # renormalise the k chosen scores to sum to 1 (Qwen3-MoE, Mixtral)
+    score_bias: bool = False  # a learned per-expert bias added to the scores for choosing, not weighting
+    n_groups: int = 1  # experts fall in this many equal groups (DeepSeek's n_group) ...
+    top_k_groups: int = 1  # ... and a token chooses only among the best this many groups (topk_group)
+    routed_scale: float = 1.0  # the routed experts' output is multiplied by this (routed_scaling_factor)
+    shared_ffn_dim: int = 0  # Fs: hidden width of the always-on shared expert; 0 = none
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x . w_gate)
+    kernel: Optional[str] = None  # "blocks" or "ragged" (`moe.grouped_matmul`); None = by backend
+
+    def __post_init__(self):
+        for f in ("n_experts", "top_k", "expert_ffn_dim", "n_groups", "top_k_groups"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MoEConfig.{f} must be a positive int, got {v!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"MoEConfig.top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
+        if self.score not in ROUTER_SCORES:
+            raise ValueError(f"MoEConfig.score must be one of {ROUTER_SCORES}, got {self.score!r}")
+        if self.n_experts % self.n_groups or self.top_k_groups > self.n_groups:
+            raise ValueError(f"MoEConfig: n_groups ({self.n_groups}) must divide n_experts ({self.n_experts}) and "
+                             f"top_k_groups ({self.top_k_groups}) must be <= n_groups")
+        if self.top_k > self.top_k_groups * (self.n_experts // self.n_groups):
+            raise ValueError(f"MoEConfig: top_k ({self.top_k}) is more than the {self.top_k_groups} chosen groups "
+                             f"of {self.n_experts // self.n_groups} experts hold")
+        if not isinstance(self.shared_ffn_dim, int) or self.shared_ffn_dim < 0:
+            raise ValueError(f"MoEConfig.shared_ffn_dim must be an int >= 0, got {self.shared_ffn_dim!r}")
+        if self.shared_gate and not self.shared_ffn_dim:
+            raise ValueError("MoEConfig.shared_gate needs a shared expert (shared_ffn_dim > 0)")
+        if self.kernel is not None and self.kernel not in EXPERT_KERNELS:
+            raise ValueError(f"MoEConfig.kernel must be None or one of {EXPERT_KERNELS}, got {self.kernel!r}")
+
+    @property
+    def params_per_layer(self) -> int:
+        """Router, routed and shared experts of one layer (D cancels out: times d_model)."""
+        shared = 3 * self.shared_ffn_dim + (1 if self.shared_gate else 0)
+        return self.n_experts * (1 + 3 * self.expert_ffn_dim) + shared
+
+    @property
+    def active_per_layer(self) -> int:
+        """What one token reads of one layer (times d_model): the router, k experts, the shared one."""
+        shared = 3 * self.shared_ffn_dim + (1 if self.shared_gate else 0)
+        return self.n_experts + self.top_k * 3 * self.expert_ffn_dim + shared
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +101,7 @@ class ModelConfig:
     n_heads: int  # N: query heads
     n_kv_heads: int  # K: key/value heads (K divides N; K < N is grouped-query attention)
     head_dim: int  # H: width of one head
-    ffn_dim: int  # F: hidden width of the gated MLP
+    ffn_dim: int  # F: hidden width of the gated MLP (of dense layers; unused where every layer is MoE)
     rope_theta: float = 10_000.0  # RoPE base for global layers
     rope_scaling: Optional[str] = None  # None, "linear" (positions / factor) or "llama3" (Llama 3.1 bands)
     rope_factor: float = 1.0  # linear / llama3: the factor long wavelengths are divided by
@@ -52,6 +115,7 @@ class ModelConfig:
     activation: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
     qk_norm: bool = False  # Gemma 3, Qwen3: RMSNorm on each query and key head (before RoPE)
+    qk_norm_whole: bool = False  # OLMoE: with qk_norm, one RMSNorm over all N*H query (K*H key) values, not per head
     post_norms: bool = False  # Gemma 3: RMSNorm after attention and after the MLP, before the residual add
     scale_embeddings: bool = False  # Gemma: multiply embeddings by sqrt(D)
     query_pre_attn_scalar: Optional[float] = None  # scores scale 1/sqrt(this); None means H
@@ -67,6 +131,7 @@ class ModelConfig:
     #                          per layer, fused q/k/v and gate/up projections; `jaxinfer.model.layout`)
     kv_writes: Optional[str] = None  # "slices" (one dynamic_update_slice per token) or "scatter" (one
     #                                  scatter per layer); None = by backend (`cache.write_mode`)
+    moe: Optional[MoEConfig] = None  # every layer's MLP is a mixture of experts (`jaxinfer.model.moe`); None = dense
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
@@ -103,6 +168,14 @@ class ModelConfig:
                              f"got {len(self.rope_freq_divisors)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if isinstance(self.moe, dict):  # restored from JSON (a checkpoint's marker)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"moe must be None or a MoEConfig, got {type(self.moe).__name__}")
+        if self.moe is not None and self.activation != "silu":
+            raise ValueError(f"mixture-of-experts layers are SwiGLU (activation 'silu'), got {self.activation!r}")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole needs qk_norm")
 
     # Derived sizes --------------------------------------------------------------------------
     @property
@@ -133,9 +206,21 @@ class ModelConfig:
         if self.qkv_bias:
             attn += N * H + 2 * K * H
         norms = 2 * D + (2 * H if self.qk_norm else 0) + (2 * D if self.post_norms else 0)
-        per_layer = attn + 3 * D * F + norms
+        if self.qk_norm_whole:
+            norms += (N - 1) * H + (K - 1) * H
+        mlp = 3 * D * F if self.moe is None else D * self.moe.params_per_layer
+        per_layer = attn + mlp + norms
         head = 0 if self.tie_embeddings else D * V
         return V * D + L * per_layer + D + head
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters one decoded token reads: every weight but the experts it was not sent to and,
+        with an untied head, the embedding rows of the other tokens (the head is read in full)."""
+        D, L, V = self.d_model, self.n_layers, self.vocab_size
+        idle = 0 if self.moe is None else (self.moe.n_experts - self.moe.top_k) * 3 * self.moe.expert_ffn_dim * D
+        embed = 0 if self.tie_embeddings else (V - 1) * D  # one embedding row is read, the head in full
+        return self.n_params - L * idle - embed
 
     def replace(self, **overrides) -> "ModelConfig":
         return dataclasses.replace(self, **overrides)
@@ -199,12 +284,32 @@ def llama31_405b(**overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def qwen3_30b_a3b(**overrides) -> ModelConfig:
+    """Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers of 128 experts (width 768), 8 per token."""
+    cfg = qwen3_8b(name="qwen3-30b-a3b", d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
+                   moe=MoEConfig(n_experts=128, top_k=8, expert_ffn_dim=768, norm_top_k=True))
+    return cfg.replace(**overrides)
+
+
+def qwen3_235b_a22b(**overrides) -> ModelConfig:
+    """Qwen3-235B-A22B shapes: 94 layers of 128 experts (width 1536), 8 per token."""
+    cfg = qwen3_8b(name="qwen3-235b-a22b", d_model=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
+                   moe=MoEConfig(n_experts=128, top_k=8, expert_ffn_dim=1536, norm_top_k=True))
+    return cfg.replace(**overrides)
+
+
 def tiny(**overrides) -> ModelConfig:
     """A tiny random-weight model for fast tests (GQA, untied head)."""
     cfg = ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       head_dim=16, ffn_dim=128, rope_theta=10_000.0, max_seq_len=512,
                       tie_embeddings=False, bos_token_id=1, eos_token_id=2)
     return cfg.replace(**overrides)
+
+
+def tiny_moe(**overrides) -> ModelConfig:
+    """`tiny` with every MLP a mixture of 8 experts (width 32), 2 per token, and a shared expert."""
+    return tiny(name="tiny-moe", moe=MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=32, norm_top_k=True,
+                                               shared_ffn_dim=48)).replace(**overrides)
 
 
 PRESETS = {
@@ -215,5 +320,8 @@ PRESETS = {
     "llama3.1-8b": llama31_8b,
     "llama3.2-1b": llama32_1b,
     "qwen3-8b": qwen3_8b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "qwen3-235b-a22b": qwen3_235b_a22b,
     "tiny": tiny,
+    "tiny-moe": tiny_moe,
 }

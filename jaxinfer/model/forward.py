@@ -9,7 +9,9 @@ the cache writes and paged attention name their own), so a profiler trace reads 
 
 Families: Llama/Mistral (SwiGLU, RMSNorm, RoPE, GQA), Qwen2 (+ q/k/v biases) and Gemma 3
 (+ QK-norm, post-norms, scaled embeddings, GeGLU, sliding-window local layers with their own
-RoPE base) are switches on `ModelConfig`. Shape letters are defined in `jaxinfer.model.config`.
+RoPE base) are switches on `ModelConfig`; with `cfg.moe` every layer's MLP is the
+mixture-of-experts block of `jaxinfer.model.moe` (Qwen2/3-MoE, Mixtral, OLMoE).
+Shape letters are defined in `jaxinfer.model.config`.
 
 Every layer passes the named sites of `jaxinfer.model.sites` (resid_pre, attn_heads, attn_out,
 resid_mid, mlp_out, resid_post); `forward_with_hooks` reads them (capture) and changes them
@@ -26,6 +28,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.model import moe
 from jaxinfer.model import rope as rope_lib
 from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
@@ -154,6 +157,20 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
 
 
+def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None
+                 ) -> tuple[jax.Array, Optional[moe.Routing]]:
+    """The layer's MLP: x [B, T, D] -> ([B, T, D], the router's choices [B, T, k] or None).
+
+    The dense gated MLP, or (cfg.moe) the mixture-of-experts block, whose shared expert is a
+    dense MLP of its own. `layer`: the layer's index when lp holds every layer's experts
+    (`moe.unscanned`).
+    """
+    if cfg.moe is None:
+        return mlp(x, lp, cfg), None
+    shared = mlp(x, moe.shared_expert(lp, cfg), cfg) if cfg.moe.shared_ffn_dim else None
+    return moe.moe_block(x, lp, cfg, shared, layer)
+
+
 def _layer_meta(cfg: ModelConfig):
     """Per-layer constants scanned beside the weights: layer index, RoPE inverse frequencies [L, H/2]
     and local (sliding) flag."""
@@ -226,7 +243,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
                   page_table=None if cache is None else cache.page_table,
                   lengths=None if cache is None else cache.lengths)
-    (logits,), views, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
+    (logits,), views, _, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
     return logits, (None if cache is None else views[0])
 
 
@@ -244,13 +261,44 @@ def forward_with_hooks(params: Params, tokens: jax.Array, positions: jax.Array, 
       [B, T, n, *site_shape] (n: hooks.capture_layers, in order), as the site was after any
       intervention there; {} without captures.
     """
+    logits, cache, captured, _ = forward_full(params, tokens, positions, cache, cfg, hooks,
+                                              logit_index=logit_index, n_new=n_new)
+    return logits, cache, captured
+
+
+def forward_routed(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
+                   cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
+                   n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache], moe.Routing]:
+    """`forward` that also returns the router's choices at every layer (mixture-of-experts models).
+
+    Same arguments and the same blocks as `forward`. Returns (logits, cache or None, Routing with
+    ids and weights [L, B, T, k]: the experts each of the T tokens chose at each layer, and their
+    weights), whatever logit_index picks.
+    """
+    logits, cache, _, routing = forward_full(params, tokens, positions, cache, cfg, None, routing=True,
+                                             logit_index=logit_index, n_new=n_new)
+    return logits, cache, routing
+
+
+def forward_full(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
+                 cfg: ModelConfig, hooks: Optional[sites_lib.Hooks] = None, *, routing: bool = False,
+                 logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None):
+    """`forward` with hooks (`forward_with_hooks`) and, with `routing` (static), the router's choices
+    (`forward_routed`): the one entry the decode core calls.
+
+    Returns:
+      (logits, cache or None, captured {site: [B, T, n, ...]} ({} without captures), Routing
+      [L, B, T, k] or None without `routing`).
+    """
+    if routing and cfg.moe is None:
+        raise ValueError(f"{cfg.name} has no mixture-of-experts layers: there is no router to report")
     _check_inputs(tokens, positions, cache, logit_index, n_new)
     seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
                   page_table=None if cache is None else cache.page_table,
                   lengths=None if cache is None else cache.lengths)
-    (logits,), views, _, (captured,) = _forward(params, (seg,), cache, cfg, collect_attention=False,
-                                                hooks=(hooks,))
-    return logits, (None if cache is None else views[0]), captured
+    (logits,), views, _, (captured,), route = _forward(params, (seg,), cache, cfg, collect_attention=False,
+                                                       hooks=(hooks,), collect_routing=routing)
+    return logits, (None if cache is None else views[0]), captured, route
 
 
 def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache, cfg: ModelConfig,
@@ -280,7 +328,7 @@ def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache
         _check_inputs(s.tokens, s.positions, cache.with_rows(s.page_table, s.lengths), s.logit_index, s.n_new)
     if hooks is not None and any(h is not None and h.capture for h in hooks):
         raise ValueError("forward_segments applies interventions only; capture through forward_with_hooks")
-    logits, views, _, _ = _forward(params, tuple(segments), cache, cfg, collect_attention=False, hooks=hooks)
+    logits, views, _, _, _ = _forward(params, tuple(segments), cache, cfg, collect_attention=False, hooks=hooks)
     return logits, views
 
 
@@ -310,7 +358,7 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     _check_inputs(tokens, positions, cache, None, None)
     seg = Segment(tokens=tokens, positions=positions, page_table=None if cache is None else cache.page_table,
                   lengths=None if cache is None else cache.lengths)
-    (logits,), views, probs, _ = _forward(params, (seg,), cache, cfg, collect_attention=True)
+    (logits,), views, probs, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=True)
     return logits, (None if cache is None else views[0]), probs
 
 
@@ -386,7 +434,16 @@ def unembed(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return logits
 
 
-def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
+def _qk_norm(q: jax.Array, k: jax.Array, lp: Params, cfg: ModelConfig):
+    """RMSNorm of queries [B, T, N, H] and keys [B, T, K, H]: per head, or (cfg.qk_norm_whole,
+    OLMoE) over all of a token's query (key) values at once."""
+    if not cfg.qk_norm_whole:
+        return rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+    whole = lambda x, w: rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.norm_eps).reshape(x.shape)
+    return whole(q, lp["q_norm"]), whole(k, lp["k_norm"])
+
+
+def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None, collect_routing=False):
     rows = _Rows([s.tokens.shape for s in segs])
     positions = rows.join([s.positions for s in segs])  # [B, T], or [1, sum B_i T_i] for several segments
     with jax.named_scope("embed"):
@@ -409,6 +466,8 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
                                for h, xi, s in zip(hooks, rows.split(x), segs)])
         return x, sites_lib.record(buf, name, x, idx, slot_of_layer)
 
+    layers, experts = moe.unscanned(params["layers"], cfg)  # stacked experts stay whole (read in place)
+
     def block(carry, xs):
         x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
         lp, idx, theta, local = xs
@@ -419,8 +478,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
             if cfg.qkv_bias:
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
             if cfg.qk_norm:
-                q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
-                k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+                q, k = _qk_norm(q, k, lp, cfg)
             q = rope(q, positions, theta)
             k = rope(k, positions, theta)
             outs, c, probs = _attention(rows.split(q), rows.split(k), rows.split(v), segs, c, idx, local, cfg,
@@ -432,14 +490,15 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
             attn, buf = at_site("attn_out", attn, idx, buf)
             x, buf = at_site("resid_mid", x + attn, idx, buf)
         with jax.named_scope("mlp"):
-            h = mlp(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg)
+            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), {**lp, **experts}, cfg,
+                                      idx if experts else None)
             if cfg.post_norms:
                 h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
             h, buf = at_site("mlp_out", h, idx, buf)
             x, buf = at_site("resid_post", x + h, idx, buf)
-        return (x, c, buf), (probs if collect_attention else None)
+        return (x, c, buf), (probs if collect_attention else None, routing if collect_routing else None)
 
-    (x, cache, buf), probs = run_layers(block, (x, cache, buf), params["layers"], _layer_meta(cfg), cfg)
+    (x, cache, buf), (probs, routing) = run_layers(block, (x, cache, buf), layers, _layer_meta(cfg), cfg)
 
     with jax.named_scope("logits"):
         picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
@@ -451,7 +510,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None):
     if cache is not None:
         views = tuple(cache.with_rows(s.page_table, (s.lengths + (s.tokens.shape[1] if s.n_new is None else s.n_new)
                                                      ).astype(jnp.int32)) for s in segs)
-    return tuple(out_rows.split(logits)), views, probs, _captured(buf, rows, hooks, cap_layers)
+    return tuple(out_rows.split(logits)), views, probs, _captured(buf, rows, hooks, cap_layers), routing
 
 
 def _captured(buf, rows: _Rows, hooks, cap_layers) -> tuple[dict, ...]:

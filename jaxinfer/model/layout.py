@@ -6,6 +6,8 @@
   per_layer  a tuple of L per-layer dicts; the forward runs an unrolled loop. Each layer's
              projections are fused and stored output-major ([out, in], as GGUF and PyTorch store
              them): w_qkv [(N + 2K) * H, D], w_gate_up [2F, D], wo_t [D, N * H], w_down_t [D, F].
+             A mixture-of-experts layer's shared expert is fused the same way (ws_gate_up, ws_down_t);
+             its routed experts are stored alike in both layouts (`params._moe_specs`).
 
 Why per_layer decodes faster: decoding multiplies a few activation rows by every weight, so it is
 bound by how fast the weights stream from memory. Inside a `lax.scan`, XLA (CPU and GPU) copies
@@ -29,7 +31,7 @@ import numpy as np
 
 from jaxinfer.model.config import LAYOUTS, ModelConfig
 from jaxinfer.model.model import Model
-from jaxinfer.model.params import FUSED, Params
+from jaxinfer.model.params import FUSED, SHARED, Params
 from jaxinfer.model.quantize import Int8Weight
 
 
@@ -55,7 +57,7 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
         return params
     if layout == "per_layer":
         stacked = params["layers"]
-        for name in FUSED + ("wo", "w_down"):  # refused before any layer is sliced
+        for name in [n for n in FUSED + ("wo", "w_down") + SHARED if n in stacked]:  # before any layer is sliced
             w = stacked[name]
             if not (isinstance(w, (jax.Array, Int8Weight)) or hasattr(w, "__array__")):
                 raise ValueError(f"the per_layer layout takes float or int8 weights, got {type(w).__name__} for "
@@ -70,22 +72,27 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
 def _fuse(layer: Params) -> Params:
     """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up, every
     matrix output-major (wo -> wo_t, w_down -> w_down_t)."""
-    out = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down")}
+    out = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down") + SHARED}
     out["w_qkv"] = _output_major([layer[n] for n in ("wq", "wk", "wv")], n_in=1)
-    out["w_gate_up"] = _output_major([layer["w_gate"], layer["w_up"]], n_in=1)
     out["wo_t"] = _output_major([layer["wo"]], n_in=2)
-    out["w_down_t"] = _output_major([layer["w_down"]], n_in=1)
+    for p in ("w_", "ws_"):  # the dense MLP, or a mixture-of-experts layer's shared expert
+        if p + "gate" in layer:
+            out[p + "gate_up"] = _output_major([layer[p + "gate"], layer[p + "up"]], n_in=1)
+            out[p + "down_t"] = _output_major([layer[p + "down"]], n_in=1)
     return out
 
 
 def _unfuse(layer: Params, cfg: ModelConfig) -> Params:
     """Inverse of `_fuse` (the stacked layout's per-layer weights again)."""
-    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    out = {k: v for k, v in layer.items() if k not in ("w_qkv", "w_gate_up", "wo_t", "w_down_t")}
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    fused = ("w_qkv", "w_gate_up", "wo_t", "w_down_t", "ws_gate_up", "ws_down_t")
+    out = {k: v for k, v in layer.items() if k not in fused}
     out["wq"], out["wk"], out["wv"] = _input_major(layer["w_qkv"], [(D, N, H), (D, K, H), (D, K, H)], n_in=1)
-    out["w_gate"], out["w_up"] = _input_major(layer["w_gate_up"], [(D, F), (D, F)], n_in=1)
     (out["wo"],) = _input_major(layer["wo_t"], [(N, H, D)], n_in=2)
-    (out["w_down"],) = _input_major(layer["w_down_t"], [(F, D)], n_in=1)
+    for p, F in (("w_", cfg.ffn_dim), ("ws_", cfg.moe.shared_ffn_dim if cfg.moe else 0)):
+        if p + "gate_up" in layer:
+            out[p + "gate"], out[p + "up"] = _input_major(layer[p + "gate_up"], [(D, F), (D, F)], n_in=1)
+            (out[p + "down"],) = _input_major(layer[p + "down_t"], [(F, D)], n_in=1)
     return out
 
 

@@ -13,9 +13,13 @@ Layout (shape letters as in `jaxinfer.model.config`; the stacked layout, see `pa
     wk         [L, D, K, H]  bk [L, K, H]
     wv         [L, D, K, H]  bv [L, K, H]
     wo         [L, N, H, D]
-    q_norm     [L, H]        k_norm [L, H]  (qk_norm only)
+    q_norm     [L, H]        k_norm [L, H]  (qk_norm only; [L, N, H], [L, K, H] with qk_norm_whole)
     post_attn_norm [L, D]    post_ffn_norm [L, D]  (post_norms only)
     w_gate     [L, D, F]     w_up [L, D, F]   w_down [L, F, D]
+    (cfg.moe: the MoE block, `jaxinfer.model.moe`, in place of w_gate, w_up, w_down)
+    router     [L, X, D]     router_bias [L, X]  (score_bias only)
+    we_gate_up [L, X, 2Fe, D]  we_down [L, X, D, Fe]   (output-major in both layouts)
+    ws_gate    [L, D, Fs]    ws_up [L, D, Fs]  ws_down [L, Fs, D]  shared_gate [L, D]  (shared expert)
   final_norm   [D]
   lm_head      [D, V]        (untied only)
 RMSNorm weights are stored as the multiplier actually applied (Gemma's 1 + w is folded in).
@@ -68,21 +72,32 @@ def param_specs(cfg: ModelConfig) -> Params:
         layer["bq"] = ParamSpec((N, H), ("heads", "head_dim"), "zeros")
         layer["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
         layer["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one norm over all heads' values
+        layer["q_norm"] = ParamSpec((N, H), ("heads", "head_dim"), "ones")
+        layer["k_norm"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "ones")
+    elif cfg.qk_norm:
         layer["q_norm"] = ParamSpec((H,), ("head_dim",), "ones")
         layer["k_norm"] = ParamSpec((H,), ("head_dim",), "ones")
     if cfg.post_norms:
         layer["post_attn_norm"] = ParamSpec((D,), ("embed",), "ones")
         layer["post_ffn_norm"] = ParamSpec((D,), ("embed",), "ones")
+    if cfg.moe is not None:
+        del layer["w_gate"], layer["w_up"], layer["w_down"]
+        layer.update(_moe_specs(cfg))
     if cfg.layout == "per_layer":
-        fused = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down")}
+        fused = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down") + SHARED}
         fused["w_qkv"] = ParamSpec((((N + 2 * K) * H), D), ("qkv", "embed"), fan_in_last=True)
-        fused["w_gate_up"] = ParamSpec((2 * F, D), ("gate_up", "embed"), fan_in_last=True)
         fused["wo_t"] = ParamSpec((D, N * H), ("embed", "attn_out"), fan_in_last=True)
-        fused["w_down_t"] = ParamSpec((D, F), ("embed", "ffn"), fan_in_last=True)
+        if cfg.moe is None:
+            fused["w_gate_up"] = ParamSpec((2 * F, D), ("gate_up", "embed"), fan_in_last=True)
+            fused["w_down_t"] = ParamSpec((D, F), ("embed", "ffn"), fan_in_last=True)
+        elif cfg.moe.shared_ffn_dim:
+            Fs = cfg.moe.shared_ffn_dim
+            fused["ws_gate_up"] = ParamSpec((2 * Fs, D), ("shared_gate_up", "embed"), fan_in_last=True)
+            fused["ws_down_t"] = ParamSpec((D, Fs), ("embed", "shared_ffn"), fan_in_last=True)
         layers = tuple(dict(fused) for _ in range(L))
     else:
-        layers = {k: ParamSpec((L,) + v.shape, ("layers",) + v.axes, v.init) for k, v in layer.items()}
+        layers = {k: ParamSpec((L,) + v.shape, ("layers",) + v.axes, v.init, v.fan_in_last) for k, v in layer.items()}
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "layers": layers,
@@ -94,6 +109,29 @@ def param_specs(cfg: ModelConfig) -> Params:
 
 
 FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked-layout weights that the "per_layer" layout fuses
+SHARED = ("ws_gate", "ws_up", "ws_down")  # the shared expert's, fused as w_gate, w_up, w_down are
+
+
+def _moe_specs(cfg: ModelConfig) -> Params:
+    """One layer's MoE weights (`jaxinfer.model.moe`). The routed experts' matrices are stored
+    output-major ([out, in] per expert, as Hugging Face and GGUF store them) and gate/up fused, in
+    both layouts: one grouped matmul reads an expert's gate and up rows together, and XLA's CPU
+    dot of a few rows runs faster against [out, in] (`experiments/moe.py --only kernels`)."""
+    m, D = cfg.moe, cfg.d_model
+    out = {"router": ParamSpec((m.n_experts, D), ("experts", "embed"), fan_in_last=True),
+           "we_gate_up": ParamSpec((m.n_experts, 2 * m.expert_ffn_dim, D), ("experts", "expert_gate_up", "embed"),
+                                   fan_in_last=True),
+           "we_down": ParamSpec((m.n_experts, D, m.expert_ffn_dim), ("experts", "embed", "expert_ffn"),
+                                fan_in_last=True)}
+    if m.score_bias:
+        out["router_bias"] = ParamSpec((m.n_experts,), ("experts",), "zeros")
+    if m.shared_ffn_dim:
+        Fs = m.shared_ffn_dim
+        out.update(ws_gate=ParamSpec((D, Fs), ("embed", "shared_ffn")), ws_up=ParamSpec((D, Fs), ("embed", "shared_ffn")),
+                   ws_down=ParamSpec((Fs, D), ("shared_ffn", "embed")))
+    if m.shared_gate:
+        out["shared_gate"] = ParamSpec((D,), ("embed",))
+    return out
 
 
 def _is_spec(x) -> bool:

@@ -53,7 +53,12 @@ DEFAULT_GROUP_SIZE = 32
 
 # Per matmul weight: how many axes after L are input (contracted) axes. The embedding table is
 # special: its input axis D is the last one (see `_quantize_embedding`).
-_N_INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+_N_INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1,
+                 "ws_gate": 1, "ws_up": 1, "ws_down": 1}
+# Routed experts [L, X, O, I] (`jaxinfer.model.moe`) are output-major: their input axis is the last,
+# so int8 gives each expert one scale per output row. The router stays float: its scores decide
+# which experts run, and it is a small part of the bytes (X x D per layer).
+_EXPERT_WEIGHTS = ("we_gate_up", "we_down")
 
 
 def _split_eq(eq: str):
@@ -222,8 +227,13 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
     if isinstance(params.get("embed"), QuantizedWeight):
         raise ValueError("params are already quantized")
     require_layout(cfg, "stacked", "quantize")
+    if mode == "int4" and cfg.moe is not None:
+        raise ValueError("int4 quantization of mixture-of-experts weights is not implemented (its groups run "
+                         "along input-major axes; the experts are stored output-major): use int8")
 
     def layer_weight(name, w):
+        if name in _EXPERT_WEIGHTS:
+            return quantize_int8(w, (-1,))
         if name not in _N_INPUT_AXES:
             return w
         n_in = _N_INPUT_AXES[name]

@@ -6,6 +6,14 @@ k-quants, F16, BF16, F32 ...) in numpy; nothing here assumes a particular quanti
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-style models so that
 its RoPE can rotate adjacent pairs; we undo that permutation (as Hugging Face does) and use the
 "rotate half" RoPE of the original checkpoints.
+
+Mixture-of-experts models (`qwen3moe`, `qwen2moe`, `olmoe`, and `llama` with experts: Mixtral)
+store each layer's experts as 3-D tensors: `ffn_gate_inp` (the router) [X, D], `ffn_gate_exps` and
+`ffn_up_exps` [X, Fe, D] (or one `ffn_gate_up_exps` [X, 2Fe, D]), `ffn_down_exps` [X, D, Fe], and
+a shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp` [D] (numpy order). The
+metadata does not say whether the top-k weights are renormalised: llama.cpp decides by
+architecture (qwen3moe and llama yes, qwen2moe and olmoe no), and so does `read_config`, unless
+the file carries `{arch}.expert_weights_norm`.
 """
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.text.tokenizer import TokenizerData
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", "qwen3moe", "qwen2moe", "olmoe")
+NORM_TOP_K = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}  # llama.cpp's build_moe_ffn calls
+NOT_YET = {"deepseek2": "multi-head latent attention is not implemented yet",  # DeepSeek V2 and V3
+           "gpt-oss": "attention sinks and MXFP4 experts are not implemented yet"}
 
 
 class GGUFError(ValueError):
@@ -52,6 +63,8 @@ def _field(reader, key: str, default: Any = None):
 def read_config(reader, name: str = "gguf") -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.*` keys)."""
     arch = _field(reader, "general.architecture")
+    if arch in NOT_YET:
+        raise GGUFError(f"GGUF architecture {arch!r}: {NOT_YET[arch]}")
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
 
@@ -82,8 +95,12 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
         eos_token_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
     )
     common.update(_rope_scaling(reader, a, head_dim))
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         common["qkv_bias"] = True
+    if arch in ("qwen3moe", "olmoe"):
+        common.update(qk_norm=True, qk_norm_whole=arch == "olmoe")  # OLMoE: over the whole projection
+    if a("expert_count"):
+        common["moe"] = _moe_config(a, arch, common["ffn_dim"])
     if arch == "gemma3":
         # From the GGUF: layers, widths, heads, head_dim (key_length 256), eps 1e-6, global RoPE
         # base (freq_base 1e6), sliding_window (512). Not in the GGUF, from the published Gemma 3
@@ -103,6 +120,27 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
 
 
 ROPE_FREQS = "rope_freqs.weight"
+
+
+def _moe_config(a: Callable, arch: str, ffn_dim: int):
+    """The MoEConfig of a GGUF with `{arch}.expert_count`; routers jaxinfer does not compute are refused."""
+    from jaxinfer.model.config import MoEConfig
+
+    gating = a("expert_gating_func")
+    if gating not in (None, 0, 1):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+        raise GGUFError(f"expert_gating_func {gating} (sigmoid scores) is not implemented for {arch}: softmax only")
+    if int(a("expert_group_count", 1) or 1) > 1:
+        raise GGUFError("group-limited expert routing (expert_group_count > 1) is not implemented for GGUF files")
+    if arch not in NORM_TOP_K:
+        raise GGUFError(f"experts in a {arch!r} GGUF are not supported (architectures with experts: "
+                        f"{', '.join(NORM_TOP_K)})")
+    norm = a("expert_weights_norm")
+    scale = float(a("expert_weights_scale", 0.0) or 0.0)
+    shared = int(a("expert_shared_feed_forward_length", ffn_dim)) if arch == "qwen2moe" else 0
+    return MoEConfig(n_experts=int(a("expert_count")), top_k=int(a("expert_used_count")),
+                     expert_ffn_dim=int(a("expert_feed_forward_length", ffn_dim)),
+                     norm_top_k=NORM_TOP_K[arch] if norm is None else bool(norm), routed_scale=scale or 1.0,
+                     shared_ffn_dim=shared, shared_gate=shared > 0)
 
 
 def _rope_scaling(reader, a: Callable, head_dim: int) -> dict:
@@ -196,6 +234,8 @@ def read_params(reader, cfg: ModelConfig, arch: str,
             progress(done, total)
         return arr
 
+    get.has = lambda name: name in tensors
+
     layers: dict[str, list[np.ndarray]] = {}
     for i in range(cfg.n_layers):
         for key, arr in _layer_params(get, cfg, f"blk.{i}.", permute=arch == "llama").items():
@@ -224,16 +264,43 @@ def _layer_params(get: Callable, cfg: ModelConfig, p: str, permute: bool) -> dic
     out = {"attn_norm": get(p + "attn_norm.weight"),
            "wq": wq.T.reshape(D, N, H), "wk": wk.T.reshape(D, K, H), "wv": wv.T.reshape(D, K, H),
            "wo": wo.T.reshape(N, H, D),
-           "ffn_norm": get(p + "ffn_norm.weight"),  # Gemma 3: pre_feedforward_layernorm
-           "w_gate": get(p + "ffn_gate.weight", (F, D)).T, "w_up": get(p + "ffn_up.weight", (F, D)).T,
-           "w_down": get(p + "ffn_down.weight", (D, F)).T}
+           "ffn_norm": get(p + "ffn_norm.weight")}  # Gemma 3: pre_feedforward_layernorm
+    if cfg.moe is None:
+        out.update(w_gate=get(p + "ffn_gate.weight", (F, D)).T, w_up=get(p + "ffn_up.weight", (F, D)).T,
+                   w_down=get(p + "ffn_down.weight", (D, F)).T)
+    else:
+        out.update(_expert_params(get, cfg, p))
     if cfg.qkv_bias:
         out.update(bq=get(p + "attn_q.bias").reshape(N, H), bk=get(p + "attn_k.bias").reshape(K, H),
                    bv=get(p + "attn_v.bias").reshape(K, H))
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: [N*H] and [K*H]
+        out.update(q_norm=get(p + "attn_q_norm.weight", (N * H,)).reshape(N, H),
+                   k_norm=get(p + "attn_k_norm.weight", (K * H,)).reshape(K, H))
+    elif cfg.qk_norm:
         out.update(q_norm=get(p + "attn_q_norm.weight"), k_norm=get(p + "attn_k_norm.weight"))
     if cfg.post_norms:
         out.update(post_attn_norm=get(p + "post_attention_norm.weight"), post_ffn_norm=get(p + "post_ffw_norm.weight"))
+    return out
+
+
+def _expert_params(get: Callable, cfg: ModelConfig, p: str) -> dict[str, np.ndarray]:
+    """One layer's router, experts and shared expert in jaxinfer's layout (`params._moe_specs`: the
+    experts stay output-major, as GGUF stores them)."""
+    m, D = cfg.moe, cfg.d_model
+    X, Fe = m.n_experts, m.expert_ffn_dim
+    out = {"router": get(p + "ffn_gate_inp.weight", (X, D))}
+    if get.has(p + "ffn_gate_up_exps.weight"):  # convert_hf_to_gguf.py --fuse-gate-up-exps
+        out["we_gate_up"] = get(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, D))
+    else:
+        out["we_gate_up"] = np.concatenate([get(p + "ffn_gate_exps.weight", (X, Fe, D)),
+                                            get(p + "ffn_up_exps.weight", (X, Fe, D))], axis=1)
+    out["we_down"] = get(p + "ffn_down_exps.weight", (X, D, Fe))
+    if m.shared_ffn_dim:
+        Fs = m.shared_ffn_dim
+        out.update(ws_gate=get(p + "ffn_gate_shexp.weight", (Fs, D)).T, ws_up=get(p + "ffn_up_shexp.weight", (Fs, D)).T,
+                   ws_down=get(p + "ffn_down_shexp.weight", (D, Fs)).T)
+    if m.shared_gate:
+        out["shared_gate"] = get(p + "ffn_gate_inp_shexp.weight").reshape(D)
     return out
 
 

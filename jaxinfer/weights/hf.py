@@ -5,9 +5,14 @@ A folder holds `config.json` and either `model.safetensors` or shards listed by
 `load_params` reads one tensor at a time and places it on device (bf16 stays bf16), filling each
 stacked [L, ...] weight in place, so the host holds one tensor, not the model. Families: `llama`
 (Llama 2/3, 3.1/3.2 with llama3 RoPE scaling), `mistral`, `qwen2` (Qwen2, Qwen2.5), `qwen3`
-(per-head QK-norm) and `gemma3_text` (Gemma3ForCausalLM). Config fields jaxinfer does not
-implement (a RoPE type, partial rotary, an attention variant, an activation) are refused by name. Hugging Face keeps the original "rotate half" Q/K layout, so no
-permutation is needed; Gemma's RMSNorm multiplies by (1 + w), and we fold the 1 in on load.
+(per-head QK-norm), `gemma3_text` (Gemma3ForCausalLM) and the mixture-of-experts families
+`qwen3_moe`, `qwen2_moe` (+ a sigmoid-gated shared expert), `mixtral` and `olmoe` (QK-norm over
+the whole projection). Config fields jaxinfer does not implement (a RoPE type, partial rotary,
+an attention variant, an activation, dense layers among MoE ones) are refused by name. Hugging
+Face keeps the original "rotate half" Q/K layout, so no permutation is needed; Gemma's RMSNorm
+multiplies by (1 + w), and we fold the 1 in on load. Experts are read as `save_pretrained`
+writes them (one tensor per expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj`
+[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout).
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.weights import safetensors_io as st
 from jaxinfer.weights import hf_cache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES
+# Mixture-of-experts families refused by name, with what is missing.
+NOT_YET = {
+    "deepseek_v2": "multi-head latent attention is not implemented yet",
+    "deepseek_v3": "multi-head latent attention is not implemented yet",
+    "gpt_oss": "attention sinks and MXFP4 experts are not implemented yet",
+    "qwen3_next": "its linear-attention (Gated DeltaNet) layers are not implemented",
+    "llama4_text": "chunked attention and interleaved dense layers are not implemented",
+}
 CONFIG_FILE = "config.json"
 INDEX_FILE = st.INDEX_FILE
 SINGLE_FILE = st.SINGLE_FILE
@@ -107,7 +121,7 @@ def _uniform_window(raw: dict, mt: str, n_layers: int, path: Path) -> Optional[i
     sliding and full layers is refused (not implemented for these families).
     """
     window = raw.get("sliding_window")
-    if mt in ("qwen2", "qwen3"):
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not raw.get("use_sliding_window"):
             window = None
         types = raw.get("layer_types") or [
@@ -157,6 +171,8 @@ def _refuse_unsupported(raw: dict, mt: Optional[str], path: Path) -> None:
     if mt == "gemma3" and "text_config" in raw:
         raise HFError(f"{path}: multimodal Gemma3ForConditionalGeneration is not supported; "
                       "use the text-only model (model_type 'gemma3_text')")
+    if mt in NOT_YET:
+        raise HFError(f"{path}: {mt}: {NOT_YET[mt]}")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise HFError(f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if raw.get("mlp_bias") or (mt != "qwen2" and raw.get("attention_bias")):
@@ -223,8 +239,39 @@ def _family_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
     window = _uniform_window(raw, mt, cfg["n_layers"], path)
     if window is not None:
         out["sliding_window"] = window  # every layer local (Mistral)
-    out["qkv_bias"] = mt == "qwen2"
-    out["qk_norm"] = mt == "qwen3"  # per-head RMSNorm on q and k before RoPE
+    out["qkv_bias"] = mt == "qwen2" or (mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+    out["qk_norm"] = mt in ("qwen3", "qwen3_moe", "olmoe")  # RMSNorm on q and k before RoPE
+    if mt in MOE_MODEL_TYPES:
+        out.update(_moe_fields(raw, mt, cfg, path))
+    return out
+
+
+def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
+    """The MoEConfig (and OLMoE's whole-projection QK-norm) of a mixture-of-experts family."""
+    from jaxinfer.model.config import MoEConfig
+
+    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step") or 1) != 1:
+        raise HFError(f"{path}: dense MLP layers among the mixture-of-experts layers (mlp_only_layers "
+                      f"{raw.get('mlp_only_layers')}, decoder_sparse_step {raw.get('decoder_sparse_step')}) are not "
+                      "implemented: every layer must be MoE")
+    n_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not n_experts or "num_experts_per_tok" not in raw:
+        raise HFError(f"{path}: {mt} needs num_experts (or num_local_experts) and num_experts_per_tok")
+    width = raw.get("moe_intermediate_size") if mt in ("qwen3_moe", "qwen2_moe") else raw.get("intermediate_size")
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+    out: dict = {}
+    if mt == "olmoe":
+        if raw.get("clip_qkv") is not None:
+            raise HFError(f"{path}: olmoe clip_qkv = {raw['clip_qkv']} is not implemented")
+        if cfg["n_heads"] * cfg["head_dim"] != cfg["d_model"]:
+            raise HFError(f"{path}: olmoe's q_norm is sized hidden_size, so heads x head_dim must equal it")
+        out["qk_norm_whole"] = True
+    try:
+        out["moe"] = MoEConfig(n_experts=int(n_experts), top_k=int(raw["num_experts_per_tok"]),
+                               expert_ffn_dim=int(width), shared_ffn_dim=shared, shared_gate=shared > 0,
+                               norm_top_k=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)))
+    except (TypeError, ValueError) as e:
+        raise HFError(f"{path}: {e}") from e
     return out
 
 
@@ -257,13 +304,35 @@ class _Source:
     hf_shape: tuple[int, ...]
     transpose: bool  # HF stores [out, in]; jaxinfer contracts [in, out]
     add_one: bool  # Gemma RMSNorm multiplies by (1 + w): fold the 1 in
+    shape: Optional[tuple[int, ...]] = None  # the jaxinfer value's shape; None = the whole (layer) slice
+    at: tuple[int, ...] = ()  # where it goes in the slice (leading offsets): one expert, its gate or up rows
 
 
-def _sources(cfg: ModelConfig) -> list[_Source]:
+@dataclasses.dataclass(frozen=True)
+class _ExpertNames:
+    """How a folder names one layer's mixture-of-experts tensors (after "model.layers.{i}.")."""
+
+    block: str = "mlp"  # Mixtral: "block_sparse_moe"
+    gate: str = "gate_proj"  # Mixtral: "w1"
+    up: str = "up_proj"  # Mixtral: "w3"
+    down: str = "down_proj"  # Mixtral: "w2"
+    fused: bool = False  # experts.gate_up_proj [X, 2Fe, D] and experts.down_proj [X, D, Fe]
+
+
+def _expert_names(names) -> _ExpertNames:
+    """The naming scheme of a folder's experts, from its tensor names (layer 0's)."""
+    if any(".block_sparse_moe." in n for n in names):
+        return _ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+    return _ExpertNames(fused=any(n.endswith(".mlp.experts.gate_up_proj") for n in names))
+
+
+def _sources(cfg: ModelConfig, names: _ExpertNames = _ExpertNames()) -> list[_Source]:
     """Every tensor the model needs, in read order (layer weights first, then the top level).
 
     After the optional transpose (and + 1), a tensor is reshaped to the jaxinfer slice shape
-    (`params.param_specs`): q_proj [N*H, D] -> wq[l] [D, N, H], o_proj [D, N*H] -> wo[l] [N, H, D].
+    (`params.param_specs`): q_proj [N*H, D] -> wq[l] [D, N, H], o_proj [D, N*H] -> wo[l] [N, H, D];
+    an expert's tensor goes to its place in the layer's [X, ...] slice (`_moe_sources`).
+    names: how the folder names its experts (`_expert_names`).
     """
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.ffn_dim, cfg.vocab_size)
@@ -275,10 +344,11 @@ def _sources(cfg: ModelConfig) -> list[_Source]:
                 ("wq", "self_attn.q_proj.weight", (N * H, D), True, False),
                 ("wk", "self_attn.k_proj.weight", (K * H, D), True, False),
                 ("wv", "self_attn.v_proj.weight", (K * H, D), True, False),
-                ("wo", "self_attn.o_proj.weight", (D, N * H), True, False),
-                ("w_gate", "mlp.gate_proj.weight", (F, D), True, False),
-                ("w_up", "mlp.up_proj.weight", (F, D), True, False),
-                ("w_down", "mlp.down_proj.weight", (D, F), True, False)]
+                ("wo", "self_attn.o_proj.weight", (D, N * H), True, False)]
+        if cfg.moe is None:
+            rows += [("w_gate", "mlp.gate_proj.weight", (F, D), True, False),
+                     ("w_up", "mlp.up_proj.weight", (F, D), True, False),
+                     ("w_down", "mlp.down_proj.weight", (D, F), True, False)]
         if g:
             rows += [("ffn_norm", "pre_feedforward_layernorm.weight", (D,), False, True),
                      ("post_attn_norm", "post_attention_layernorm.weight", (D,), False, True),
@@ -290,13 +360,43 @@ def _sources(cfg: ModelConfig) -> list[_Source]:
                      ("bk", "self_attn.k_proj.bias", (K * H,), False, False),
                      ("bv", "self_attn.v_proj.bias", (K * H,), False, False)]
         if cfg.qk_norm:
-            rows += [("q_norm", "self_attn.q_norm.weight", (H,), False, g),
-                     ("k_norm", "self_attn.k_norm.weight", (H,), False, g)]
+            whole = cfg.qk_norm_whole  # OLMoE: [N*H] and [K*H], not [H]
+            rows += [("q_norm", "self_attn.q_norm.weight", (N * H,) if whole else (H,), False, g),
+                     ("k_norm", "self_attn.k_norm.weight", (K * H,) if whole else (H,), False, g)]
         out += [_Source(k, i, p + n, shape, t, a) for k, n, shape, t, a in rows]
+        if cfg.moe is not None:
+            out += _moe_sources(cfg, i, p, names)
     out += [_Source("embed", None, "model.embed_tokens.weight", (V, D), False, False),
             _Source("final_norm", None, "model.norm.weight", (D,), False, g)]
     if not cfg.tie_embeddings:
         out.append(_Source("lm_head", None, "lm_head.weight", (V, D), True, False))
+    return out
+
+
+def _moe_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
+    """One layer's router, routed experts and shared expert. Experts are stored output-major in
+    jaxinfer too (`params._moe_specs`), so nothing is transposed: expert e's gate [Fe, D] goes to
+    we_gate_up[l, e, :Fe], its up to we_gate_up[l, e, Fe:], its down [D, Fe] to we_down[l, e]."""
+    m, D = cfg.moe, cfg.d_model
+    X, Fe = m.n_experts, m.expert_ffn_dim
+    b = f"{p}{names.block}."
+    out = [_Source("router", i, b + "gate.weight", (X, D), False, False)]
+    if names.fused:
+        out += [_Source("we_gate_up", i, b + "experts.gate_up_proj", (X, 2 * Fe, D), False, False),
+                _Source("we_down", i, b + "experts.down_proj", (X, D, Fe), False, False)]
+    else:
+        for e in range(X):
+            x = f"{b}experts.{e}."
+            out += [_Source("we_gate_up", i, x + names.gate + ".weight", (Fe, D), False, False, (Fe, D), (e, 0)),
+                    _Source("we_gate_up", i, x + names.up + ".weight", (Fe, D), False, False, (Fe, D), (e, Fe)),
+                    _Source("we_down", i, x + names.down + ".weight", (D, Fe), False, False, (D, Fe), (e,))]
+    if m.shared_ffn_dim:
+        Fs = m.shared_ffn_dim
+        out += [_Source("ws_gate", i, b + "shared_expert.gate_proj.weight", (Fs, D), True, False),
+                _Source("ws_up", i, b + "shared_expert.up_proj.weight", (Fs, D), True, False),
+                _Source("ws_down", i, b + "shared_expert.down_proj.weight", (D, Fs), True, False)]
+    if m.shared_gate:
+        out.append(_Source("shared_gate", i, b + "shared_expert_gate.weight", (1, D), False, False))
     return out
 
 
@@ -308,7 +408,7 @@ def _checked_sources(folder: Path, cfg: ModelConfig) -> list[tuple[_Source, st.T
     except st.SafetensorsError as e:
         raise HFError(str(e)) from e
     out = []
-    for src in _sources(cfg):
+    for src in _sources(cfg, _expert_names(idx)):
         info = idx.get(src.hf_name)
         if info is None:
             raise HFError(f"{folder}: tensor {src.hf_name!r} is missing")
@@ -341,6 +441,15 @@ def _read(src: _Source, info: st.TensorInfo) -> np.ndarray:
     return a
 
 
+def _part(src: _Source, slice_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the value's shape, with size-1 axes in front up to the slice's rank; its start offsets in
+    the slice) for a source that fills part of its (layer) slice, or the whole of it."""
+    if src.shape is None:
+        return tuple(slice_shape), (0,) * len(slice_shape)
+    full = (1,) * (len(slice_shape) - len(src.shape)) + tuple(src.shape)
+    return full, tuple(src.at) + (0,) * (len(slice_shape) - len(src.at))
+
+
 def _host_value(src: _Source, a: np.ndarray) -> np.ndarray:
     a = a.T if src.transpose else a
     return a.astype(np.float32) + 1.0 if src.add_one else a
@@ -364,7 +473,8 @@ def read_params(folder: os.PathLike, cfg: ModelConfig,
         if src.layer is None:
             dest[src.key][...] = v.reshape(dest[src.key].shape)
         else:
-            dest[src.key][src.layer] = v.reshape(dest[src.key].shape[1:])
+            shape, at = _part(src, dest[src.key].shape[1:])
+            dest[src.key][src.layer][tuple(slice(o, o + n) for o, n in zip(at, shape))] = v.reshape(shape)
         if progress:
             progress(done, len(sources))
     return out
@@ -389,14 +499,16 @@ def _transform(transpose: bool, add_one: bool, shape: tuple, dt, sharding):
 
 @functools.lru_cache(maxsize=None)
 def _fill(sharding):
-    """A jitted (buf [L, ...] raw bits, value, layer) -> buf with buf[layer] = value, buf donated.
+    """A jitted (buf [L, ...] raw bits, value, starts) -> buf with value written at starts (a layer's
+    slice, or part of it: one expert), buf donated.
 
     A large stacked weight is allocated once on device and written in place, layer by layer. It
     holds raw bits (uint16 for bf16) while it is filled: XLA's CPU backend widens a bf16 array to
     f32 around an update, which would rewrite the whole [L, ...] array for every layer.
     """
-    def f(buf, value, i):
-        return jax.lax.dynamic_update_index_in_dim(buf, jax.lax.bitcast_convert_type(value, buf.dtype), i, 0)
+    def f(buf, value, starts):
+        value = jax.lax.bitcast_convert_type(value, buf.dtype)
+        return jax.lax.dynamic_update_slice(buf, value.reshape((1,) * (buf.ndim - value.ndim) + value.shape), starts)
 
     return jax.jit(f, donate_argnums=0, out_shardings=sharding)
 
@@ -443,16 +555,17 @@ def load_params(folder: os.PathLike, cfg: ModelConfig, shardings=None,
         host = np.empty(spec.shape, dt) if stacked and not large else None
         buf = jax.jit(lambda: jnp.zeros(spec.shape, _BITS[dt.itemsize]), out_shardings=sh)() if stacked and large else None
         for src, info in group:
+            part, at = _part(src, shape)  # an expert's tensor fills part of its layer's slice
             # a large tensor goes to the device at once, so its host copy is freed before reshaping
             x = jax.device_put(_read(src, info)) if large else _read(src, info)
             if not large:
-                value = _host_value(src, x).reshape(shape).astype(dt, copy=False)
+                value = _host_value(src, x).reshape(part).astype(dt, copy=False)
                 host = value if not stacked else host
                 if stacked:
-                    host[src.layer] = value
+                    host[src.layer][tuple(slice(o, o + n) for o, n in zip(at, part))] = value
             elif stacked:
-                value = _transform(src.transpose, src.add_one, shape, jnp.dtype(dt), None)(x)
-                buf = jax.block_until_ready(_fill(sh)(buf, value, src.layer))
+                value = _transform(src.transpose, src.add_one, part, jnp.dtype(dt), None)(x)
+                buf = jax.block_until_ready(_fill(sh)(buf, value, (src.layer,) + at))
             else:
                 value = host = _transform(src.transpose, src.add_one, shape, jnp.dtype(dt), sh)(x)
             del x, value

@@ -64,6 +64,8 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
     _check_options(dtype, quant, kv_cache, mesh, layout)
     src = checkpoint.require_model(classify(name_or_path, cache=cache), name_or_path)
     model = _READERS[src.kind](src, dtype, progress, mesh)
+    if mesh is not None:  # e.g. experts split over the mesh run the kernel the partitioner splits
+        model = dataclasses.replace(model, config=sharding.config_for(model.config, mesh))
     if kv_cache is not None:
         model = dataclasses.replace(model, config=model.config.replace(kv_dtype=kv_cache))
     if quant is not None:

@@ -1,0 +1,282 @@
+"""Mixture-of-experts decode and prefill against the roofline of the bytes each token actually reads.
+
+A random-weight model of Qwen3-30B-A3B's layer shapes (d_model 2048, 32 query / 4 kv heads of 128,
+128 experts of width 768, 8 per token, its 151,936-token vocabulary and untied head), with
+--layers of its 48 layers, beside its dense twin: the same attention and head, one MLP of width
+8 x 768 = 6144 in place of the experts, so a token reads the same bytes in both. Sections:
+
+  kernels  one layer's experts (2.4 GB in float32) for 1, 8, 32 and 512 tokens: the "blocks"
+           kernel (`jaxinfer.model.moe`) at its own block size and at fixed ones, a gather of
+           the chosen experts' weights (`jnp.take`) then a batched matmul (up to 64 slots: the
+           gathered copy grows with them), and `ragged_dot` (1 token only: XLA's CPU backend
+           computes it densely over all 128 experts). ms per call and GB/s of the distinct
+           chosen experts' bytes.
+  decode   generate's decode tokens/s at batch 1, 8 and 32, MoE and dense twin alternating,
+           medians of --repeats, each against its roofline: bandwidth (a jitted read of a 1 GiB
+           array) x rows / (bytes read per step + rows x KV-cache bytes per row). Per step the
+           MoE model reads attention, norms, router and head once, and of each layer the experts
+           its rows chose between them: the union, counted from the routing of the same prompts
+           (`generate(return_routing=True)`); at batch 1 that is 8 experts per layer.
+  prefill  one 512-token prompt (prefill only), tokens/s and GFLOP/s of its active parameters.
+
+    python -m experiments.moe                    # --layers 4: ~13 GB of float32 weights, ~15 min
+    python -m experiments.moe --smoke --out /tmp/moe   # tiny shapes, seconds (tests/test_moe.py)
+
+Writes <out>/moe.json. Timings are for a quiet machine: run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import jsonfile
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder for moe.json (default experiments/out)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes: a seconds-long check that every section runs")
+    p.add_argument("--only", choices=("kernels", "decode", "prefill"), action="append",
+                   help="run only these sections (repeatable; default all)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model (default %(default)s)")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode tokens per row per run (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row for decode (default %(default)s)")
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill run (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure, median (default %(default)s)")
+    p.add_argument("--dtype", default="float32", help="weight dtype (default %(default)s)")
+    return p
+
+
+def _configs(args):
+    """(MoE config, its dense twin): same attention and head, one MLP of width k x Fe."""
+    from jaxinfer.model import config as C
+
+    if args.smoke:
+        moe = C.tiny_moe(moe=C.MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=32, norm_top_k=True), max_seq_len=1024)
+    else:
+        moe = C.qwen3_30b_a3b(n_layers=args.layers, max_seq_len=4096)
+    moe = moe.replace(dtype=args.dtype, layout="per_layer")
+    dense = moe.replace(name=moe.name + "-dense-twin", moe=None, ffn_dim=moe.moe.top_k * moe.moe.expert_ffn_dim)
+    return moe, dense
+
+
+def _models(moe_cfg, dense_cfg):
+    """Random params in the per_layer layout; the twin shares the MoE model's embedding and head."""
+    from jaxinfer.model.model import Model
+    from jaxinfer.model.params import init_params
+
+    moe_p = init_params(moe_cfg, jax.random.key(0))
+    dense_p = init_params(dense_cfg.replace(vocab_size=1), jax.random.key(1))  # its own layers only
+    dense_p = dict(dense_p, embed=moe_p["embed"], lm_head=moe_p["lm_head"])
+    return Model(config=moe_cfg, params=moe_p), Model(config=dense_cfg, params=dense_p)
+
+
+def _bandwidth(smoke: bool) -> float:
+    """Read bandwidth in bytes/s: a jitted sum over an array larger than the last-level cache."""
+    x = jnp.ones(((2**20 if smoke else 2**30) // 4,), jnp.float32)
+    read = jax.jit(lambda a: jnp.sum(a))
+    read(x).block_until_ready()
+    t = _median(lambda: read(x).block_until_ready(), 5)
+    return x.nbytes / t
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# Kernels --------------------------------------------------------------------------------------
+
+def _gather_experts(x, routing, w_gate_up, w_down):
+    """The chosen experts' weights gathered per slot (`jnp.take`), then one batched matmul each."""
+    N, k = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)
+    h = jnp.einsum("QD,QOD->QO", xs, jnp.take(w_gate_up, flat, axis=0))
+    g, u = jnp.split(h, 2, axis=-1)
+    y = jnp.einsum("QF,QDF->QD", jax.nn.silu(g) * u, jnp.take(w_down, flat, axis=0))
+    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights)
+
+
+def kernels(cfg, bw: float, args) -> list[dict]:
+    """One layer's experts through each kernel, at several token counts (module docstring)."""
+    from jaxinfer.model import moe
+
+    m, D = cfg.moe, cfg.d_model
+    X, Fe, k = m.n_experts, m.expert_ffn_dim, m.top_k
+    key = jax.random.key(2)
+    w_gu = (jax.random.normal(key, (X, 2 * Fe, D), jnp.float32) / np.sqrt(D)).astype(cfg.dtype)
+    w_d = (jax.random.normal(jax.random.fold_in(key, 1), (X, D, Fe), jnp.float32) / np.sqrt(Fe)).astype(cfg.dtype)
+    router = jax.random.normal(jax.random.fold_in(key, 2), (X, D), jnp.float32) / np.sqrt(D)
+    expert_bytes = (w_gu.nbytes + w_d.nbytes) / X
+    rows = []
+    for n in ((1, 8) if args.smoke else (1, 8, 32, 512)):
+        x = jax.random.normal(jax.random.fold_in(key, 100 + n), (n, D), jnp.float32).astype(cfg.dtype)
+        r = moe.route(x, router, None, m)
+        union = len(np.unique(np.asarray(r.ids)))
+        want = None
+        rule = moe.block_rows(n * k, X)
+        # every arm takes the weights as arguments: a jitted closure would hold a copy as constants
+        arms = {f"blocks (rule: {rule} rows)": lambda x, r, wg, wd: moe.experts(x, r, wg, wd, "blocks")}
+        for b in (1, 4, 16, 32, 64):  # other block sizes, up to 1024 blocks a call
+            if b != rule and n * k <= 1024 * b:
+                arms[f"blocks {b} rows"] = lambda x, r, wg, wd, b=b: _experts_fixed_block(x, r, wg, wd, b)
+        if n * k <= 64:  # the gathered weights are a copy: 64 slots of Qwen3-30B-A3B are 1.2 GB
+            arms["gather + batched matmul"] = _gather_experts
+        if n == 1:  # dense over all experts: 128 x the work
+            arms["ragged_dot (dense on CPU)"] = lambda x, r, wg, wd: moe.experts(x, r, wg, wd, "ragged")
+        for name, fn in arms.items():
+            f = jax.jit(fn)
+            y = f(x, r, w_gu, w_d).block_until_ready()
+            want = y if want is None else want
+            reps = 1 if name.startswith("ragged") and not args.smoke else args.repeats
+            t = _median(lambda: f(x, r, w_gu, w_d).block_until_ready(), reps)
+            row = {"tokens": n, "slots": n * k, "distinct_experts": union, "kernel": name, "ms": t * 1e3,
+                   "GBps_of_distinct_experts": union * expert_bytes / t / 1e9,
+                   "fraction_of_bandwidth": union * expert_bytes / t / bw,
+                   "max_abs_diff_vs_first": float(jnp.max(jnp.abs(y - want)))}
+            rows.append(row)
+            print(f"  {n:4d} tokens {union:4d} experts  {name:28s} {row['ms']:9.2f} ms  "
+                  f"{row['GBps_of_distinct_experts']:6.1f} GB/s ({row['fraction_of_bandwidth']:.0%} of bandwidth)",
+                  flush=True)
+    return rows
+
+
+def _experts_fixed_block(x, routing, w_gu, w_d, block):
+    """`moe.experts` with the blocks kernel at a fixed block size."""
+    from jaxinfer.model import moe
+
+    N, k = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w_gu.shape[0])
+    h = moe.grouped_matmul(x[order // k], w_gu, sizes, "blocks", block)
+    g, u = jnp.split(h, 2, axis=-1)
+    y = moe.grouped_matmul(jax.nn.silu(g) * u, w_d, sizes, "blocks", block)
+    y = jnp.zeros_like(y).at[order].set(y)
+    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
+
+
+# Decode and prefill --------------------------------------------------------------------------
+
+def _union_per_layer(model, prompts, new_tokens: int) -> float:
+    """Mean over decode steps and layers of how many distinct experts the batch's rows chose."""
+    import jaxinfer
+
+    out = jaxinfer.generate(model, prompts, max_new_tokens=new_tokens, stop_at_eos=False, return_routing=True)
+    P = len(prompts[0])
+    ids = np.stack([c.routing.ids[P:] for c in out.completions])  # [B, steps, L, k]: decode inputs
+    B, S, L, k = ids.shape
+    return float(np.mean([len(np.unique(ids[:, s, l])) for s in range(S) for l in range(L)]))
+
+
+def _step_bytes(cfg, union: float) -> float:
+    """Weight bytes one decode step reads: the active parameters with `union` experts per layer."""
+    item = jnp.dtype(cfg.dtype).itemsize
+    if cfg.moe is None:
+        return cfg.n_active_params * item
+    m = cfg.moe
+    expert = 3 * cfg.d_model * m.expert_ffn_dim
+    return (cfg.n_active_params + cfg.n_layers * (union - m.top_k) * expert) * item
+
+
+def decode(moe_model, dense_model, bw: float, args) -> list[dict]:
+    """Decode tokens/s at each batch size, MoE and dense twin alternating, against the roofline."""
+    import jaxinfer
+    from jaxinfer.model.cache import bytes_per_token
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        prompts = [rng.integers(3, min(1000, moe_model.config.vocab_size), args.prompt).tolist() for _ in range(B)]
+        union = _union_per_layer(moe_model, prompts, min(args.new_tokens, 8))
+        rates = {"moe": [], "dense": []}
+        for model in (moe_model, dense_model):  # compile
+            jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False)
+        for _ in range(args.repeats):
+            for name, model in (("moe", moe_model), ("dense", dense_model)):
+                out = jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False)
+                rates[name].append(out.timings.decode_tokens_per_s)
+        context = args.prompt + args.new_tokens / 2  # mean positions a step's attention reads
+        for name, model in (("moe", moe_model), ("dense", dense_model)):
+            cfg = model.config
+            step = _step_bytes(cfg, union if name == "moe" else 0)
+            kv = bytes_per_token(cfg) * context
+            roof = B * bw / (step + B * kv)
+            got = float(np.median(rates[name]))
+            rows.append({"model": cfg.name, "batch": B, "tokens_per_s": got, "runs": rates[name],
+                         "experts_per_layer_read": union if name == "moe" else None,
+                         "weight_bytes_per_step": step, "kv_bytes_per_row": kv, "roofline_tokens_per_s": roof,
+                         "fraction_of_roofline": got / roof})
+            print(f"  batch {B:3d} {name:5s} {got:8.2f} tokens/s, roofline {roof:8.2f} ({got / roof:.0%})"
+                  + (f"; {union:.1f} of {cfg.moe.n_experts} experts read per layer" if name == "moe" else ""),
+                  flush=True)
+    return rows
+
+
+def prefill(moe_model, dense_model, args) -> list[dict]:
+    """One prompt of --prefill tokens (prefill and its first token), MoE and dense twin alternating."""
+    import jaxinfer
+
+    prompt = np.random.default_rng(1).integers(3, min(1000, moe_model.config.vocab_size), args.prefill).tolist()
+    times = {"moe": [], "dense": []}
+    for model in (moe_model, dense_model):
+        jaxinfer.generate(model, [prompt], max_new_tokens=1, stop_at_eos=False)  # compile
+    for _ in range(args.repeats):
+        for name, model in (("moe", moe_model), ("dense", dense_model)):
+            times[name].append(jaxinfer.generate(model, [prompt], max_new_tokens=1, stop_at_eos=False).timings.prefill_s)
+    rows = []
+    for name, model in (("moe", moe_model), ("dense", dense_model)):
+        t = float(np.median(times[name]))
+        flops = 2 * model.config.n_active_params * len(prompt)
+        rows.append({"model": model.config.name, "tokens": len(prompt), "seconds": t, "runs": times[name],
+                     "tokens_per_s": len(prompt) / t, "active_GFLOP_per_s": flops / t / 1e9})
+        print(f"  prefill {len(prompt)} tokens {name:5s} {t:7.2f} s, {len(prompt) / t:8.1f} tokens/s, "
+              f"{flops / t / 1e9:6.1f} GFLOP/s of active parameters", flush=True)
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = _parser().parse_args(argv)
+    if args.smoke:
+        args.batches, args.new_tokens, args.prompt, args.prefill, args.repeats = "1,4", 6, 8, 16, 1
+    sections = args.only or ["kernels", "decode", "prefill"]
+    moe_cfg, dense_cfg = _configs(args)
+    bw = _bandwidth(args.smoke)
+    print(f"{moe_cfg.name}, {moe_cfg.n_layers} layers, {moe_cfg.dtype}: {moe_cfg.n_params / 1e9:.2f}B parameters, "
+          f"{moe_cfg.n_active_params / 1e9:.3f}B active; twin {dense_cfg.n_params / 1e9:.3f}B; "
+          f"read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    result = {"experiment": "moe", "config": moe_cfg.name, "layers": moe_cfg.n_layers, "dtype": moe_cfg.dtype,
+              "n_params": moe_cfg.n_params, "n_active_params": moe_cfg.n_active_params, "bandwidth_Bps": bw,
+              "smoke": args.smoke, "backend": jax.default_backend(), "argv": argv}
+    if "kernels" in sections:
+        print("kernels: one layer's experts", flush=True)
+        result["kernels"] = kernels(moe_cfg, bw, args)
+    if "decode" in sections or "prefill" in sections:
+        moe_model, dense_model = _models(moe_cfg, dense_cfg)
+        if "decode" in sections:
+            print("decode", flush=True)
+            result["decode"] = decode(moe_model, dense_model, bw, args)
+        if "prefill" in sections:
+            print("prefill", flush=True)
+            result["prefill"] = prefill(moe_model, dense_model, args)
+    path = jsonfile.write_json(Path(args.out) / "moe.json", result)
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The mixture-of-experts feed-forward block: a router sends each token to k of X experts.
+
+    x [N, D] ──router──▶ scores [N, X] ──top-k──▶ ids [N, k], weights [N, k]
+      │                                               │
+      └──▶ the N*k (token, expert) slots, sorted by expert ──grouped matmul──▶ SwiGLU per slot
+                                                                                    │
+    y [N, D] = sum over each token's k slots of weight * expert output  (+ the shared expert)
+
+Dropless: every token reaches all k of its experts at any batch size. There is no capacity per
+expert (a capacity, as in Switch/GShard training code, drops the tokens beyond it, so a token's
+output would depend on its batch neighbours); the price is that the work per expert is a runtime
+count, which `grouped_matmul` handles without a recompile.
+
+The router (`route`): softmax over the X logits, or a sigmoid of each (DeepSeek V3); an optional
+per-expert bias that shifts the choice but not the weights; an optional group limit (the experts
+fall in `n_groups` groups, a token chooses among its best `top_k_groups`); top-k; the k weights
+renormalised to sum to 1 or kept as they are; a scale on the routed output. Qwen2/3-MoE, Mixtral
+and OLMoE are settings of `MoEConfig` (`jaxinfer.model.config`).
+
+The expert matmuls (`grouped_matmul`) run over the slots sorted by expert, in one of two kernels:
+  blocks  a loop over blocks of `block` rows of one expert each (the loop's trip count is the
+          runtime number of blocks): each block reads its expert's weights in place and runs one
+          small dot, so a decode step reads exactly the experts its tokens chose. XLA's CPU
+          backend: what the CPU runs.
+  ragged  `jax.lax.ragged_dot_general`, one grouped matmul over all groups: a native kernel on
+          GPU and TPU; XLA's CPU backend lowers it to a dense product with every expert (X times
+          the work), so the CPU never picks it.
+`experiments/moe.py --only kernels` measures both beside a gather of the chosen experts' weights
+(XLA's CPU gather copies them first: 2.7x the blocks' time at one token of Qwen3-30B-A3B, 2.9x at
+eight; ragged_dot 135x at one token).
+
+Shape letters as in `jaxinfer.model.config`: N tokens (B*T), X experts, k per token, Q = N*k
+slots, Fe / Fs the routed / shared experts' widths.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.model.config import ModelConfig, MoEConfig
+from jaxinfer.model.params import Params
+from jaxinfer.model.quantize import Int8Weight
+
+MAX_BLOCK = 32  # rows per block of the "blocks" kernel, at most (`block_rows`)
+EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in]
+
+
+@struct.dataclass
+class Routing:
+    """The router's choices for a batch of tokens: which experts, with what weight."""
+
+    ids: jax.Array  # [..., k] int32: the chosen experts, best first
+    weights: jax.Array  # [..., k] float32: each one's weight in the token's output (after norm and scale)
+
+
+def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConfig) -> Routing:
+    """Each token's k experts and their weights, as the families' routers compute them.
+
+    Args:
+      x: [N, D] normed hidden states.
+      router: [X, D] the router's weights (one row per expert).
+      bias: [X] per-expert bias added to the scores for choosing only (m.score_bias), or None.
+      m: the MoE config.
+    Returns:
+      Routing with ids, weights [N, k].
+    """
+    # the logits in the activations' dtype, as Qwen, Mixtral and OLMoE compute them; DeepSeek's
+    # sigmoid router works in float32 throughout
+    dt = jnp.float32 if m.score == "sigmoid" else x.dtype
+    logits = jnp.einsum("ND,XD->NX", x.astype(dt), router.astype(dt)).astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if m.score == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if m.n_groups > 1:  # DeepSeek V3: a group's score is the sum of its two best experts' scores
+        N, X = choice.shape
+        grouped = choice.reshape(N, m.n_groups, X // m.n_groups)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [N, top_k_groups]
+        keep = jnp.zeros((N, m.n_groups), bool).at[jnp.arange(N)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, m.top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if m.norm_top_k:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return Routing(ids=ids.astype(jnp.int32), weights=weights * m.routed_scale)
+
+
+def block_rows(n_slots: int, n_experts: int) -> int:
+    """Rows per block of the "blocks" kernel: about 4x the slots an expert gets on average, a power
+    of two in [1, MAX_BLOCK]. A block reads its expert's weights whole whatever its row count, so
+    fewer, fuller blocks read less, but padding rows cost compute; one row at decode time
+    (8 slots over 128 experts), 32 for a prompt (`experiments/moe.py --only kernels`)."""
+    want = max(1, 4 * n_slots // n_experts)
+    return min(MAX_BLOCK, 1 << (want - 1).bit_length())
+
+
+def kernel_for(m: MoEConfig) -> str:
+    """The grouped-matmul kernel: `m.kernel`, else "blocks" on the CPU and "ragged" elsewhere."""
+    return m.kernel or ("blocks" if jax.default_backend() == "cpu" else "ragged")
+
+
+def unscanned(layers: Params, cfg: ModelConfig) -> tuple[Params, Params]:
+    """(the layer weights the stacked layout's `lax.scan` slices, the experts' it must not).
+
+    Inside the scan XLA copies each layer's slice of a stacked weight before using it: for the
+    experts that would copy all X of them (2.4 GB a layer for Qwen3-30B-A3B in float32) to read
+    k. So the stacked experts [L, X, out, in] stay whole, and the blocks kernel reads expert
+    (layer, e) in place (`grouped_matmul`'s `layer`). The per-layer layout has nothing to hold back.
+    """
+    if cfg.moe is None or cfg.layout != "stacked":
+        return layers, {}
+    return ({k: v for k, v in layers.items() if k not in EXPERT_WEIGHTS},
+            {k: v for k, v in layers.items() if k in EXPERT_WEIGHTS})
+
+
+def _one_expert(a: jax.Array, e: jax.Array, layer: Optional[jax.Array]) -> jax.Array:
+    """a[e] of [X, ...], or a[layer, e] of [L, X, ...]: one slice, read where it lies."""
+    lead = (e,) if layer is None else (layer, e)
+    start = lead + (0,) * (a.ndim - len(lead))
+    return jax.lax.dynamic_slice(a, start, (1,) * len(lead) + a.shape[len(lead):]).reshape(a.shape[len(lead):])
+
+
+def _expert_product(rows: jax.Array, w, e: jax.Array, layer: Optional[jax.Array] = None) -> jax.Array:
+    """rows [b, I] times expert e's output-major matrix [O, I] -> [b, O] (float or int8 weights)."""
+    if isinstance(w, Int8Weight):  # per-output-channel scales [X, O, 1]: one multiply per output
+        q, s = _one_expert(w.q, e, layer), _one_expert(w.scale, e, layer)[:, 0]
+        return jnp.einsum("bI,OI->bO", rows, q.astype(rows.dtype)) * s.astype(rows.dtype)
+    return jnp.einsum("bI,OI->bO", rows, _one_expert(w, e, layer))
+
+
+def _blocks(x: jax.Array, w, sizes: jax.Array, block: int, layer: Optional[jax.Array] = None) -> jax.Array:
+    """The "blocks" kernel: x [Q, I] sorted by expert, sizes [X] -> [Q, O].
+
+    Block j covers rows lo_j .. lo_j + block of one expert; the blocks run in row order, so rows a
+    block computes past its expert's last one (for the next expert's tokens, or padding) are
+    overwritten by the blocks that own them.
+    """
+    Q, I = x.shape
+    X, O = w.shape[-3], w.shape[-2]
+    starts = jnp.cumsum(sizes) - sizes  # [X] first row of each expert
+    n_blocks = (sizes + block - 1) // block  # [X]
+    ends = jnp.cumsum(n_blocks)  # [X] blocks up to and including each expert
+    bound = -(-Q // block) + min(Q, X)  # static: no more blocks than this, whatever the routing
+    j = jnp.arange(bound)
+    expert = jnp.minimum(jnp.searchsorted(ends, j, side="right"), X - 1)  # [bound]
+    lo = starts[expert] + (j - (ends - n_blocks)[expert]) * block
+    x = jnp.concatenate([x, jnp.zeros((block, I), x.dtype)])
+
+    def one_block(i, out):
+        rows = jax.lax.dynamic_slice_in_dim(x, lo[i], block)
+        y = _expert_product(rows, w, expert[i], layer)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), lo[i], 0)
+
+    out = jax.lax.fori_loop(0, ends[-1], one_block, jnp.zeros((Q + block, O), x.dtype))
+    return out[:Q]
+
+
+def _ragged(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
+    """The "ragged" kernel: one `ragged_dot_general` over the groups; x [Q, I], sizes [X] -> [Q, O]."""
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    if isinstance(w, Int8Weight):
+        y = jax.lax.ragged_dot_general(x, w.q.astype(x.dtype), sizes, dims)
+        row_expert = jnp.repeat(jnp.arange(w.q.shape[0]), sizes, total_repeat_length=x.shape[0])
+        return y * w.scale[row_expert, :, 0].astype(y.dtype)
+    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, dims)
+
+
+def grouped_matmul(x: jax.Array, w, sizes: jax.Array, kernel: str, block: int = 1,
+                   layer: Optional[jax.Array] = None) -> jax.Array:
+    """Rows grouped by expert times their expert's matrix: a grouped matmul.
+
+    Args:
+      x: [Q, I] rows sorted by expert: the first sizes[0] rows go to expert 0, and so on.
+      w: [X, O, I] output-major matrices, float or `Int8Weight` (scales [X, O, 1]); with `layer`,
+        every layer's [L, X, O, I] (the stacked layout, `unscanned`).
+      sizes: [X] int rows per expert (sum Q; traced: the routing decides them).
+      kernel: "blocks" or "ragged" (module docstring).
+      block: rows per block of the "blocks" kernel (static).
+      layer: the layer whose experts to use, when w holds all of them.
+    Returns:
+      [Q, O]: row q times the matrix of its expert.
+    """
+    if kernel == "ragged":
+        if layer is not None:
+            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
+        return _ragged(x, w, sizes)
+    return _blocks(x, w, sizes, block, layer)
+
+
+def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
+            layer: Optional[jax.Array] = None) -> jax.Array:
+    """The routed experts' weighted sum: x [N, D] -> [N, D].
+
+    Each token's k slots are sorted by expert, run through their expert's SwiGLU (gate and up
+    as one grouped matmul, then down) and added back up with the router's weights.
+    w_gate_up [X, 2Fe, D] (gate rows first), w_down [X, D, Fe]; with `layer`, [L, X, ...] of
+    every layer (`grouped_matmul`).
+    """
+    N, k = routing.ids.shape
+    X = w_gate_up.shape[-3]
+    flat = routing.ids.reshape(-1)  # [Q] slot s = token s // k's (s % k)-th choice
+    order = jnp.argsort(flat, stable=True)  # slots sorted by expert
+    sizes = jnp.bincount(flat, length=X)  # [X]
+    block = block_rows(N * k, X)
+    h = grouped_matmul(x[order // k], w_gate_up, sizes, kernel, block, layer)  # [Q, 2Fe]
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, kernel, block, layer)  # [Q, D], sorted
+    y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in slot order
+    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
+
+
+def shared_expert(lp: Params, cfg: ModelConfig) -> Params:
+    """The shared expert's weights under the dense MLP's names, so `forward.mlp` runs it."""
+    if cfg.layout == "per_layer":
+        return {"w_gate_up": lp["ws_gate_up"], "w_down_t": lp["ws_down_t"]}
+    return {"w_gate": lp["ws_gate"], "w_up": lp["ws_up"], "w_down": lp["ws_down"]}
+
+
+def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.Array] = None,
+              layer: Optional[jax.Array] = None) -> tuple[jax.Array, Routing]:
+    """The mixture-of-experts MLP of one layer: x [B, T, D] -> ([B, T, D], Routing [B, T, k]).
+
+    Args:
+      x: [B, T, D] normed hidden states.
+      lp: the layer's params (router, we_gate_up, we_down, optional router_bias, shared_gate).
+      cfg: model config with `cfg.moe` set.
+      shared: [B, T, D] the shared expert's output (`forward.mlp` over `shared_expert(lp, cfg)`),
+        or None when the model has none; gated by sigmoid(x . shared_gate) where cfg.moe says so.
+      layer: this layer's index, when lp's experts are every layer's (`unscanned`).
+    """
+    m = cfg.moe
+    B, T, D = x.shape
+    xt = x.reshape(B * T, D)
+    with jax.named_scope("router"):
+        routing = route(xt, lp["router"], lp.get("router_bias"), m)
+    with jax.named_scope("experts"):
+        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m), layer).reshape(B, T, D)
+    if shared is not None:
+        if m.shared_gate:
+            shared = shared * jax.nn.sigmoid(jnp.einsum("BTD,D->BT", x, lp["shared_gate"].astype(x.dtype)))[..., None]
+        y = y + shared
+    return y, Routing(ids=routing.ids.reshape(B, T, -1), weights=routing.weights.reshape(B, T, -1))
