@@ -79,13 +79,13 @@ class MoEConfig:
 
     @property
     def params_per_layer(self) -> int:
-        """Router, routed and shared experts of one layer (D cancels out: times d_model)."""
+        """Parameters of one layer's router, routed and shared experts, divided by d_model."""
         shared = 3 * self.shared_ffn_dim + (1 if self.shared_gate else 0)
         return self.n_experts * (1 + 3 * self.expert_ffn_dim) + shared
 
     @property
     def active_per_layer(self) -> int:
-        """What one token reads of one layer (times d_model): the router, k experts, the shared one."""
+        """Parameters one token reads in one layer (the router, k experts and the shared one) over d_model."""
         shared = 3 * self.shared_ffn_dim + (1 if self.shared_gate else 0)
         return self.n_experts + self.top_k * 3 * self.expert_ffn_dim + shared
 
@@ -215,8 +215,10 @@ class ModelConfig:
 
     @property
     def n_active_params(self) -> int:
-        """Parameters one decoded token reads: every weight but the experts it was not sent to and,
-        with an untied head, the embedding rows of the other tokens (the head is read in full)."""
+        """Parameters one decoded token reads.
+
+        Every weight but the experts it was not sent to and, with an untied head, the embedding
+        rows of the other tokens (the head is read in full)."""
         D, L, V = self.d_model, self.n_layers, self.vocab_size
         idle = 0 if self.moe is None else (self.moe.n_experts - self.moe.top_k) * 3 * self.moe.expert_ffn_dim * D
         embed = 0 if self.tie_embeddings else (V - 1) * D  # one embedding row is read, the head in full
