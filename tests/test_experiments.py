@@ -114,52 +114,6 @@ def test_profile_attributes_time_to_the_named_stages(tmp_path):
     assert (tmp_path / "profile.json").exists()
 
 
-def _np_no_repeat_banned(ids, n):
-    """transformers' NoRepeatNGramLogitsProcessor, in NumPy terms: the tokens that followed the last
-    n - 1 tokens anywhere earlier in `ids` (none while len(ids) + 1 < n)."""
-    if len(ids) + 1 < n:
-        return set()
-    grams = {}
-    for g in zip(*[ids[i:] for i in range(n)]):
-        grams.setdefault(tuple(g[:-1]), set()).add(g[-1])
-    return grams.get(tuple(ids[len(ids) + 1 - n:]), set())
-
-
-def test_logits_processors_match_their_definitions():
-    import jax.numpy as jnp
-    import numpy as np
-
-    from experiments import logits_processor as lp
-    from jaxinfer.decode import core
-
-    rng = np.random.default_rng(0)
-    B, S, V = 6, 24, 7  # a small vocabulary: repeats are common
-    tokens = rng.integers(0, V, (B, S)).astype(np.int32)
-    lengths = np.array([1, 2, 3, 9, 17, 24], np.int32)
-    logits = rng.standard_normal((B, V)).astype(np.float32)
-    steps = np.array([0, 1, 2, 3, 4, 5], np.int32)
-    inp = core.ProcessorInput(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), steps=jnp.asarray(steps))
-    for n in (2, 3, 4):
-        got = np.asarray(lp.no_repeat_ngram(n)(jnp.asarray(logits), inp))
-        for b in range(B):
-            banned = _np_no_repeat_banned(tokens[b, :lengths[b]].tolist(), n)
-            want = logits[b].copy()
-            want[sorted(banned)] = -np.inf
-            np.testing.assert_array_equal(got[b], want, err_msg=f"n={n} row {b}")
-    got = np.asarray(lp.ban_after([1, 3], 3)(jnp.asarray(logits), inp))
-    np.testing.assert_array_equal(got[:3], logits[:3])
-    assert np.isneginf(got[3:, [1, 3]]).all() and (got[3:, [0, 2, 4, 5, 6]] == logits[3:, [0, 2, 4, 5, 6]]).all()
-
-
-def test_logits_processor_experiment(smollm2, tmp_path):
-    from experiments import logits_processor as lp
-
-    r = lp.main(["--smoke", "--out", str(tmp_path)], model=smollm2)
-    assert json.loads((tmp_path / "logits_processor.json").read_text())["experiment"] == "logits_processor"
-    assert r["runs"]["greedy"]["repeated_ngrams"] > 0  # greedy SmolLM2 repeats the repetitive prompt
-    assert r["runs"]["no_repeat_ngram(3)"]["repeated_ngrams"] == 0
-
-
 @pytest.mark.slow
 def test_structured_bench_smoke(tmp_path, golden_dir):
     """The benchmark's plumbing on a tiny random model with SmolLM2's tokenizer (its numbers are not checked)."""

