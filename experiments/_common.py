@@ -98,10 +98,14 @@ def save(name: str, result: dict, args, fig=None) -> Path:
 
 
 def load_model(args, model=None, layout: str = "auto"):
-    """`model` if one was passed in, else `jaxinfer.load(args.model, layout=layout)`."""
+    """`model` if one was passed in; with --smoke a tiny random model with `args.model`'s
+    tokenizer; else `jaxinfer.load(args.model, layout=layout)`."""
     if model is not None:
         return model
     import jaxinfer
+
+    if getattr(args, "smoke", False):
+        return tiny_model(tokenizer=jaxinfer.load_tokenizer(args.model))
 
     t0 = time.perf_counter()
     m = jaxinfer.load(args.model, layout=layout)

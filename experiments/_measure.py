@@ -96,20 +96,24 @@ def variant(model, name: str):
     from jaxinfer.model import layout as LY
     from jaxinfer.model import quantize as Q
 
+    def to(m, layout):  # one compiled program: eager slicing would dispatch one copy per layer and weight
+        if m.config.layout == layout:
+            return m
+        return dataclasses.replace(m, config=m.config.replace(layout=layout), params=jax.jit(
+            LY.convert, static_argnums=(1, 2))(m.params, m.config, layout))
+
     if name == "default":
         return model
     if name in ("stacked", "per_layer"):
-        return model if model.config.layout == name else LY.to_layout(model, name)
+        return to(model, name)
     if name == "int8kv":
         return dataclasses.replace(model, config=model.config.replace(kv_dtype="int8"))
     mode, _, where = name.partition("_")
     if mode not in ("int8", "int4") or where not in ("", "stacked"):
         raise ValueError(f"unknown variant {name!r}: default, stacked, per_layer, int8, int8_stacked, int4, int8kv")
-    base = variant(model, "stacked")
+    base = to(model, "stacked")
     q = dataclasses.replace(base, params=jax.jit(Q.quantize, static_argnums=(1, 2))(base.params, base.config, mode))
-    if mode == "int8" and not where and jax.default_backend() != "cpu":
-        return LY.to_layout(q, "per_layer")
-    return q
+    return to(q, "per_layer") if mode == "int8" and not where and jax.default_backend() != "cpu" else q
 
 
 def prompts(model, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -129,9 +133,11 @@ def decode_call(model, batch_prompts, new_tokens: int, chunk: Optional[int] = No
     """A call of `generate` (greedy, no early stop) returning its decode tokens/s."""
     import jaxinfer
 
+    kw = {} if chunk is None else {"chunk_size": chunk}
+
     def run() -> float:
         return jaxinfer.generate(model, batch_prompts, max_new_tokens=new_tokens, stop_at_eos=False,
-                                 chunk_size=chunk).timings.decode_tokens_per_s
+                                 **kw).timings.decode_tokens_per_s
 
     return run
 
