@@ -80,9 +80,10 @@ def _summary(reqs, t_end) -> dict:
 
 def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -> dict:
     """The requests through `engine` in real time, each submitted at its arrival (a burst: all at
-    once): tokens/s, TTFT and time per output token, the KV pages held against the contiguous
-    cache `generate` would allocate for the same running rows, device iterations (begun with
-    requests queued or prefilling, and not) and each request's token ids."""
+    once): tokens/s, TTFT and time per output token, decode tokens/s once every request has its
+    first token, the KV pages held against the contiguous cache `generate` would allocate for the
+    same running rows, device iterations (begun with requests queued or prefilling, and not) and
+    each request's token ids."""
     import numpy as np
 
     from jaxinfer.decode.generate import MIN_KV_BUCKET
@@ -94,7 +95,7 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
     reqs = [dict(r) for r in work]
     bpt, page = engine.stats().bytes_per_token, engine.page_size
     handles, pending, clock = {}, list(range(len(reqs))), Clock()
-    kv_paged, kv_contig, admitting, decoding = [], [], [], []
+    kv_paged, kv_contig, admitting, decoding, all_started = [], [], [], [], None
     scans0 = engine.stats().scans
     while pending or not engine.scheduler.idle():
         now = clock()
@@ -117,8 +118,13 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
                 reqs[i]["t_first"] = now
             if h.done and "t_last" not in reqs[i]:
                 reqs[i]["t_last"] = now
-    res = _summary(reqs, clock())
+        if all_started is None and not pending and all(h.n_tokens for h in handles.values()):
+            all_started = (now, sum(h.n_tokens for h in handles.values()))
+    t_end = clock()
+    res = _summary(reqs, t_end)
     clock.close()
+    if all_started is not None and t_end > all_started[0]:
+        res["decode_tokens_per_s"] = (res["tokens"] - all_started[1]) / (t_end - all_started[0])
     iterations = engine.stats().scans - scans0
     res.update(kv_ratio=float(np.sum(kv_paged) / max(1, np.sum(kv_contig))), iterations=iterations,
                tokens_per_iteration=res["tokens"] / max(1, iterations), admitting_iterations=len(admitting),
