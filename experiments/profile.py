@@ -1,8 +1,8 @@
-"""Where the time goes: a profiler trace of one prefill and a few decode steps, read per named stage.
+"""Where does a step's time go? A profiler trace of one prefill and a few decode steps, read per named stage.
 
-    python experiments/profile.py                       # SmolLM2-135M, the default load
-    python experiments/profile.py --prompt-tokens 512 --decode-steps 16
-    python experiments/profile.py --smoke               # a tiny random model (the smoke test)
+    python -m experiments.profile                       # SmolLM2-135M, the default load
+    python -m experiments.profile --prompt-tokens 512 --decode-steps 16 --batch 8
+    python -m experiments.profile --smoke               # a tiny random model
 
 Every stage of the data path runs under a `jax.named_scope` (embed, attention with its
 cache_write and paged_attention, mlp, logits, sampling; prefill and decode around them), so the
@@ -24,22 +24,9 @@ import json
 import math
 import os
 import re
-import sys
 import time
 
-import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-
-import jaxinfer  # noqa: E402
-from experiments import common, jsonfile  # noqa: E402
-from jaxinfer.decode import core  # noqa: E402
-from jaxinfer.decode import generate as gen  # noqa: E402
-from jaxinfer.decode import sampling as smp  # noqa: E402
-from jaxinfer.model import cache as kv  # noqa: E402
+from experiments import _common
 
 # Innermost first: an op in attention/cache_write counts as cache_write.
 STAGES = ("cache_write", "paged_attention", "sampling", "embed", "attention", "mlp", "logits")
@@ -185,21 +172,26 @@ def per_stage(events: list[dict], names: dict[str, dict[str, str]]) -> dict:
 
 
 def main(argv=None, model=None) -> dict:
-    p = common.parser(__doc__.splitlines()[0])
+    p = _common.parser(__doc__)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
     args = p.parse_args(argv)
     if args.smoke:
         args.prompt_tokens, args.decode_steps = 16, 4
-        if model is None:
-            model = common.tiny_model("tiny-profile")
-    if model is None:
-        model = jaxinfer.load(args.model)  # the default load (on a CPU: the CPU decode layout)
+        model = model or _common.tiny_model()
+    import jax
+    import numpy as np
+
+    from jaxinfer.decode import core
+    from jaxinfer.decode import generate as gen
+    from jaxinfer.decode import sampling as smp
+    from jaxinfer.model import cache as kv
+
+    model = _common.load_model(args, model)  # the default load
     cfg, B, T = model.config, args.batch, args.prompt_tokens
     if model.tokenizer is not None:
-        text = open(os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")).read()
-        ids = np.asarray(model.tokenizer.encode(text)[:B * T], np.int32).reshape(B, T)
+        ids = np.asarray(_common.text_ids(model.tokenizer)[:B * T], np.int32).reshape(B, T)
     else:
         ids = (np.arange(B * T, dtype=np.int32) % cfg.vocab_size).reshape(B, T)
     counts = core.host_counts(ids.tolist(), cfg.vocab_size)
@@ -243,7 +235,7 @@ def main(argv=None, model=None) -> dict:
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
                   layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
                   trace_summary=trace_summary(events), devices=device_time(events))
-    jsonfile.write_json(os.path.join(args.out, "profile.json"), result)
+    _common.save("profile", result, args)
     print(f"\ntrace in {folder} (TensorBoard profile plugin, or the .trace.json.gz in Perfetto)")
     return result
 
