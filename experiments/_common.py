@@ -1,10 +1,9 @@
-"""What every runner shares: its arguments, its output files, the model it runs, and the one
-memory sampler.
+"""What every runner shares: arguments, output files, the model it runs, the one memory sampler.
 
 A runner is `main(argv=None, model=None) -> dict`: it parses its arguments (`parser`), takes the
-model passed in (tests share one) or loads `--model`, runs, prints a short summary and writes
-`<out>/<name>.json` and, where it draws, `<out>/<name>.png` (`save`). Only the standard library is
-imported at module level: the llama.cpp peer's python, which has no jax, imports this module too.
+model passed in (tests share one) or loads --model, runs, and writes `<out>/<name>.json` and, where
+it draws, `<out>/<name>.png` (`save`). Only the standard library is imported at module level: the
+llama.cpp peer's python, which has no jax, imports this module too.
 """
 
 from __future__ import annotations

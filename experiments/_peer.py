@@ -1,27 +1,17 @@
-"""llama.cpp as a peer of the side-by-side runners: where it lives, whether it is there, the F32
-GGUF it reads, and the worker that times it.
+"""llama.cpp as a peer of the side-by-side runners: where it lives, the F32 GGUF it reads, its worker.
 
-    python -m experiments._peer check          # which parts the runners will find
-    python -m experiments._peer make-gguf      # the F32 GGUF of the default model (llama.cpp's quantizer)
-    python -m experiments._peer verify-gguf    # every tensor bit-identical to jaxinfer's dequantization
+    python -m experiments._peer check            # which parts the runners will find
+    python -m experiments._peer verify-gguf      # the F32 GGUF against jaxinfer's dequantization
 
-llama.cpp is never a jaxinfer dependency and never runs in the suite. Its three parts come from
-flags or environment variables (no default paths):
-  --llama-python / $JAXINFER_LLAMA_PYTHON   a python with llama-cpp-python (prefill, decode at batch 1)
-  --llama-server / $JAXINFER_LLAMA_SERVER   llama.cpp's llama-server binary (serving)
-  --llama-gguf   / $JAXINFER_LLAMA_GGUF     the F32 GGUF of the benchmarked model
-Build llama-cpp-python 0.3.36 from its source distribution with
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (a native build died with
-an illegal instruction on the benchmark machines), and llama-server from the llama.cpp it vendors
-with the same flags (`cmake --build BUILD --target llama-server llama-quantize`).
-
-The F32 GGUF: jaxinfer dequantizes the Q4_1 file it loads to float32, and llama.cpp's quantizer
-with ftype ALL_F32 and allow_requantize writes the same values as F32 tensors, so both engines
-compute with identical weights (`verify-gguf` checks every tensor bit for bit against the `gguf`
-package's dequantization, which jaxinfer's loader uses).
-
-Only the standard library (and `experiments._common`) is imported at module level: the worker runs
-under the peer's python, where jaxinfer is not installed.
+llama.cpp is never a dependency and never runs in the suite. Its parts come from flags or the
+environment, never default paths: --llama-python / $JAXINFER_LLAMA_PYTHON (a python with
+llama-cpp-python 0.3.36, built from source with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_FMA=ON -DGGML_F16C=ON": a native build died with an illegal instruction here),
+--llama-server / $JAXINFER_LLAMA_SERVER (llama-server, built from the llama.cpp it vendors with the
+same flags) and --llama-gguf / $JAXINFER_LLAMA_GGUF (the F32 GGUF: `llama-quantize
+--allow-requantize SRC.gguf OUT.gguf F32` writes the values jaxinfer dequantizes from the Q4_1
+file, so both engines compute with identical weights; `verify-gguf` checks every tensor bit for bit). Only the standard library
+is imported at module level: the worker runs under the peer's python, which has no jaxinfer.
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ from typing import Optional
 from experiments._common import ROOT, PeakRSS, max_rss_bytes, rss_bytes
 
 PARTS = {"python": "JAXINFER_LLAMA_PYTHON", "server": "JAXINFER_LLAMA_SERVER", "gguf": "JAXINFER_LLAMA_GGUF"}
-LLAMA_FTYPE_ALL_F32 = 0  # llama_ftype in llama.h
 N_BATCH = 512
 
 
@@ -141,27 +130,6 @@ def worker(gguf: str, ids: list[int], calls: int, threads: int, decode_tokens: i
             "system_info": llama_cpp.llama_print_system_info().decode()}
 
 
-def make_f32_gguf(peer: Peer, src: str, dst: str, threads: int = 2) -> None:
-    """Write `dst`, an all-F32 copy of the GGUF `src`, with llama.cpp's own quantizer (to a
-    temporary name renamed at the end: a failed run leaves nothing at `dst`)."""
-    why = peer.missing("python")
-    if why:
-        raise RuntimeError(f"cannot make the F32 GGUF: {why}")
-    tmp = dst + ".part"
-    code = ("import sys, llama_cpp\np = llama_cpp.llama_model_quantize_default_params()\n"
-            f"p.ftype = {LLAMA_FTYPE_ALL_F32}\np.allow_requantize = True\np.nthread = {int(threads)}\n"
-            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
-    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    try:
-        r = subprocess.run([peer.python, "-c", code, src, tmp], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"llama_model_quantize failed (rc {r.returncode}): {r.stderr.strip()[-800:]}")
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def compare_weights(src: str, f32: str) -> dict:
     """Tensors of `f32` against `src` dequantized to float32 as jaxinfer reads it (the `gguf`
     package): {"tensors", "bit_identical", "max_abs_diff", "src_types"}."""
@@ -188,7 +156,7 @@ def compare_weights(src: str, f32: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["check", "make-gguf", "verify-gguf", "worker"])
+    p.add_argument("command", choices=["check", "verify-gguf", "worker"])
     p.add_argument("--src", help="source GGUF (default: the file jaxinfer loads for smollm2-135m)")
     p.add_argument("--ids-file", help=argparse.SUPPRESS)
     p.add_argument("--calls", type=int, default=1, help=argparse.SUPPRESS)
@@ -212,9 +180,6 @@ def main(argv=None) -> int:
         from jaxinfer.weights import hub
 
         args.src = str(hub.fetch(hub.DEFAULT_MODEL))
-    if args.command == "make-gguf":
-        make_f32_gguf(peer, args.src, peer.gguf)
-        print(f"wrote {peer.gguf} ({os.path.getsize(peer.gguf) / 2**20:.0f} MiB) from {args.src}")
     r = compare_weights(args.src, peer.gguf)
     print(f"{r['bit_identical']} of {r['tensors']} tensors bit-identical to jaxinfer's dequantization of "
           f"{r['src_types']} (max abs difference {r['max_abs_diff']:g})")

@@ -1,9 +1,6 @@
-"""Serving many requests: the one workload generator, the one Engine loop, static batches, an
-HTTP client and server subprocesses (jaxinfer serve, llama-server).
-
-Every serving measurement runs requests of one shape, `{"arrival": s, "prompt": ids, "max_new": n}`,
-greedy and without an early stop, so every system produces the same tokens and does the same
-work; timing clocks stop while JAX compiles (`Clock`), so every system is timed warm.
+"""Serving many requests: the one workload generator, the one Engine loop, static batches, an HTTP
+client and server subprocesses. Requests are `{"arrival": s, "prompt": ids, "max_new": n}`, greedy
+and without an early stop, so every system does the same work; clocks stop while JAX compiles.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import socket
 import subprocess
 import time
 
-from experiments._common import cpu_seconds, median, rss_bytes
+from experiments._common import cpu_seconds, rss_bytes
 
 
 def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int, int], log_prompt: bool = False,
@@ -305,10 +302,7 @@ class Server:
         raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
 
     def cpu_s(self) -> float:
-        try:
-            return cpu_seconds(self.proc.pid)
-        except OSError:
-            return float("nan")
+        return cpu_seconds(self.proc.pid) if self.proc.poll() is None else float("nan")
 
     def stop(self) -> None:
         import signal
@@ -328,7 +322,3 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def medians_of(runs: list[dict], keys) -> dict:
-    return {k: median([r[k] for r in runs]) for k in keys}

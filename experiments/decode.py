@@ -1,30 +1,19 @@
 """How fast does jaxinfer decode, against the bandwidth roofline, by batch, layout and quantization?
 
-    python -m experiments.decode                                  # SmolLM2-135M, the default load and its variants
-    python -m experiments.decode --peers transformers,llama.cpp   # other engines on the same weights
+    python -m experiments.decode [--peers transformers,llama.cpp]   # SmolLM2-135M, every variant side by side
     python -m experiments.decode --preset llama3_8b --dtype bfloat16 --batches 1,8,64   # random 8B weights (a GPU)
-    python -m experiments.decode --against HEAD~1 --rounds 4      # this tree against another commit or tree
-    python -m experiments.decode --smoke                          # a tiny random model, seconds
+    python -m experiments.decode --against HEAD~1 --rounds 4        # this tree against another commit or tree
 
-One run, one model, every variant side by side (`--variants`: default = what `jaxinfer.load`
-gives, stacked, per_layer, int8, int8_stacked, int4, int8kv), interleaved repeat by repeat so a
-noisy neighbour slows all alike; medians of --repeats after the call that compiles:
-  bandwidth   measured in the same run (`experiments._measure.bandwidth`);
-  decode      tokens/s of `generate` (greedy, --new-tokens, no early stop, compiles excluded)
-              at each of --batches with --prompt-token prompts of held-out text, and its % of the
-              roofline B x bandwidth / (weight bytes + B x filled KV bytes);
-  prefill     tokens/s at each of --prefill prompt lengths (batch 1);
-  --ttft      time to first token: cold (a new process, compile included), warm, and from the
-              persistent compile cache in a second new process;
-  --peers     transformers (torch fp32 `generate`, in this process) and llama.cpp (llama-cpp-python
-              under the peer's python on the F32 GGUF of the same weights, batch 1; see
-              `python -m experiments._peer check`), skipped with the reason when missing.
---against TREE_OR_COMMIT: each measurement in a fresh subprocess that imports jaxinfer from one
-tree (a commit is checked out into a temporary git worktree), loads the default model, warms up
-and times --sections: prefill (128, 512, 2,048 tokens), decode (batch 1 and 8 over 40-token
-prompts, 128 new tokens) and long (batch 8 over contexts of 30-730 and of 1,200 tokens); trees
-alternate round by round (--rounds); the table gives medians, the ratio of medians and the median
-of each round's ratio. Writes decode.json and decode.png (decode_against.json with --against).
+Every --variants (default = what `jaxinfer.load` gives, stacked, per_layer, int8, int8_stacked,
+int4, int8kv) interleaved repeat by repeat, medians of --repeats after the call that compiles:
+decode tokens/s of `generate` (greedy, no early stop, compiles excluded) at --batches against the
+roofline B x bandwidth / (weight bytes + B x filled KV bytes), the bandwidth measured in the run
+(`_measure`); prefill tokens/s at --prefill lengths. --peers: transformers' fp32 `generate` in
+this process and llama.cpp at batch 1 under the peer's python on the same weights (`_peer`).
+--against TREE_OR_COMMIT: fresh processes importing jaxinfer from each tree (a commit goes into a
+temporary git worktree), alternating round by round, time --sections (prefill of 128, 512, 2,048
+tokens; decode at batch 1 and 8; long: batch 8 over contexts of 30-730 and 1,200 tokens); medians,
+their ratio and the median of the rounds' ratios. Writes decode.json and .png (decode_against.json).
 """
 
 from __future__ import annotations
@@ -42,58 +31,30 @@ VARIANTS = ("default", "stacked", "per_layer", "int8", "int8_stacked", "int4", "
 SECTIONS = ("prefill", "decode", "long")
 
 
-class Transformers:
-    """transformers' fp32 `generate` on the same GGUF, in this process (torch must be installed)."""
+def transformers_decode(gguf: str, batches, prompt: list[int], n: int, repeats: int) -> tuple[dict, int, int]:
+    """transformers' fp32 greedy `generate` on the same GGUF in this process (torch must be
+    installed): decode tokens/s per batch (n tokens less the first), weight bytes, KV bytes per token."""
+    import time
 
-    name = "transformers"
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, gguf: str):
-        import torch
-        from transformers import AutoModelForCausalLM
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                 dtype=torch.float32).eval()
+    c, eos = model.config, model.config.eos_token_id
 
-        torch.set_num_threads(os.cpu_count() or 1)
-        self.torch = torch
-        d, f = os.path.split(gguf)
-        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-        eos = self.model.config.eos_token_id
-        self.pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
-        c = self.model.config
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-
-    def _gen(self, batch, n) -> float:
-        import time
-
-        ids = self.torch.tensor(batch)
-        with self.torch.inference_mode():
+    def seconds(ids, k) -> float:
+        with torch.inference_mode():
             t0 = time.perf_counter()
-            self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=self.pad)
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                           pad_token_id=(eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
             return time.perf_counter() - t0
 
-    def decode(self, batch, n) -> float:
-        return len(batch) * (n - 1) / max(self._gen(batch, n) - self._gen(batch, 1), 1e-9)
-
-
-TTFT_CHILD = r"""
-import json, sys, time
-t0 = time.perf_counter()
-import jaxinfer
-from jaxinfer import compile_cache
-if sys.argv[2]:
-    compile_cache.enable_persistent_cache(sys.argv[2])
-m = jaxinfer.load(sys.argv[1])
-load_s = time.perf_counter() - t0
-out = jaxinfer.generate(m, [json.loads(sys.argv[3])], max_new_tokens=1, stop_at_eos=False)
-print(json.dumps({"load_s": load_s, "ttft_s": out.timings.ttft_s, "compilations": out.timings.n_compilations}))
-"""
-
-
-def ttft_process(model: str, ids: list[int], cache_dir: str = "") -> dict:
-    """Time to first token in a new process (load not counted; compile included unless cached)."""
-    r = subprocess.run([sys.executable, "-c", TTFT_CHILD, model, cache_dir, json.dumps(ids)], capture_output=True,
-                       text=True, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-400:]}
+    tok = {b: median(b * (n - 1) / max(seconds(torch.tensor([prompt] * b), n) - seconds(torch.tensor([prompt] * b), 1),
+                                       1e-9) for _ in range(repeats)) for b in batches}
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    return tok, sum(p.numel() * p.element_size() for p in model.parameters()), kv
 
 
 def peers(args, base, bw: float, batches, prefill_lens) -> tuple[dict, list[str]]:
@@ -107,12 +68,12 @@ def peers(args, base, bw: float, batches, prefill_lens) -> tuple[dict, list[str]
     for peer in filter(None, args.peers.split(",")):
         if peer == "transformers":
             try:
-                t = Transformers(str(hub.fetch(args.model)) if not os.path.exists(args.model) else args.model)
+                gguf = str(hub.fetch(args.model)) if not os.path.exists(args.model) else args.model
+                tok, wb, kv = transformers_decode(gguf, batches, ids, args.new_tokens, args.repeats)
             except ImportError as e:
                 notes.append(f"transformers skipped: {e.name} is not installed")
                 continue
-            tok = {b: median([t.decode([ids] * b, args.new_tokens) for _ in range(args.repeats)]) for b in batches}
-            step = {b: t.weight_bytes + b * filled * t.kv_bytes_per_token for b in batches}
+            step = {b: wb + b * filled * kv for b in batches}
         elif peer == "llama.cpp":
             p = _peer.from_args(args)
             why = p.missing("python", "gguf")
@@ -192,15 +153,6 @@ def measure(args, base) -> dict:
         for name, r in result["peers"].items():
             print(f"{name:14s} " + "  ".join(f"B={b} {x['tok_s']:8.1f} ({x['pct_roofline']:4.0f}%)"
                                            for b, x in r["decode"].items()))
-    if args.ttft:
-        ids = _measure.prompts(base, 1, args.prompt)[0]
-        call = _measure.prefill_call(models[next(iter(models))], ids)
-        result["ttft"] = {"warm_s": median([call() for _ in range(args.repeats)]),
-                          "cold": ttft_process(args.model, ids)}
-        with tempfile.TemporaryDirectory() as d:
-            result["ttft"]["persistent_cache_first"] = ttft_process(args.model, ids, d)
-            result["ttft"]["persistent_cache_second"] = ttft_process(args.model, ids, d)
-        print("time to first token:", json.dumps(result["ttft"]))
     return result
 
 
@@ -211,6 +163,7 @@ import json, sys
 import numpy as np
 import jaxinfer
 name, text, new, sections, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(","), int(sys.argv[5])
+batches = (1,) if name == "tiny" else (1, 8)
 if name == "tiny":  # a random tiny model (the smoke run): random prompts
     import jax
     from jaxinfer.model import config, params
@@ -233,7 +186,7 @@ def timed(prompts, n):  # Timings of the median run (by wall time) of `repeats`,
 
 for n in (128, 512, 2048) if "prefill" in sections else ():
     out[f"prefill_{n}_tokens_per_s"] = n / timed([ids[:n]], 1).ttft_s
-for b in (1, 8) if "decode" in sections else ():
+for b in batches if "decode" in sections else ():
     out[f"decode_b{b}_tokens_per_s"] = timed([ids[i * 40:(i + 1) * 40] for i in range(b)], new).decode_tokens_per_s
 for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)) if "long" in sections else ():
     out[f"decode_b8_{name}_tokens_per_s"] = timed([ids[:n] for n in lengths], new).decode_tokens_per_s
@@ -307,7 +260,6 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--copy-mib", type=int, default=1024, help="bandwidth probe size")
     p.add_argument("--matmul-n", type=int, default=2048, help="matmul peak probe: n x n x n")
     p.add_argument("--peers", default="", help="comma list: transformers, llama.cpp")
-    p.add_argument("--ttft", action="store_true", help="time to first token in new processes (cold and cached)")
     p.add_argument("--against", help="another source tree or git commit, side by side with --new")
     p.add_argument("--new", default=str(ROOT), help="--against: the new tree (default: this one)")
     p.add_argument("--rounds", type=int, default=3, help="--against: rounds, trees alternating")
@@ -316,7 +268,8 @@ def main(argv=None, model=None) -> dict:
     args = p.parse_args(argv)
     if args.smoke:
         args.preset = args.preset or "tiny"
-        args.batches, args.prompt, args.new_tokens, args.prefill, args.repeats = "1,2", 8, 8, "16", 1
+        # the device check's smoke shapes: in one test session the two share their compiled programs
+        args.batches, args.prompt, args.new_tokens, args.chunk, args.prefill, args.repeats = "1", 16, 16, 8, "16", 1
         args.copy_mib, args.matmul_n, args.rounds, args.sections = 16, 128, 1, "decode"
         args.dtype, args.variants = "float32", "default,int8"
     if args.against:

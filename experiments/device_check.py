@@ -2,27 +2,19 @@
 
     python -m experiments.device_check                    # on the GPU: Llama-3.1-8B shapes (tools/device_check.sh)
     python -m experiments.device_check --preset layouts   # the layout and int8 A/B alone, for a short lease
-    python -m experiments.device_check --smoke            # the smoke preset anywhere, in seconds
 
-A thin driver over the runners' own measurements, in sections, each timed; a section (or a size
-inside it) that fails records why and the rest still run; the JSON is rewritten after every
-section, so a run cut short keeps what it measured:
-  environment  jax.devices(), versions, the staged model files, nvidia-smi.
-  correctness  `quality.parity` on the preset's models: fp32 logits at precision "highest" within
-               1e-3 of transformers', bf16 within 2.0, greedy tokens, batch = alone, same seed.
-  decode       `_measure`: bandwidth and matmul peak measured here; random-weight decode tokens/s
-               per batch against the bandwidth roofline in the layout `load` picks, the stacked
-               layout, int8 weights in both layouts and the int8 KV cache; prefill against the
-               matmul peak in both layouts.
-  serving      `_serve.serve_engine`: a burst of 2 x slots requests through `Engine(model)` at each
-               slot count (medians of repeats) against the roofline at that many rows, `generate`
-               in static batches, and one more burst under the profiler (device busy time).
-  profile      `profile` (a trace read per named stage) of a decode scan and of the prefill.
-  compiles     programs built and compile seconds per section; peak device memory against the
-               prediction (params alive + the KV cache of the run).
-Speed is refused on a CPU backend unless --smoke or --allow-cpu. --time-budget is shared out
-between the sections by weight; sizes that would overrun it are skipped and listed. Writes --out
-(experiments/out/device_check.json) and the PNG beside it; exits 1 when a section failed.
+A thin driver over the runners' own measurements, section by section; a section (or a size in it)
+that fails records why and the rest still run; the JSON is rewritten after each, so a run cut
+short keeps what it measured. environment: devices, versions, staged files, nvidia-smi.
+correctness: `quality.parity`. decode: `_measure`'s bandwidth and matmul peak, then random-weight
+decode per batch against the roofline in the layout `load` picks, the stacked layout, int8 weights
+in both and the int8 KV cache, and prefill against the matmul peak in both layouts. serving: a
+burst of 2 x slots requests through `Engine(model)` (`_serve.serve_engine`), `generate` in static
+batches, one burst traced. profile: `profile`'s per-stage table of a decode scan and the prefill.
+compiles: programs built and their seconds per section, peak memory against the prediction.
+Speed is refused on a CPU unless --smoke or --allow-cpu; --time-budget is shared out between the
+sections; sizes that would overrun it are skipped and listed. Writes device_check.json and .png
+(and the Perfetto traces) to --out; exits 1 when a section failed.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ import traceback
 from pathlib import Path
 
 from experiments import _common, _measure, _serve, quality
-from experiments._common import OUT, plt
+from experiments._common import plt
 
 SECTIONS = ("environment", "correctness", "decode", "serving", "profile", "compiles")
 # Shares of --time-budget. The first H200 run: SmolLM2's correctness took 123 s (112 s compiling),
@@ -64,6 +56,7 @@ class Preset:
     slots: tuple[int, ...]  # serving engine slot counts
     profile_batches: tuple[int, ...]  # decode batch sizes traced by the profile section
     models: tuple[str, ...]  # correctness: real model names and tiny_hf/<family>
+    warmup: bool = True  # serving: build every program first (the smoke run compiles only what it meets)
 
 
 GPU = dict(model="llama31_8b", dtype="bfloat16", prompt=64, new_tokens=64, chunk=32, copy_bytes=4 << 30,
@@ -86,9 +79,9 @@ PRESETS = {
                      models=()),
     # anywhere in seconds (the suite): float32 (XLA's CPU bf16 is emulated); its % of roofline means
     # little, the weights (0.4 MB) sit in cache and steps are dispatch-bound
-    "smoke": Preset(model="tiny", dtype="float32", batches=(1, 2), quant_batches=(1,), ab_batches=(1,), prompt=16,
+    "smoke": Preset(model="tiny", dtype="float32", batches=(1,), quant_batches=(1,), ab_batches=(1,), prompt=16,
                     new_tokens=16, chunk=8, prefill=16, copy_bytes=16 << 20, matmul_n=256, repeats=1, slots=(2,),
-                    profile_batches=(2,), models=("tiny_hf/gemma3",)),
+                    profile_batches=(2,), models=("tiny_hf/gemma3",), warmup=False),
 }
 
 
@@ -99,8 +92,8 @@ def _err(e: BaseException) -> dict:
 def _memory() -> dict | None:
     import jax
 
-    stats = jax.devices()[0].memory_stats()
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats} if stats else None
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats} or None
 
 
 def environment(args, preset, ctx, deadline) -> dict:
@@ -229,7 +222,7 @@ def serving(args, preset, ctx, deadline) -> dict:
 
     model = default_model(preset, ctx)
     ids = np.random.default_rng(0).integers(3, model.config.vocab_size, 4096).tolist()
-    res, folder = {"available": True, "runs": {}, "skipped_for_time": []}, Path(args.out).parent
+    res, folder = {"available": True, "runs": {}, "skipped_for_time": []}, Path(args.out)
     for n in preset.slots:
         work = _serve.workload(ids, 2 * n, prompt=(16, preset.prompt), new=(preset.new_tokens,) * 2, log_new=False)
         if time.perf_counter() > deadline:
@@ -239,7 +232,8 @@ def serving(args, preset, ctx, deadline) -> dict:
         try:
             engine = Engine(model, max_slots=n, max_len=preset.prompt + preset.new_tokens)
             with CompileCounter() as clock:
-                engine.warmup()
+                if preset.warmup:
+                    engine.warmup()
             outs = sorted((_serve.serve_engine(engine, work) for _ in range(preset.repeats)),
                           key=lambda o: o["tokens_per_s"])
             out = {k: v for k, v in outs[len(outs) // 2].items() if k not in ("ttft", "token_ids")}  # the median run
@@ -283,7 +277,7 @@ def profile(args, preset, ctx, deadline) -> dict:
         return {"skipped": "speed is reported on a GPU only"}
     from experiments import profile as prof
 
-    model, folder = default_model(preset, ctx), Path(args.out).parent
+    model, folder = default_model(preset, ctx), Path(args.out)
     res, last_s = {"runs": {}, "skipped_for_time": []}, 0.0
     cases = [(f"decode_b{b}", b, preset.prompt, 8) for b in preset.profile_batches]
     cases += [("prefill", 1, preset.prefill, 2)] if preset.prefill else []
@@ -351,37 +345,26 @@ def plot(report: dict, path: Path) -> None:
 
 def summary(report: dict) -> str:
     """The short table printed last (the device tool returns the end of the output)."""
-    s = report["sections"]
+    s, d = report["sections"], report["sections"].get("decode", {})
     lines = [f"device check ({report['preset']}): " + ", ".join(
         f"{k} {'ok' if v['ok'] else 'FAILED'} {v['seconds']:.0f}s" for k, v in s.items())]
-    d = s.get("decode", {})
     if "bandwidth" in d:
-        lines.append(f"bandwidth: copy {d['bandwidth']['copy_GBps']:.0f} GB/s, read {d['bandwidth']['read_GBps']:.0f} "
-                     f"GB/s; {d['matmul']['dtype']} matmul {d['matmul']['TFLOPs']:.1f} TFLOP/s")
-    for r in d.get("runs", []):
-        lines.append(f"  {r['label']:12s} batch {r['batch']:4d}: " + (
-            f"{r['tok_s']:10.1f} tok/s  {r['pct_roofline']:5.1f}% of roofline {r['roofline_tok_s']:10.1f}"
-            if "tok_s" in r else r.get("error", "?")))
-    for k in ("prefill", "prefill_stacked"):
-        if k in d:
-            lines.append(f"  {k} {d[k]['tokens']} tokens: {d[k]['tok_s']:.0f} tok/s, {d[k]['pct_peak']:.1f}% of matmul peak")
+        lines.append(f"bandwidth {d['bandwidth']['roofline_GBps']:.0f} GB/s, matmul {d['matmul']['TFLOPs']:.1f} TFLOP/s")
+    lines += [f"  {r['label']:12s} batch {r['batch']:4d}: " + (f"{r['tok_s']:10.1f} tok/s, {r['pct_roofline']:5.1f}% of "
+              f"the roofline" if "tok_s" in r else r.get("error", "?")) for r in d.get("runs", [])]
+    lines += [f"  {k} {d[k]['tokens']} tokens: {d[k]['tok_s']:.0f} tok/s, {d[k]['pct_peak']:.1f}% of the matmul peak"
+              for k in ("prefill", "prefill_stacked") if k in d]
     lines += [f"  {k}: {v:.2f}x" for k, v in d.get("ratios", {}).items()]
-    for m, r in s.get("correctness", {}).get("models", {}).items():
-        lines.append(f"  {m:16s} " + (f"fp32 {r['fp32']['max_logit_diff']:.1e} ({'pass' if r['fp32']['pass'] else 'FAIL'})"
-                                      f"  bf16 {r['bf16']['max_logit_diff']:.1e} argmax {r['bf16']['argmax_agree']:.3f}"
-                                      if "fp32" in r else str(r.get("status") or r.get("error"))))
-    for n, r in s.get("serving", {}).get("runs", {}).items():
-        lines.append(f"  serving {n}: " + (f"{r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.3f} s p99 "
-                                           f"{r['ttft_p99']:.3f} s" if "tokens_per_s" in r else r.get("error", "?")))
-    cm = s.get("compiles", {})
-    if "n_programs" in cm:
-        lines.append(f"  {cm['n_programs']} XLA programs, {cm['compile_s']:.0f} s compiling")
+    lines += [f"  {m}: " + (f"fp32 {r['fp32']['max_logit_diff']:.1e}, bf16 {r['bf16']['max_logit_diff']:.1e}, pass "
+              f"{r['fp32']['pass'] and r['bf16']['pass']}" if "fp32" in r else str(r.get("status") or r.get("error")))
+              for m, r in s.get("correctness", {}).get("models", {}).items()]
+    lines += [f"  serving {n}: " + (f"{r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.3f} s" if "tokens_per_s" in r
+              else r.get("error", "?")) for n, r in s.get("serving", {}).get("runs", {}).items()]
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     p = _common.parser(__doc__)
-    p.set_defaults(out=str(OUT / "device_check.json"))
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: full (smoke with --smoke)")
     p.add_argument("--allow-cpu", action="store_true", help="report speed on a CPU backend too")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of %(default)s")
@@ -396,7 +379,7 @@ def main(argv=None) -> dict:
     sections = [s for s in args.sections.split(",") if s]
     if set(sections) - set(SECTIONS):
         raise SystemExit(f"unknown section(s) {sorted(set(sections) - set(SECTIONS))}; allowed: {', '.join(SECTIONS)}")
-    preset, out, t_start = PRESETS[args.preset], Path(args.out), time.perf_counter()
+    preset, out, t_start = PRESETS[args.preset], Path(args.out) / "device_check.json", time.perf_counter()
     report = {"preset": args.preset, "args": vars(args), "preset_values": dataclasses.asdict(preset), "sections": {},
               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     ctx = {"speed_allowed": jax.default_backend() in ("gpu", "tpu") or args.allow_cpu or args.preset == "smoke",

@@ -1,17 +1,13 @@
 """Many devices: how much memory does a 70B-class model take per device, and what does a mesh cost?
 
     python -m experiments.devices [--preset llama3_70b] [--dtype bfloat16] [--max-len 8192]
-    python -m experiments.devices --mesh [--model smollm2-135m|tiny] [--batch 8]   # 8 fake CPU devices
-    python -m experiments.devices --smoke [--mesh]
+    python -m experiments.devices --mesh [--model smollm2-135m|tiny] [--batch 8]
 
-memory (default): weights and KV-cache bytes per device for each (data, model) mesh of 8 devices,
-from shapes only (`jaxinfer.sharding.memory_report`: jax.eval_shape on an AbstractMesh, nothing
-allocated), with what is replicated and why.
---mesh: decode at --batch rows on each (data, model) mesh of 8 fake CPU devices
-(XLA_FLAGS=--xla_force_host_platform_device_count=8, in a subprocess when this process's JAX
-already started) against one device: the same tokens (checked), no compiles in the timed runs,
-meshes round-robin so all see the same machine load. On one CPU the 8 "devices" share the cores,
-so the ratios show what the partitioned program and its collectives cost, not a speedup.
+memory (default): weights and KV-cache bytes per device on each (data, model) mesh of 8 devices,
+from shapes only (`jaxinfer.sharding.memory_report`, nothing allocated), and what is replicated.
+--mesh: decode on each mesh of 8 fake CPU devices against one device (in a fresh process when JAX
+already started): the same tokens, nothing compiled in the timed runs, meshes round-robin. The 8
+"devices" share the cores, so the ratios are the cost of partitioning, not a speedup.
 Writes devices.json (devices_mesh.json).
 """
 

@@ -10,7 +10,8 @@ tokens under SmolLM2's tokenizer); llama.cpp gets the same ids, never text. Each
 chunk) runs in a fresh subprocess, so no run's allocations count against another's:
   jaxinfer   `jaxinfer.load(--model)` (the default load), then `generate(model, [ids],
              max_new_tokens=1, prefill_chunk_size=C)` 1 + --repeats times: the first call
-             compiles (no persistent cache), the others are warm;
+             compiles, the others are warm; with --compile-cache a second process whose
+             programs come from the persistent compile cache the first one wrote;
   llamacpp   llama-cpp-python on the F32 GGUF of the same weights (`python -m experiments._peer
              check`): `Llama.eval(ids)` and the argmax of the last logits, 1 + --repeats times
              (n_batch 512, --llama-threads), skipped with the reason when its parts are missing.
@@ -36,10 +37,13 @@ from experiments._common import ROOT, PeakRSS, median
 DEFAULT_LENGTHS = "2048,4096,8000"  # 8000, not 8192: the prompt and its one new token fit SmolLM2's 8192
 
 
-def worker(ids: list[int], model_name: str, calls: int, chunk: int) -> dict:
+def worker(ids: list[int], model_name: str, calls: int, chunk: int, cache_dir: str | None) -> dict:
     """In a fresh process: load, then time `calls` prefills of `ids` with their peak RSS."""
     import jaxinfer
+    from jaxinfer import compile_cache
 
+    if cache_dir:
+        compile_cache.enable_persistent_cache(cache_dir)
     t0 = time.perf_counter()
     model = _common.tiny_model(max_seq_len=1024) if model_name == "tiny" else jaxinfer.load(model_name)
     load_s, loaded = time.perf_counter() - t0, _common.rss_bytes()
@@ -57,9 +61,10 @@ def worker(ids: list[int], model_name: str, calls: int, chunk: int) -> dict:
             "max_rss_above_load_mb": (_common.max_rss_bytes() - loaded) / 2**20}
 
 
-def run_jaxinfer(ids_file: str, n: int, chunk: int, args) -> dict:
+def run_jaxinfer(ids_file: str, n: int, chunk: int, args, cache_dir: str = "") -> dict:
     cmd = [sys.executable, "-m", "experiments.prefill", "--worker", "--ids-file", ids_file, "--lengths", str(n),
-           "--chunks", str(chunk), "--repeats", str(args.repeats), "--model", "tiny" if args.smoke else args.model]
+           "--chunks", str(chunk), "--repeats", str(args.repeats), "--model", "tiny" if args.smoke else args.model,
+           "--cache-dir", cache_dir]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
@@ -87,14 +92,17 @@ def main(argv=None) -> dict:
     p.add_argument("--peer", choices=["llamacpp", "none"], default="llamacpp", help="the engine beside jaxinfer")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before one subprocess is killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile-cache", action="store_true", help="each jaxinfer run again in a new process whose "
+                   "programs come from the persistent compile cache the first one wrote")
     p.add_argument("--ids-file", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     _peer.add_arguments(p)
     args = p.parse_args(argv)
     lengths, chunks = [int(x) for x in args.lengths.split(",")], [int(x) for x in args.chunks.split(",")]
     if args.worker:  # inside the subprocess: one engine, one length; one JSON line on stdout
         with open(args.ids_file) as f:
             ids = json.load(f)[:lengths[0]]
-        print(json.dumps(worker(ids, args.model, 1 + args.repeats, chunks[0])))
+        print(json.dumps(worker(ids, args.model, 1 + args.repeats, chunks[0], args.cache_dir)))
         return {}
     if args.smoke:
         lengths, chunks, args.repeats, args.peer = [64], [32], 1, "none"
@@ -122,7 +130,10 @@ def main(argv=None) -> dict:
                 json.dump(ids[:n], f)
             for chunk in chunks:
                 row = {"tokens": n, "chunk": chunk, "load_average_1m": os.getloadavg()[0]}
-                row["jaxinfer"] = summarize(run_jaxinfer(ids_file, n, chunk, args))
+                cache_dir = tempfile.mkdtemp(dir=tmp) if args.compile_cache else ""
+                row["jaxinfer"] = summarize(run_jaxinfer(ids_file, n, chunk, args, cache_dir))
+                if cache_dir:
+                    row["jaxinfer_from_cache"] = summarize(run_jaxinfer(ids_file, n, chunk, args, cache_dir))
                 rows.append(row)
             if not skip:
                 q = row["llamacpp"] = summarize(_peer.run_worker(peer, ids_file, 1 + args.repeats, args.llama_threads,

@@ -205,20 +205,22 @@ def main(argv=None, model=None) -> dict:
         return (model.params, kv.init_cache_jit(cfg, B, T + args.decode_steps + 1), ids, np.zeros((B,), np.int32),
                 lengths, np.ones((B,), bool), rows(), counts, np.zeros_like(ids))
 
+    # each program compiled once, ahead of time: its HLO names the ops' stages, and the trace runs it
+    prefill = core.prefill_jit.lower(*prefill_args(), cfg).compile()
+
     def decode_state():
-        cache, _, out = core.prefill_jit(*prefill_args(), cfg)
+        cache, _, out = prefill(*prefill_args())
         r = rows()
         return core.DecodeState(cache=cache, tokens=np.asarray(out.first.tokens[:, 0]), counts=counts,
                                 rows=r.replace(steps=r.steps + 1, budget=r.budget - 1))
 
-    def run():
-        state, em = core.decode_jit(model.params, decode_state(), cfg, args.decode_steps)
-        return jax.block_until_ready(em)
+    decode = core.decode_jit.lower(model.params, decode_state(), cfg, args.decode_steps).compile()
 
-    run()  # compile both programs outside the trace
-    names = {"prefill": op_names(core.prefill_jit.lower(*prefill_args(), cfg).compile().as_text()),
-             "decode": op_names(core.decode_jit.lower(model.params, decode_state(), cfg,
-                                                      args.decode_steps).compile().as_text())}
+    def run():
+        return jax.block_until_ready(decode(model.params, decode_state())[1])
+
+    run()  # the first run's allocations stay out of the trace
+    names = {"prefill": op_names(prefill.as_text()), "decode": op_names(decode.as_text())}
     folder = os.path.join(args.out, "profile")
     t0 = time.perf_counter()
     with jax.profiler.trace(folder, create_perfetto_trace=True):

@@ -1,33 +1,26 @@
 """Are the numbers right? Quantization quality, evaluation against transformers, parity checks.
 
-    python -m experiments.quality                      # int8 / int4 / int8 KV against float32 on held-out text
-    python -m experiments.quality --eval               # lm-evaluation-harness three ways (needs $JAXINFER_HF_PYTHON)
+    python -m experiments.quality                      # int8 / int4 / int8 KV against float32
+    python -m experiments.quality --eval               # lm-evaluation-harness three ways ($JAXINFER_HF_PYTHON)
     python -m experiments.quality --parity             # logits and tokens against transformers' golden files
-    python -m experiments.quality --tokenizer-vs-hf    # Gemma 3's tokenizer against transformers' on a big corpus
+    python -m experiments.quality --tokenizer-vs-hf    # Gemma 3's tokenizer against transformers' (needs transformers)
     python -m experiments.quality --vocab-tests DIR    # GGUF vocabularies against llama.cpp's test vectors
-    python -m experiments.quality --smoke [--parity]   # seconds
 
-quantization  the held-out text (experiments/data/pydoc_heldout.txt, the Python reference manual,
-              PSF License; nothing was tuned on it) cut into --windows windows of --window tokens,
-              each one forward pass through the cache per mode; per mode top-1 agreement with
-              float32's argmax, mean KL(p_fp32 || p_mode) in nats, perplexity, weight and KV bytes.
---eval        one Hugging Face folder of SmolLM2-135M (written once into --folder from the cached
-              GGUF, dequantized to float32) and the local tasks of experiments/eval_tasks/ (multiple
-              choice, rolling perplexity, greedy generation, five `until` strings, num_beams 1), each
-              backend in its own process, one `simple_evaluate` per task timed after the LM is built:
-              jaxinfer in process, lm-eval's local-completions client against `jaxinfer serve`, and
-              `--model hf` (transformers + torch) under --hf-python; per item compared with hf's.
---parity      per model (real GGUF models must be in the model cache; tiny_hf/<family> from
-              tests/golden) fp32 logits at matmul precision "highest" within FP32_TOL of
-              transformers', argmax at every position and greedy tokens identical; bf16 within
-              BF16_TOL with the argmax agreeing at >= BF16_MIN_ARGMAX of positions; `generate`
-              batched equal to each prompt alone (greedy and sampled) and the same seed twice.
---tokenizer-vs-hf  jaxinfer's Gemma 3 tokenizer against transformers' (built from the same GGUF;
-              needs transformers) on chunks of the standard library's sources, the golden strings
-              and seeded random strings of many scripts; counts the strings whose ids differ.
---vocab-tests DIR  every `ggml-vocab-NAME.gguf` in llama.cpp's models/ folder with its `.inp`/`.out`
-              test vectors (Hugging Face's ids): strings with identical ids, or the refusal.
-Writes quality.json (quality_eval.json, quality_parity.json, quality_tokenizer.json, quality_vocab.json).
+quantization  --windows windows of --window tokens of the held-out text (nothing was tuned on it),
+              one forward through the cache per mode: top-1 agreement with float32, mean
+              KL(p_fp32 || p_mode), perplexity, weight and KV bytes.
+--eval        SmolLM2-135M as one Hugging Face folder (written once into --folder from the GGUF)
+              on the tasks of experiments/eval_tasks/, each backend in its own process, one
+              `simple_evaluate` per task timed after the LM is built: jaxinfer in process, lm-eval's
+              local-completions client against `jaxinfer serve`, and `--model hf` under
+              --hf-python; every item compared with hf's.
+--parity      fp32 logits at precision "highest" within FP32_TOL of transformers', argmax and
+              greedy tokens identical; bf16 within BF16_TOL, argmax agreeing at >= BF16_MIN_ARGMAX;
+              batched = each prompt alone (greedy and sampled); the same seed twice. Real models
+              must be in the model cache; tiny_hf/<family> come from tests/golden.
+--tokenizer-vs-hf, --vocab-tests: the strings whose ids differ from transformers' on the standard
+              library's sources and random strings of many scripts, and from llama.cpp's
+              `ggml-vocab-*.gguf.out` vectors. Writes quality.json (quality_<check>.json).
 """
 
 from __future__ import annotations
@@ -71,8 +64,9 @@ def quantization(m, args) -> dict:
         raise SystemExit(f"{TEXT.name} has {len(ids)} tokens, fewer than {args.windows} x {W}")
     windows = np.asarray(ids[:args.windows * W], np.int32).reshape(args.windows, W)
     results, ref = {}, None
-    for name, (wmode, kvmode) in MODES.items():
-        params = m.params if wmode is None else Q.quantize(m.params, m.config, wmode)
+    modes = {k: MODES[k] for k in ("float32", "int8", "int4", "kv-int8")} if args.smoke else MODES
+    for name, (wmode, kvmode) in modes.items():
+        params = m.params if wmode is None else jax.jit(Q.quantize, static_argnums=(1, 2))(m.params, m.config, wmode)
         cfg = m.config.replace(kv_dtype=kvmode)
         # the whole window through the cache, so an int8 cache's rounding is in the logits
         fwd = jax.jit(lambda p, t, c, cfg=cfg: mdl.forward(p, t, mdl.default_positions(*t.shape), c, cfg)[0])
@@ -153,8 +147,8 @@ def check_model(name: str) -> dict:
         ids, n_new = [c["ids"] for c in cases], len(cases[0]["greedy"])
         sampled = jaxinfer.SamplingParams(temperature=0.8, top_k=50)
 
-        def gen(prompts, **kw):
-            return [c.token_ids for c in jaxinfer.generate(m32, prompts, max_new_tokens=n_new, stop_at_eos=False,
+        def gen(prompts, model=m32, **kw):
+            return [c.token_ids for c in jaxinfer.generate(model, prompts, max_new_tokens=n_new, stop_at_eos=False,
                                                            **kw).completions]
 
         seeds = list(range(11, 11 + len(ids)))

@@ -1,36 +1,23 @@
 """How many requests does the serving engine handle, against static batches and llama-server?
 
-    python -m experiments.serving                              # Engine(model) vs generate in static batches
-    python -m experiments.serving --rates 0.5,1,2 --single     # Poisson arrivals at several rates
-    python -m experiments.serving --http --requests 200 --concurrency 64 --time-limit 60   # the HTTP load test
-    python -m experiments.serving --peer llama-server --rounds 4   # jaxinfer serve vs llama-server
-    python -m experiments.serving --smoke [--http | --peer llama-server]
+    python -m experiments.serving [--rates 0.5,1,2] [--single]          # Engine(model) vs static batches
+    python -m experiments.serving --http --requests 200 --concurrency 64   # the HTTP load test
+    python -m experiments.serving --peer llama-server --rounds 4         # jaxinfer serve vs llama-server
 
-Engine (default; compile time excluded everywhere, the Engine warmed first and its compiles while
-serving counted; medians of --repeats):
-  burst     --requests greedy requests (prompts of 6-20 tokens of held-out text, outputs
-            log-uniform in 8-128 tokens, no early stop) submitted at once, an empty prefix cache
-            each time: `Engine(model)` with its defaults vs `generate` on first-come static
-            batches of max_slots requests (each runs to its longest); useful tokens/s.
-  arrivals  the same kind of requests as Poisson streams at each of --rates: TTFT p50/p99 and
-            tokens/s of the engine vs static batching (--single: one request at a time too), and
-            the KV pages the engine holds against `generate`'s contiguous cache.
-  decode    every slot busy: max_slots requests of --decode-tokens; the engine's decode tokens/s
-            once all have their first token vs `generate`'s on the same batch.
-  prefix    requests sharing a --system-tokens system prompt one after another: TTFT with the
-            prefix cache against an engine without it.
---http: `jaxinfer serve`'s app in this process (uvicorn on a thread, 127.0.0.1) over the Engine;
---concurrency streaming clients send --requests /v1/completions requests (8 to --max-prompt
-prompt tokens, 4 to --max-new new tokens, half sampled) and drop --disconnect of their streams
-after the first token; bounded by --time-limit. Unexpected errors, TTFT, tokens/s, RSS before and
-after, KV pages in use once idle (should be 0).
---peer llama-server: `python -m jaxinfer serve` and llama.cpp's `llama-server` as subprocesses on
-identical F32 weights with equal KV bytes (--kv-cache for both), one seeded workload per round
-(--requests streaming greedy requests from --concurrency clients, token-id prompts of 30-600
-tokens, 8-128 new tokens, each run to its max_tokens) sent to each in turn, the order alternating
-(ABBA); output tokens/s, TTFT, peak server RSS, CPU seconds, identical completions, medians over
-rounds. --peer none measures jaxinfer serve alone. Writes serving.json (serving_http.json,
-serving_peer.json and the servers' logs).
+Engine (compile time excluded, the Engine warmed first, medians of --repeats): a burst of --requests
+greedy requests (6-20-token prompts of held-out text, 8-128 new tokens log-uniform) through
+`Engine(model)` with its defaults against `generate` on first-come static batches of max_slots;
+Poisson arrivals at each of --rates (TTFT, tokens/s, KV pages held against `generate`'s contiguous
+cache; --single: one request at a time too); decode tokens/s with every slot busy; TTFT of requests
+sharing a --system-tokens system prompt with and without the prefix cache.
+--http: the HTTP app in this process (127.0.0.1) over the Engine; --concurrency streaming clients
+send --requests requests (half sampled), drop --disconnect of their streams after the first token,
+none after --time-limit: unexpected errors, TTFT, tokens/s, RSS, KV pages in use once idle (0).
+--peer llama-server: `jaxinfer serve` and `llama-server` as subprocesses on identical F32 weights
+and equal KV bytes (--kv-cache), one seeded workload per round (token-id prompts of 30-600 tokens,
+8-128 new tokens, run to max_tokens) sent to each, the order alternating (ABBA); tokens/s, TTFT,
+peak server RSS, CPU seconds, identical completions, medians over rounds. --peer none: jaxinfer
+alone. Writes serving.json (serving_http.json, serving_peer.json and the servers' logs).
 """
 
 from __future__ import annotations
@@ -43,6 +30,7 @@ import time
 from experiments import _common, _peer, _serve
 from experiments._common import ROOT, median, plt
 
+SMOKE_ENGINE = dict(max_slots=2, max_len=96, prefill_chunk=16)  # one shape set for every --smoke mode: shared programs
 LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # jaxinfer's KV dtype -> llama-server's
 
 
@@ -51,7 +39,7 @@ def engine_runs(args, model) -> dict:
     from jaxinfer.compile_cache import CompileCounter
     from jaxinfer.serve import Engine
 
-    small = dict(max_slots=2, max_len=96, prefill_chunk=16) if args.smoke else {}
+    small = SMOKE_ENGINE if args.smoke else {}
     engine = Engine(model, **small)
     slots = engine.max_slots
     t0 = time.perf_counter()
@@ -111,11 +99,12 @@ def prefix_cache(args, model, ids, small) -> dict:
     from jaxinfer.serve import Engine
 
     system, rng, out = ids[:args.system_tokens], np.random.default_rng(2), {}
-    questions = [ids[s:s + int(rng.integers(16, 64))] for s in rng.integers(args.system_tokens, len(ids) - 64,
-                                                                              args.shared + 1)]
+    lo, hi = (8, 16) if small else (16, 64)
+    questions = [ids[s:s + int(rng.integers(lo, hi))] for s in rng.integers(args.system_tokens, len(ids) - 64,
+                                                                            args.shared + 1)]
     for name, on in (("with_cache", True), ("without", False)):
         # no warm-up: the clock leaves compile time out, and the first request (it fills the cache) is not counted
-        engine = Engine(model, prefix_cache=on, **{**small, "max_len": args.system_tokens + 72})
+        engine = Engine(model, prefix_cache=on, **({**small, "max_len": args.system_tokens + 72} if not small else small))
         runs = [_serve.serve_engine(engine, [{"arrival": 0.0, "prompt": system + q, "max_new": 8}],
                                     fresh_prefix_cache=False) for q in questions]
         out[name] = {"ttft_p50": median(r["ttft_p50"] for r in runs[1:]), "hit_pages": engine.stats().prefix_hit_pages}
@@ -147,8 +136,9 @@ def http_run(args, model) -> tuple[dict, object]:
     from jaxinfer.serve import http_api as srv
     from jaxinfer.serve import metrics as mx
 
-    engine = Engine(model, max_slots=args.max_slots, prefill_chunk=64, max_len=args.max_prompt + args.max_new)
-    engine.warmup(logprobs=True, scoring=True)
+    engine = Engine(model, **(SMOKE_ENGINE if args.smoke else dict(max_slots=args.max_slots, prefill_chunk=64,
+                                                                   max_len=args.max_prompt + args.max_new)))
+    engine.warmup(logprobs=True, scoring=not args.smoke)
     app = srv.create_app(engine, model, model_name="m", limits=srv.Limits(args.max_slots, args.max_waiting))
     server, thread, url = srv.serve_in_thread(app)
 
@@ -216,7 +206,6 @@ def medians(rounds: list[dict]) -> dict:
 def peer_run(args) -> dict:
     """jaxinfer serve and llama-server side by side, subprocesses, rounds in ABBA order."""
     import jaxinfer
-    import numpy as np
 
     peer = _peer.from_args(args)
     skip = "--peer none" if args.peer == "none" else peer.missing("server", "gguf")
@@ -317,7 +306,7 @@ def main(argv=None, model=None) -> dict:
     if args.smoke:
         args.repeats, args.rates, args.decode_tokens = 1, "8", 48
         args.system_tokens, args.shared = 32, 2
-        args.concurrency, args.max_prompt, args.max_new, args.max_slots, args.disconnect = 3, 40, 8, 4, 0.25
+        args.concurrency, args.max_prompt, args.max_new, args.max_slots, args.disconnect = 3, 40, 8, 2, 0.25
         args.requests = {"engine": 6, "http": 12, "peer": 4}[mode]
         args.slots, args.ctx, args.min_prompt, args.min_new = 2, 1024, 30, 4
         args.jaxinfer_args = args.jaxinfer_args or "--max-len 256"

@@ -62,22 +62,22 @@ def compare(m, args) -> dict:
     else:
         print(f"no distilled draft at {args.draft} (python -m experiments.speculative --distill); skipping it")
     res = {}
-    for pname, prompt in (("code-edit", CODE_PROMPT), ("open-text", OPEN_PROMPT)):
+    for pname, prompt in (("code-edit", CODE_PROMPT), ("open-text", OPEN_PROMPT))[:1 if args.smoke else 2]:
         kw = dict(max_new_tokens=args.tokens, stop_at_eos=False, allow_special=True)  # ChatML prompts
         outs = {}
 
-        def call(name, fn):
+        def call(name, fn, outs=outs):
             def run():
                 outs[name] = fn()
                 return outs[name].timings.decode_tokens_per_s
             return run
 
-        calls = {"plain": call("plain", lambda: jaxinfer.generate(m, prompt, chunk_size=args.tokens, **kw)),
-                 "lookup": call("lookup", lambda: spec.generate(m, prompt, method="lookup", k=args.k,
-                                                                rounds_per_chunk=256, **kw))}
+        calls = {"plain": call("plain", lambda p=prompt, kw=kw: jaxinfer.generate(m, p, chunk_size=args.tokens, **kw)),
+                 "lookup": call("lookup", lambda p=prompt, kw=kw: spec.generate(m, p, method="lookup", k=args.k,
+                                                                                rounds_per_chunk=256, **kw))}
         for name, d in drafts.items():
-            calls[name] = call(name, lambda d=d: spec.generate(m, prompt, method="draft", draft=d, k=args.k,
-                                                               rounds_per_chunk=256, **kw))
+            calls[name] = call(name, lambda d=d, p=prompt, kw=kw: spec.generate(m, p, method="draft", draft=d, k=args.k,
+                                                                                rounds_per_chunk=256, **kw))
         tps = _measure.interleaved(calls, args.repeats)
         base = median(tps["plain"])
         rows = res[pname] = {}
@@ -171,7 +171,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
-        args.tokens, args.repeats, args.draft_layers, args.steps, args.seq, args.batch = 8, 1, 1, 2, 32, 2
+        args.tokens, args.repeats, args.draft_layers, args.steps, args.seq, args.batch = 8, 1, 1, 1, 32, 2
         if args.distill:
             args.draft = str(Path(args.out) / "draft")
     m = _common.load_model(args, model, layout="stacked")

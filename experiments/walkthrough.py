@@ -1,28 +1,18 @@
 """The walkthrough: what happens to a prompt, step by step, on the real model, as figures.
 
-    python -m experiments.walkthrough tokens ["any text"]      text -> tokens, two tokenizers
-    python -m experiments.walkthrough attention ["sentence"]   which earlier tokens each token looks at
-    python -m experiments.walkthrough sampling ["prompt"]      the next-token distribution, darts thrown at it
-    python -m experiments.walkthrough kv_cache                 tokens read and time with and without the cache
-    python -m experiments.walkthrough roofline                 decode against bandwidth / weight bytes
-    python -m experiments.walkthrough all --figures experiments/figures   every step (the docs' pictures)
+    python -m experiments.walkthrough STEP [text]     # STEP: tokens, attention, sampling, kv_cache, roofline
+    python -m experiments.walkthrough all --figures experiments/figures   # every step: the docs' pictures
 
-tokens     each tokenizer's pieces (spaces as ·) with ids, how a made-up word and the typo "inthe"
-           split into known pieces (cl100k_base, GPT-4's tokenizer, and the model's own).
-attention  the attention probabilities of every layer and head (`jaxinfer.attention`, the blocks
-           generation runs): no token attends to a later one; which candidate referent --word
-           attends to most in the --top heads that look at the candidates most.
-sampling   each preset's distribution (`jaxinfer.inspect.probes.distribution`, what
-           `jaxinfer.sample` draws from) and --darts darts: dart i is the sample with seed i, the
-           token `generate(prompt, seed=i, max_new_tokens=1)` would produce. Same seeds, same darts.
-kv_cache   counting (a 3-token prompt and 4 new tokens, both ways), timing (--max-new-tokens
-           greedy tokens: uncached `jaxinfer.logits` over the growing sequence each step, cached
-           `jaxinfer.generate`, same tokens), memory (2 x L x K x H x bytes per token for several
-           models, and a cache our prefill filled, measured against the formula).
-roofline   the batch-1 ceiling bandwidth / weight bytes for Llama 3 8B fp16 on an H100 and an H200
-           (datasheet bandwidths) and on this machine (measured in the run, `_measure.bandwidth`),
-           then this machine's roofline for the loaded model with measured decode at --batches,
-           and where batching and quantization move the ceiling.
+tokens     the pieces of cl100k_base (GPT-4's tokenizer) and of the model's own, with ids; how a
+           made-up word and the typo "inthe" split into known pieces.
+attention  every layer's and head's attention probabilities (`jaxinfer.attention`): no token looks
+           ahead; which candidate referent --word attends to most in the --top heads.
+sampling   each preset's distribution (`probes.distribution`) and --darts darts: dart i is the
+           token `generate(prompt, seed=i, max_new_tokens=1)` gives. Same seeds, same darts.
+kv_cache   tokens read with and without the cache (counted and by formula), the time of
+           --max-new-tokens greedy tokens both ways (same tokens), and the cache's bytes per token.
+roofline   bandwidth / weight bytes for Llama 3 8B fp16 on an H100 and an H200 (datasheet) and here
+           (measured, `_measure.bandwidth`), and measured decode at --batches against it.
 """
 
 from __future__ import annotations
@@ -421,10 +411,10 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=64, help="roofline: tokens per decode measurement")
     p.add_argument("--repeats", type=int, default=3, help="roofline: timed repeats per measurement")
     p.add_argument("--copy-mib", type=int, default=256, help="roofline: array size of the bandwidth probe")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     if args.smoke:
         args.darts, args.max_new_tokens, args.chunk = min(args.darts, 64), 7, 3
-        args.batches, args.new_tokens, args.repeats, args.copy_mib = "1,2", 4, 1, 16
+        args.batches, args.new_tokens, args.repeats, args.copy_mib = "1", 4, 1, 16
     if args.darts < 1 or args.max_new_tokens < 2 or args.chunk < 1 or args.new_tokens < 2 or args.repeats < 1:
         p.error("need --darts >= 1, --max-new-tokens >= 2, --chunk >= 1, --new-tokens >= 2, --repeats >= 1")
     if model is None and args.step == "tokens":  # the tokenizer alone: no weights to load

@@ -1,20 +1,15 @@
 """How long does loading weights take, and how much memory: a Hugging Face folder, a checkpoint, a GGUF?
 
-    python -m experiments.weights [--gb 2.2] [--shard-mb 500]     # a synthetic sharded Llama folder
-    python -m experiments.weights --convert [--models gemma3-270m smollm2-135m]   # checkpoints vs GGUF
-    python -m experiments.weights --smoke [--convert]             # a tiny folder, seconds
+    python -m experiments.weights [--gb 2.2] [--shard-mb 500]    # a synthetic sharded Llama folder
+    python -m experiments.weights --convert [--models gemma3-270m smollm2-135m]
 
-load (default): a random bf16 Llama folder of about --gb GB (config.json, shards
-`model-0000k-of-0000n.safetensors` and their index, as `save_pretrained` lays them out) written to a
-temporary folder, then loaded by `jaxinfer.load` in a fresh process: seconds, GB/s (page cache
-warm: the files were just written), peak extra RSS / folder size, and the loader's transient
-overhead (peak RSS - RSS before - the loaded params) / folder size (goal < 25%; on a CPU backend
-the params themselves live in host memory, on a GPU they leave it). A few values are checked
-against the file.
---convert: per model and dtype `jaxinfer.weights.checkpoint.convert` (read, dequantize, write),
-its size on disk, `jaxinfer.load` from the checkpoint against from the source (medians of
---repeats) and the max |logit difference| between the two (0 in float32: the same numbers).
-Writes weights.json (weights_convert.json).
+load (default): a random bf16 Llama folder of about --gb GB laid out as `save_pretrained` does
+(shards and their index) in a temporary folder, loaded by `jaxinfer.load` in a fresh process:
+seconds, GB/s (page cache warm), peak extra RSS / folder size and the loader's transient overhead
+(peak RSS - RSS before - the loaded params) / folder size (goal < 25%); values checked against the
+file. --convert: per model and dtype `checkpoint.convert`, its size, `jaxinfer.load` from the
+checkpoint against from the source (medians of --repeats) and the max |logit difference| (0 in
+float32). Writes weights.json (weights_convert.json).
 """
 
 from __future__ import annotations
@@ -157,10 +152,13 @@ def convert(args) -> dict:
         for dtype in args.dtypes:
             with tempfile.TemporaryDirectory(prefix="ckpt_") as tmp:
                 out = os.path.join(tmp, "ckpt")
-                res, t_convert = timed(lambda: checkpoint.convert(src, out, dtype=dtype))
-                load = {k: median(timed(lambda p=p: jaxinfer.load(p, dtype=dtype, layout="stacked"))[1]
+                t0 = time.perf_counter()
+                res = checkpoint.convert(src, out, dtype=dtype)
+                t_convert = time.perf_counter() - t0
+                load = {k: median(timed(lambda p=p, dt=dtype: jaxinfer.load(p, dtype=dt, layout="stacked"))[1]
                                   for _ in range(args.repeats)) for k, p in (("ckpt", out), ("source", src))}
-                a, b = (np.asarray(jaxinfer.logits(jaxinfer.load(p, dtype=dtype, layout="stacked"), ids)) for p in (out, src))
+                a, b = (np.asarray(jaxinfer.logits(jaxinfer.load(p, dtype=dtype, layout="stacked"), ids))
+                        for p in (out, src))
             rows.append({"model": name, "dtype": dtype, "params": res.n_params, "convert_s": t_convert,
                          "size_mb": res.bytes_on_disk / 1e6, "load_ckpt_median_s": load["ckpt"],
                          "load_source_median_s": load["source"], "load_ratio_source_over_ckpt": load["source"] / load["ckpt"],

@@ -49,7 +49,7 @@ export PYTHONUNBUFFERED=1
 # what the GPU compiler made of them (copies, loops, fusions) is read here, at no device time.
 HLO=${JAXINFER_HLO_DUMP:-/tmp/jaxinfer-hlo}
 export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=$HLO --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(decode|prefill|mixed_step)"
-python3 -m experiments.device_check --out "$OUTDIR/device_check.json" "$@" 2>&1 | tee "$OUTDIR/device_check.log"
+python3 -m experiments.device_check --out "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/device_check.log"
 rc=${PIPESTATUS[0]}
 python3 tools/device_stage.py pack-hlo --dump "$HLO" --out "$OUTDIR/hlo_after_optimizations.tgz"
 exit "$rc"
