@@ -1,5 +1,5 @@
 """jaxinfer.decode.processors: each processor against its definition in NumPy terms, and inside
-`generate` (a tiny random model whose greedy output repeats itself)."""
+`generate` on a tiny random model."""
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +58,10 @@ def test_no_repeat_ngram_inside_generate():
 
     cfg = config.tiny(vocab_size=32)
     model = Model(cfg, params.init_params(cfg, jax.random.key(3)))
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    plain = jaxinfer.generate(model, [prompt], max_new_tokens=24, stop_at_eos=False).completions[0].token_ids
-    assert _repeated_ngrams(prompt + plain, 3, len(prompt)) > 0  # greedy loops on its own
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # "5 6" was followed by 7: the first new token may not be 7
     out = jaxinfer.generate(model, [prompt], max_new_tokens=24, stop_at_eos=False,
                             logits_processor=lp.no_repeat_ngram(3)).completions[0].token_ids
-    assert _repeated_ngrams(prompt + out, 3, len(prompt)) == 0
+    assert out[0] != 7 and _repeated_ngrams(prompt + out, 3, len(prompt)) == 0
 
 
 def test_bad_n_is_refused():
