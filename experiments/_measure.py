@@ -1,20 +1,13 @@
-"""The measurements every speed runner shares: bandwidth, matmul peak, decode and prefill rates.
-
-One definition of each, used by `decode`, `walkthrough roofline` and `device_check`:
-
-  bandwidth      a jitted read of an n-byte array (`sum`: n bytes) and a jitted copy (`a + 1`: n
-                 read + n written, counted 2n), medians; the roofline's bandwidth is the larger of
-                 the two (decode mostly reads; a GPU's copy comes closer to its datasheet, XLA's
-                 CPU copy is compute-bound).
-  matmul peak    FLOP/s of a jitted n x n x n matmul on random data (zeros run faster):
-                 2 n^3 / median seconds.
-  decode         `generate`'s `Timings.decode_tokens_per_s` (compiles excluded) at batch B; its
-                 roofline (`jaxinfer.inspect.roofline.decode_ceiling`) is
-                 B x bandwidth / (weight bytes + B x KV bytes per row), the KV bytes of a row
-                 being bytes per token x its mean filled context (prompt + new tokens / 2).
-  prefill        prompt tokens / `Timings.prefill_s` at batch 1; its FLOPs are 2 per weight per
-                 token, the head at the last position, and the causal half of QK^T and PV:
-                 2 T P_layers + 2 D V + 2 L N H T (T + 1).
+"""The measurements every speed runner shares, one definition each (`decode`, `walkthrough
+roofline`, `device_check`):
+  bandwidth    a jitted read of n bytes (`sum`) and a jitted copy (`a + 1`: 2n bytes), medians; the
+               roofline's bandwidth is the larger (decode mostly reads; a GPU's copy comes closer to
+               its datasheet, XLA's CPU copy is compute-bound).
+  matmul peak  2 n^3 / the median seconds of a jitted n x n x n matmul on random data.
+  decode       `Timings.decode_tokens_per_s` at batch B against the roofline
+               B x bandwidth / (weight bytes + B x KV bytes per token x (prompt + new tokens / 2)).
+  prefill      prompt tokens / `Timings.prefill_s` at batch 1; FLOPs 2 T P_layers + 2 D V +
+               2 L N H T (T + 1) (every weight twice per token, the head once, causal attention).
 """
 
 from __future__ import annotations
@@ -22,7 +15,18 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from experiments._common import median
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxinfer
+from experiments._common import median, text_ids
+from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.inspect import roofline
+from jaxinfer.model import cache, config, params
+from jaxinfer.model import layout as LY
+from jaxinfer.model import quantize as Q
+from jaxinfer.model.model import Model
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -45,8 +49,6 @@ def bandwidth(n_bytes: int, repeats: int, dtype: str = "float32") -> dict:
     Returns:
       {"bytes", "dtype", "read_Bps", "copy_Bps", "roofline_Bps"}.
     """
-    import jax
-    import jax.numpy as jnp
 
     dt = jnp.dtype(dtype)
     x = jnp.ones((n_bytes // dt.itemsize,), dt)
@@ -61,7 +63,6 @@ def bandwidth(n_bytes: int, repeats: int, dtype: str = "float32") -> dict:
 
 def matmul_peak(n: int, repeats: int, dtype: str = "float32") -> float:
     """FLOP/s of a jitted n x n x n matmul on random data: 2 n^3 / median seconds."""
-    import jax
 
     ka, kb = jax.random.split(jax.random.key(1))
     a, b = jax.random.normal(ka, (n, n), dtype), jax.random.normal(kb, (n, n), dtype)
@@ -72,11 +73,6 @@ def matmul_peak(n: int, repeats: int, dtype: str = "float32") -> float:
 def random_model(preset: str, dtype: str, layout: str = "per_layer"):
     """A model of a `jaxinfer.model.config` preset function's shapes with random weights (key 0),
     built on the device, in `layout`: weight values do not matter for speed."""
-    import jax
-
-    from jaxinfer.model import config, params
-    from jaxinfer.model import layout as LY
-    from jaxinfer.model.model import Model
 
     cfg = getattr(config, preset)(dtype=dtype)
     p = jax.jit(params.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
@@ -90,11 +86,6 @@ def variant(model, name: str):
     in that layout), "int8" / "int4" (quantized weights, in the layout `load` gives them: int8
     per_layer off the CPU, else stacked), "int8_stacked", "int8kv" (an int8 KV cache)."""
     import dataclasses
-
-    import jax
-
-    from jaxinfer.model import layout as LY
-    from jaxinfer.model import quantize as Q
 
     def to(m, layout):  # one compiled program: eager slicing would dispatch one copy per layer and weight
         if m.config.layout == layout:
@@ -118,12 +109,10 @@ def variant(model, name: str):
 
 def prompts(model, batch: int, length: int, seed: int = 0) -> list[list[int]]:
     """`batch` prompts of `length` tokens: slices of the held-out text, or random ids without a tokenizer."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     if model.tokenizer is None:
         return [rng.integers(3, model.config.vocab_size, length).tolist() for _ in range(batch)]
-    from experiments._common import text_ids
 
     ids = text_ids(model.tokenizer)
     return [ids[s:s + length] for s in rng.integers(0, len(ids) - length, batch).tolist()]
@@ -131,7 +120,6 @@ def prompts(model, batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def decode_call(model, batch_prompts, new_tokens: int, chunk: Optional[int] = None) -> Callable[[], float]:
     """A call of `generate` (greedy, no early stop) returning its decode tokens/s."""
-    import jaxinfer
 
     kw = {} if chunk is None else {"chunk_size": chunk}
 
@@ -144,8 +132,6 @@ def decode_call(model, batch_prompts, new_tokens: int, chunk: Optional[int] = No
 
 def roofline_row(model, batch: int, tok_s: list[float], filled: float, bandwidth_Bps: float) -> dict:
     """The median of `tok_s` against the decode roofline of `model` at `batch` rows of `filled` tokens."""
-    from jaxinfer.inspect import roofline
-    from jaxinfer.model import cache, params
 
     wb, per_row = params.nbytes(model.params), filled * cache.bytes_per_token(model.config)
     roof = roofline.decode_ceiling(bandwidth_Bps, wb, batch=batch, cache_bytes_per_row=per_row)
@@ -158,7 +144,6 @@ def measure_decode(model, batch: int, *, prompt: int, new_tokens: int, repeats: 
                    chunk: Optional[int] = None, seed: int = 0) -> dict:
     """Decode tokens/s at `batch` rows of `prompt`-token prompts (the median of `repeats` after the
     call that compiles) against the roofline; with the compiles and seconds of that first call."""
-    from jaxinfer.compile_cache import CompileCounter
 
     call = decode_call(model, prompts(model, batch, prompt, seed), new_tokens, chunk)
     t0 = time.perf_counter()
@@ -171,7 +156,6 @@ def measure_decode(model, batch: int, *, prompt: int, new_tokens: int, repeats: 
 
 def prefill_flops(model, tokens: int) -> float:
     """FLOPs of a prefill of `tokens` at batch 1 (the module docstring's formula)."""
-    import jax
 
     cfg, T = model.config, tokens
     layer_params = sum(int(x.size) for x in jax.tree.leaves(model.params["layers"]))
@@ -180,7 +164,6 @@ def prefill_flops(model, tokens: int) -> float:
 
 def prefill_call(model, ids: list[int]) -> Callable[[], float]:
     """A call of `generate` on one prompt for one token, returning its prefill seconds."""
-    import jaxinfer
 
     return lambda: jaxinfer.generate(model, [ids], max_new_tokens=1, stop_at_eos=False).timings.prefill_s
 

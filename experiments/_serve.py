@@ -13,7 +13,15 @@ import socket
 import subprocess
 import time
 
+import httpx
+import jax
+import numpy as np
+
+import jaxinfer
 from experiments._common import cpu_seconds, rss_bytes
+from jaxinfer.decode.generate import MIN_KV_BUCKET
+from jaxinfer.decode.inputs import bucket
+from jaxinfer.serve.scheduler import PREFILL
 
 
 def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int, int], log_prompt: bool = False,
@@ -21,7 +29,6 @@ def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int,
     """`n` requests: prompts are slices of `ids` (the held-out text's tokens) of a length in
     `prompt` = (lo, hi), max_new in `new` = (lo, hi), each uniform or log-uniform; arrival times of
     a Poisson stream of `rate` requests/s (all at 0, a burst, without one)."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
 
@@ -42,8 +49,6 @@ class Clock:
     """Seconds since start minus the time JAX spent tracing and compiling meanwhile."""
 
     def __init__(self):
-        import jax
-
         self.excluded = 0.0
         self._jax = jax
         jax.monitoring.register_event_duration_secs_listener(self._listen)
@@ -61,8 +66,6 @@ class Clock:
 
 
 def pct(xs, q):
-    import numpy as np
-
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
@@ -81,11 +84,6 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
     first token, the KV pages held against the contiguous cache `generate` would allocate for the
     same running rows, device iterations (begun with requests queued or prefilling, and not) and
     each request's token ids."""
-    import numpy as np
-
-    from jaxinfer.decode.generate import MIN_KV_BUCKET
-    from jaxinfer.decode.inputs import bucket
-    from jaxinfer.serve.scheduler import PREFILL
 
     if fresh_prefix_cache:  # the same prompts again must not be served from the last run's pages
         engine.pool.forget()
@@ -135,8 +133,6 @@ def serve_static(model, work: list[dict], slots: int) -> dict:
     """The requests through `generate` as a fixed-slot static server would: when idle, up to
     `slots` arrived requests in one batch (padded to `slots` rows, max_new_tokens the longest's);
     a row's tokens count when the chunk holding them reaches the host."""
-    import jaxinfer
-    from jaxinfer.decode.inputs import bucket
 
     reqs = [dict(r) for r in work]
     pending, clock = list(range(len(reqs))), Clock()
@@ -172,7 +168,6 @@ def completion_bodies(work: list[dict], *, model: str = "m", sampled: float = 0.
     """Streaming /v1/completions bodies for `work` (token-id prompts, every request run to its
     max_tokens); a share `sampled` at temperature 0.7 (else greedy), a share `disconnect` of
     streams dropped by the client after the first token."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     out = []
@@ -186,8 +181,6 @@ def completion_bodies(work: list[dict], *, model: str = "m", sampled: float = 0.
 
 
 async def _one_request(client, url, body, disconnect: bool) -> dict:
-    import httpx
-
     t0 = time.perf_counter()
     r = {"ttft": None, "tokens": 0, "error": None, "disconnected": False, "t_end": None, "text": ""}
     try:
@@ -222,7 +215,6 @@ def drive(url: str, work: list[dict], concurrency: int, time_limit: float, reque
     """`concurrency` clients send the bodies of `work` to `url`, each its next when its last ends,
     none started after `time_limit` s: {"results", "wall_s", "rss_peak"} (the RSS of `sample_pid`
     sampled every 0.5 s, when given)."""
-    import httpx
 
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
@@ -284,7 +276,6 @@ class Server:
 
     def start(self, timeout: float) -> float:
         """Start and wait until healthy: the seconds it took. RuntimeError if it dies or times out."""
-        import httpx
 
         self._log = open(self.log_path, "w")
         t0 = time.perf_counter()

@@ -24,8 +24,12 @@ import subprocess
 import sys
 import tempfile
 
+import jax
+
 from experiments import _common, _measure, _peer
 from experiments._common import ROOT, median, plt
+from jaxinfer.model import cache
+from jaxinfer.weights import hub
 
 VARIANTS = ("default", "stacked", "per_layer", "int8", "int8_stacked", "int4", "int8kv")
 SECTIONS = ("prefill", "decode", "long")
@@ -59,8 +63,6 @@ def transformers_decode(gguf: str, batches, prompt: list[int], n: int, repeats: 
 
 def peers(args, base, bw: float, batches, prefill_lens) -> tuple[dict, list[str]]:
     """Rows of the peers named in --peers on the same weights, and why any was skipped."""
-    from jaxinfer.model import cache
-    from jaxinfer.weights import hub
 
     rows, notes = {}, []
     ids = _measure.prompts(base, 1, args.prompt)[0]
@@ -113,7 +115,6 @@ def plot(result: dict):
 
 def measure(args, base) -> dict:
     """Every variant's decode and prefill, interleaved; the peers; the cold and warm TTFT."""
-    import jax
 
     batches = [int(b) for b in args.batches.split(",") if b]
     prefill_lens = [int(n) for n in args.prefill.split(",") if n]

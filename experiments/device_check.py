@@ -1,20 +1,17 @@
-"""Is jaxinfer right and fast on this accelerator? One prepared run for a lent GPU.
+"""Is jaxinfer right and fast on this accelerator? One prepared run for a lent GPU (tools/device_check.sh).
 
-    python -m experiments.device_check                    # on the GPU: Llama-3.1-8B shapes (tools/device_check.sh)
-    python -m experiments.device_check --preset layouts   # the layout and int8 A/B alone, for a short lease
+    python -m experiments.device_check [--preset full|layouts|prefill|engine] [--sections ...]
 
 A thin driver over the runners' own measurements, section by section; a section (or a size in it)
-that fails records why and the rest still run; the JSON is rewritten after each, so a run cut
-short keeps what it measured. environment: devices, versions, staged files, nvidia-smi.
-correctness: `quality.parity`. decode: `_measure`'s bandwidth and matmul peak, then random-weight
-decode per batch against the roofline in the layout `load` picks, the stacked layout, int8 weights
-in both and the int8 KV cache, and prefill against the matmul peak in both layouts. serving: a
-burst of 2 x slots requests through `Engine(model)` (`_serve.serve_engine`), `generate` in static
-batches, one burst traced. profile: `profile`'s per-stage table of a decode scan and the prefill.
-compiles: programs built and their seconds per section, peak memory against the prediction.
-Speed is refused on a CPU unless --smoke or --allow-cpu; --time-budget is shared out between the
-sections; sizes that would overrun it are skipped and listed. Writes device_check.json and .png
-(and the Perfetto traces) to --out; exits 1 when a section failed.
+that fails records why and the rest still run; the JSON is rewritten after each. environment:
+devices, versions, staged files. correctness: `quality.parity`. decode: `_measure`'s bandwidth
+and matmul peak, random-weight decode per batch against the roofline in the layout `load` picks,
+the stacked layout, int8 weights in both, the int8 KV cache, prefill against the matmul peak.
+serving: bursts through `Engine(model)` (`_serve`), `generate` in static batches, one burst traced.
+profile: `profile`'s per-stage tables. compiles: programs and seconds per section, peak memory
+against the prediction. Speed is refused on a CPU unless --smoke or --allow-cpu; --time-budget is
+shared out between the sections and sizes that would overrun it are skipped. Writes
+device_check.json and .png (and the traces) to --out; exits 1 when a section failed.
 """
 
 from __future__ import annotations
@@ -29,8 +26,20 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from experiments import _common, _measure, _serve, quality
+from experiments import profile as prof
 from experiments._common import plt
+from jaxinfer import compile_cache
+from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.decode.generate import MIN_KV_BUCKET
+from jaxinfer.decode.inputs import bucket
+from jaxinfer.inspect import roofline
+from jaxinfer.model import cache, params
+from jaxinfer.serve import Engine
+from jaxinfer.weights import hub
 
 SECTIONS = ("environment", "correctness", "decode", "serving", "profile", "compiles")
 # Shares of --time-budget. The first H200 run: SmolLM2's correctness took 123 s (112 s compiling),
@@ -90,17 +99,11 @@ def _err(e: BaseException) -> dict:
 
 
 def _memory() -> dict | None:
-    import jax
-
     stats = jax.devices()[0].memory_stats() or {}
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats} or None
 
 
 def environment(args, preset, ctx, deadline) -> dict:
-    import jax
-
-    from jaxinfer.weights import hub
-
     def version(dist):
         try:
             return md.version(dist)
@@ -141,9 +144,6 @@ def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
 def decode(args, preset, ctx, deadline) -> dict:
     if not ctx["speed_allowed"]:
         return {"skipped": "speed is reported on a GPU only (--smoke or --allow-cpu to run anyway)"}
-    from jaxinfer.decode.generate import MIN_KV_BUCKET
-    from jaxinfer.decode.inputs import bucket
-    from jaxinfer.model import cache, params
 
     res = {"runs": [], "skipped_for_time": []}
     if time.perf_counter() > deadline:
@@ -211,14 +211,6 @@ def default_model(preset: Preset, ctx: dict):
 def serving(args, preset, ctx, deadline) -> dict:
     if not ctx["speed_allowed"]:
         return {"skipped": "speed is reported on a GPU only"}
-    import jax
-    import numpy as np
-
-    from experiments import profile as prof
-    from jaxinfer.compile_cache import CompileCounter
-    from jaxinfer.inspect import roofline
-    from jaxinfer.model import cache, params
-    from jaxinfer.serve import Engine
 
     model = default_model(preset, ctx)
     ids = np.random.default_rng(0).integers(3, model.config.vocab_size, 4096).tolist()
@@ -275,7 +267,6 @@ def _flatten_trace(trace_dir: Path, dest: Path) -> str:
 def profile(args, preset, ctx, deadline) -> dict:
     if not ctx["speed_allowed"]:
         return {"skipped": "speed is reported on a GPU only"}
-    from experiments import profile as prof
 
     model, folder = default_model(preset, ctx), Path(args.out)
     res, last_s = {"runs": {}, "skipped_for_time": []}, 0.0
@@ -371,9 +362,6 @@ def main(argv=None) -> dict:
     p.add_argument("--models", default=None, help="correctness models (default: the preset's)")
     p.add_argument("--time-budget", type=float, default=450.0, help="seconds for all sections")
     args = p.parse_args(argv)
-    import jax
-
-    from jaxinfer import compile_cache
 
     args.preset = args.preset or ("smoke" if args.smoke else "full")
     sections = [s for s in args.sections.split(",") if s]

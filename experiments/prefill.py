@@ -1,24 +1,16 @@
 """How long until the first token of a long prompt, and how much memory does prefill take?
 
-    python -m experiments.prefill                          # 2,048, 4,096, 8,000 tokens; llama.cpp when given
-    python -m experiments.prefill --lengths 2048 --chunks 256,512,1024   # prefill chunk sizes side by side
-    python -m experiments.prefill --peer none              # jaxinfer only
-    python -m experiments.prefill --smoke                  # 64 tokens, a tiny random model
+    python -m experiments.prefill [--lengths 2048,4096,8000] [--chunks 512] [--compile-cache] [--peer none]
 
-The prompt of each length is the first N token ids of the held-out text (experiments/data/, 11,300
-tokens under SmolLM2's tokenizer); llama.cpp gets the same ids, never text. Each (engine, length,
-chunk) runs in a fresh subprocess, so no run's allocations count against another's:
-  jaxinfer   `jaxinfer.load(--model)` (the default load), then `generate(model, [ids],
-             max_new_tokens=1, prefill_chunk_size=C)` 1 + --repeats times: the first call
-             compiles, the others are warm; with --compile-cache a second process whose
-             programs come from the persistent compile cache the first one wrote;
-  llamacpp   llama-cpp-python on the F32 GGUF of the same weights (`python -m experiments._peer
-             check`): `Llama.eval(ids)` and the argmax of the last logits, 1 + --repeats times
-             (n_batch 512, --llama-threads), skipped with the reason when its parts are missing.
-TTFT is the wall time of that call with the model loaded; memory is the peak RSS during the call
-(`_common.PeakRSS`) above the RSS once the model is loaded. Speed ratio = llama.cpp TTFT /
-jaxinfer TTFT (> 1: jaxinfer is faster), warm calls as medians; the greedy first tokens should
-agree (same weights, same ids). Writes prefill.json.
+The first N token ids of the held-out text (llama.cpp gets the ids, never text), each (engine,
+length, chunk) in a fresh process: jaxinfer loads --model (the default load) and runs
+`generate(..., max_new_tokens=1, prefill_chunk_size=C)` 1 + --repeats times (the first compiles;
+--compile-cache: once more in a new process whose programs come from the persistent cache);
+llama.cpp (llama-cpp-python on the F32 GGUF of the same weights, `_peer`) evaluates the ids and
+takes the last logits' argmax, skipped with the reason when its parts are missing. TTFT is the
+call's wall time with the model loaded; memory the peak RSS during it above the loaded RSS; speed
+ratio = llama.cpp TTFT / jaxinfer TTFT (warm medians); the greedy first tokens should agree.
+Writes prefill.json.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Where does a step's time go? A profiler trace of one prefill and a few decode steps, read per named stage.
+"""Where does a step's time go? A profiler trace of one prefill and a few decode steps, per named stage.
 
-    python -m experiments.profile                       # SmolLM2-135M, the default load
-    python -m experiments.profile --prompt-tokens 512 --decode-steps 16 --batch 8
-    python -m experiments.profile --smoke               # a tiny random model
+    python -m experiments.profile [--prompt-tokens 256] [--decode-steps 8] [--batch 1]
 
-Every stage of the data path runs under a `jax.named_scope` (embed, attention with its
-cache_write and paged_attention, mlp, logits, sampling; prefill and decode around them), so the
-XLA ops of the compiled programs carry the stage in their metadata (`op_name`). This script
-writes a `jax.profiler` trace of one prefill chunk and one decode scan (open <out>/profile/ in
-TensorBoard's profile plugin or the .trace.json.gz in Perfetto), then attributes every XLA op
-the trace timed to its innermost stage through the compiled HLO, and prints the time per stage
-and its top ops: the researcher's view of where a token's time goes.
-
-Writes <out>/profile.json (the per-stage table) next to the trace.
+Every stage of the data path runs under a `jax.named_scope` (embed, attention with cache_write and
+paged_attention, mlp, logits, sampling), so the XLA ops of the compiled programs carry their stage
+in `op_name`. This writes a `jax.profiler` trace of one prefill and one decode scan (<out>/profile/:
+TensorBoard's profile plugin, or the .trace.json.gz in Perfetto), attributes every op the trace
+timed to its innermost stage through the compiled HLO, and writes profile.json: time per stage
+and its top ops.
 """
 
 from __future__ import annotations
@@ -26,7 +21,14 @@ import os
 import re
 import time
 
+import jax
+import numpy as np
+
 from experiments import _common
+from jaxinfer.decode import core
+from jaxinfer.decode import generate as gen
+from jaxinfer.decode import sampling as smp
+from jaxinfer.model import cache as kv
 
 # Innermost first: an op in attention/cache_write counts as cache_write.
 STAGES = ("cache_write", "paged_attention", "sampling", "embed", "attention", "mlp", "logits")
@@ -180,13 +182,6 @@ def main(argv=None, model=None) -> dict:
     if args.smoke:
         args.prompt_tokens, args.decode_steps = 16, 4
         model = model or _common.tiny_model()
-    import jax
-    import numpy as np
-
-    from jaxinfer.decode import core
-    from jaxinfer.decode import generate as gen
-    from jaxinfer.decode import sampling as smp
-    from jaxinfer.model import cache as kv
 
     model = _common.load_model(args, model)  # the default load
     cfg, B, T = model.config, args.batch, args.prompt_tokens

@@ -27,18 +27,22 @@ import shlex
 import sys
 import time
 
+import httpx
+import numpy as np
+
+import jaxinfer
 from experiments import _common, _peer, _serve
 from experiments._common import ROOT, median, plt
+from jaxinfer.compile_cache import CompileCounter, enable_persistent_cache
+from jaxinfer.serve import Engine
+from jaxinfer.serve import http_api as srv
+from jaxinfer.serve import metrics as mx
 
 SMOKE_ENGINE = dict(max_slots=2, max_len=96, prefill_chunk=16)  # one shape set for every --smoke mode: shared programs
 LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # jaxinfer's KV dtype -> llama-server's
 
 
 def engine_runs(args, model) -> dict:
-    import jaxinfer
-    from jaxinfer.compile_cache import CompileCounter
-    from jaxinfer.serve import Engine
-
     small = SMOKE_ENGINE if args.smoke else {}
     engine = Engine(model, **small)
     slots = engine.max_slots
@@ -94,9 +98,6 @@ def engine_runs(args, model) -> dict:
 
 def prefix_cache(args, model, ids, small) -> dict:
     """TTFT of requests sharing a system prompt, one after another, with and without the prefix cache."""
-    import numpy as np
-
-    from jaxinfer.serve import Engine
 
     system, rng, out = ids[:args.system_tokens], np.random.default_rng(2), {}
     lo, hi = (8, 16) if small else (16, 64)
@@ -129,12 +130,6 @@ def engine_figure(result: dict):
 
 def http_run(args, model) -> tuple[dict, object]:
     """The load test: the HTTP app in this process, streaming clients with disconnects."""
-    import httpx
-    import numpy as np
-
-    from jaxinfer.serve import Engine
-    from jaxinfer.serve import http_api as srv
-    from jaxinfer.serve import metrics as mx
 
     engine = Engine(model, **(SMOKE_ENGINE if args.smoke else dict(max_slots=args.max_slots, prefill_chunk=64,
                                                                    max_len=args.max_prompt + args.max_new)))
@@ -205,7 +200,6 @@ def medians(rounds: list[dict]) -> dict:
 
 def peer_run(args) -> dict:
     """jaxinfer serve and llama-server side by side, subprocesses, rounds in ABBA order."""
-    import jaxinfer
 
     peer = _peer.from_args(args)
     skip = "--peer none" if args.peer == "none" else peer.missing("server", "gguf")
@@ -315,8 +309,6 @@ def main(argv=None, model=None) -> dict:
         _common.save("serving_peer", result, args)
         return result
     if mode == "engine" and not args.smoke:
-        from jaxinfer.compile_cache import enable_persistent_cache
-
         enable_persistent_cache()
     model = _common.load_model(args, model)
     if mode == "http":

@@ -1,32 +1,35 @@
 """How much faster is speculative decoding than plain decoding, and with which draft?
 
-    python -m experiments.speculative                      # SmolLM2-135M, batch 1, greedy
-    python -m experiments.speculative --distill            # train the 4-layer draft it compares (minutes)
-    python -m experiments.speculative --smoke [--distill]  # a tiny random model with SmolLM2's tokenizer
+    python -m experiments.speculative [--tokens 96] [--k 4]   # SmolLM2-135M, batch 1, greedy
+    python -m experiments.speculative --distill               # train the distilled draft it compares (minutes)
 
-Greedy decode tokens/s of `jaxinfer.generate` and of `speculative.generate` with prompt lookup,
-with a truncated-target draft (its first --draft-layers layers) and with the distilled draft at
---draft (when it exists), on (i) a code-editing prompt (the answer copies most of the prompt,
-where lookup shines) and (ii) open text. Greedy, so every method gives the same tokens (checked),
-and the ratio is pure speed; interleaved repeats (A B C A B C), medians.
-
---distill trains that draft: the target's embedding (frozen, shared vocabulary), its first
---draft-layers blocks and its final norm (trained), starting as the truncated target and learning
-to imitate the full model (loss KL(p_target || p_draft) over every position, optax adamw), on the
-sections of the Python reference manual (`pydoc_data.topics`, PSF License) other than the
-held-out ones, so acceptance is never measured on training text. It saves an orbax checkpoint
-(`jaxinfer.weights.checkpoint.save`; load it with `jaxinfer.speculative.load_draft(path)`) and
-reports held-out KL and top-1 agreement before and after. Writes speculative.json (or
-speculative_distill.json).
+Greedy decode tokens/s of `generate` and of `speculative.generate` with prompt lookup, with the
+target's first --draft-layers layers as the draft, and with the distilled draft at --draft, on a
+code-editing prompt (the answer copies the prompt: lookup's case) and on open text; the same
+tokens every way (checked), interleaved repeats, medians. --distill trains that draft (the
+target's frozen embedding, its first layers and final norm, KL to the target over every position,
+optax adamw) on the Python reference manual's sections other than the held-out ones, saves it as
+a checkpoint (`speculative.load_draft(path)`) and reports held-out KL and top-1 agreement.
+Writes speculative.json (speculative_distill.json).
 """
 
 from __future__ import annotations
 
+import pydoc_data.topics
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxinfer
 from experiments import _common, _measure
 from experiments._common import ROOT, median
+from jaxinfer.decode import speculative as spec
+from jaxinfer.model import forward as mdl
+from jaxinfer.weights import checkpoint
 
 CODE_PROMPT = '''<|im_start|>user
 Rename the function `compute_stats` to `summarize` and keep everything else the same. Return the whole code.
@@ -52,9 +55,6 @@ OPEN_PROMPT = "<|im_start|>user\nWrite a short story about a lighthouse keeper.<
 
 
 def compare(m, args) -> dict:
-    import jaxinfer
-    from jaxinfer.decode import speculative as spec
-
     drafts = {f"draft-first{args.draft_layers}": spec.truncated_draft(m, args.draft_layers)}
     if Path(args.draft).exists():
         d = spec.load_draft(args.draft)
@@ -94,16 +94,7 @@ def compare(m, args) -> dict:
 
 
 def distill(m, args) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    import pydoc_data.topics
-
     from experiments.data.make_text import SECTIONS as HELDOUT_SECTIONS
-    from jaxinfer.decode import speculative as spec
-    from jaxinfer.model import forward as mdl
-    from jaxinfer.weights import checkpoint
 
     cfg = m.config
     start = spec.truncated_draft(m, args.draft_layers)

@@ -1,24 +1,15 @@
 """Structured output: how often is constrained JSON valid and finished, and what does the constraint cost?
 
     python -m experiments.structured [--seeds 10] [--max-new-tokens 160]   # SmolLM2-135M, ~13 minutes
-    python -m experiments.structured --smoke                               # a tiny random model, 1 schema
 
-Validity: each schema in experiments/data/schemas/ (nested objects, enums, bounded arrays,
-numbers, nullable fields, string patterns, additionalProperties: false, anyOf) x --seeds seeds at
-temperature 0.8, one batched `generate` per schema (row i samples with seed i), the prompt a short
-chat turn asking for one object of the schema's title. Every output that finishes must parse and
-validate (`jsonschema`); the share that finishes within --max-new-tokens is the target (>= 80%).
-The same batches again with unbounded JSON whitespace (`whitespace=None`) show what the bound
-(`constraints.JSON_WHITESPACE`) does about runaway whitespace.
-
-Cost through `generate`: per schema, --rows rows constrained, then the same prompts unconstrained
-for the same decode steps (ignore_eos) with the multi-step scan (chunk_size 32) and with one step
-per call (chunk_size 1, what a constrained batch does); rates are rows x steps / decode time
-(compiles excluded). The gap between the two unconstrained runs is one host round trip per token;
-the rest of the constrained run's extra time is the host's mask work. Through the Engine: one
-request per schema at once, constrained vs unconstrained with the same lengths.
-llguidance alone, on the model's vocabulary: per schema the grammar build, the first compile, and
-the mask per token along a valid instance (median, p90, max; the first pass cold), and
+Validity: each schema of experiments/data/schemas/ x --seeds seeds at temperature 0.8 (one batched
+`generate`, row i seed i), a short chat turn asking for one object: every finished output must
+validate (`jsonschema`), and the share finished within --max-new-tokens is the target (>= 80%);
+again with unbounded JSON whitespace to show what `constraints.JSON_WHITESPACE` does. Cost:
+per schema --rows rows constrained against the same prompts unconstrained (ignore_eos) in the
+multi-step scan and at one step per call (the host round trip), decode time per step without
+compiles; through the Engine, one request per schema, constrained vs not. llguidance alone: per
+schema the grammar build, its compile, the mask per token along a valid instance, and
 `apply_token_bitmask` on [8, V] under jit. Writes structured.json.
 """
 
@@ -28,8 +19,19 @@ import json
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+import jsonschema
+import llguidance
+import numpy as np
+
+import jaxinfer
 from experiments import _common
 from experiments._common import DATA
+from jaxinfer.decode import bitmask as bm
+from jaxinfer.decode import constraints
+from jaxinfer.decode.inputs import chat_ids
+from jaxinfer.serve.engine import Engine
 
 SCHEMAS = DATA / "schemas"
 TEMPERATURE = 0.8
@@ -54,15 +56,12 @@ INSTANCES = {
 
 
 def _ms(xs) -> dict:
-    import numpy as np
-
     return {"median_ms": statistics.median(xs) * 1e3, "p90_ms": float(np.percentile(xs, 90)) * 1e3,
             "max_ms": max(xs) * 1e3}
 
 
 def prompt_ids(tok, schema: dict) -> list[int]:
     """A short chat turn asking for the schema's kind of object (the constraint supplies the shape)."""
-    from jaxinfer.decode.inputs import chat_ids
 
     ask = f"Reply with a JSON object describing one {schema.get('title', 'record').lower()}."
     return chat_ids(tok, [{"role": "user", "content": ask}])
@@ -70,7 +69,6 @@ def prompt_ids(tok, schema: dict) -> list[int]:
 
 def verdict(text: str, finish: str, schema: dict) -> str:
     """'valid', 'invalid' (finished but wrong: must never happen) or 'unfinished'."""
-    import jsonschema
 
     if finish != "stop":
         return "unfinished"
@@ -82,12 +80,9 @@ def verdict(text: str, finish: str, schema: dict) -> str:
 
 
 def validity(model, schemas: dict, seeds: int, max_new: int, whitespace) -> dict:
-    import jaxinfer
-    from jaxinfer.decode import constraints as C
-
     out = {}
     for name, schema in schemas.items():
-        sp = jaxinfer.SamplingParams(temperature=TEMPERATURE, constraint=C.json_schema(schema, whitespace=whitespace))
+        sp = jaxinfer.SamplingParams(temperature=TEMPERATURE, constraint=constraints.json_schema(schema, whitespace=whitespace))
         res = jaxinfer.generate(model, [prompt_ids(model.tokenizer, schema)] * seeds, seed=list(range(seeds)),
                                 max_new_tokens=max_new, sampling=sp)
         v = [verdict(x.text, x.finish_reason, schema) for x in res.completions]
@@ -104,9 +99,6 @@ def validity(model, schemas: dict, seeds: int, max_new: int, whitespace) -> dict
 
 
 def cost_generate(model, schemas: dict, rows: int, max_new: int) -> dict:
-    import jaxinfer
-    from jaxinfer.decode import constraints as C
-
     def timed(ids, new, sampling, chunk):  # result, decode steps, decode seconds without compiles
         res = jaxinfer.generate(model, [ids] * rows, seed=list(range(rows)), max_new_tokens=new, sampling=sampling,
                                 chunk_size=chunk)
@@ -117,7 +109,7 @@ def cost_generate(model, schemas: dict, rows: int, max_new: int) -> dict:
     for name, schema in schemas.items():
         ids = prompt_ids(model.tokenizer, schema)
         _, steps, con_s = timed(ids, max_new, jaxinfer.SamplingParams(temperature=TEMPERATURE,
-                                                                      constraint=C.json_schema(schema)), 32)
+                                                                      constraint=constraints.json_schema(schema)), 32)
         free = jaxinfer.SamplingParams(temperature=TEMPERATURE, ignore_eos=True)
         _, steps_scan, scan_s = timed(ids, steps + 1, free, 32)
         _, steps_one, one_s = timed(ids, steps + 1, free, 1)
@@ -137,9 +129,6 @@ def cost_generate(model, schemas: dict, rows: int, max_new: int) -> dict:
 
 def cost_engine(model, schemas: dict, max_new: int) -> dict:
     """One request per schema at once through the Engine, constrained vs unconstrained, same lengths."""
-    import jaxinfer
-    from jaxinfer.decode import constraints as C
-    from jaxinfer.serve.engine import Engine
 
     # no prefix cache: a repeated prompt would be prefilled in other chunk shapes (new programs)
     engine = Engine(model, max_slots=len(schemas), prefill_chunk=512, prefix_cache=False)
@@ -152,7 +141,7 @@ def cost_engine(model, schemas: dict, max_new: int) -> dict:
         engine.run_until_idle()
         return time.perf_counter() - t, [r.result() for r in reqs]
 
-    con = {n: jaxinfer.SamplingParams(temperature=TEMPERATURE, constraint=C.json_schema(s)) for n, s in schemas.items()}
+    con = {n: jaxinfer.SamplingParams(temperature=TEMPERATURE, constraint=constraints.json_schema(s)) for n, s in schemas.items()}
     run(con, dict.fromkeys(schemas, max_new))  # compiles and warms llguidance's caches
     con_s, comps = run(con, dict.fromkeys(schemas, max_new))
     lengths = {n: len(c.token_ids) for n, c in zip(schemas, comps)}
@@ -166,18 +155,14 @@ def cost_engine(model, schemas: dict, max_new: int) -> dict:
 
 
 def llguidance_costs(tok, schemas: dict, reps: int) -> dict:
-    import numpy as np
-
-    from jaxinfer.decode import constraints as C
-
     t = time.perf_counter()
-    comp = C.Compiler(tok)
+    comp = constraints.Compiler(tok)
     out = {"compiler_build_s": time.perf_counter() - t, "vocab": comp.vocab_size, "schemas": {}}
     mask = comp.allocate_bitmask(1)
     paths = {n: tok.encode(json.dumps(INSTANCES[n], ensure_ascii=False)) for n in schemas}
     for name, schema in schemas.items():
         t = time.perf_counter()
-        c = C.json_schema(schema)
+        c = constraints.json_schema(schema)
         build = time.perf_counter() - t
         t = time.perf_counter()
         comp.compile(c)
@@ -198,11 +183,6 @@ def llguidance_costs(tok, schemas: dict, reps: int) -> dict:
 
 
 def apply_cost(vocab: int, reps: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer.decode import bitmask as bm
-
     f = jax.jit(bm.apply_token_bitmask)
     logits, mask = jnp.zeros((8, vocab), jnp.float32), jnp.full((8, bm.mask_words(vocab)), -1, jnp.int32)
     f(logits, mask).block_until_ready()
@@ -222,10 +202,6 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--reps", type=int, default=6, help="repetitions of llguidance's timings")
     p.add_argument("--no-unbounded", action="store_true", help="skip the unbounded-whitespace comparison")
     args = p.parse_args(argv)
-    import jsonschema
-    import llguidance
-
-    from jaxinfer.decode import constraints as C
 
     schemas = {path.stem: json.loads(path.read_text()) for path in sorted(SCHEMAS.glob("*.json"))}
     for name, schema in schemas.items():
@@ -237,7 +213,7 @@ def main(argv=None, model=None) -> dict:
     result = {"model": args.model, "llguidance": llguidance.__version__, "temperature": TEMPERATURE,
               "max_new_tokens": args.max_new_tokens, "seeds": args.seeds}
     print(f"validity: {len(schemas)} schemas x {args.seeds} seeds, <= {args.max_new_tokens} tokens")
-    result["validity"] = validity(model, schemas, args.seeds, args.max_new_tokens, C.JSON_WHITESPACE)
+    result["validity"] = validity(model, schemas, args.seeds, args.max_new_tokens, constraints.JSON_WHITESPACE)
     if not args.no_unbounded:
         print("validity with unbounded whitespace (whitespace=None)")
         result["validity_unbounded_whitespace"] = validity(model, schemas, args.seeds, args.max_new_tokens, None)

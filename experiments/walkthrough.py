@@ -19,8 +19,21 @@ from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxinfer
 from experiments import _common, _measure
 from experiments._common import plt
+from jaxinfer import SamplingParams
+from jaxinfer.decode.inputs import bucket
+from jaxinfer.inspect import probes
+from jaxinfer.inspect import roofline as rl
+from jaxinfer.model import config
+from jaxinfer.model import forward as mdl
+from jaxinfer.model import params as prm
+from jaxinfer.text.tokenizer import openai_tokenizer
 
 STEPS = ("tokens", "attention", "sampling", "kv_cache", "roofline")
 DEFAULT_TEXT = {"tokens": "The glorptastic llama read inthe news that 2025 had 365 days.",
@@ -52,8 +65,6 @@ def split(tokenizer, text: str) -> list[dict]:
 
 
 def tokens(m, args):
-    from jaxinfer.text.tokenizer import openai_tokenizer
-
     text = args.text or DEFAULT_TEXT["tokens"]
     encodings = {"cl100k_base": openai_tokenizer("cl100k_base"), m.config.name: m.tokenizer}
     result = {"text": text, "tokenizers": {}, "probes": {}}
@@ -96,10 +107,6 @@ def _find(pieces: list[str], word: str, before=None) -> int:
 
 
 def attention(m, args):
-    import numpy as np
-
-    import jaxinfer
-
     sentence = args.text or DEFAULT_TEXT["attention"]
     ids = m.tokenizer.encode(sentence)
     pieces = [b.decode("utf-8", errors="replace") for b in m.tokenizer.pieces(ids)]
@@ -148,12 +155,6 @@ def attention(m, args):
 # ---- sampling ----------------------------------------------------------------------------------
 
 def sampling(m, args):
-    import numpy as np
-
-    import jaxinfer
-    from jaxinfer import SamplingParams
-    from jaxinfer.inspect import probes
-
     presets = {"Greedy": SamplingParams(temperature=0.0), "Default (T=1)": SamplingParams(temperature=1.0),
                "Wild (T=2)": SamplingParams(temperature=2.0), "Top-p 0.5": SamplingParams(temperature=1.0, top_p=0.5),
                "Top-k 5": SamplingParams(temperature=1.0, top_k=5)}
@@ -203,8 +204,6 @@ def sampling(m, args):
 
 def _count(m, prompt: str, new: int) -> dict:
     """Generate `new` tokens greedily with and without the cache; count the tokens each reads."""
-    import jaxinfer
-    from jaxinfer.inspect import probes
 
     ids = m.tokenizer.encode(prompt)
     uncached, read_uncached = probes.greedy_uncached(m, ids, new)
@@ -219,9 +218,6 @@ def _count(m, prompt: str, new: int) -> dict:
 
 def _time(m, prompt: str, new: int, chunk: int) -> dict:
     """Cumulative wall time to each token, uncached vs cached, after a warm-up of both."""
-    import jaxinfer
-    from jaxinfer.decode.inputs import bucket
-    from jaxinfer.inspect import probes
 
     ids = m.tokenizer.encode(prompt)
     kw = dict(max_new_tokens=new, stop_at_eos=False, chunk_size=chunk)
@@ -247,16 +243,10 @@ def _time(m, prompt: str, new: int, chunk: int) -> dict:
 
 def _memory(m) -> dict:
     """Bytes per token by the formula for several models, and a cache our own prefill filled."""
-    import jax
-    import jax.numpy as jnp
-
-    import jaxinfer
-    from jaxinfer.model import config as C
-    from jaxinfer.model import forward as mdl
 
     rows = []
-    for cfg, dt in [(C.smollm2_135m(), "float16"), (C.llama3_8b(), "float16"), (C.llama3_70b(), "float16"),
-                    (C.llama31_405b(), "float16"), (m.config, m.config.dtype)]:
+    for cfg, dt in [(config.smollm2_135m(), "float16"), (config.llama3_8b(), "float16"), (config.llama3_70b(), "float16"),
+                    (config.llama31_405b(), "float16"), (m.config, m.config.dtype)]:
         bpt = jaxinfer.bytes_per_token(cfg, dt)
         rows.append({"model": cfg.name, "dtype": dt, "L": cfg.n_layers, "K": cfg.n_kv_heads, "H": cfg.head_dim,
                      "bytes_per_token": bpt, "bytes_at_8192": bpt * 8192})
@@ -274,8 +264,6 @@ def _memory(m) -> dict:
 
 
 def kv_cache(m, args):
-    import numpy as np
-
     count = _count(m, "The cat sat", 4)
     print(f"counting: {count['tokens_read_cached']} tokens read with the cache, {count['tokens_read_uncached']} "
           f"without (formula {count['formula_cached']} / {count['formula_uncached']}); same: {count['same_tokens']}")
@@ -322,18 +310,11 @@ def kv_cache(m, args):
 # ---- roofline ----------------------------------------------------------------------------------
 
 def roofline(m, args):
-    import numpy as np
-
-    import jaxinfer
-    from jaxinfer.inspect import roofline as rl
-    from jaxinfer.model import config as C
-    from jaxinfer.model import params as prm
-
     batches = sorted({int(b) for b in args.batches.split(",") if b})
     bw = _measure.bandwidth(args.copy_mib * 2 ** 20, repeats=max(3, args.repeats))
     flops = _measure.matmul_peak(256 if args.smoke else 2048, repeats=max(3, args.repeats))
     here = bw["roofline_Bps"]
-    big = C.llama3_8b()
+    big = config.llama3_8b()
     big_bytes = rl.weight_bytes(big, "float16")
     ceilings = [{"where": k, "bandwidth_Bps": v, "source": "vendor spec", "weight_bytes": big_bytes,
                  "tokens_per_s": rl.decode_ceiling(v, big_bytes)} for k, v in VENDOR_BANDWIDTH.items()]
@@ -419,8 +400,6 @@ def main(argv=None, model=None) -> dict:
         p.error("need --darts >= 1, --max-new-tokens >= 2, --chunk >= 1, --new-tokens >= 2, --repeats >= 1")
     if model is None and args.step == "tokens":  # the tokenizer alone: no weights to load
         import types
-
-        import jaxinfer
 
         model = types.SimpleNamespace(config=types.SimpleNamespace(name=args.model),
                                       tokenizer=jaxinfer.load_tokenizer(args.model))

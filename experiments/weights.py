@@ -22,8 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+import jaxinfer
 from experiments import _common
 from experiments._common import ROOT, median
+from jaxinfer.weights import checkpoint, hub
+from jaxinfer.weights import safetensors_io as st
 
 
 def llama_config(d: int, layers: int, ffn: int, vocab: int, heads: int, kv_heads: int) -> dict:
@@ -52,9 +60,6 @@ def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_folder(folder: Path, cfg: dict, shard_bytes: int, seed: int = 0) -> int:
     """config.json + bf16 shards + their index (one shard in memory at a time): the tensor bytes."""
-    import ml_dtypes
-    import numpy as np
-    from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -83,11 +88,6 @@ def write_folder(folder: Path, cfg: dict, shard_bytes: int, seed: int = 0) -> in
 
 def child(folder: str) -> dict:
     """In a fresh process: load the folder, time it, its RSS, and a few values against the file."""
-    import jax
-    import numpy as np
-
-    import jaxinfer
-    from jaxinfer.weights import safetensors_io as st
 
     jax.numpy.zeros(1).block_until_ready()  # the backend up before the baseline
     base = _common.rss_bytes()
@@ -134,11 +134,6 @@ def load_folder(args) -> dict:
 
 
 def convert(args) -> dict:
-    import numpy as np
-
-    import jaxinfer
-    from jaxinfer.weights import checkpoint, hub
-
     def timed(fn):
         t = time.perf_counter()
         out = fn()
