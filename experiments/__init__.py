@@ -13,8 +13,6 @@
     profile       where a step's time goes, per named stage of the data path
     device_check  one prepared run on a lent GPU: correctness and speed against the roofline
 
-Each has `main(argv=None) -> dict`, writes its JSON (and PNG) to `--out` (experiments/out/) and
-has a `--smoke` mode the test suite runs. Shared code is in the private modules `_common`
-(arguments, output, memory), `_measure` (bandwidth, matmul peak, decode and prefill rates),
-`_serve` (workloads, the Engine loop, HTTP) and `_peer` (llama.cpp).
+Each has `main(argv=None) -> dict`, writes its JSON (and PNG) to --out (experiments/out/) and a
+--smoke mode the suite runs; shared code: `_common`, `_measure`, `_serve`, `_peer` (llama.cpp).
 """

@@ -131,12 +131,6 @@ def text_ids(tokenizer) -> list[int]:
     return tokenizer.encode(TEXT.read_text(encoding="utf-8"))
 
 
-def median(xs) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return float(xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2)
-
-
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident memory of a process (Linux /proc; another process's too)."""
     with open(f"/proc/{pid}/statm") as f:

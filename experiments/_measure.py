@@ -13,6 +13,7 @@ roofline`, `device_check`):
 from __future__ import annotations
 
 import time
+from statistics import median
 from typing import Callable, Optional
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from experiments._common import median, text_ids
+from experiments._common import text_ids
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.inspect import roofline
 from jaxinfer.model import cache, config, params
@@ -49,7 +50,6 @@ def bandwidth(n_bytes: int, repeats: int, dtype: str = "float32") -> dict:
     Returns:
       {"bytes", "dtype", "read_Bps", "copy_Bps", "roofline_Bps"}.
     """
-
     dt = jnp.dtype(dtype)
     x = jnp.ones((n_bytes // dt.itemsize,), dt)
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
@@ -63,7 +63,6 @@ def bandwidth(n_bytes: int, repeats: int, dtype: str = "float32") -> dict:
 
 def matmul_peak(n: int, repeats: int, dtype: str = "float32") -> float:
     """FLOP/s of a jitted n x n x n matmul on random data: 2 n^3 / median seconds."""
-
     ka, kb = jax.random.split(jax.random.key(1))
     a, b = jax.random.normal(ka, (n, n), dtype), jax.random.normal(kb, (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)
@@ -73,7 +72,6 @@ def matmul_peak(n: int, repeats: int, dtype: str = "float32") -> float:
 def random_model(preset: str, dtype: str, layout: str = "per_layer"):
     """A model of a `jaxinfer.model.config` preset function's shapes with random weights (key 0),
     built on the device, in `layout`: weight values do not matter for speed."""
-
     cfg = getattr(config, preset)(dtype=dtype)
     p = jax.jit(params.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
     if layout != "stacked":
@@ -109,7 +107,6 @@ def variant(model, name: str):
 
 def prompts(model, batch: int, length: int, seed: int = 0) -> list[list[int]]:
     """`batch` prompts of `length` tokens: slices of the held-out text, or random ids without a tokenizer."""
-
     rng = np.random.default_rng(seed)
     if model.tokenizer is None:
         return [rng.integers(3, model.config.vocab_size, length).tolist() for _ in range(batch)]
@@ -120,7 +117,6 @@ def prompts(model, batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def decode_call(model, batch_prompts, new_tokens: int, chunk: Optional[int] = None) -> Callable[[], float]:
     """A call of `generate` (greedy, no early stop) returning its decode tokens/s."""
-
     kw = {} if chunk is None else {"chunk_size": chunk}
 
     def run() -> float:
@@ -132,7 +128,6 @@ def decode_call(model, batch_prompts, new_tokens: int, chunk: Optional[int] = No
 
 def roofline_row(model, batch: int, tok_s: list[float], filled: float, bandwidth_Bps: float) -> dict:
     """The median of `tok_s` against the decode roofline of `model` at `batch` rows of `filled` tokens."""
-
     wb, per_row = params.nbytes(model.params), filled * cache.bytes_per_token(model.config)
     roof = roofline.decode_ceiling(bandwidth_Bps, wb, batch=batch, cache_bytes_per_row=per_row)
     med = median(tok_s)
@@ -144,7 +139,6 @@ def measure_decode(model, batch: int, *, prompt: int, new_tokens: int, repeats: 
                    chunk: Optional[int] = None, seed: int = 0) -> dict:
     """Decode tokens/s at `batch` rows of `prompt`-token prompts (the median of `repeats` after the
     call that compiles) against the roofline; with the compiles and seconds of that first call."""
-
     call = decode_call(model, prompts(model, batch, prompt, seed), new_tokens, chunk)
     t0 = time.perf_counter()
     with CompileCounter() as clock:
@@ -156,7 +150,6 @@ def measure_decode(model, batch: int, *, prompt: int, new_tokens: int, repeats: 
 
 def prefill_flops(model, tokens: int) -> float:
     """FLOPs of a prefill of `tokens` at batch 1 (the module docstring's formula)."""
-
     cfg, T = model.config, tokens
     layer_params = sum(int(x.size) for x in jax.tree.leaves(model.params["layers"]))
     return 2 * T * layer_params + 2 * cfg.d_model * cfg.vocab_size + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * (T + 1)
@@ -164,7 +157,6 @@ def prefill_flops(model, tokens: int) -> float:
 
 def prefill_call(model, ids: list[int]) -> Callable[[], float]:
     """A call of `generate` on one prompt for one token, returning its prefill seconds."""
-
     return lambda: jaxinfer.generate(model, [ids], max_new_tokens=1, stop_at_eos=False).timings.prefill_s
 
 

@@ -29,7 +29,6 @@ def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int,
     """`n` requests: prompts are slices of `ids` (the held-out text's tokens) of a length in
     `prompt` = (lo, hi), max_new in `new` = (lo, hi), each uniform or log-uniform; arrival times of
     a Poisson stream of `rate` requests/s (all at 0, a burst, without one)."""
-
     rng = np.random.default_rng(seed)
 
     def draw(lo, hi, log):
@@ -47,7 +46,6 @@ def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int,
 
 class Clock:
     """Seconds since start minus the time JAX spent tracing and compiling meanwhile."""
-
     def __init__(self):
         self.excluded = 0.0
         self._jax = jax
@@ -84,7 +82,6 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
     first token, the KV pages held against the contiguous cache `generate` would allocate for the
     same running rows, device iterations (begun with requests queued or prefilling, and not) and
     each request's token ids."""
-
     if fresh_prefix_cache:  # the same prompts again must not be served from the last run's pages
         engine.pool.forget()
     reqs = [dict(r) for r in work]
@@ -133,7 +130,6 @@ def serve_static(model, work: list[dict], slots: int) -> dict:
     """The requests through `generate` as a fixed-slot static server would: when idle, up to
     `slots` arrived requests in one batch (padded to `slots` rows, max_new_tokens the longest's);
     a row's tokens count when the chunk holding them reaches the host."""
-
     reqs = [dict(r) for r in work]
     pending, clock = list(range(len(reqs))), Clock()
     while pending:
@@ -168,7 +164,6 @@ def completion_bodies(work: list[dict], *, model: str = "m", sampled: float = 0.
     """Streaming /v1/completions bodies for `work` (token-id prompts, every request run to its
     max_tokens); a share `sampled` at temperature 0.7 (else greedy), a share `disconnect` of
     streams dropped by the client after the first token."""
-
     rng = np.random.default_rng(seed)
     out = []
     for i, w in enumerate(work):
@@ -215,7 +210,6 @@ def drive(url: str, work: list[dict], concurrency: int, time_limit: float, reque
     """`concurrency` clients send the bodies of `work` to `url`, each its next when its last ends,
     none started after `time_limit` s: {"results", "wall_s", "rss_peak"} (the RSS of `sample_pid`
     sampled every 0.5 s, when given)."""
-
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
         for w in work:
@@ -269,14 +263,12 @@ def free_port() -> int:
 class Server:
     """A server subprocess on 127.0.0.1: started, polled until /health answers 200, stopped
     (its whole process group), its output in `log`."""
-
     def __init__(self, name: str, cmd: list[str], port: int, log, env=None) -> None:
         self.name, self.cmd, self.url, self.log_path, self.env = name, cmd, f"http://127.0.0.1:{port}", log, env
         self.proc = None
 
     def start(self, timeout: float) -> float:
         """Start and wait until healthy: the seconds it took. RuntimeError if it dies or times out."""
-
         self._log = open(self.log_path, "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
@@ -307,9 +299,3 @@ class Server:
                 self.proc.wait()
         if getattr(self, "_log", None):
             self._log.close()
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -23,11 +23,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from statistics import median
 
 import jax
 
 from experiments import _common, _measure, _peer
-from experiments._common import ROOT, median, plt
+from experiments._common import ROOT, plt
 from jaxinfer.model import cache
 from jaxinfer.weights import hub
 
@@ -63,7 +64,6 @@ def transformers_decode(gguf: str, batches, prompt: list[int], n: int, repeats: 
 
 def peers(args, base, bw: float, batches, prefill_lens) -> tuple[dict, list[str]]:
     """Rows of the peers named in --peers on the same weights, and why any was skipped."""
-
     rows, notes = {}, []
     ids = _measure.prompts(base, 1, args.prompt)[0]
     filled = args.prompt + args.new_tokens / 2
@@ -114,8 +114,7 @@ def plot(result: dict):
 
 
 def measure(args, base) -> dict:
-    """Every variant's decode and prefill, interleaved; the peers; the cold and warm TTFT."""
-
+    """Every variant's decode and prefill, interleaved, and the peers."""
     batches = [int(b) for b in args.batches.split(",") if b]
     prefill_lens = [int(n) for n in args.prefill.split(",") if n]
     dtype = base.config.dtype if jax.default_backend() != "cpu" else "float32"  # XLA CPU bf16 is emulated
@@ -164,7 +163,7 @@ import json, sys
 import numpy as np
 import jaxinfer
 name, text, new, sections, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(","), int(sys.argv[5])
-batches = (1,) if name == "tiny" else (1, 8)
+batches, lengths = ((1,), (128,)) if name == "tiny" else ((1, 8), (128, 512, 2048))
 if name == "tiny":  # a random tiny model (the smoke run): random prompts
     import jax
     from jaxinfer.model import config, params
@@ -185,7 +184,7 @@ def timed(prompts, n):  # Timings of the median run (by wall time) of `repeats`,
     return ts[len(ts) // 2]
 
 
-for n in (128, 512, 2048) if "prefill" in sections else ():
+for n in lengths if "prefill" in sections else ():
     out[f"prefill_{n}_tokens_per_s"] = n / timed([ids[:n]], 1).ttft_s
 for b in batches if "decode" in sections else ():
     out[f"decode_b{b}_tokens_per_s"] = timed([ids[i * 40:(i + 1) * 40] for i in range(b)], new).decode_tokens_per_s
@@ -271,7 +270,7 @@ def main(argv=None, model=None) -> dict:
         args.preset = args.preset or "tiny"
         # the device check's smoke shapes: in one test session the two share their compiled programs
         args.batches, args.prompt, args.new_tokens, args.chunk, args.prefill, args.repeats = "1", 16, 16, 8, "16", 1
-        args.copy_mib, args.matmul_n, args.rounds, args.sections = 16, 128, 1, "decode"
+        args.copy_mib, args.matmul_n, args.rounds, args.sections = 16, 128, 1, "prefill"
         args.dtype, args.variants = "float32", "default,int8"
     if args.against:
         result = against(args)

@@ -280,7 +280,7 @@ def profile(args, preset, ctx, deadline) -> dict:
         try:
             r = prof.main(["--prompt-tokens", str(tokens), "--decode-steps", str(steps), "--batch", str(batch),
                            "--out", str(out)], model=model)
-            r = {k: r[k] for k in ("layout", "stages", "trace_summary", "devices", "batch", "prompt_tokens")}
+            r = {k: r[k] for k in ("layout", "stages", "devices", "batch", "prompt_tokens")}
             r["trace_files"] = [_flatten_trace(out / "profile", folder / f"profile_{name}.trace.json.gz")]
             res["runs"][name] = r
         except Exception as e:

@@ -18,9 +18,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 
 from experiments import _common
-from experiments._common import ROOT, median
+from experiments._common import ROOT
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 GIB = 2**30

@@ -22,9 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 
 from experiments import _common, _peer
-from experiments._common import ROOT, PeakRSS, median
+from experiments._common import ROOT, PeakRSS
 
 DEFAULT_LENGTHS = "2048,4096,8000"  # 8000, not 8192: the prompt and its one new token fit SmolLM2's 8192
 

@@ -106,22 +106,6 @@ def trace_events(events: list[dict]) -> list[dict]:
             and (not devices or e.get("pid") in devices)]
 
 
-def trace_summary(events: list[dict]) -> dict:
-    """What a trace holds, per process: timed events, how many name an HLO op, and a few examples
-    (to read a backend whose events this script does not attribute yet)."""
-    names, out = _process_names(events), {}
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        row = out.setdefault(names.get(e.get("pid"), str(e.get("pid"))), {"events": 0, "with_hlo_op": 0, "examples": []})
-        row["events"] += 1
-        row["with_hlo_op"] += "hlo_op" in e.get("args", {})
-        if len(row["examples"]) < 4 and e.get("dur", 0) > 5:
-            row["examples"].append({"name": e.get("name"), "dur_us": e.get("dur"),
-                                    "args": {k: str(v)[:80] for k, v in list(e.get("args", {}).items())[:8]}})
-    return out
-
-
 def device_time(events: list[dict], top: int = 15) -> dict:
     """Per device process of a trace (every process on a CPU): busy ms (the union of its timed
     events' intervals, so overlapping streams or threads count once), and the events' summed ms
@@ -231,7 +215,7 @@ def main(argv=None, model=None) -> dict:
             print(f"  {st:16s} {row['ms']:9.2f} ms  {100 * row['share']:5.1f}%   top: {ops}")
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
                   layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
-                  trace_summary=trace_summary(events), devices=device_time(events))
+                  devices=device_time(events))
     _common.save("profile", result, args)
     print(f"\ntrace in {folder} (TensorBoard profile plugin, or the .trace.json.gz in Perfetto)")
     return result

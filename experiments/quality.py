@@ -403,13 +403,16 @@ def evaluation(args) -> dict:
     for kind in backends:
         if kind == "local-completions":
             port = _serve.free_port()
-            with _serve.Server("jaxinfer serve", [sys.executable, "-m", "jaxinfer", "serve", "--model", folder,
-                                                  "--served-name", EVAL["served_name"], "--host", "127.0.0.1",
-                                                  "--port", str(port), "--max-slots", str(EVAL["slots"]),
-                                                  "--max-len", str(EVAL["max_length"] + 2), "--max-waiting", "4096"],
-                               port, os.path.join(tmp, "serve.log"), env) as server:
+            server = _serve.Server("jaxinfer serve", [sys.executable, "-m", "jaxinfer", "serve", "--model", folder,
+                                                      "--served-name", EVAL["served_name"], "--host", "127.0.0.1",
+                                                      "--port", str(port), "--max-slots", str(EVAL["slots"]),
+                                                      "--max-len", str(EVAL["max_length"] + 2), "--max-waiting", "4096"],
+                                   port, os.path.join(tmp, "serve.log"), env)
+            try:
                 server.start(600)
                 results[kind] = run(sys.executable, kind, server.url)
+            finally:
+                server.stop()
         else:
             results[kind] = run(args.hf_python if kind == "hf" else sys.executable, kind)
         print(f"{kind}: " + ", ".join(f"{t} {v['wall_s']:.1f} s" for t, v in results[kind]["tasks"].items()))

@@ -26,13 +26,14 @@ import os
 import shlex
 import sys
 import time
+from statistics import median
 
 import httpx
 import numpy as np
 
 import jaxinfer
 from experiments import _common, _peer, _serve
-from experiments._common import ROOT, median, plt
+from experiments._common import ROOT, plt
 from jaxinfer.compile_cache import CompileCounter, enable_persistent_cache
 from jaxinfer.serve import Engine
 from jaxinfer.serve import http_api as srv
@@ -93,12 +94,11 @@ def engine_runs(args, model) -> dict:
     print(f"decode, {slots} slots busy: engine {e:.1f} tokens/s, generate {g:.1f} ({e / g:.2f}x)")
     result["engine_compiles_while_serving"] = sum(compiles)
     result["prefix"] = prefix_cache(args, model, ids, small)
-    return result
+    return result, engine_figure(result)
 
 
 def prefix_cache(args, model, ids, small) -> dict:
     """TTFT of requests sharing a system prompt, one after another, with and without the prefix cache."""
-
     system, rng, out = ids[:args.system_tokens], np.random.default_rng(2), {}
     lo, hi = (8, 16) if small else (16, 64)
     questions = [ids[s:s + int(rng.integers(lo, hi))] for s in rng.integers(args.system_tokens, len(ids) - 64,
@@ -130,7 +130,6 @@ def engine_figure(result: dict):
 
 def http_run(args, model) -> tuple[dict, object]:
     """The load test: the HTTP app in this process, streaming clients with disconnects."""
-
     engine = Engine(model, **(SMOKE_ENGINE if args.smoke else dict(max_slots=args.max_slots, prefill_chunk=64,
                                                                    max_len=args.max_prompt + args.max_new)))
     engine.warmup(logprobs=True, scoring=not args.smoke)
@@ -200,7 +199,6 @@ def medians(rounds: list[dict]) -> dict:
 
 def peer_run(args) -> dict:
     """jaxinfer serve and llama-server side by side, subprocesses, rounds in ABBA order."""
-
     peer = _peer.from_args(args)
     skip = "--peer none" if args.peer == "none" else peer.missing("server", "gguf")
     if skip:
@@ -304,19 +302,13 @@ def main(argv=None, model=None) -> dict:
         args.requests = {"engine": 6, "http": 12, "peer": 4}[mode]
         args.slots, args.ctx, args.min_prompt, args.min_new = 2, 1024, 30, 4
         args.jaxinfer_args = args.jaxinfer_args or "--max-len 256"
-    if mode == "peer":
-        result = peer_run(args)
-        _common.save("serving_peer", result, args)
-        return result
     if mode == "engine" and not args.smoke:
         enable_persistent_cache()
-    model = _common.load_model(args, model)
-    if mode == "http":
-        result, fig = http_run(args, model)
-        _common.save("serving_http", result, args, fig)
-        return result
-    result = engine_runs(args, model)
-    _common.save("serving", result, args, engine_figure(result))
+    if mode == "peer":
+        result, fig = peer_run(args), None
+    else:
+        result, fig = (http_run if mode == "http" else engine_runs)(args, _common.load_model(args, model))
+    _common.save({"engine": "serving", "http": "serving_http", "peer": "serving_peer"}[mode], result, args, fig)
     return result
 
 

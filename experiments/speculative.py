@@ -18,6 +18,7 @@ from __future__ import annotations
 import pydoc_data.topics
 import time
 from pathlib import Path
+from statistics import median
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ import optax
 
 import jaxinfer
 from experiments import _common, _measure
-from experiments._common import ROOT, median
+from experiments._common import ROOT
 from jaxinfer.decode import speculative as spec
 from jaxinfer.model import forward as mdl
 from jaxinfer.weights import checkpoint

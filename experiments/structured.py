@@ -62,14 +62,12 @@ def _ms(xs) -> dict:
 
 def prompt_ids(tok, schema: dict) -> list[int]:
     """A short chat turn asking for the schema's kind of object (the constraint supplies the shape)."""
-
     ask = f"Reply with a JSON object describing one {schema.get('title', 'record').lower()}."
     return chat_ids(tok, [{"role": "user", "content": ask}])
 
 
 def verdict(text: str, finish: str, schema: dict) -> str:
     """'valid', 'invalid' (finished but wrong: must never happen) or 'unfinished'."""
-
     if finish != "stop":
         return "unfinished"
     try:
@@ -129,7 +127,6 @@ def cost_generate(model, schemas: dict, rows: int, max_new: int) -> dict:
 
 def cost_engine(model, schemas: dict, max_new: int) -> dict:
     """One request per schema at once through the Engine, constrained vs unconstrained, same lengths."""
-
     # no prefix cache: a repeated prompt would be prefilled in other chunk shapes (new programs)
     engine = Engine(model, max_slots=len(schemas), prefill_chunk=512, prefix_cache=False)
     prompts = {n: prompt_ids(model.tokenizer, s) for n, s in schemas.items()}

@@ -44,13 +44,6 @@ COLORS = ["#fde2a7", "#b9e3c6", "#c8d7f5", "#f6c6d0", "#e0cdf2", "#cfeef0"]
 VENDOR_BANDWIDTH = {"H100 SXM (spec 3.35 TB/s)": 3.35e12, "H200 (spec 4.8 TB/s)": 4.8e12}
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-
-
 # ---- tokens ------------------------------------------------------------------------------------
 
 def show(piece: bytes) -> str:
@@ -204,7 +197,6 @@ def sampling(m, args):
 
 def _count(m, prompt: str, new: int) -> dict:
     """Generate `new` tokens greedily with and without the cache; count the tokens each reads."""
-
     ids = m.tokenizer.encode(prompt)
     uncached, read_uncached = probes.greedy_uncached(m, ids, new)
     # chunk_size = new - 1: exactly new - 1 decode steps run, each reading one token per row
@@ -218,7 +210,6 @@ def _count(m, prompt: str, new: int) -> dict:
 
 def _time(m, prompt: str, new: int, chunk: int) -> dict:
     """Cumulative wall time to each token, uncached vs cached, after a warm-up of both."""
-
     ids = m.tokenizer.encode(prompt)
     kw = dict(max_new_tokens=new, stop_at_eos=False, chunk_size=chunk)
     for b in sorted({bucket(n) for n in range(len(ids), len(ids) + new)}):  # compile each bucket
@@ -243,7 +234,6 @@ def _time(m, prompt: str, new: int, chunk: int) -> dict:
 
 def _memory(m) -> dict:
     """Bytes per token by the formula for several models, and a cache our own prefill filled."""
-
     rows = []
     for cfg, dt in [(config.smollm2_135m(), "float16"), (config.llama3_8b(), "float16"), (config.llama3_70b(), "float16"),
                     (config.llama31_405b(), "float16"), (m.config, m.config.dtype)]:
@@ -274,7 +264,7 @@ def kv_cache(m, args):
     mem = _memory(m)
     for r in mem["rows"]:
         print(f"  {r['model']:16s} {r['dtype']:8s} {r['bytes_per_token']:10,d} bytes/token, "
-              f"{fmt_bytes(r['bytes_at_8192'])} at 8,192 tokens")
+              f"{r['bytes_at_8192'] / 2**30:,.2f} GiB at 8,192 tokens")
     print(f"  our prefill's cache: measured {mem['our_cache']['measured_nbytes']:,} bytes = formula: "
           f"{mem['our_cache']['equal']}")
     fig, (a0, a1, a2) = plt().subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1.2, 1.1]})
@@ -299,7 +289,7 @@ def kv_cache(m, args):
     a2.barh(range(len(rows)), gib, color="#72b7b2")
     a2.set_yticks(range(len(rows)), [f"{x['model']}\n{x['dtype']}" for x in rows], fontsize=8)
     for i, x in enumerate(rows):
-        a2.text(gib[i], i, f" {fmt_bytes(x['bytes_at_8192'])} ({x['bytes_per_token'] / 1024:,.1f} KiB/token)",
+        a2.text(gib[i], i, f" {x['bytes_at_8192'] / 2**30:,.2f} GiB ({x['bytes_per_token'] / 1024:,.1f} KiB/token)",
                 va="center", fontsize=8)
     a2.set_xlim(0, max(gib) * 1.9)
     a2.set(xlabel="KV cache at 8,192 tokens, GiB", title="memory: 2 x L x K x H x bytes per token")

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import jax
 import ml_dtypes
@@ -29,7 +30,7 @@ from safetensors.numpy import save_file
 
 import jaxinfer
 from experiments import _common
-from experiments._common import ROOT, median
+from experiments._common import ROOT
 from jaxinfer.weights import checkpoint, hub
 from jaxinfer.weights import safetensors_io as st
 
@@ -60,7 +61,6 @@ def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_folder(folder: Path, cfg: dict, shard_bytes: int, seed: int = 0) -> int:
     """config.json + bf16 shards + their index (one shard in memory at a time): the tensor bytes."""
-
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     rng = np.random.default_rng(seed)
@@ -88,7 +88,6 @@ def write_folder(folder: Path, cfg: dict, shard_bytes: int, seed: int = 0) -> in
 
 def child(folder: str) -> dict:
     """In a fresh process: load the folder, time it, its RSS, and a few values against the file."""
-
     jax.numpy.zeros(1).block_until_ready()  # the backend up before the baseline
     base = _common.rss_bytes()
     t0 = time.perf_counter()
