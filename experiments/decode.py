@@ -62,7 +62,7 @@ def transformers_decode(gguf: str, batches, prompt: list[int], n: int, repeats: 
     return tok, sum(p.numel() * p.element_size() for p in model.parameters()), kv
 
 
-def peers(args, base, bw: float, batches, prefill_lens) -> tuple[dict, list[str]]:
+def peers(args, base, bw: float, batches) -> tuple[dict, list[str]]:
     """Rows of the peers named in --peers on the same weights, and why any was skipped."""
     rows, notes = {}, []
     ids = _measure.prompts(base, 1, args.prompt)[0]
@@ -147,7 +147,7 @@ def measure(args, base) -> dict:
               "batches": batches, "prompt": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "variants": variants}
     if args.peers:
-        result["peers"], result["notes"] = peers(args, base, bw["roofline_Bps"], batches, prefill_lens)
+        result["peers"], result["notes"] = peers(args, base, bw["roofline_Bps"], batches)
         for n in result["notes"]:
             print("note:", n)
         for name, r in result["peers"].items():
