@@ -39,7 +39,7 @@ from jaxinfer.serve import Engine
 from jaxinfer.serve import http_api as srv
 from jaxinfer.serve import metrics as mx
 
-SMOKE_ENGINE = dict(max_slots=2, max_len=96, prefill_chunk=16)  # one shape set for every --smoke mode: shared programs
+SMOKE_ENGINE = dict(max_slots=2, max_len=48, prefill_chunk=16)  # one shape set for every --smoke mode: shared programs
 LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # jaxinfer's KV dtype -> llama-server's
 
 
@@ -296,8 +296,8 @@ def main(argv=None, model=None) -> dict:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.smoke:
-        args.repeats, args.rates, args.decode_tokens = 1, "8", 48
-        args.system_tokens, args.shared = 32, 2
+        args.repeats, args.rates, args.decode_tokens = 1, "8", 28
+        args.system_tokens, args.shared = 24, 2
         args.concurrency, args.max_prompt, args.max_new, args.max_slots, args.disconnect = 3, 40, 8, 2, 0.25
         args.requests = {"engine": 6, "http": 12, "peer": 4}[mode]
         args.slots, args.ctx, args.min_prompt, args.min_new = 2, 1024, 30, 4
