@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import common
-from experiments.common import plt
+from experiments import _common as common
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -50,13 +49,13 @@ def main(argv=None, model=None) -> dict:
     first_seen = next((lens.layers[i] for i in range(n) if final_token in lens.top_tokens[i][-1]), None)
 
     print(f"prompt {args.prompt!r} -> {T} tokens: {' | '.join(x.replace(' ', '·') for x in pieces)}")
-    print(f"last position, top token by layer (probability):")
+    print("last position, top token by layer (probability):")
     for i in range(n):
         print(f"  layer {lens.layers[i]:2d}: {top[i][-1]!r:14} {lens.top_probs[i, -1, 0]:.3f}")
     print(f"{final_token!r} is the top token from layer {layer} on (of {n}); in the top {args.top_k} from "
           f"layer {first_seen}; final probability {lens.top_probs[-1, -1, 0]:.3f}")
 
-    fig, ax = plt.subplots(figsize=(1.5 + 1.3 * T, 0.9 + 0.28 * n))
+    fig, ax = common.plt().subplots(figsize=(1.5 + 1.3 * T, 0.9 + 0.28 * n))
     im = ax.imshow(lens.top_probs[:, :, 0], aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
     for i in range(n):
         for t in range(T):
@@ -71,7 +70,7 @@ def main(argv=None, model=None) -> dict:
     result = {"prompt": args.prompt, "tokens": pieces, "token_ids": lens.token_ids, "layers": list(lens.layers),
               "final_token": final_token, "top_from_layer": layer, "in_top_k_from_layer": first_seen,
               "top_tokens": lens.top_tokens, "top_ids": lens.top_ids, "top_probs": lens.top_probs.round(5)}
-    common.save("logit_lens", fig, result, args)
+    common.save("logit_lens", result, args, fig=fig)
     return result
 
 

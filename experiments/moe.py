@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import jsonfile
+from experiments import _common
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
@@ -273,7 +273,7 @@ def main(argv=None) -> dict:
         if "prefill" in sections:
             print("prefill", flush=True)
             result["prefill"] = prefill(moe_model, dense_model, args)
-    path = jsonfile.write_json(Path(args.out) / "moe.json", result)
+    path = _common.write_json(Path(args.out) / "moe.json", result)
     print(f"wrote {path}")
     return result
 

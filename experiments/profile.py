@@ -1,18 +1,13 @@
-"""Where the time goes: a profiler trace of one prefill and a few decode steps, read per named stage.
+"""Where does a step's time go? A profiler trace of one prefill and a few decode steps, per named stage.
 
-    python experiments/profile.py                       # SmolLM2-135M, the default load
-    python experiments/profile.py --prompt-tokens 512 --decode-steps 16
-    python experiments/profile.py --smoke               # a tiny random model (the smoke test)
+    python -m experiments.profile [--prompt-tokens 256] [--decode-steps 8] [--batch 1]
 
-Every stage of the data path runs under a `jax.named_scope` (embed, attention with its
-cache_write and paged_attention, mlp, logits, sampling; prefill and decode around them), so the
-XLA ops of the compiled programs carry the stage in their metadata (`op_name`). This script
-writes a `jax.profiler` trace of one prefill chunk and one decode scan (open <out>/profile/ in
-TensorBoard's profile plugin or the .trace.json.gz in Perfetto), then attributes every XLA op
-the trace timed to its innermost stage through the compiled HLO, and prints the time per stage
-and its top ops: the researcher's view of where a token's time goes.
-
-Writes <out>/profile.json (the per-stage table) next to the trace.
+Every stage of the data path runs under a `jax.named_scope` (embed, attention with cache_write and
+paged_attention, mlp, logits, sampling), so the XLA ops of the compiled programs carry their stage
+in `op_name`. This writes a `jax.profiler` trace of one prefill and one decode scan (<out>/profile/:
+TensorBoard's profile plugin, or the .trace.json.gz in Perfetto), attributes every op the trace
+timed to its innermost stage through the compiled HLO, and writes profile.json: time per stage
+and its top ops.
 """
 
 from __future__ import annotations
@@ -24,22 +19,16 @@ import json
 import math
 import os
 import re
-import sys
 import time
 
+import jax
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-
-import jaxinfer  # noqa: E402
-from experiments import common, jsonfile  # noqa: E402
-from jaxinfer.decode import core  # noqa: E402
-from jaxinfer.decode import generate as gen  # noqa: E402
-from jaxinfer.decode import sampling as smp  # noqa: E402
-from jaxinfer.model import cache as kv  # noqa: E402
+from experiments import _common
+from jaxinfer.decode import core
+from jaxinfer.decode import generate as gen
+from jaxinfer.decode import sampling as smp
+from jaxinfer.model import cache as kv
 
 # Innermost first: an op in attention/cache_write counts as cache_write.
 STAGES = ("cache_write", "paged_attention", "sampling", "embed", "attention", "mlp", "logits")
@@ -117,22 +106,6 @@ def trace_events(events: list[dict]) -> list[dict]:
             and (not devices or e.get("pid") in devices)]
 
 
-def trace_summary(events: list[dict]) -> dict:
-    """What a trace holds, per process: timed events, how many name an HLO op, and a few examples
-    (to read a backend whose events this script does not attribute yet)."""
-    names, out = _process_names(events), {}
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        row = out.setdefault(names.get(e.get("pid"), str(e.get("pid"))), {"events": 0, "with_hlo_op": 0, "examples": []})
-        row["events"] += 1
-        row["with_hlo_op"] += "hlo_op" in e.get("args", {})
-        if len(row["examples"]) < 4 and e.get("dur", 0) > 5:
-            row["examples"].append({"name": e.get("name"), "dur_us": e.get("dur"),
-                                    "args": {k: str(v)[:80] for k, v in list(e.get("args", {}).items())[:8]}})
-    return out
-
-
 def device_time(events: list[dict], top: int = 15) -> dict:
     """Per device process of a trace (every process on a CPU): busy ms (the union of its timed
     events' intervals, so overlapping streams or threads count once), and the events' summed ms
@@ -185,21 +158,19 @@ def per_stage(events: list[dict], names: dict[str, dict[str, str]]) -> dict:
 
 
 def main(argv=None, model=None) -> dict:
-    p = common.parser(__doc__.splitlines()[0])
+    p = _common.parser(__doc__)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
     args = p.parse_args(argv)
     if args.smoke:
         args.prompt_tokens, args.decode_steps = 16, 4
-        if model is None:
-            model = common.tiny_model("tiny-profile")
-    if model is None:
-        model = jaxinfer.load(args.model)  # the default load (on a CPU: the CPU decode layout)
+        model = model or _common.tiny_model()
+
+    model = _common.load_model(args, model)  # the default load
     cfg, B, T = model.config, args.batch, args.prompt_tokens
     if model.tokenizer is not None:
-        text = open(os.path.join(ROOT, "experiments", "data", "pydoc_heldout.txt")).read()
-        ids = np.asarray(model.tokenizer.encode(text)[:B * T], np.int32).reshape(B, T)
+        ids = np.asarray(_common.text_ids(model.tokenizer)[:B * T], np.int32).reshape(B, T)
     else:
         ids = (np.arange(B * T, dtype=np.int32) % cfg.vocab_size).reshape(B, T)
     counts = core.host_counts(ids.tolist(), cfg.vocab_size)
@@ -213,20 +184,22 @@ def main(argv=None, model=None) -> dict:
         return (model.params, kv.init_cache_jit(cfg, B, T + args.decode_steps + 1), ids, np.zeros((B,), np.int32),
                 lengths, np.ones((B,), bool), rows(), counts, np.zeros_like(ids))
 
+    # each program compiled once, ahead of time: its HLO names the ops' stages, and the trace runs it
+    prefill = core.prefill_jit.lower(*prefill_args(), cfg).compile()
+
     def decode_state():
-        cache, _, out = core.prefill_jit(*prefill_args(), cfg)
+        cache, _, out = prefill(*prefill_args())
         r = rows()
         return core.DecodeState(cache=cache, tokens=np.asarray(out.first.tokens[:, 0]), counts=counts,
                                 rows=r.replace(steps=r.steps + 1, budget=r.budget - 1))
 
-    def run():
-        state, em = core.decode_jit(model.params, decode_state(), cfg, args.decode_steps)
-        return jax.block_until_ready(em)
+    decode = core.decode_jit.lower(model.params, decode_state(), cfg, args.decode_steps).compile()
 
-    run()  # compile both programs outside the trace
-    names = {"prefill": op_names(core.prefill_jit.lower(*prefill_args(), cfg).compile().as_text()),
-             "decode": op_names(core.decode_jit.lower(model.params, decode_state(), cfg,
-                                                      args.decode_steps).compile().as_text())}
+    def run():
+        return jax.block_until_ready(decode(model.params, decode_state())[1])
+
+    run()  # the first run's allocations stay out of the trace
+    names = {"prefill": op_names(prefill.as_text()), "decode": op_names(decode.as_text())}
     folder = os.path.join(args.out, "profile")
     t0 = time.perf_counter()
     with jax.profiler.trace(folder, create_perfetto_trace=True):
@@ -242,8 +215,8 @@ def main(argv=None, model=None) -> dict:
             print(f"  {st:16s} {row['ms']:9.2f} ms  {100 * row['share']:5.1f}%   top: {ops}")
     result = dict(model=args.model, batch=B, prompt_tokens=T, decode_steps=args.decode_steps,
                   layout=cfg.layout, trace_folder=folder, traced_wall_s=wall, stages=table,
-                  trace_summary=trace_summary(events), devices=device_time(events))
-    jsonfile.write_json(os.path.join(args.out, "profile.json"), result)
+                  devices=device_time(events))
+    _common.save("profile", result, args)
     print(f"\ntrace in {folder} (TensorBoard profile plugin, or the .trace.json.gz in Perfetto)")
     return result
 

@@ -23,8 +23,7 @@ import time
 
 import numpy as np
 
-from experiments import common
-from experiments.common import plt
+from experiments import _common as common
 
 POSITIVE = ["I love this movie, it was wonderful and moving.", "What a fantastic day, everything went great.",
             "The food was delicious and the staff were lovely.", "I am so happy with how this turned out.",
@@ -92,7 +91,7 @@ def sweep(args, m) -> dict:
     for r in rows:
         print(f"{r['scale']:6.1f} {r['score']:7.2f} {r['p_good']:8.3f} {r['p_bad']:8.3f} {r['p_great']:9.4f}  "
               f"{r['samples'][0][:70]!r}")
-    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a0, a1) = common.plt().subplots(1, 2, figsize=(11, 4))
     xs = [r["scale"] for r in rows]
     for i, t in enumerate(neutral):
         a0.plot(xs, [r["scores"][i] for r in rows], color="0.7", lw=0.8)
@@ -111,7 +110,7 @@ def sweep(args, m) -> dict:
     fig.suptitle(f"{args.model}: a steering vector from contrastive prompts", fontsize=10)
     result = {"layer": layer, "vector_norm": float(np.linalg.norm(v)), "neutral_prompts": neutral,
               "good_ids": good, "bad_ids": bad, "rows": rows}
-    common.save("steering", fig, result, args)
+    common.save("steering", result, args, fig=fig)
     return result
 
 
@@ -223,7 +222,7 @@ def speed(args, m) -> dict:
 
     for r in rows:
         print(f"{r['row']:70} {r['ratio']:7.3f}  (target {r['target']})")
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = common.plt().subplots(figsize=(8, 3))
     ratios = rows[:4]
     ax.barh(range(len(ratios)), [r["ratio"] for r in ratios], color="C0")
     for i, (r, t) in enumerate(zip(ratios, (1 / 1.05, 1 / 1.05, 1.3, 0.8))):
@@ -233,7 +232,7 @@ def speed(args, m) -> dict:
     ax.set_title(f"{args.model}: the cost of steering and capture ({rounds} alternating rounds, medians; "
                  f"{compiles.count} compiles for new vectors)", fontsize=8)
     result = {"layer": layer, "rounds": rounds, "layout": cfg.layout, "rows": rows}
-    common.save("steering_speed", fig, result, args)
+    common.save("steering_speed", result, args, fig=fig)
     return result
 
 

@@ -43,7 +43,7 @@ def _add_generate(sub) -> None:
                    help="speculative decoding: prompt n-gram lookup, or the target's first --draft-layers as draft")
     p.add_argument("--spec-k", type=int, default=4, help="tokens proposed per speculative round")
     p.add_argument("--draft-layers", type=int, default=4, help="layers of the truncated-target draft")
-    p.add_argument("--draft", help="draft checkpoint folder (experiments/distill_draft.py) instead of the "
+    p.add_argument("--draft", help="draft checkpoint folder (python -m experiments.speculative --distill) instead of the "
                                    "truncated target")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-stop", action="store_true", help="do not stop at end-of-sequence tokens")

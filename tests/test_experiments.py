@@ -1,109 +1,218 @@
-"""Smoke test of the five walkthrough experiments: each runs end to end (fast settings) on the real
-model and writes its JSON and PNG; the facts they print are checked, their timings are not."""
+"""Every runner of experiments/ end to end in its --smoke mode (tiny models, seconds): it runs,
+writes its JSON (and PNG), and the facts it reports hold; its timings are never checked. The
+walkthrough's facts are the real model's, so those steps run on SmolLM2 itself. The device check
+(the GPU run uses 8B shapes) runs its smoke preset here too, so it never rots; in one module its
+programs and the decode runner's (the same tiny shapes) are compiled once."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
-from experiments import attention, kv_cache, roofline, sampling, tokens
+from experiments import _common
+from experiments import device_check as dc
+from jaxinfer import compile_cache
+from jaxinfer.inspect import roofline
+from tests.tolerances import check, tolerance
 
 
-@pytest.fixture()
-def run(smollm2, tmp_path):
-    def go(module, *argv):
-        result = module.main(["--smoke", "--out", str(tmp_path), *argv], model=smollm2)
-        name = module.__name__.rsplit(".", 1)[1]
-        assert (tmp_path / f"{name}.png").stat().st_size > 1000
-        assert json.loads((tmp_path / f"{name}.json").read_text())["experiment"] == name
-        return result
-
-    return go
+@pytest.fixture(scope="module")
+def tiny_tok(smollm2):
+    """A tiny random model with SmolLM2's tokenizer and vocabulary."""
+    return _common.tiny_model(tokenizer=smollm2.tokenizer, eos_token_id=smollm2.config.eos_token_id)
 
 
-def test_tokens(run):
-    r = run(tokens, "I read inthe news")
+def saved(tmp_path, name):
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["experiment"] == name and data["environment"]["backend"]
+    return data
+
+
+def test_walkthrough_on_the_real_model(smollm2, tmp_path):
+    from experiments import walkthrough
+
+    def run(step, *argv):
+        r = walkthrough.main([step, "--smoke", "--out", str(tmp_path), *argv], model=smollm2)
+        assert (tmp_path / f"{step}.png").stat().st_size > 1000 and saved(tmp_path, step)
+        return r
+
+    r = run("tokens", "I read inthe news")
     assert r["probes"]["cl100k_base"]["inthe"] == ["in", "the"]  # the typo is two known tokens
     assert len(r["probes"]["smollm2-135m"]["glorptastic"]) > 1  # a made-up word splits into pieces
     cl = r["tokenizers"]["cl100k_base"]["tokens"]
-    assert [t["piece"] for t in cl] == ["I", "·read", "·in", "the", "·news"]
-    assert [t["id"] for t in cl] == [40, 1373, 304, 1820, 3754]
-
-
-def test_attention(run):
-    r = run(attention)
-    assert r["shape"] == [30, 9, 10, 10]
-    assert r["max_weight_on_later_token"] == 0.0  # a token only looks back
-    assert r["attends_most_to"] in ("cat", "mat")
-    assert len(r["referent_heads"]) == 5
-
-
-def test_sampling(run):
-    r = run(sampling)
+    assert [t["piece"] for t in cl] == ["I", "·read", "·in", "the", "·news"] and [t["id"] for t in cl] == [40, 1373, 304, 1820, 3754]
+    r = run("attention")
+    assert r["shape"] == [30, 9, 10, 10] and r["max_weight_on_later_token"] == 0.0  # a token only looks back
+    assert r["attends_most_to"] in ("cat", "mat") and len(r["referent_heads"]) == 5
+    r = run("sampling")
     for label, p in r["presets"].items():
-        assert p["same_seeds_same_darts"], label
-        assert p["darts_outside_allowed"] == 0, label
-    assert r["presets"]["Greedy"]["tokens_allowed"] == 1
-    assert r["presets"]["Top-k 5"]["tokens_allowed"] == 5
+        assert p["same_seeds_same_darts"] and p["darts_outside_allowed"] == 0, label
+    assert r["presets"]["Greedy"]["tokens_allowed"] == 1 and r["presets"]["Top-k 5"]["tokens_allowed"] == 5
     assert r["presets"]["Greedy"]["top"][0]["token"] == "·Paris"
 
 
-def test_kv_cache(run):
-    r = run(kv_cache)
+def test_walkthrough_cache_and_roofline(tiny_tok, tmp_path):
+    """The counting and the formulas hold for any model with SmolLM2's tokenizer."""
+    from experiments import walkthrough
+
+    r = walkthrough.main(["kv_cache", "--smoke", "--out", str(tmp_path)], model=tiny_tok)
     c = r["counting"]
     assert (c["total_tokens"], c["tokens_read_cached"], c["tokens_read_uncached"]) == (7, 6, 18)
-    assert c["same_tokens"] and r["timing"]["same_tokens"]
+    assert c["same_tokens"] and r["timing"]["same_tokens"] and r["memory"]["our_cache"]["equal"]
     rows = {x["model"] + " " + x["dtype"]: x for x in r["memory"]["rows"]}
-    assert rows["llama3-8b float16"]["bytes_per_token"] == 131_072
-    assert rows["llama3-8b float16"]["bytes_at_8192"] == 2 ** 30
-    assert r["memory"]["our_cache"]["equal"]
-
-
-def test_roofline(run):
-    r = run(roofline)
+    assert rows["llama3-8b float16"]["bytes_per_token"] == 131_072 and rows["llama3-8b float16"]["bytes_at_8192"] == 2 ** 30
+    r = walkthrough.main(["roofline", "--smoke", "--out", str(tmp_path)], model=tiny_tok)
     h100 = r["ceilings_llama3_8b_fp16"][0]
     assert h100["source"] == "vendor spec" and h100["tokens_per_s"] == pytest.approx(208.6, abs=0.1)
-    assert r["bandwidth"]["bandwidth_Bps"] > 0
+    assert r["bandwidth"]["roofline_Bps"] == max(r["bandwidth"]["read_Bps"], r["bandwidth"]["copy_Bps"]) > 0
     assert r["model"]["weight_nbytes"] == r["model"]["weight_bytes_formula"]
-    assert [p["batch"] for p in r["measured"]] == [1, 2]
+    assert [p["batch"] for p in r["measured"]] == [1] and (tmp_path / "roofline.png").exists()
 
 
-def test_matvec_benchmark_runs(tmp_path):
-    """The matmul-kernel benchmark behind jaxinfer/model/layout.py runs and writes its JSON (no timing asserted)."""
-    from experiments import matvec
+def test_decode(tmp_path):
+    from experiments import decode
 
-    rows = matvec.main(["--quick", "--mb", "4", "--out", str(tmp_path)])
-    cases = [r["case"] for r in rows]
-    assert sum(c.startswith("size") for c in cases) == 6 and sum(c.startswith("dtype") for c in cases) == 3
-    assert [c.split()[1] for c in cases if c.startswith("batch")] == ["1", "2", "4", "8", "16"]
-    assert [c.split()[1] for c in cases if c.startswith("summed")] == ["2", "4", "8", "16", "32"]
-    assert all(r["GBps"] > 0 and r["n_matmuls"] >= 2 for r in rows)
-    assert json.loads(next(tmp_path.glob("matvec-*.json")).read_text())["rows"] == rows
-    only = matvec.main(["--quick", "--mb", "4", "--only", "batch", "--out", str(tmp_path / "b")])
-    assert [r["case"] for r in only] == [c for c in cases if c.startswith(("batch", "summed"))]
+    r = decode.main(["--smoke", "--out", str(tmp_path)])
+    assert set(r["variants"]) == {"default", "int8"} and saved(tmp_path, "decode")
+    fp, q = r["variants"]["default"]["decode"][1], r["variants"]["int8"]["decode"][1]
+    for row in (fp, q):
+        assert row["batch"] == 1 and row["tok_s"] > 0 and row["pct_roofline"] == pytest.approx(
+            100 * row["tok_s"] / row["roofline_tok_s"])
+    assert q["weight_bytes"] < 0.5 * fp["weight_bytes"] and q["kv_bytes_per_row"] == fp["kv_bytes_per_row"] > 0
+    assert r["variants"]["int8"]["prefill"][16]["tok_s"] > 0
 
 
-def test_engine_host_ab_runs_both_arms_on_one_engine(tmp_path):
-    """experiments/engine_host.py: both host paths serve the same burst on one warmed engine (no
-    timing asserted); the old path's rows are device arrays, the new one's host arrays."""
-    import jax.numpy as jnp
+def test_decode_against_a_tree(tmp_path):
+    """--against: both trees (here twice this one) in fresh processes; the table has their ratio."""
+    from experiments import decode
 
-    from experiments import engine_host
-    from jaxinfer.decode import penalties as pen
+    r = decode.main(["--smoke", "--against", str(_common.ROOT), "--out", str(tmp_path)])
+    assert set(r["table"]) == {"prefill_128_tokens_per_s"}
+    assert all(v["old"] > 0 and v["new"] > 0 for v in r["table"].values()) and saved(tmp_path, "decode_against")
 
-    with engine_host.device_rows():
-        assert isinstance(pen.stack([pen.PenaltySettings()], (2,), 8).min_tokens, jnp.ndarray)
-    assert isinstance(pen.stack([pen.PenaltySettings()], (2,), 8).min_tokens, np.ndarray)
-    r = engine_host.main(["--smoke", "--slots", "4", "--out", str(tmp_path)])
-    assert set(r["runs"]) == {"host_rows", "device_rows"} and r["requests"] == 8
-    for arm, runs in r["runs"].items():
-        assert len(runs) == 2 and all(o["tokens_per_s"] > 0 and o["iterations"] > 0 for o in runs)
-    assert r["ratio"] == pytest.approx(r["tokens_per_s"]["host_rows"] / r["tokens_per_s"]["device_rows"])
-    assert json.loads((tmp_path / "engine_host.json").read_text())["ratio"] == r["ratio"]
+
+def test_prefill(tmp_path):
+    from experiments import prefill
+
+    r = prefill.main(["--smoke", "--out", str(tmp_path)])
+    (row,) = r["rows"]
+    assert row["tokens"] == 64 and row["jaxinfer"]["warm_ttft_s"] > 0 and "llamacpp" not in row
+    assert r["llama_cpp"]["skipped"] and saved(tmp_path, "prefill")
+    s = prefill.summarize({"calls": [{"ttft_s": 9.0, "first_token": 5, "peak_rss_above_load_mb": 300.0},
+                                     {"ttft_s": 2.0, "first_token": 5, "peak_rss_above_load_mb": 310.0},
+                                     {"ttft_s": 4.0, "first_token": 5, "peak_rss_above_load_mb": 305.0}],
+                           "load_s": 1.0, "rss_loaded_mb": 800.0})
+    assert s["first_ttft_s"] == 9.0 and s["warm_ttft_s"] == 3.0 and s["peak_rss_above_load_mb"] == 310.0
+    assert prefill.summarize({"error": "timed out"}) == {"error": "timed out"}
+
+
+def test_serving_engine(tiny_tok, tmp_path):
+    from experiments import serving
+
+    r = serving.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    assert (tmp_path / "serving.png").stat().st_size > 1000 and saved(tmp_path, "serving")
+    assert r["burst"]["engine_tokens_per_s"] > 0 and r["burst"]["static_tokens_per_s"] > 0 and r["burst"]["same_tokens"]
+    (arr,) = r["arrivals"]
+    assert len(arr["engine"]["ttft"]) == len(arr["static"]["ttft"]) == 6
+    assert 0 < arr["engine"]["kv_ratio"] <= 1  # pages held never exceed generate's contiguous rows
+    assert r["decode"]["engine_tokens_per_s"] > 0 and r["engine_compiles_while_serving"] == 0
+    assert r["prefix"]["with_cache"]["hit_pages"] > 0 and r["prefix"]["without"]["hit_pages"] == 0
+
+
+def test_serving_http(tiny_tok, tmp_path):
+    """The load test: streaming clients with disconnects; no unexpected error, every KV page back."""
+    pytest.importorskip("starlette")
+    from experiments import serving
+
+    r = serving.main(["--smoke", "--http", "--out", str(tmp_path)], model=tiny_tok)
+    assert r["errors"] == 0, r["error_examples"]
+    assert r["requests_sent"] == 12 and r["disconnected"] >= 1 and r["completed"] + r["disconnected"] == 12
+    assert r["kv_pages_in_use_after"] == 0 and r["engine"]["requests_running"] == 0 and r["output_tokens"] > 0
+    assert (tmp_path / "serving_http.png").exists() and saved(tmp_path, "serving_http")
+
+
+def test_serving_peer_bookkeeping(tmp_path):
+    """--peer llama-server's arithmetic from known inputs (llama.cpp never runs in the suite)."""
+    from experiments import _peer, serving
+
+    def side(tps, texts):
+        return {"output_tokens_per_s": tps, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "output_tokens": 10,
+                "per_request": [{"id": i, "text": t, "error": None} for i, t in texts]}
+
+    c = serving.compare(side(5.0, [(0, "a"), (1, "b"), (2, "c")]), side(10.0, [(2, "c"), (0, "a"), (1, "x")]), 3)
+    assert c["throughput_ratio"] == 0.5 and c["identical_completions"] == 2 and c["same_output_tokens"]
+    rounds = [{"jaxinfer": {**side(j, []), "ttft_p50_s": 1.0}, "llamacpp": {**side(q, []), "ttft_p99_s": 1.0},
+               "comparison": {"throughput_ratio": j / q}} for j, q in ((60.0, 70.0), (66.0, 60.0), (63.0, 63.0))]
+    m = serving.medians(rounds)
+    assert m["jaxinfer_output_tokens_per_s"] == 63.0 and m["llamacpp_ttft_p99_s"] == 1.0
+    assert m["throughput_ratio_median"] == 1.0 and m["throughput_ratios"] == [60 / 70, 66 / 60, 1.0]
+    assert serving.medians([{"jaxinfer": side(5.0, [])}])["throughput_ratio_median"] is None
+    peer = _peer.Peer(python=str(tmp_path / "nopython"), server=None, gguf=str(tmp_path / "no.gguf"))
+    why = peer.missing("python", "server", "gguf")
+    assert "nopython not found" in why and "no server given" in why and "$JAXINFER_LLAMA_SERVER" in why
+    assert peer.version() is None
+
+
+def test_speculative(tiny_tok, tmp_path):
+    from experiments import speculative
+
+    r = speculative.main(["--smoke", "--out", str(tmp_path), "--draft", str(tmp_path / "none")], model=tiny_tok)
+    rows = r["results"]["code-edit"]
+    assert set(rows) == {"plain", "lookup", "draft-first1"}
+    assert all(x["same_tokens_as_plain"] and x["tokens_per_s"] > 0 for x in rows.values())  # greedy: the same tokens
+
+
+def test_structured(tiny_tok, tmp_path):
+    from experiments import structured
+
+    r = structured.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    assert r["validity"]["invalid_total"] == 0 and r["validity"]["rows"] == 2  # a finished output always validates
+    assert set(r["cost_generate"]["schemas"]) == set(r["validity"]["schemas"]) == set(r["llguidance_costs"]["schemas"])
+    assert r["apply_token_bitmask"]["median_ms"] > 0 and saved(tmp_path, "structured")
+
+
+def test_quality(tiny_tok, tmp_path):
+    from experiments import quality
+
+    r = quality.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    res = r["results"]
+    assert set(res) == {"float32", "int8", "int4", "kv-int8"}
+    assert res["float32"]["top1_agreement"] == 1.0 and res["float32"]["mean_kl"] == 0
+    assert res["int4"]["weight_bytes"] < res["int8"]["weight_bytes"] < res["float32"]["weight_bytes"]
+    assert res["kv-int8"]["kv_bytes_per_token"] < res["float32"]["kv_bytes_per_token"] and saved(tmp_path, "quality")
+    ref = {"tasks": {"mc": {"output_type": "multiple_choice", "wall_s": 2.0, "items": [[-1.0, -2.0]],
+                            "metrics": {"acc,none": 1.0, "acc_norm,none": 1.0}},
+                     "gen": {"output_type": "generate_until", "wall_s": 4.0, "items": ["a", "b"], "metrics": {}}}}
+    got = {"tasks": {"mc": {**ref["tasks"]["mc"], "wall_s": 1.0, "items": [[-1.0, -2.5]]},
+                     "gen": {**ref["tasks"]["gen"], "items": ["a", "c"]}}}
+    c = quality.eval_compare(ref, got)
+    assert c["mc"] == {"wall_ratio": 0.5, "max_ll_diff": 0.5, "acc_equal": True}
+    assert c["gen"]["generations_equal"] == 1 and c["gen"]["items"] == 2
+
+
+def test_weights(tmp_path):
+    from experiments import weights
+
+    r = weights.main(["--smoke", "--out", str(tmp_path)])
+    assert r["n_shards"] > 1 and r["param_dtype"] == "bfloat16" and r["values_match_file"]
+    assert r["params_bytes"] == r["tensor_bytes"] and saved(tmp_path, "weights")  # bf16 in, bf16 held
+    r = weights.main(["--smoke", "--convert", "--out", str(tmp_path)])
+    (row,) = r["rows"]
+    assert row["max_logit_diff_ckpt_vs_source"] == 0.0 and row["size_mb"] > 0  # float32: the same numbers
+
+
+def test_devices(tmp_path):
+    from experiments import devices
+
+    r = devices.main(["--smoke", "--out", str(tmp_path)])
+    one = {(x["data"], x["model"], x["batch"]): x for x in r["rows"]}
+    assert one[(1, 8, 1)]["weights_per_device"] * 8 >= one[(1, 8, 1)]["weights_total"]  # sharded 8 ways
+    assert one[(8, 1, 8)]["weights_per_device"] == one[(8, 1, 8)]["weights_total"]  # replicated
+    assert saved(tmp_path, "devices")
 
 
 def test_profile_attributes_time_to_the_named_stages(tmp_path):
-    """experiments/profile.py: the trace's XLA ops land in the data path's named stages."""
     from experiments import profile
 
     r = profile.main(["--smoke", "--out", str(tmp_path)])
@@ -111,150 +220,140 @@ def test_profile_attributes_time_to_the_named_stages(tmp_path):
         stages = r["stages"][prog]
         assert {"attention", "mlp", "logits", "paged_attention", "sampling"} <= set(stages), sorted(stages)
         assert abs(sum(s["share"] for s in stages.values()) - 1) < 1e-6
-    assert (tmp_path / "profile.json").exists()
-
-
-def _np_no_repeat_banned(ids, n):
-    """transformers' NoRepeatNGramLogitsProcessor, in NumPy terms: the tokens that followed the last
-    n - 1 tokens anywhere earlier in `ids` (none while len(ids) + 1 < n)."""
-    if len(ids) + 1 < n:
-        return set()
-    grams = {}
-    for g in zip(*[ids[i:] for i in range(n)]):
-        grams.setdefault(tuple(g[:-1]), set()).add(g[-1])
-    return grams.get(tuple(ids[len(ids) + 1 - n:]), set())
-
-
-def test_logits_processors_match_their_definitions():
-    import jax.numpy as jnp
-    import numpy as np
-
-    from experiments import logits_processor as lp
-    from jaxinfer.decode import core
-
-    rng = np.random.default_rng(0)
-    B, S, V = 6, 24, 7  # a small vocabulary: repeats are common
-    tokens = rng.integers(0, V, (B, S)).astype(np.int32)
-    lengths = np.array([1, 2, 3, 9, 17, 24], np.int32)
-    logits = rng.standard_normal((B, V)).astype(np.float32)
-    steps = np.array([0, 1, 2, 3, 4, 5], np.int32)
-    inp = core.ProcessorInput(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), steps=jnp.asarray(steps))
-    for n in (2, 3, 4):
-        got = np.asarray(lp.no_repeat_ngram(n)(jnp.asarray(logits), inp))
-        for b in range(B):
-            banned = _np_no_repeat_banned(tokens[b, :lengths[b]].tolist(), n)
-            want = logits[b].copy()
-            want[sorted(banned)] = -np.inf
-            np.testing.assert_array_equal(got[b], want, err_msg=f"n={n} row {b}")
-    got = np.asarray(lp.ban_after([1, 3], 3)(jnp.asarray(logits), inp))
-    np.testing.assert_array_equal(got[:3], logits[:3])
-    assert np.isneginf(got[3:, [1, 3]]).all() and (got[3:, [0, 2, 4, 5, 6]] == logits[3:, [0, 2, 4, 5, 6]]).all()
-
-
-def test_logits_processor_experiment(smollm2, tmp_path):
-    from experiments import logits_processor as lp
-
-    r = lp.main(["--smoke", "--out", str(tmp_path)], model=smollm2)
-    assert json.loads((tmp_path / "logits_processor.json").read_text())["experiment"] == "logits_processor"
-    assert r["runs"]["greedy"]["repeated_ngrams"] > 0  # greedy SmolLM2 repeats the repetitive prompt
-    assert r["runs"]["no_repeat_ngram(3)"]["repeated_ngrams"] == 0
-
-
-@pytest.mark.slow
-def test_structured_bench_smoke(tmp_path, golden_dir):
-    """The benchmark's plumbing on a tiny random model with SmolLM2's tokenizer (its numbers are not checked)."""
-    import os
-
-    import jax
-
-    import jaxinfer
-    from experiments import structured_bench
-    from jaxinfer.model import config as mconfig, params as mparams
-    from jaxinfer.model.model import Model
-
-    tok = jaxinfer.load_tokenizer(os.path.join(golden_dir, "hf_text", "smollm2", "tokenizer.json.xz"))
-    cfg = mconfig.tiny(vocab_size=tok.vocab_size, max_seq_len=1024)
-    model = Model(cfg, mparams.init_params(cfg, jax.random.key(0)), tok)
-    r = structured_bench.main(["--smoke", "--out", str(tmp_path)], model=model)
-    assert json.loads((tmp_path / "structured_bench.json").read_text())["experiment"] == "structured_bench"
-    assert r["validity"]["invalid_total"] == 0 and r["validity"]["rows"] == 4
-    assert set(r["cost_generate"]["schemas"]) == set(r["validity"]["schemas"])
+    assert saved(tmp_path, "profile")
 
 
 def test_write_json_is_whole_or_not_at_all(tmp_path):
-    """Every experiment writes its JSON through jsonfile.write_json: numpy values become numbers,
-    folders are made, and a write that fails leaves the previous file as it was and no temporary
-    file behind."""
-    from experiments import jsonfile
-
-    path = jsonfile.write_json(tmp_path / "a" / "b.json", {"n": np.int64(3), "x": np.float32(0.5),
-                                                            "v": np.arange(3), "raw": b"\xffok"})
+    """numpy values become numbers, folders are made, and a write that fails leaves the previous
+    file as it was and no temporary file behind."""
+    path = _common.write_json(tmp_path / "a" / "b.json", {"n": np.int64(3), "x": np.float32(0.5), "v": np.arange(3),
+                                                          "raw": b"\xffok"})
     assert json.loads(path.read_text()) == {"n": 3, "x": 0.5, "v": [0, 1, 2], "raw": "\ufffdok"}
     loop = {}
     loop["self"] = loop  # json refuses a circular structure
     with pytest.raises(ValueError, match="Circular"):
-        jsonfile.write_json(path, loop)
-    assert json.loads(path.read_text())["n"] == 3
-    assert sorted(p.name for p in path.parent.iterdir()) == ["b.json"]
+        _common.write_json(path, loop)
+    assert json.loads(path.read_text())["n"] == 3 and sorted(p.name for p in path.parent.iterdir()) == ["b.json"]
 
 
-def test_attention_layout_times_both_layouts(tmp_path):
-    """experiments/attention_layout.py: both score layouts of paged attention on the same pool give
-    the same output (checked inside) and each is timed; the library's layout on a CPU is keys-major."""
-    from experiments import attention_layout
+def test_peak_rss_sees_an_allocation_inside_the_block():
+    import mmap
+    import time
 
-    r = attention_layout.main(["--smoke", "--out", str(tmp_path)])
-    assert [row["case"] for row in r["rows"]] == ["prefill 64 at 512", "decode 4 rows"]
-    for row in r["rows"]:
-        assert set(row["ms"]) == {"queries-major", "keys-major"} and all(t > 0 for t in row["ms"].values())
-        assert row["max_abs_diff"] <= 1e-5 * max(1.0, row["output_scale"])  # float32 summation order
-    assert r["library_layout"] == {"chunk": ("BKHGT", "BKSGT", "BKHGT"), "step": ("BTKGH", "BKGTS", "BKGTH")}
-    assert json.loads((tmp_path / "attention_layout.json").read_text())["rows"][0]["case"] == "prefill 64 at 512"
-
-
-def test_chunk_cut_serves_both_arms(tmp_path):
-    """experiments/chunk_cut.py: the same closed-loop workload served with chunks cut and padded,
-    alternating, on fresh engines; the library's first_piece is restored afterwards."""
-    from experiments import chunk_cut
-    from jaxinfer.serve import scheduler
-
-    keep = scheduler.first_piece
-    r = chunk_cut.main(["--smoke", "--out", str(tmp_path)])
-    assert scheduler.first_piece is keep
-    assert set(r["runs"]) == {"cut", "pad"} and r["requests"] == 6 and r["identical_completions"] == 6
-    for arm in ("cut", "pad"):  # every request runs to its length (no stop at eos)
-        run = r["runs"][arm][0]
-        assert run["output_tokens"] == r["max_tokens_sum"] > 0 and run["output_tokens_per_s"] > 0
-    assert json.loads((tmp_path / "chunk_cut.json").read_text())["experiment"] == "chunk_cut"
+    with _common.PeakRSS() as peak:
+        before = _common.rss_bytes()
+        a = mmap.mmap(-1, 64 * 2**20)  # fresh anonymous pages, each touched: new memory whatever was freed before
+        a.write(b"\1" * len(a))
+        time.sleep(0.5)  # the thread samples every 5 ms; many chances on a busy machine
+        a.close()
+    assert peak.peak - before >= 48 * 2**20, (peak.peak - before) / 2**20
 
 
-def test_program_memory_measures_each_layout_in_its_own_process(tmp_path):
-    """experiments/program_memory.py: per layout, resident memory after loading, with the pool and
-    after each mixed-call program, measured in a fresh subprocess."""
-    from experiments import program_memory
+# ---- the device check ----------------------------------------------------------------------------
 
-    r = program_memory.main(["--smoke", "--out", str(tmp_path)])
-    assert [row["layout"] for row in r["rows"]] == ["per_layer", "stacked"]
-    for row in r["rows"]:
-        assert row["loaded_mb"] > 0 and row["with_pool_mb"] > 0 and len(row["programs"]) >= 2
-        total = row["with_pool_mb"] + sum(x["grew_mb"] for x in row["programs"])
-        assert abs(total - row["after_programs_mb"]) < 1e-6
-    assert json.loads((tmp_path / "program_memory.json").read_text())["experiment"] == "program_memory"
+@pytest.fixture(scope="module")
+def device_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("device")
+    stage_s = []  # what JAX itself reports for tracing, lowering and compiling: an independent clock
+
+    def listen(event, duration_s, **kwargs):
+        if event in compile_cache._COMPILE_STAGE_EVENTS:
+            stage_s.append(duration_s)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:  # a generous budget: on a loaded machine the guard must not skip sizes (tested below)
+        report = dc.main(["--smoke", "--time-budget", "3600", "--out", str(folder)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return report, folder / "device_check.json", sum(stage_s)
 
 
-def test_chunk_calls_runs_every_arm_with_its_own_buckets(tmp_path):
-    """experiments/chunk_calls.py: three engines (buckets from 32 or 16, calls chosen by rows or
-    by timed seconds) serve the same burst, alternating; each arm has its buckets, every arm gives
-    the same tokens, and the library's MIN_CHUNK is left as it was."""
-    from experiments import chunk_calls
-    from jaxinfer.serve import runner
+def test_device_check_every_section_runs_and_is_written(device_run):
+    report, out, _ = device_run
+    assert list(report["sections"]) == list(dc.SECTIONS)
+    for name, sec in report["sections"].items():
+        assert sec["ok"], f"{name}: {sec.get('error')}\n{sec.get('traceback')}"
+    assert json.loads(out.read_text())["sections"].keys() == report["sections"].keys() and report["preset"] == "smoke"
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    env = report["sections"]["environment"]
+    assert env["devices"] and env["versions"]["jax"] and env["speed_allowed"]
 
-    keep = runner.MIN_CHUNK
-    r = chunk_calls.main(["--smoke", "--out", str(tmp_path)])
-    assert runner.MIN_CHUNK == keep
-    assert [r["warmup"][a]["chunks"][0] for a in ("before", "bucket16", "now")] == [32, 16, 16]
-    assert r["same_tokens"] and r["requests"] == 6
-    for arm in chunk_calls.ARMS:  # every request runs to its length (no stop at eos)
-        run = r["runs"][arm][0]
-        assert run["tokens"] == sum(2 + i for i in range(6)) and run["tokens_per_s"] > 0
-    assert json.loads((tmp_path / "chunk_calls.json").read_text())["experiment"] == "chunk_calls"
+
+def test_device_check_correctness_against_transformers_golden(device_run):
+    sec = device_run[0]["sections"]["correctness"]
+    r = sec["models"]["tiny_hf/gemma3"]
+    ref = np.load(dc.quality.GOLDEN / "tiny_hf" / "gemma3" / "reference.npz")
+    tol = tolerance(ref["logits"], fp32_error=ref["logits_fp32_error"])
+    check(r["fp32"]["max_logit_diff"], tol, "device check, tiny gemma3 fp32 logits")
+    check(r["fp32"]["max_lse_diff"], tol, "device check, tiny gemma3 fp32 logsumexp")
+    assert r["fp32"]["pass"] and r["fp32"]["argmax_agree"] == 1.0 and r["fp32"]["greedy_identical"]
+    assert 0 < r["bf16"]["max_logit_diff"] <= dc.quality.BF16_TOL  # bf16 really rounds, within its tolerance
+    assert r["batch_vs_alone"]["greedy_identical"] and r["batch_vs_alone"]["sampled_identical"]
+    assert r["same_seed"]["identical"] and sec["all_pass"]
+    assert r["loaded"] == {"layout": "per_layer", "kv_writes": "slices"}  # load's defaults on this CPU
+
+
+def test_device_check_decode_rooflines_are_consistent(device_run):
+    d = device_run[0]["sections"]["decode"]
+    bw = d["bandwidth"]["roofline_GBps"] * 1e9
+    assert bw == max(d["bandwidth"]["copy_GBps"], d["bandwidth"]["read_GBps"]) * 1e9 > 0
+    runs = {(r["label"], r["batch"]): r for r in d["runs"]}
+    assert d["model"]["layout"] == "per_layer" and d["model"]["writes"] == "slices"  # what load picks on this CPU
+    assert set(runs) == {("fp32", 1), ("int8", 1), ("int8kv", 1)}  # the smoke preset leaves the layout A/B out
+    for r in runs.values():
+        # no upper bound: the tiny model's weights sit in cache and a loaded CPU's bandwidth probe is noisy
+        expect = roofline.decode_ceiling(bw, r["weight_bytes"], batch=r["batch"], cache_bytes_per_row=r["kv_bytes_per_row"])
+        assert r["tok_s"] > 0 and np.isclose(r["roofline_tok_s"], expect) and np.isclose(r["pct_roofline"], 100 * r["tok_s"] / expect)
+        assert r["tok_s"] == np.median(r["all_tok_s"]) and r["compiles"] >= 0 and r["predicted_bytes"] > r["weight_bytes"]
+    fp = runs[("fp32", 1)]
+    assert fp["weight_bytes"] == d["model"]["weight_bytes"] and runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]
+    assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
+    assert {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "prefill_stacked_vs_per_layer"} <= set(d["ratios"])
+    for p in (d["prefill"], d["prefill_stacked"]):
+        assert p["tokens"] == dc.PRESETS["smoke"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
+    assert d["skipped_for_time"] == []
+
+
+def test_device_check_profile_names_where_the_time_goes(device_run):
+    prof = device_run[0]["sections"]["profile"]
+    assert set(prof["runs"]) == {"prefill"} and not prof["skipped_for_time"]  # a prefill and 2 decode steps
+    for run in prof["runs"].values():
+        assert "error" not in run, run
+        assert run["layout"] == "per_layer" and (device_run[1].parent / run["trace_files"][0]).stat().st_size > 0
+        assert all(dev["events"] > 0 for dev in run["devices"].values())
+        for prog in run["stages"].values():  # the named stages of the data path account for the time
+            assert {"mlp", "attention"} <= set(prog) and sum(s["share"] for s in prog.values()) == pytest.approx(1.0)
+    assert prof["runs"]["prefill"]["prompt_tokens"] == 16
+
+
+def test_device_check_serving_and_compiles(device_run):
+    s = device_run[0]["sections"]
+    srv = s["serving"]
+    assert set(srv["runs"]) == {"2", "2_static"} and srv["engine_vs_static_2"] > 0
+    tr = srv["trace_2"]  # one more burst under the profiler: device busy time against the wall
+    assert (device_run[1].parent / tr["trace_file"]).stat().st_size > 0 and tr["iterations"] > 0
+    for dev in tr["devices"].values():
+        assert 0 < dev["busy_ms"] <= 1e3 * tr["traced_wall_s"] * 1.05 and dev["by_kernel_ms"] and dev["by_program_ms"]
+    run, static = srv["runs"]["2"], srv["runs"]["2_static"]
+    assert static["tokens_per_s"] > 0 and static["requests"] == 4
+    assert run["slots"] == 2 and run["tokens_per_s"] > 0 and run["ttft_p50"] >= 0 and run["pct_roofline"] > 0
+    assert run["admitting_iterations"] + run["decoding_iterations"] >= run["iterations"] > 0
+    assert run["tokens_per_iteration"] == pytest.approx(run["requests"] * dc.PRESETS["smoke"].new_tokens / run["iterations"])
+    c = s["compiles"]
+    assert c["n_programs"] == sum(v["count"] for v in c["by_section"].values()) > 0
+    assert c["by_section"]["decode"]["count"] > 0 and c["compile_s"] == pytest.approx(device_run[2], rel=1e-6)
+
+
+def test_device_check_speed_refused_on_cpu_and_budget_skips_sizes(tmp_path):
+    rep = dc.main(["--preset", "full", "--sections", "environment,decode,serving", "--out", str(tmp_path / "a")])
+    assert "GPU" in rep["sections"]["decode"]["skipped"] and "skipped" in rep["sections"]["serving"]
+    rep = dc.main(["--smoke", "--sections", "correctness,decode", "--time-budget", "0", "--out", str(tmp_path / "b")])
+    assert rep["sections"]["correctness"]["skipped_for_time"] == list(dc.PRESETS["smoke"].models)
+    d = rep["sections"]["decode"]
+    assert d["runs"] == [] and "prefill" not in d and d["skipped_for_time"] == ["everything"]
+
+
+def test_device_check_run_order_puts_the_ab_first():
+    assert dc.run_order(dc.PRESETS["layouts"], "bf16") == [
+        ("bf16", 1), ("int8", 1), ("int8_stacked", 1), ("stacked", 1), ("bf16", 64), ("int8", 64),
+        ("prefill", 1), ("prefill_stacked", 1), ("int8kv", 1), ("int8kv", 64)]

@@ -1,6 +1,6 @@
 """Loading Hugging Face folders lazily: bf16 kept, in-place filling, sharded placement, and a bad
 folder refused from its headers before any tensor is read (tiny transformers models of
-tests/golden/tiny_hf; the scale benchmark is experiments/bench_load.py, smoke-tested here)."""
+tests/golden/tiny_hf; the scale benchmark is `python -m experiments.weights`, smoke-tested in test_experiments)."""
 
 import json
 import os
@@ -128,15 +128,6 @@ def test_unsupported_tensor_dtype_named(tmp_path, no_reads):
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(hf_io.HFError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has dtype I8"):
         jaxinfer.load(str(d))
-
-
-def test_bench_load_smoke(tmp_path):
-    from experiments import bench_load
-
-    r = bench_load.main(["--smoke", "--out", str(tmp_path)])
-    saved = json.loads((tmp_path / "bench_load.json").read_text())
-    assert saved["n_shards"] > 1 and saved["param_dtype"] == "bfloat16" and saved["values_match_file"]
-    assert saved["params_bytes"] == saved["tensor_bytes"] == r["tensor_bytes"]  # bf16 in, bf16 held
 
 
 def test_tensor_with_corrupt_values_is_named(tmp_path):

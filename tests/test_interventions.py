@@ -265,9 +265,9 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
     from jaxinfer.decode import generate as gen
     from jaxinfer.decode import sampling as smp
     from jaxinfer.model import cache as kv
-    from experiments.common import tiny_model
+    from experiments._common import tiny_model
 
-    m = tiny_model("mixed-hooks")
+    m = tiny_model(name="mixed-hooks")
     cfg, params = m.config, m.params
     sampling = SamplingParams(temperature=0.8, top_p=0.95)
     old, new, n = [5, 17, 99, 3, 42, 7, 8], [8, 1, 2], 6

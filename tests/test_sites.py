@@ -150,9 +150,9 @@ def test_activations_drop_padding_and_batch_like_one_prompt(tiny):
 @pytest.mark.parametrize("lay", ("stacked", "per_layer"))
 def test_logit_lens_last_layer_is_the_models_distribution(lay):
     """The last layer's lens is softmax(logits) (here with a final softcap); earlier layers differ."""
-    from experiments.common import tiny_model
+    from experiments._common import tiny_model
 
-    m = tiny_model("lens", final_logit_softcap=3.0, n_layers=3)
+    m = tiny_model(name="lens", final_logit_softcap=3.0, n_layers=3)
     if lay == "per_layer":
         m = layout.to_layout(m, "per_layer")
     ids = [5, 9, 200, 14, 3]

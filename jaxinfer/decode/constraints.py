@@ -39,7 +39,7 @@ Threads: mask computation (`fill_bitmask`, `fill_bitmask_draft`, `Compiler.fill_
 grammar compilation drop the GIL inside llguidance's Rust code, so masks can be computed on a host
 thread while the main thread waits for the device; `consume`, `validate` and `forced_tokens` keep
 it (they are short; `forced_tokens` calls back into the Python tokenizer). Measured in
-experiments/constraint_cost.py: ~10 us per mask at V = 49152. One matcher must not be used from
+`python -m experiments.structured`: ~10 us per mask at V = 49152. One matcher must not be used from
 two threads at once.
 
 Special tokens (control tokens such as `<|im_end|>`) are never produced as text: a grammar that

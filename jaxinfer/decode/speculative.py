@@ -77,7 +77,7 @@ def truncated_draft(model: Model, n_layers: int) -> Draft:
 
 
 def load_draft(path: str, dtype: Optional[str] = "float32") -> Draft:
-    """A draft saved as a jaxinfer (orbax) checkpoint, e.g. by experiments/distill_draft.py."""
+    """A draft saved as a jaxinfer (orbax) checkpoint, e.g. by `python -m experiments.speculative --distill`."""
     from jaxinfer.weights import checkpoint
 
     cfg, params, _ = checkpoint.restore(path, dtype)

@@ -34,7 +34,7 @@ NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 # chunk's score product comes out keys-major whatever the einsum asks for, so queries-major
 # scores cost a transposed copy of every block's scores before the softmax and another of the
 # probabilities before the value product; keys-major scores, a values-major output and queries
-# arranged once before the loop skip all three (`experiments/attention_layout.py`, SmolLM2's
+# arranged once before the loop skip all three (docs/notes/probes.md, attention_layout, SmolLM2's
 # shapes: a 512-token chunk 1.2-1.4x faster per layer, more the longer its context). Decode
 # steps measured slower keys-major (`generate` 0.96x at batch 1 and 0.90x at batch 8,
 # experiments/figures/bench_regression_keys_major_everywhere.json) and keep the queries-major

@@ -48,7 +48,7 @@ def linear(eq: str, x: jax.Array, w) -> jax.Array:
 # output-major matrix runs faster on XLA's CPU backend written as an elementwise product summed
 # over the matrix's contiguous axis than as a dot: XLA hands the first to YNN's reduction kernel
 # and the second to its GEMM, which streams these weights 1.1-1.45x slower at 2-32 rows
-# (`experiments/matvec.py --only batch`). One row (XLA's own matrix-vector loop) and long chunks
+# (docs/notes/probes.md, matvec). One row (XLA's own matrix-vector loop) and long chunks
 # (GEMM at full speed) stay dots. Other backends always take the dot (measured on an H200 with it).
 FEW_ROWS = 32
 

@@ -15,9 +15,9 @@ in every leaf, so the layer `lax.scan` slices them like plain arrays.
         second half, so unpacking is a concatenate, not an interleave.
 
 Speed on CPU: XLA's CPU backend has no matmul kernel that reads int8/int4 (or bf16) weights; it
-converts each weight to the compute dtype and then runs the fp32 dot (`experiments/matvec.py`:
+converts each weight to the compute dtype and then runs the fp32 dot (docs/notes/probes.md, matvec:
 2-4x slower per matmul than fp32 on the same shape). So the bytes read from memory shrink, but the
-time does not follow: measured in `experiments/bench.py`, int8 is 1.55x the canonical fp32 layout at
+time does not follow: measured by `python -m experiments.decode`, int8 is 1.55x the canonical fp32 layout at
 batch 1 (whose stacked slice copies move 4 bytes per weight) and even with the CPU decode layout;
 int4 (unpacking on top) is 0.76x. XLA's GPU backend fuses the conversion into its Triton GEMM,
 so int8 is what is read: on an H200 (Llama-3.1-8B shapes, `experiments/figures/device_check_int8.json`)
@@ -31,7 +31,7 @@ that row scale is at once the per-output-channel scale of the head ("BTD,VD->BTV
 scale of the looked-up embedding vector, so lookup dequantizes only the B*T rows it gathers.
 In int4 mode the table (and an untied head) stay int8 by default: the head sees every logit,
 and int8 there costs 1 byte/weight on 21% of the weights for a measured quality gain (see
-experiments/quality.py); pass `head="int4"` to quantize it to int4 too (untied heads only).
+`python -m experiments.quality`); pass `head="int4"` to quantize it to int4 too (untied heads only).
 
 Shape letters as in `jaxinfer.model.config`; In and Out are the flattened input and output axes.
 """

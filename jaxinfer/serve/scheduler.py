@@ -289,7 +289,7 @@ def first_piece(n: int, buckets: list[int], fixed: int) -> int:
     Buckets are powers of two, so a prompt can be padded to nearly twice its rows (257 tokens in a
     512-row call). On the serving load test's workload (prompts of 30-600 tokens, SmolLM2-135M, a
     2-core CPU) cutting served 1.03x the tokens per second (medians of 3 alternating rounds, each
-    round 1.00-1.07x) at the same median time to first token (`experiments/chunk_cut.py`,
+    round 1.00-1.07x) at the same median time to first token (docs/notes/probes.md, chunk_cut,
     figures/chunk_cut.json). Cutting adds a call, so it can only pay where the padding it saves
     exceeds `fixed`; ties keep the single call, whose first token comes sooner.
     """
