@@ -56,7 +56,7 @@ def quantization(m, args) -> dict:
 
     from jaxinfer.model import cache as kv
     from jaxinfer.model import forward as mdl
-    from jaxinfer.model import params as P
+    from jaxinfer.model import params as prm
     from jaxinfer.model import quantize as Q
 
     ids, W = _common.text_ids(m.tokenizer), args.window
@@ -78,7 +78,7 @@ def quantization(m, args) -> dict:
                              "perplexity": float(np.exp(-logp[np.arange(len(targets)), targets].mean())),
                              "top1_agreement": float(np.mean(logp.argmax(-1) == ref.argmax(-1))),
                              "mean_kl": float(np.mean(np.sum(np.exp(ref) * (ref - logp), -1))),
-                             "weight_bytes": P.nbytes(params), "kv_bytes_per_token": kv.bytes_per_token(cfg)}
+                             "weight_bytes": prm.nbytes(params), "kv_bytes_per_token": kv.bytes_per_token(cfg)}
         print(f"{name:>14}: top-1 {r['top1_agreement']:.4f}  KL {r['mean_kl']:.5f}  ppl {r['perplexity']:.3f}  "
               f"weights {r['weight_bytes'] / 1e6:.1f} MB  KV {r['kv_bytes_per_token']} B/token", flush=True)
     return {"model": args.model, "windows": args.windows, "window": W, "results": results}

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxinfer.model import config as C
-from jaxinfer.model import params as P
+from jaxinfer.model import params as prm
 from jaxinfer.model.forward import forward
 
 
@@ -15,16 +15,16 @@ from jaxinfer.model.forward import forward
 def test_param_counts(preset, billions):
     cfg = preset()
     assert cfg.n_params / 1e9 == pytest.approx(billions, rel=2e-3)
-    assert P.count(P.abstract_params(cfg)) == cfg.n_params
+    assert prm.count(prm.abstract_params(cfg)) == cfg.n_params
 
 
 def test_eval_shape_of_70b_forward_allocates_nothing():
     cfg = C.llama3_70b(dtype="bfloat16")
-    params = P.abstract_params(cfg)
+    params = prm.abstract_params(cfg)
     tokens = jax.ShapeDtypeStruct((2, 16), "int32")
     logits, _ = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens)
     assert logits.shape == (2, 16, 128256)
-    assert P.nbytes(params) == 2 * cfg.n_params  # bf16
+    assert prm.nbytes(params) == 2 * cfg.n_params  # bf16
 
 
 @pytest.mark.parametrize("preset,billions", [(C.llama31_8b, 8.03), (C.llama32_1b, 1.236),
@@ -34,20 +34,20 @@ def test_new_family_presets_eval_shape(preset, billions):
     traced by eval_shape (RoPE scaling, QK-norm, head_dim 128 with d_model 4096) without allocating."""
     cfg = preset(dtype="bfloat16")
     assert cfg.n_params / 1e9 == pytest.approx(billions, rel=3e-3)
-    params = P.abstract_params(cfg)
+    params = prm.abstract_params(cfg)
     tokens = jax.ShapeDtypeStruct((2, 16), "int32")
     logits, _ = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens)
     assert logits.shape == (2, 16, cfg.vocab_size)
-    assert P.nbytes(params) == 2 * cfg.n_params
+    assert prm.nbytes(params) == 2 * cfg.n_params
     hash(cfg)
 
 
 def test_init_matches_specs():
     cfg = C.tiny(qkv_bias=True, qk_norm=True, post_norms=True)
-    params = P.init_params(cfg, jax.random.key(0))
-    shapes = jax.tree.map(lambda s: s.shape, P.param_specs(cfg), is_leaf=lambda x: isinstance(x, P.ParamSpec))
+    params = prm.init_params(cfg, jax.random.key(0))
+    shapes = jax.tree.map(lambda s: s.shape, prm.param_specs(cfg), is_leaf=lambda x: isinstance(x, prm.ParamSpec))
     assert jax.tree.map(lambda a: a.shape, params) == shapes
-    assert P.count(params) == cfg.n_params
+    assert prm.count(params) == cfg.n_params
 
 
 def test_config_is_frozen_hashable_and_validated():

@@ -15,7 +15,7 @@ import pytest
 
 import jaxinfer
 from jaxinfer.decode import bitmask as bm
-from jaxinfer.decode import constraints as C
+from jaxinfer.decode import constraints
 
 V_MODEL = 49152 + 64  # a logits width past the tokenizer's 49152 tokens, as padded model heads have
 
@@ -27,10 +27,10 @@ def tok(golden_dir):
 
 @pytest.fixture(scope="module")
 def compiler(tok):
-    return C.Compiler(tok, V_MODEL, stop_ids=[0, 2])  # <|endoftext|>, <|im_end|>
+    return constraints.Compiler(tok, V_MODEL, stop_ids=[0, 2])  # <|endoftext|>, <|im_end|>
 
 
-def _allowed(m: C.Matcher) -> set[int]:
+def _allowed(m: constraints.Matcher) -> set[int]:
     out = np.zeros(m.mask_words, np.int32)
     m.fill_bitmask(out)
     return set(np.nonzero(np.unpackbits(out.view(np.uint8), bitorder="little")[:m.vocab_size])[0].tolist())
@@ -38,19 +38,19 @@ def _allowed(m: C.Matcher) -> set[int]:
 
 def _text_tokens(tok):
     """id -> bytes for ordinary (non-special) tokens."""
-    special = set(C.special_token_ids(tok))
+    special = set(constraints.special_token_ids(tok))
     return {i: p for i, p in enumerate(tok.pieces(range(tok.vocab_size))) if i not in special and p}
 
 
 # -- constraint values and refusals ------------------------------------------------------------
 
 def test_constraints_are_hashable_values():
-    a = C.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = C.json_schema('{"type": "object", "properties": {"x": {"type": "integer"}}}')
+    a = constraints.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = constraints.json_schema('{"type": "object", "properties": {"x": {"type": "integer"}}}')
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-    assert C.json_schema({"type": "integer"}, whitespace=None) != C.json_schema({"type": "integer"})
-    assert C.choice(["a", "b"]) != C.choice(["b", "a"])
-    assert C.json_object().kind == "json_schema" and C.regex("a+").kind == "regex"
+    assert constraints.json_schema({"type": "integer"}, whitespace=None) != constraints.json_schema({"type": "integer"})
+    assert constraints.choice(["a", "b"]) != constraints.choice(["b", "a"])
+    assert constraints.json_object().kind == "json_schema" and constraints.regex("a+").kind == "regex"
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.source = "x"
 
@@ -70,31 +70,31 @@ def test_constraints_are_hashable_values():
 ])
 def test_unsupported_schema_is_refused_by_name(schema, named):
     with pytest.raises(ValueError, match="JSON schema not supported") as e:
-        C.json_schema(schema)
+        constraints.json_schema(schema)
     assert named in str(e.value)
 
 
 def test_lenient_schema_lists_what_it_ignores():
-    c = C.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, strict=False)
+    c = constraints.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, strict=False)
     assert any("uniqueItems" in w for w in c.warnings)
     with pytest.raises(ValueError, match="Invalid type"):  # a broken schema is refused even then
-        C.json_schema({"type": "strnig"}, strict=False)
+        constraints.json_schema({"type": "strnig"}, strict=False)
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: C.json_schema("{not json"), "not valid JSON"),
-    (lambda: C.json_schema([1, 2]), "must be an object"),
-    (lambda: C.json_schema(False), "must be an object"),
-    (lambda: C.regex("a(b"), "unclosed group"),
-    (lambda: C.regex(r"(a)\1"), "regex not supported"),
-    (lambda: C.regex(3), "must be a string"),
-    (lambda: C.grammar("start: foo"), 'unknown name: "foo"'),
-    (lambda: C.grammar('root ::= "a'), "grammar does not parse"),
-    (lambda: C.grammar(""), "non-empty"),
-    (lambda: C.choice([]), "non-empty list"),
-    (lambda: C.choice("ab"), "non-empty list"),
-    (lambda: C.choice(["a", 1]), "must be strings"),
-    (lambda: C.choice(["a", "a"]), "distinct"),
+    (lambda: constraints.json_schema("{not json"), "not valid JSON"),
+    (lambda: constraints.json_schema([1, 2]), "must be an object"),
+    (lambda: constraints.json_schema(False), "must be an object"),
+    (lambda: constraints.regex("a(b"), "unclosed group"),
+    (lambda: constraints.regex(r"(a)\1"), "regex not supported"),
+    (lambda: constraints.regex(3), "must be a string"),
+    (lambda: constraints.grammar("start: foo"), 'unknown name: "foo"'),
+    (lambda: constraints.grammar('root ::= "a'), "grammar does not parse"),
+    (lambda: constraints.grammar(""), "non-empty"),
+    (lambda: constraints.choice([]), "non-empty list"),
+    (lambda: constraints.choice("ab"), "non-empty list"),
+    (lambda: constraints.choice(["a", 1]), "must be strings"),
+    (lambda: constraints.choice(["a", "a"]), "distinct"),
 ])
 def test_bad_constraints_raise_value_error(build, match):
     with pytest.raises(ValueError, match=match):
@@ -102,7 +102,7 @@ def test_bad_constraints_raise_value_error(build, match):
 
 
 def test_common_schema_annotations_are_accepted():
-    C.json_schema({"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "T", "description": "d",
+    constraints.json_schema({"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "T", "description": "d",
                    "type": "object", "properties": {"when": {"type": "string", "format": "date-time", "default": "x",
                                                              "examples": ["2024-01-01T00:00:00Z"]},
                                                     "p": {"$ref": "#/$defs/P"}},
@@ -113,7 +113,7 @@ def test_common_schema_annotations_are_accepted():
 
 def test_choice_masks_match_brute_force(tok, compiler):
     options = ["yes", "no", "maybe not", "nope"]
-    m = compiler.matcher(C.choice(options))
+    m = compiler.matcher(constraints.choice(options))
     text = _text_tokens(tok)
     out = b""
     for target in tok.encode("maybe not"):
@@ -131,7 +131,7 @@ def test_choice_masks_match_brute_force(tok, compiler):
 
 
 def test_ids_past_the_tokenizer_and_stop_ids(tok, compiler):
-    m = compiler.matcher(C.regex("[a-z]+"))
+    m = compiler.matcher(constraints.regex("[a-z]+"))
     allowed = _allowed(m)
     assert allowed and max(allowed) < tok.vocab_size  # ids 49152.. of the wider head: never
     assert 0 not in allowed and 2 not in allowed  # nothing generated yet: cannot stop
@@ -143,22 +143,22 @@ def test_ids_past_the_tokenizer_and_stop_ids(tok, compiler):
 
 def test_special_tokens_are_not_text(tok, compiler):
     # the bytes "<|im_end|>" as text never come from the control token 2 ...
-    m = compiler.matcher(C.regex(r"<\|im_end\|>x"))
+    m = compiler.matcher(constraints.regex(r"<\|im_end\|>x"))
     assert 2 not in _allowed(m)
     assert m.consume_tokens(tok.encode("<|im_end|>x", allowed_special=set(), disallowed_special=()))
     assert m.is_stopped
     # ... and a grammar asks for the control token by name
-    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= C.special_token_texts(tok)
-    m = compiler.matcher(C.grammar("start: <|im_end|>"))
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= constraints.special_token_texts(tok)
+    m = compiler.matcher(constraints.grammar("start: <|im_end|>"))
     assert _allowed(m) == {2}
     with pytest.raises(ValueError, match="unknown special token"):
-        compiler.compile(C.grammar("start: <|no_such_token|>"))
+        compiler.compile(constraints.grammar("start: <|no_such_token|>"))
 
 
 def test_forced_tokens_rollback_and_validate(tok, compiler):
     schema = {"type": "object", "properties": {"temperature_celsius": {"type": "number"}},
               "required": ["temperature_celsius"], "additionalProperties": False}
-    m = compiler.matcher(C.json_schema(schema))
+    m = compiler.matcher(constraints.json_schema(schema))
     assert m.consume_tokens(tok.encode('{"'))
     forced = m.forced_tokens()
     assert forced and b"".join(tok.pieces(forced)) in b'temperature_celsius"'  # a canonical prefix
@@ -178,8 +178,8 @@ def test_forced_tokens_rollback_and_validate(tok, compiler):
 
 @pytest.mark.parametrize("threads", [1, 2])  # rows in turn, and llguidance's thread pool
 def test_batched_and_draft_masks_equal_single_ones(tok, compiler, threads):
-    compiler = C.Compiler(tok, V_MODEL, stop_ids=[0, 2], threads=threads)
-    cs = [C.json_object(), None, C.regex("[0-9]{2,4}"), C.choice(["left", "right"])]
+    compiler = constraints.Compiler(tok, V_MODEL, stop_ids=[0, 2], threads=threads)
+    cs = [constraints.json_object(), None, constraints.regex("[0-9]{2,4}"), constraints.choice(["left", "right"])]
     ms = [compiler.matcher(c) if c else None for c in cs]
     assert ms[0].consume_tokens(tok.encode('{"a": '))
     out = compiler.allocate_bitmask(4)
@@ -215,7 +215,7 @@ SCHEMAS = [
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_constrained_random_walks_validate(tok, compiler, schema):
     """A fake model with random logits, masked and sampled: every finished output validates."""
-    c = C.json_schema(schema)
+    c = constraints.json_schema(schema)
     rng = np.random.default_rng(0)
     for seed in range(3):
         m = compiler.matcher(c)
@@ -237,7 +237,7 @@ def test_constrained_random_walks_validate(tok, compiler, schema):
 
 
 def test_bitmask_applies_on_device(tok, compiler):
-    m = compiler.matcher(C.choice(["true", "false"]))
+    m = compiler.matcher(constraints.choice(["true", "false"]))
     mask = compiler.allocate_bitmask(1)
     compiler.fill_bitmasks([m], mask)
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, V_MODEL)), jnp.float32)
@@ -248,8 +248,8 @@ def test_bitmask_applies_on_device(tok, compiler):
 def test_gguf_tokenizer_gives_the_same_masks(tok, compiler):
     """The tokenizer `jaxinfer.load_tokenizer("smollm2-135m")` reads from the GGUF (a different
     Tokenizer class, control tokens from GGUF token types) compiles to the same masks."""
-    gguf = C.Compiler(jaxinfer.load_tokenizer("smollm2-135m"), V_MODEL, stop_ids=[0, 2])
-    c = C.json_schema(SCHEMAS[0])
+    gguf = constraints.Compiler(jaxinfer.load_tokenizer("smollm2-135m"), V_MODEL, stop_ids=[0, 2])
+    c = constraints.json_schema(SCHEMAS[0])
     a, b = compiler.matcher(c), gguf.matcher(c)
     for t in tok.encode('{"name": "Ann", "age": 7, "pet": null}'):
         assert _allowed(a) == _allowed(b)
@@ -258,9 +258,9 @@ def test_gguf_tokenizer_gives_the_same_masks(tok, compiler):
 
 
 def test_compiled_once_and_cache_bounded(tok):
-    comp = C.Compiler(tok, cache_size=2)
+    comp = constraints.Compiler(tok, cache_size=2)
     assert comp.vocab_size == tok.vocab_size and comp.stop_ids == tok.stop_ids
-    a, b, c = C.regex("a"), C.regex("b"), C.regex("c")
+    a, b, c = constraints.regex("a"), constraints.regex("b"), constraints.regex("c")
     comp.matcher(a), comp.matcher(a), comp.matcher(b)
     assert comp.cached == 2
     comp.matcher(c)
@@ -268,7 +268,7 @@ def test_compiled_once_and_cache_bounded(tok):
     with pytest.raises(ValueError, match="expected a Constraint"):
         comp.matcher({"type": "object"})
     with pytest.raises(ValueError, match=r"stop ids \[99999\] are outside"):
-        C.Compiler(tok, stop_ids=[99999])
+        constraints.Compiler(tok, stop_ids=[99999])
 
 
 def test_objects_generate_only_listed_properties_unless_asked(tok, compiler):
@@ -278,12 +278,12 @@ def test_objects_generate_only_listed_properties_unless_asked(tok, compiler):
                                                "b": {"type": "array", "items": {
                                                    "type": "object", "properties": {"c": {"type": "boolean"}}}}},
               "required": ["a"]}
-    closed = C.closed_objects(schema)
+    closed = constraints.closed_objects(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["b"]["items"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is not changed
-    assert C.closed_objects({"type": "object"}) == {"type": "object"}  # nothing listed: any keys
-    assert C.closed_objects({"properties": {"x": {}}, "additionalProperties": True})["additionalProperties"] is True
+    assert constraints.closed_objects({"type": "object"}) == {"type": "object"}  # nothing listed: any keys
+    assert constraints.closed_objects({"properties": {"x": {}}, "additionalProperties": True})["additionalProperties"] is True
 
     def accepts(c, text):
         m = compiler.matcher(c)
@@ -292,9 +292,9 @@ def test_objects_generate_only_listed_properties_unless_asked(tok, compiler):
 
     listed, extra = '{"a": 1, "b": [{"c": true}]}', '{"a": 1, "zz": 2}'
     nested_extra = '{"a": 1, "b": [{"c": true, "d": 1}]}'
-    assert accepts(C.json_schema(schema), listed)
-    assert not accepts(C.json_schema(schema), extra) and not accepts(C.json_schema(schema), nested_extra)
-    loose = C.json_schema(schema, extra_properties=True)
+    assert accepts(constraints.json_schema(schema), listed)
+    assert not accepts(constraints.json_schema(schema), extra) and not accepts(constraints.json_schema(schema), nested_extra)
+    loose = constraints.json_schema(schema, extra_properties=True)
     assert accepts(loose, extra) and accepts(loose, nested_extra)
     for text in (listed, extra, nested_extra):
         jsonschema.validate(json.loads(text), schema)  # all valid: closing only narrows what is generated
@@ -303,12 +303,12 @@ def test_objects_generate_only_listed_properties_unless_asked(tok, compiler):
 def test_compile_walks_a_new_constraint_and_keeps_its_refusal(tok):
     """A constraint llguidance gives up on (or that admits no output) is a ValueError from
     `compile` with llguidance's reason, before any request uses it; the refusal is kept."""
-    compiler = C.Compiler(tok, tok.vocab_size, stop_ids=[2])
+    compiler = constraints.Compiler(tok, tok.vocab_size, stop_ids=[2])
     with pytest.raises(ValueError, match="admits no output at all"):
-        compiler.compile(C.regex(r"[^\s\S]"))
+        compiler.compile(constraints.regex(r"[^\s\S]"))
     with pytest.raises(ValueError, match=r"gives up after 1 token: .*5001 items; max is 2000"):
-        compiler.compile(C.choice([f"option{i}" for i in range(5000)]))
-    assert "<non-verbose/>" not in compiler._refused[C.choice([f"option{i}" for i in range(5000)])]
+        compiler.compile(constraints.choice([f"option{i}" for i in range(5000)]))
+    assert "<non-verbose/>" not in compiler._refused[constraints.choice([f"option{i}" for i in range(5000)])]
     with pytest.raises(ValueError, match="5001 items"):  # from the kept refusal
-        compiler.matcher(C.choice([f"option{i}" for i in range(5000)]))
-    compiler.compile(C.grammar('root ::= ("a" | "b") root'))  # no end, but nothing to give up on: "length"
+        compiler.matcher(constraints.choice([f"option{i}" for i in range(5000)]))
+    compiler.compile(constraints.grammar('root ::= ("a" | "b") root'))  # no end, but nothing to give up on: "length"

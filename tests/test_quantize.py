@@ -14,7 +14,7 @@ import jaxinfer
 from jaxinfer.model import cache as kv
 from jaxinfer.model import config as C
 from jaxinfer.model import forward as mdl
-from jaxinfer.model import params as P
+from jaxinfer.model import params as prm
 from jaxinfer.model import quantize as Q
 from jaxinfer.model.params import init_params
 from tests.tolerances import assert_close
@@ -86,7 +86,7 @@ def test_quantized_forward_equals_forward_on_dequantized_weights(mode, head):
     got, want = fwd(qp), fwd(Q.dequantize(qp))
     assert_close(got, want, what=f"{mode}/{head}: quantized vs dequantized-float forward")
     # and the quantized tree is smaller and still one pytree the layer scan slices on L
-    assert P.nbytes(qp) < 0.3 * P.nbytes(p)
+    assert prm.nbytes(qp) < 0.3 * prm.nbytes(p)
     for leaf in jax.tree.leaves(qp["layers"]):
         assert leaf.shape[0] == cfg.n_layers
 
@@ -125,7 +125,7 @@ def test_quantized_real_model_agrees_with_float32(smollm2, heldout_ids, mode, mi
     qm = dataclasses.replace(smollm2, params=Q.quantize(smollm2.params, smollm2.config, mode))
     got = np.asarray(jaxinfer.logits(qm, heldout_ids))
     top1, kl = _agreement_and_kl(ref, got)
-    ratio = P.nbytes(qm.params) / P.nbytes(smollm2.params)
+    ratio = prm.nbytes(qm.params) / prm.nbytes(smollm2.params)
     print(f"{mode}: top-1 agreement {top1:.3f}, mean KL {kl:.4f} nats over {len(heldout_ids)} positions, "
           f"weights {ratio:.3f} x float32")
     assert top1 >= min_top1 and kl <= max_kl

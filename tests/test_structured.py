@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import jaxinfer  # noqa: E402
-from jaxinfer.decode import constraints as C  # noqa: E402
+from jaxinfer.decode import constraints  # noqa: E402
 from jaxinfer.decode.inputs import chat_ids
 from jaxinfer.decode.outputs import Completion
 from jaxinfer.decode.sampling import SamplingParams  # noqa: E402
@@ -103,7 +103,7 @@ def test_response_format_json_schema_validates_and_equals_generate(served, model
         c = r.choices[0]
         assert c.finish_reason == "stop", c.message.content
         jsonschema.validate(json.loads(c.message.content), PERSON)
-        ref = gen(model, ids, 80, seed, temperature=0.8, constraint=C.json_schema(PERSON))
+        ref = gen(model, ids, 80, seed, temperature=0.8, constraint=constraints.json_schema(PERSON))
         assert c.message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids)
 
 
@@ -153,16 +153,16 @@ def test_a_schema_the_engine_cannot_honour_is_a_400_naming_the_keyword(served):
 # Constraints the grammar engine gives up on (issue 49): each used to come back over HTTP as a
 # normal 200 "stop" answer. (body parameter, its value, the builder, words of llguidance's reason)
 GIVES_UP = {
-    "choice_of_5000": ("guided_choice", [f"option{i}" for i in range(5000)], C.choice, "5001 items; max is 2000"),
-    "exploding_regex": ("guided_regex", "((a{100}){100}){100}", C.regex, "too many expressions"),
-    "never_ends": ("guided_grammar", 'root ::= "a" root', C.grammar, "Too many items"),
-    "grammar_of_20000": ("guided_grammar", "root ::= " + " | ".join(f'"tok{i}"' for i in range(20000)), C.grammar,
+    "choice_of_5000": ("guided_choice", [f"option{i}" for i in range(5000)], constraints.choice, "5001 items; max is 2000"),
+    "exploding_regex": ("guided_regex", "((a{100}){100}){100}", constraints.regex, "too many expressions"),
+    "never_ends": ("guided_grammar", 'root ::= "a" root', constraints.grammar, "Too many items"),
+    "grammar_of_20000": ("guided_grammar", "root ::= " + " | ".join(f'"tok{i}"' for i in range(20000)), constraints.grammar,
                          "20001 items"),
-    "matches_nothing": ("guided_regex", r"[^\s\S]", C.regex, "admits no output at all"),
+    "matches_nothing": ("guided_regex", r"[^\s\S]", constraints.regex, "admits no output at all"),
     "schema_of_3000": ("guided_json", {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}},
-                       C.json_schema, "items; max is 2000"),
+                       constraints.json_schema, "items; max is 2000"),
     "self_referential_ref": ("guided_json", {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
-                             C.json_schema, "admits no output at all"),
+                             constraints.json_schema, "admits no output at all"),
 }
 
 
@@ -214,8 +214,8 @@ def test_a_constraint_that_gives_up_mid_generation_fails_that_request_alone(serv
     assert all(c["finish_reason"] is None for ev in events[:-1] for c in ev["choices"])  # never "stop"
     text = "".join(c["text"] for ev in events[:-1] for c in ev["choices"])
     assert re.fullmatch("[a-z]*", text)
-    with pytest.raises(C.ConstraintError, match="5001 items"):
-        gen(model, "Go:", 40, seed=3, temperature=1.0, constraint=C.grammar(LATE))
+    with pytest.raises(constraints.ConstraintError, match="5001 items"):
+        gen(model, "Go:", 40, seed=3, temperature=1.0, constraint=constraints.grammar(LATE))
     assert served.engine.healthy
 
 
@@ -229,7 +229,7 @@ def test_min_tokens_with_a_constraint_is_refused(served):
                 tool_choice="required", extra_body={"min_tokens": 2})
     assert e.param == "min_tokens"
     with pytest.raises(ValueError, match="min_tokens=8 cannot be combined with a constraint"):
-        SamplingParams(min_tokens=8, constraint=C.choice(["yes", "no"]))
+        SamplingParams(min_tokens=8, constraint=constraints.choice(["yes", "no"]))
 
 
 def test_logit_bias_keys_are_ascii_digits(served):
@@ -289,7 +289,7 @@ def test_a_forced_tool_call_cut_by_max_tokens_returns_what_was_written(served, m
     assert whole.choices[0].finish_reason == "tool_calls"
     call = whole.choices[0].message.tool_calls[0].function
     ref = gen(model, chat_ids(model.tokenizer, ASK, tools=TOOLS), 120, seed=5, temperature=0.8,
-              constraint=C.tool_call(model.tokenizer, TOOLS, "required"))
+              constraint=constraints.tool_call(model.tokenizer, TOOLS, "required"))
     in_args = next(k for k in range(len(ref.token_ids)) if '"city"' in model.tokenizer.decode(ref.token_ids[:k]))
     for cut in (3, in_args):
         r = served.client.chat.completions.create(max_tokens=cut, **kw)
@@ -503,9 +503,9 @@ def test_numpy_repetition_definition_is_transformers(golden_dir):
 def test_same_request_same_tokens_in_generate_the_engine_and_the_server(served, model):
     """(prompt, constraint, sampling, seed) -> the same tokens alone, beside other requests arriving
     at other steps, and through the server."""
-    specs = [("A person:", SamplingParams(temperature=0.8, constraint=C.json_schema(PERSON)), 11),
+    specs = [("A person:", SamplingParams(temperature=0.8, constraint=constraints.json_schema(PERSON)), 11),
              ("Anything", SamplingParams(temperature=1.0, top_p=0.9), 12),
-             ("Digits:", SamplingParams(temperature=0.9, constraint=C.regex(r"[0-9]{2,6}"), frequency_penalty=1.0), 13),
+             ("Digits:", SamplingParams(temperature=0.9, constraint=constraints.regex(r"[0-9]{2,6}"), frequency_penalty=1.0), 13),
              ("The cat", SamplingParams(temperature=0.7, repetition_penalty=1.4, logit_bias={11: 4.0}), 14)]
     refs = [gen(model, p, 100, s, sp) for p, sp, s in specs]
     engine = Engine(model, max_slots=4, prefill_chunk=64)  # stepped by hand: arrivals at chosen steps

@@ -11,7 +11,7 @@ import pytest
 import tiktoken
 
 import jaxinfer
-from jaxinfer.decode import constraints as C
+from jaxinfer.decode import constraints
 from jaxinfer.text import tool_calls as tc
 from jaxinfer.text.tokenizer import Tokenizer
 
@@ -53,7 +53,7 @@ def tok(golden_dir):
 
 @pytest.fixture(scope="module")
 def compiler(tok):
-    return C.Compiler(tok, stop_ids=[0, 2])
+    return constraints.Compiler(tok, stop_ids=[0, 2])
 
 
 def test_detect_format(tok, golden_dir):
@@ -164,7 +164,7 @@ def test_streaming_real_token_deltas(tok):
 def test_forced_calls_parse_and_validate(tok, compiler, fmt, choice):
     """Random logits under the constraint: every finished reply is a call, in the format, with
     arguments valid for the named function's schema."""
-    c = C.tool_call(tok, TOOLS, choice, fmt=fmt)
+    c = constraints.tool_call(tok, TOOLS, choice, fmt=fmt)
     rng = np.random.default_rng(1)
     mask = compiler.allocate_bitmask(1)
     for _ in range(3):
@@ -201,10 +201,10 @@ def test_control_token_markers_are_named_by_id(tok):
         special_tokens={**special, "<tool_call>": enc.n_vocab, "</tool_call>": enc.n_vocab + 1}),
         bos_id=tok.bos_id, eos_id=tok.eos_id, stop_ids=tok.stop_ids, chat_template=TEMPLATE_LINES["hermes"])
     open_id = qwenish.encode("<tool_call>")[0]
-    assert open_id in C.special_token_ids(qwenish)
-    c = C.tool_call(qwenish, TOOLS, {"type": "function", "function": {"name": "now"}})
+    assert open_id in constraints.special_token_ids(qwenish)
+    c = constraints.tool_call(qwenish, TOOLS, {"type": "function", "function": {"name": "now"}})
     assert f"<[{open_id}]>" in c.source
-    m = C.Compiler(qwenish).matcher(c)
+    m = constraints.Compiler(qwenish).matcher(c)
     ids = qwenish.encode('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
     assert ids[0] == open_id and m.consume_tokens(ids) and m.is_stopped
     assert tc.parse_tool_calls(qwenish.decode(ids), "hermes", call_id=_ids())[1][0]["function"]["name"] == "now"
@@ -222,12 +222,12 @@ def test_control_token_markers_are_named_by_id(tok):
 ])
 def test_bad_tools_are_refused(tok, tools, choice, match):
     with pytest.raises(ValueError, match=match):
-        C.tool_call(tok, tools, choice)
+        constraints.tool_call(tok, tools, choice)
 
 
 def test_none_and_auto_do_not_constrain(tok):
-    assert C.tool_call(tok, TOOLS, "auto") is None
-    assert C.tool_call(tok, TOOLS, "none") is None
+    assert constraints.tool_call(tok, TOOLS, "auto") is None
+    assert constraints.tool_call(tok, TOOLS, "none") is None
     assert tc.parse_tool_calls("  hi  ", None) == ("hi", [])
     ids = {tc.new_call_id("hermes") for _ in range(20)} | {tc.new_call_id("mistral")}
     assert len(ids) == 21 and any(len(i) == 9 and i.isalnum() for i in ids)

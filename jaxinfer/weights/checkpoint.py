@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model import params as P
+from jaxinfer.model import params as prm
 from jaxinfer.model.config import DTYPES, ModelConfig
 from jaxinfer.text.tokenizer import TokenizerData
 from jaxinfer.weights import gguf as gguf_io
@@ -121,7 +121,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Union[Tokenizer
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    P.require_layout(cfg, "stacked", "checkpoint.save")
+    prm.require_layout(cfg, "stacked", "checkpoint.save")
     dest = Path(path).absolute()
     check_replaceable(dest, overwrite)
     cfg = cfg.replace(dtype=dtype)
@@ -297,7 +297,7 @@ def _check_files(folder: Path, meta: dict, verify: Optional[bool]) -> None:
 
 def _check_tree(tree_shapes, cfg: ModelConfig, where: str) -> None:
     """Every tensor the config needs is present with its shape, and nothing else."""
-    want = {k: tuple(s.shape) for k, s in _tree_paths(P.abstract_params(cfg)).items()}
+    want = {k: tuple(s.shape) for k, s in _tree_paths(prm.abstract_params(cfg)).items()}
     have = {k: tuple(getattr(v, "shape", v)) for k, v in _tree_paths(tree_shapes).items()}
     missing = sorted(set(want) - set(have))
     if missing:
@@ -347,7 +347,7 @@ def restore(path: os.PathLike, dtype: Optional[str] = None, *, shardings=None,
         except Exception as e:  # orbax raises many types for unreadable metadata
             raise CheckpointError(f"{folder / PARAMS_DIR}: cannot read orbax metadata: {e}") from e
         _check_tree(stored, cfg, where=f"checkpoint {folder}")
-        target = P.abstract_params(cfg, dtype)
+        target = prm.abstract_params(cfg, dtype)
         if shardings is None:
             one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             shardings = jax.tree.map(lambda _: one, target)
@@ -442,4 +442,4 @@ def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite
     path = save(out, cfg, m.params, m.tokenizer, dtype=dtype, source=str(source), overwrite=overwrite)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return Converted(path=path, config=cfg.replace(dtype=dtype), source_kind=m.kind,
-                     n_params=P.count(m.params), bytes_on_disk=size)
+                     n_params=prm.count(m.params), bytes_on_disk=size)
