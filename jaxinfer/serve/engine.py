@@ -339,7 +339,7 @@ class Engine:
                 scoring = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is not None]
                 plain = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is None]
                 while scoring:  # their programs return every position's logits: calls of their own
-                    call = self.runner.pick(scoring)  # (a chunk cut short continues next iteration)
+                    call = self.runner.pick(scoring, scoring=True)  # (a chunk cut short continues next iteration)
                     self._score_call(call)
                     scoring = [c for c in scoring if all(c.seq is not d.seq for d in call)]
                 chunks = self.runner.pick(plain) if plain else []
@@ -458,6 +458,11 @@ class Engine:
         self.warmup_seconds = time.perf_counter() - t0
         memory.release()  # what the compiles freed: ~0.3-0.7 GB each for a per_layer model's programs
         return n
+
+    def cancel_warmup(self) -> None:
+        """End a background warmup: programs not yet being built are built on first use
+        instead (and counted in compiles_while_serving); returns once its builds have stopped."""
+        self.runner.cancel_warmup()
 
     @property
     def warming(self) -> bool:

@@ -79,17 +79,26 @@ class Programs:
                 return self._futures[key]
             if self._t0 is None:
                 self._t0 = time.perf_counter()
-            future: concurrent.futures.Future = concurrent.futures.Future()
+            if pool is not None:
+                future = pool.submit(self._run, key, compile_fn)
+                self._futures[key] = future
+                return future
+            future = concurrent.futures.Future()
             self._futures[key] = future
-        if pool is not None:
-            inner = pool.submit(self._run, key, compile_fn)
-            inner.add_done_callback(lambda f: _copy_result(f, future))
-        else:
-            try:
-                future.set_result(self._run(key, compile_fn))
-            except BaseException as e:  # noqa: BLE001 - the caller sees it through the future
-                future.set_exception(e)
+        try:
+            future.set_result(self._run(key, compile_fn))
+        except BaseException as e:  # noqa: BLE001 - the caller sees it through the future
+            future.set_exception(e)
         return future
+
+    def cancel(self) -> list:
+        """Forget the builds that have not started (a later `get` builds them where it runs).
+        Returns their keys."""
+        with self._lock:
+            gone = [key for key, f in self._futures.items() if f.cancel()]
+            for key in gone:
+                del self._futures[key]
+        return gone
 
     def get(self, key: Hashable, compile_fn: Optional[Callable[[], Callable]] = None) -> Callable:
         """The program under `key`: waits while a worker builds it; builds it here (with
@@ -111,9 +120,12 @@ class Programs:
         return all(f.done() for f in list(self._futures.values()))
 
     def wait(self, keys=None) -> None:
-        """Wait for these programs (default: all asked for); raises the first build error."""
+        """Wait for these programs (default: all asked for; keys no longer asked for, after
+        `cancel`, are skipped); raises the first build error."""
         for key in list(self._futures) if keys is None else keys:
-            self._futures[key].result()
+            future = self._futures.get(key)
+            if future is not None:
+                future.result()
 
     def report(self) -> ProgramReport:
         with self._lock:
@@ -125,10 +137,3 @@ class Programs:
                              loaded=sum(b.loaded for b in built),
                              in_memory=sum(b.executables == 0 for b in built),
                              seconds=sum(b.seconds for b in built), wall_seconds=max(0.0, wall))
-
-
-def _copy_result(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
-    if src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(src.result())

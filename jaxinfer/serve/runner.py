@@ -209,6 +209,8 @@ class Runner:
         self.warm_done.set()
         self.warm_error: Optional[BaseException] = None  # what a background warmup failed with
         self._minimal: list[tuple] = []  # the programs a warmup builds first (`minimal`)
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # a background warmup's workers
+        self._cancelled = False  # `cancel_warmup` was called
         self.scoring_shapes = False  # warmup builds the scoring prefills too
         # The per-slot tables (`Slots`, packed): each slot's row is written when a request takes it.
         self.packing = Packing.of(self._slots_template(max_slots))
@@ -235,6 +237,10 @@ class Runner:
     def chunk_bucket(self, n: int) -> int:
         return next(c for c in self.chunks if c >= n)
 
+    def _ready_bucket(self, n: int) -> int:
+        """The smallest chunk bucket that holds n tokens and whose programs are built (any, if none)."""
+        return next((c for c in self.chunks if c >= n and self._ready((1, c))), None) or self.chunk_bucket(n)
+
     def _within_budget(self, R: int) -> list[int]:
         """Chunk buckets C with R x C within an iteration's prompt budget (or the smallest)."""
         return [c for c in self.chunks if R * c <= max(self.prefill_chunk, R * self.chunks[0])]
@@ -257,16 +263,19 @@ class Runner:
         if not self.warming:
             return True
         R, C = shape
-        return ("mixed", R, C) in self.programs and (not self.scoring_shapes or ("prefill", R, C) in self.programs)
+        return ("mixed", R, C) in self.programs and (R > 1 or not self.scoring_shapes
+                                                     or ("prefill", R, C) in self.programs)
 
-    def pick(self, chunks: list[Chunk]) -> list[Chunk]:
+    def pick(self, chunks: list[Chunk], scoring: bool = False) -> list[Chunk]:
         """The chunks of one call (`scheduler.one_call` over this runner's shapes, at their
-        measured seconds once `warmup` has timed them). While a background warmup still builds
-        programs, only the shapes already built are used (a chunk longer than the longest is cut)."""
-        buckets, wide = self.chunks, self.wide
+        measured seconds once `warmup` has timed them); a `scoring` call takes one chunk (those
+        calls are rare, and a one-row program per chunk bucket is all they need). While a
+        background warmup still builds programs, only the shapes already built are used (a chunk
+        longer than the longest is cut)."""
+        buckets, wide = self.chunks, [] if scoring else self.wide
         if self.warming:
             buckets = [c for c in self.chunks if self._ready((1, c))] or self.chunks[:1]
-            wide = [s for s in self.wide if self._ready(s)]
+            wide = [s for s in wide if self._ready(s)]
             longest = buckets[-1]
             chunks = [ch if ch.n <= longest else dataclasses.replace(ch, n=longest, last=False) for ch in chunks]
         seconds = self.call_seconds if self.measure_call_rows and not self.warming else None
@@ -444,7 +453,7 @@ class Runner:
         """core.Chunks of these chunks, padded to the smallest call shape that holds them (or `shape`)."""
         if shape is None:  # the fewest rows that hold them: [1, C] for one chunk, else a wide shape
             n, longest = len(chunks), max(ch.n for ch in chunks)
-            shape = (1, self.chunk_bucket(longest)) if n == 1 else min(
+            shape = (1, self._ready_bucket(longest)) if n == 1 else min(
                 ((R, C) for R, C in self.wide if R >= n and C >= longest and self._ready((R, C))),
                 key=lambda s: s[0] * s[1])
         R, C = shape
@@ -474,7 +483,7 @@ class Runner:
             static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
             args = base + (_abstract(self._chunk_arrays([], (R, C))),)
             out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static)))
-            if scoring:
+            if scoring and R == 1:  # scoring calls take one chunk (`pick`)
                 rows, pcounts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
                                            self.key_size, raw_keys=True)
                 cache = self.cache.with_rows(z((R, self.width), np.int32), z((R,), np.int32))
@@ -502,6 +511,7 @@ class Runner:
         `lock` (a context manager) is held around the device calls that time them (the engine's
         step lock)."""
         self.scoring_shapes = scoring
+        self._cancelled = False
         lock = lock if lock is not None else threading.RLock()
         workers = workers or min(8, os.cpu_count() or 1)
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-compile")
@@ -522,12 +532,15 @@ class Runner:
             finally:
                 pool.shutdown()
 
+        self._pool = pool
+
         def finish():
             try:
                 self.programs.wait([k for k, _ in builds])
-                with lock:
-                    self._finish_warmup(scoring, pool)
-            except Exception as e:  # noqa: BLE001 - reported by `ready` / `wait_warm`
+                if not self._cancelled:
+                    with lock:
+                        self._finish_warmup(scoring, pool)
+            except Exception as e:  # noqa: BLE001 - reported by `wait_warm`
                 self.warm_error = e
             finally:
                 self.warming = False
@@ -536,6 +549,15 @@ class Runner:
 
         threading.Thread(target=finish, name="jaxinfer-warmup", daemon=True).start()
         return len(builds)
+
+    def cancel_warmup(self) -> None:
+        """Stop a background warmup: builds not started are dropped (built on first use
+        instead), the ones under way finish; returns when it has ended."""
+        self._cancelled = True
+        if self._pool is not None:
+            self.programs.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.warm_done.wait()
 
     def ready(self) -> bool:
         """The programs every request can be served with are built (see `warmup`)."""
