@@ -302,9 +302,11 @@ class Runner:
     def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens):
         R, C = tokens.shape
         cache = self.cache.with_rows(table, starts)
-        self.cache, _, out = self._program(("prefill", R, C), scoring_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS),
-                                           self.model.params, cache, tokens, starts, n_real, last, rows, counts,
-                                           next_tokens)
+        cache, _, out = self._program(("prefill", R, C), scoring_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS),
+                                      self.model.params, cache, tokens, starts, n_real, last, rows, counts, next_tokens)
+        # The pool as the slots' programs take it: [S, W] rows (theirs come in the packed tables).
+        S = self.max_slots
+        self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
         return out
 
     # ---- the per-slot tables --------------------------------------------------------------------
