@@ -191,3 +191,17 @@ def test_cancel_warmup_leaves_no_build_behind(model):
     assert not engine.warming and engine.runner.programs.report().pending == 0
     out = engine.submit([5, 6, 7], max_new_tokens=2).result(timeout=300)
     assert len(out.token_ids) == 2
+
+
+def test_startup_benchmark_smoke(tmp_path):
+    """experiments.startup --smoke: two Engines in this process (the second compiles nothing) and
+    the host loop's timing in a fresh process; the JSON holds both."""
+    from experiments import startup
+
+    res = startup.main(["--smoke", "--out", str(tmp_path)])
+    first, second = res["engines"]
+    assert first["programs"] == second["programs"] == second["in_memory"] and second["compiled"] == 0
+    host = res["host"]["this"]
+    assert host["iterations"] > 0 and 0 < host["host_ms_p50"] <= host["wall_ms_p50"]
+    saved = json.loads((tmp_path / "startup.json").read_text())
+    assert saved["experiment"] == "startup" and set(saved) >= {"engines", "host", "environment", "args"}
