@@ -321,16 +321,40 @@ def _serve(args) -> int:
     sock = server.bind_socket(args.host, args.port)  # a busy port or a foreign address fails here
     handler = logging.StreamHandler(sys.stderr)  # refused requests, one line each
     handler.setFormatter(logging.Formatter("jaxinfer serve: %(message)s"))
+    engine = None
     try:
-        from jaxinfer.compile_cache import enable_persistent_cache
+        import threading
+        import time
 
-        enable_persistent_cache(None)
+        from jaxinfer.compile_cache import enable_persistent_cache
+        from jaxinfer.serve import memory
+
+        t_start = time.perf_counter()
+        cache = enable_persistent_cache(None)  # None: $JAXINFER_COMPILE_CACHE=off
         _announce_fetch(args.model)
         model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=args.layout)
+        memory.release()  # what the load freed (a layout conversion's first copy of the weights)
+        print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
-        print(f"jaxinfer serve: {engine.describe()}", file=sys.stderr)
-        print(f"jaxinfer serve: warming up {type(engine).__name__} ...", file=sys.stderr)
-        engine.warmup(logprobs=True, scoring=True)
+        # Warm up in the background, serving as soon as the first programs are built (/health
+        # says "warming" until then); the rest are built while requests are served.
+        n = engine.warmup(logprobs=True, scoring=True, wait=False)
+        print(f"jaxinfer serve: warming up {n} programs ({'compile cache ' + str(cache) if cache else 'compile cache off'}"
+              "); /health says 'warming' until the first ones are built", file=sys.stderr)
+
+        def announce():
+            if engine.wait_ready():
+                r = engine.startup_report()
+                print(f"jaxinfer serve: ready after {time.perf_counter() - t_start:.1f} s ({r.programs} programs built, "
+                      f"{r.pending} more building)", file=sys.stderr, flush=True)
+            try:
+                engine.wait_warm()
+            except Exception as e:  # noqa: BLE001 - the engine goes on with the programs it has
+                print(f"jaxinfer serve: warning: warmup failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"jaxinfer serve: {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
+                  file=sys.stderr, flush=True)
+
+        threading.Thread(target=announce, name="jaxinfer-announce", daemon=True).start()
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
                                max_body_bytes=args.max_body_bytes)
         name = args.served_name or args.model
@@ -346,6 +370,8 @@ def _serve(args) -> int:
         server.log.removeHandler(handler)
         server.log.propagate = True
         sock.close()
+        if engine is not None:
+            engine.cancel_warmup()  # no compile outlives the server
     return 0
 
 

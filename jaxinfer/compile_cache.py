@@ -2,7 +2,10 @@
 
 Compiling the prefill and decode programs takes seconds on a CPU; with the cache on, a new
 process with the same model shapes, dtype and jax version loads them from disk instead.
-The CLI turns this on by default (`--compile-cache DIR`, `--no-compile-cache`).
+It is on by default: the CLI turns it on (`--compile-cache DIR`, `--no-compile-cache`), and so
+do `jaxinfer.load` and `Engine` for the Python API (`use_default_cache`), unless
+$JAXINFER_COMPILE_CACHE is "off" or JAX's own `jax_compilation_cache_dir` is already set (that
+folder is kept).
 
 `CompileCounter` counts the executables built while it listens (JAX's monitoring events), which
 is what a user waits for. A jitted function's dispatch-cache size is not: it can gain an entry
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -87,27 +91,39 @@ class CompileCounter:
             self._thread = None
 
 
+# $JAXINFER_COMPILE_CACHE values that turn the default cache off (the test suite sets "off").
+OFF = ("0", "off", "false", "no", "none")
+
+
+def opted_out() -> bool:
+    """True when $JAXINFER_COMPILE_CACHE turns the default cache off (one of OFF)."""
+    return os.environ.get("JAXINFER_COMPILE_CACHE", "").strip().lower() in OFF
+
+
 def default_dir() -> Path:
     """Default cache folder: $JAXINFER_COMPILE_CACHE, else $JAXINFER_CACHE/xla, else ~/.cache/jaxinfer/xla."""
-    if os.environ.get("JAXINFER_COMPILE_CACHE"):
+    if os.environ.get("JAXINFER_COMPILE_CACHE") and not opted_out():
         return Path(os.environ["JAXINFER_COMPILE_CACHE"]).expanduser()
     base = os.environ.get("JAXINFER_CACHE") or os.path.join("~", ".cache", "jaxinfer")
     return Path(base).expanduser() / "xla"
 
 
-def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None) -> Path:
+def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None) -> Optional[Path]:
     """Turn on JAX's persistent compilation cache for this process.
 
     Every compiled program is saved, however fast it compiled: on a small CPU even the
     sub-second ones add up at start-up.
 
     Args:
-      directory: cache folder (created if missing); default `default_dir()`.
+      directory: cache folder (created if missing); default `default_dir()`, or no cache at all
+        when $JAXINFER_COMPILE_CACHE is "off" (`opted_out`).
     Returns:
-      The folder in use.
+      The folder in use (None: opted out, nothing changed).
     Raises:
       ValueError: if `directory` exists and is not a folder, or cannot be created.
     """
+    if directory is None and opted_out():
+        return None
     path = Path(directory).expanduser() if directory is not None else default_dir()
     if path.exists() and not path.is_dir():
         raise ValueError(f"compile cache {str(path)!r} exists and is not a folder")
@@ -119,3 +135,26 @@ def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def use_default_cache() -> Optional[Path]:
+    """The Python API's default: the persistent cache in `default_dir()`, unless the user opted
+    out ($JAXINFER_COMPILE_CACHE=off) or set JAX's `jax_compilation_cache_dir` (kept as it is).
+
+    Cheap and idempotent (`jaxinfer.load` and every `Engine` call it). A folder that cannot be
+    used is an optimisation lost, never an error: a warning, and programs compile afresh.
+
+    Returns:
+      The folder in use, or None when the cache is off.
+    """
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return Path(current)
+    if opted_out():
+        return None
+    try:
+        return enable_persistent_cache(None)
+    except (ValueError, OSError) as e:
+        warnings.warn(f"jaxinfer: compile cache off ({e}); set $JAXINFER_COMPILE_CACHE to a writable folder, "
+                      "or to 'off'", RuntimeWarning, stacklevel=2)
+        return None

@@ -4,6 +4,11 @@ import os
 
 import pytest
 
+# The Python API turns on the persistent compile cache in ~/.cache/jaxinfer/xla by default
+# (`compile_cache.use_default_cache`); the suite must not write that shared folder (other
+# processes may write it at the same time). Tests that want a cache pass their own folder.
+os.environ.setdefault("JAXINFER_COMPILE_CACHE", "off")
+
 SMOLLM2_GGUF_NAME = "smollm2-135m"
 
 

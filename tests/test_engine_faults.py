@@ -1,7 +1,7 @@
 """Engine faults: a failing step fails the requests it touched, loudly, and the engine goes on.
 
-Faults are injected into the real step: the decode core's jitted programs (`core.mixed_step_jit`,
-`core.decode_jit`), which the engine calls for every prompt chunk (beside a decode step) and decode scan.
+Faults are injected into the real step: the runner's programs ("mixed": a prompt chunk beside a
+decode step of every slot; "decode": the scan; "prefill": a scoring chunk), which every call runs.
 """
 
 import asyncio
@@ -10,8 +10,8 @@ import time
 import jax
 import pytest
 
-from jaxinfer.decode import core
 from jaxinfer.serve import Engine
+from jaxinfer.serve import runner as runner_mod
 from jaxinfer.serve.engine import EngineDead
 from jaxinfer.serve.request import EngineError
 from tests.test_serve import ENGINE, make_specs, reference, submit, tiny_model
@@ -29,22 +29,22 @@ def specs_and_ref(model):
 
 
 def _fault_once(monkeypatch, name, *, delete_pool=False):
-    """Make core.<name> raise on its next call (after donating and deleting the pool, if asked)."""
-    real = getattr(core, name)
+    """Make the runner's program `name` ("mixed", "decode" or "prefill") raise on its next call
+    (after donating and deleting the pool, if asked)."""
+    real = runner_mod.Runner._program
     state = {"armed": True}
 
-    def faulty(*args, **kwargs):
-        if state["armed"]:
+    def faulty(self, key, jitted, static, *args):
+        if state["armed"] and key[0] == name:
             state["armed"] = False
             if delete_pool:  # what a device error after donation leaves behind: the pool is gone
-                cache = args[1] if name == "prefill_jit" else args[1].cache  # the pool, or the state's
-                for a in jax.tree.leaves(cache):
+                for a in jax.tree.leaves(args[1]):  # (params, cache, ...)
                     if isinstance(a, jax.Array):
                         a.delete()
             raise RuntimeError(f"injected fault in {name}")
-        return real(*args, **kwargs)
+        return real(self, key, jitted, static, *args)
 
-    monkeypatch.setattr(core, name, faulty)
+    monkeypatch.setattr(runner_mod.Runner, "_program", faulty)
     return state
 
 
@@ -59,10 +59,10 @@ def test_a_failing_decode_fails_its_requests_and_the_engine_recovers(model, spec
         engine.step()  # prefill them (and run scans of 2 steps): all are decoding
     decoding = [r for r in reqs if not r.done]
     assert decoding
-    _fault_once(monkeypatch, "decode_jit", delete_pool=delete_pool)
+    _fault_once(monkeypatch, "decode", delete_pool=delete_pool)
     engine.step()  # the scan raises: the requests it touched fail
     for r in decoding:
-        with pytest.raises(EngineError, match="injected fault in decode_jit"):
+        with pytest.raises(EngineError, match="injected fault in decode"):
             r.result(timeout=5)
     failed = decoding
     assert engine.healthy and engine.stats().requests_failed == len(failed)
@@ -84,10 +84,10 @@ def test_a_lost_pool_is_rebuilt_and_bystanders_are_recomputed(model, specs_and_r
     bystander = submit(engine, spec)
     while not (engine.scheduler.running and engine.scheduler.running[0].state == "decode"):
         engine.step()  # the bystander is decoding before the victim arrives
-    _fault_once(monkeypatch, "mixed_step_jit", delete_pool=True)
+    _fault_once(monkeypatch, "mixed", delete_pool=True)
     victim = submit(engine, next(s for s in specs if s is not spec))
     engine.run_until_idle()
-    with pytest.raises(EngineError, match="injected fault in mixed_step_jit"):
+    with pytest.raises(EngineError, match="injected fault in mixed"):
         victim.result(timeout=5)
     assert bystander.result(timeout=5).token_ids == want[specs.index(spec)].token_ids
     assert engine.healthy and engine.stats().pages_in_use == 0
@@ -97,7 +97,7 @@ def test_unrecoverable_fault_marks_the_engine_dead(model, specs_and_ref, monkeyp
     specs, _ = specs_and_ref
     engine = Engine(model, n_pages=40, **ENGINE)
     r = submit(engine, specs[0])
-    _fault_once(monkeypatch, "mixed_step_jit", delete_pool=True)
+    _fault_once(monkeypatch, "mixed", delete_pool=True)
     monkeypatch.setattr(engine.runner, "new_pool", lambda: (_ for _ in ()).throw(MemoryError("no memory for a new pool")))
     engine.step()
     assert not engine.healthy and "recovery failed" in engine.dead
@@ -127,7 +127,7 @@ def test_background_loop_survives_a_fault_and_a_closed_consumer_loop(model, spec
         # the engine goes on calling the orphan's waker until it finishes: nothing may break
         assert orphan.result(timeout=60).token_ids == want[4].token_ids
         assert engine._thread.is_alive()
-        _fault_once(monkeypatch, "decode_jit")
+        _fault_once(monkeypatch, "decode")
         hit = submit(engine, next(s for s in specs if s.max_new_tokens >= 2))
         with pytest.raises(EngineError):
             hit.result(timeout=60)

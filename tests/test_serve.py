@@ -160,17 +160,16 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
     and those times then pick a call's chunks; call_rows given is kept, and its rows pick them. Chunk buckets stop at the longest context (max_len 64: 16, 32 and 64),
     whatever prefill_chunk allows. Timed calls keep the token counts on the device, as serving
     does while nobody is penalized: only the very first call sends them."""
-    from jaxinfer.serve import runner as runner_mod
     from jaxinfer.serve.scheduler import call_rows
 
     engine = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40)
     assert engine.runner.chunks == [16, 32, 64] and engine.runner.wide == [(4, 16), (4, 32), (4, 64)]
-    reused, batch_rows = [], runner_mod.batch_rows
-    monkeypatch.setattr(runner_mod, "batch_rows",
-                        lambda *a, spare=None, **k: reused.append(spare is not None) or batch_rows(*a, spare=spare, **k))
+    sent, counts = [], engine.runner._counts  # True: a call's [S, V] counts built and sent from the host
+    monkeypatch.setattr(engine.runner, "_counts",
+                        lambda lives: (out := counts(lives)) and sent.append(isinstance(out[0], np.ndarray)) or out)
     engine.warmup()
-    mixed = reused[:3 * len(engine.runner.shapes())]  # each shape: compile, then two timed runs
-    assert mixed[0] is False and all(mixed[1:]), reused
+    mixed = sent[:2 * len(engine.runner.shapes())]  # each shape: two timed runs
+    assert mixed[0] is True and not any(mixed[1:]), sent
     monkeypatch.undo()
     times = engine.runner.call_seconds
     assert set(times) == set(engine.runner.shapes()) and all(t > 0 for t in times.values())

@@ -48,7 +48,7 @@ from typing import Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.compile_cache import CompileCounter, use_default_cache
 from jaxinfer.decode import constraints
 from jaxinfer.decode import inputs
 from jaxinfer.decode import sampling as smp
@@ -56,6 +56,7 @@ from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import nbytes as params_nbytes
+from jaxinfer.serve import memory
 from jaxinfer.serve.live import MAX_STOP_TOKENS, Live
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
 from jaxinfer.serve.pages import PagePool
@@ -63,8 +64,9 @@ from jaxinfer.serve.request import EngineError, Request
 from jaxinfer.serve.scheduler import DECODE, PREFILL, Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
-CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host memory available
-DEVICE_MEMORY_FRACTION = 0.85  # default KV pool on an accelerator: this share of its free memory
+CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host's physical memory
+DEVICE_MEMORY_FRACTION = 0.85  # default KV pool on an accelerator: this share of its memory less the weights
+FREE_MEMORY_CAP = 0.95  # ... and never more than this share of the accelerator's memory free at that moment
 ADMISSION_WAIT = 0.2  # s: the longest scan while a slot is free (see Engine's admission_wait)
 
 
@@ -99,17 +101,37 @@ class EngineStats:
 
 
 def default_kv_memory(model: Model) -> int:
-    """The KV pool's default byte budget: DEVICE_MEMORY_FRACTION of the accelerator's free memory,
-    or on a CPU CPU_MEMORY_FRACTION of the host memory available (the weights already loaded)."""
+    """The KV pool's default byte budget, from what does not change between starts: on an
+    accelerator DEVICE_MEMORY_FRACTION of its memory less this model's weights (at most what is
+    free now), on a CPU CPU_MEMORY_FRACTION of the host's physical memory (at most half of what
+    is available now). A budget from the memory free at that moment moved with every start and
+    every Engine (the first Engine's pool is gone from the second's), and so did every program's
+    shapes: the persistent compile cache never served a second start."""
     dev = jax.devices()[0]
     stats = dev.memory_stats() if dev.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
-        return int(DEVICE_MEMORY_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        weights = sum(s.data.nbytes for leaf in jax.tree.leaves(model.params) if isinstance(leaf, jax.Array)
+                      for s in leaf.addressable_shards if s.device == dev)
+        return int(min(DEVICE_MEMORY_FRACTION * (limit - weights), FREE_MEMORY_CAP * (limit - in_use)))
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        page = os.sysconf("SC_PAGE_SIZE")
+        total, available = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
     except (ValueError, OSError, AttributeError):
-        available = 8 << 30
-    return int(CPU_MEMORY_FRACTION * available)
+        total = available = 8 << 30
+    return int(min(CPU_MEMORY_FRACTION * total, 0.5 * available))
+
+
+def pool_size(n_pages: int) -> int:
+    """The largest of the fixed pool sizes (2^k and 3 x 2^(k-1) pages) that is <= n_pages.
+
+    A default pool takes one of these sizes, so a budget that moves a little (the memory free,
+    another Engine's pool) keeps the same shapes and the compile cache serves them; it gives up
+    at most a third of the budget."""
+    if n_pages < 2:
+        return n_pages
+    p = 1 << (n_pages.bit_length() - 1)
+    return p + p // 2 if p + p // 2 <= n_pages else p
 
 
 class Engine:
@@ -125,8 +147,10 @@ class Engine:
           max_slots: requests decoded together (the decode scan's batch).
           page_size: positions per KV page.
           kv_memory: pool size in bytes; or n_pages: in pages (at most one of them). Default: a
-            memory budget (`default_kv_memory`), capped at what max_slots requests of max_len
-            tokens can use. One page of it is the trash page.
+            memory budget (`default_kv_memory`) rounded down to one of a few fixed sizes
+            (`pool_size`, so later starts and Engines get the same shapes and the compile cache
+            serves them), capped at what max_slots requests of max_len tokens can use. One page
+            of it is the trash page.
           max_len: longest context (prompt + max_new_tokens) of one request; default the model's,
             capped at what the pool holds.
           prefill_chunk: most prompt tokens prefilled per step (across requests).
@@ -145,6 +169,7 @@ class Engine:
             (`scheduler.one_call`); given, the rows decide that too.
         """
         cfg = model.config
+        use_default_cache()  # the persistent compile cache, unless the user opted out (compile_cache)
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
                         ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):
             inputs.check_int(name, v, 1)
@@ -163,9 +188,11 @@ class Engine:
             if kv_memory is not None and not (isinstance(kv_memory, (int, float)) and kv_memory > 0
                                               and np.isfinite(kv_memory)):
                 raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
-            budget = int(kv_memory) if kv_memory is not None else min(default_kv_memory(model),
-                                                                       (max_slots * want_len + page_size) * bpt)
-            n_pages = budget // (bpt * page_size)  # the whole pool, trash page included, within the budget
+            if kv_memory is not None:
+                n_pages = int(kv_memory) // (bpt * page_size)  # the whole pool, trash page included
+            else:
+                n_pages = min(pool_size(default_kv_memory(model) // (bpt * page_size)),
+                              (max_slots * want_len + page_size) // page_size)
         if n_pages < 2:
             raise ValueError(f"the pool needs at least 2 pages (one is the trash page), got {n_pages} "
                              f"(kv_memory={kv_memory!r} at {bpt} bytes per token, page_size={page_size})")
@@ -194,6 +221,7 @@ class Engine:
         self._touched: set[int] = set()  # requests of the device call under way (failed together)
         self.tokens_generated = self.requests_finished = self.requests_failed = self.steps = self.scans = 0
         self.compiles_while_serving = 0  # programs built by `step` and `submit` (`warmup` builds them all)
+        self.warmup_seconds: Optional[float] = None  # wall time of the last `warmup` call
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
@@ -311,7 +339,7 @@ class Engine:
                 scoring = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is not None]
                 plain = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is None]
                 while scoring:  # their programs return every position's logits: calls of their own
-                    call = self.runner.pick(scoring)  # (a chunk cut short continues next iteration)
+                    call = self.runner.pick(scoring, scoring=True)  # (a chunk cut short continues next iteration)
                     self._score_call(call)
                     scoring = [c for c in scoring if all(c.seq is not d.seq for d in call)]
                 chunks = self.runner.pick(plain) if plain else []
@@ -396,17 +424,74 @@ class Engine:
                     if not self._inbox and not self._stopping:
                         self._wake.wait(timeout=0.05)
 
-    def warmup(self, *, logprobs: bool = False, scoring: bool = False) -> int:
+    def warmup(self, *, logprobs: bool = False, scoring: bool = False, wait: bool = True,
+               workers: Optional[int] = None) -> int:
         """Build the programs serving uses: the mixed call for every (rows, chunk) shape and the
         decode scan (both return top logprobs when some request asks, so `logprobs` needs no
         programs of its own and is kept for callers that pass it); with `scoring` also the
         prefills that return prompt logprobs (what an HTTP server needs).
 
-        Returns the number of programs. After this, serving compiles nothing.
+        Programs are compiled on `workers` threads at once (default: one per CPU core), or
+        loaded from the persistent compile cache. With `wait=False` this returns at once and
+        the programs are built on background threads: the engine is `ready` as soon as the
+        ones every request can be served with are built (the scan and the smallest chunk
+        calls, built first), and serves meanwhile with the shapes it has (longer prompts in
+        more, smaller chunks) until the rest are built (`warming`).
+
+        Returns the number of programs. After this (and once `warming` is over), serving
+        compiles nothing.
         """
         with self._step_lock:
             _key_data(None, 0, smp.GREEDY), _key_data(jax.random.key(0), None, smp.GREEDY)  # submit's key ops
-            return self.runner.warmup(scoring=scoring)
+        t0 = time.perf_counter()
+        if not wait:
+            n = self.runner.warmup(scoring=scoring, workers=workers, background=True, lock=self._step_lock)
+
+            def done():
+                self.runner.warm_done.wait()
+                self.warmup_seconds = time.perf_counter() - t0
+                memory.release()  # what the compiles freed
+
+            threading.Thread(target=done, name="jaxinfer-warmup-done", daemon=True).start()
+            return n
+        n = self.runner.warmup(scoring=scoring, workers=workers, lock=self._step_lock)
+        self.warmup_seconds = time.perf_counter() - t0
+        memory.release()  # what the compiles freed: ~0.3-0.7 GB each for a per_layer model's programs
+        return n
+
+    def cancel_warmup(self) -> None:
+        """End a background warmup: programs not yet being built are built on first use
+        instead (and counted in compiles_while_serving); returns once its builds have stopped."""
+        self.runner.cancel_warmup()
+
+    @property
+    def warming(self) -> bool:
+        """True while a background warmup (`warmup(wait=False)`) still builds programs."""
+        return self.runner.warming
+
+    @property
+    def ready(self) -> bool:
+        """Every request can be served without compiling: no warmup was asked for, or the
+        warmup's first programs (the scan, the smallest chunk calls) are built."""
+        return self.runner.ready()
+
+    def wait_ready(self, timeout: Optional[float] = None) -> bool:
+        """Wait until `ready` (or `timeout` seconds); returns `ready`."""
+        t_end = None if timeout is None else time.monotonic() + timeout
+        while not self.runner.ready():
+            if self.runner.warm_done.wait(0.05) and not self.runner.ready():
+                break  # the warmup ended without them: its error is in `warm_error`
+            if t_end is not None and time.monotonic() > t_end:
+                break
+        return self.runner.ready()
+
+    def wait_warm(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no warmup is under way (or `timeout` seconds); returns True when none is.
+        Raises what a background warmup failed with."""
+        done = self.runner.warm_done.wait(timeout)
+        if self.runner.warm_error is not None:
+            raise self.runner.warm_error
+        return done
 
     # ---- device calls -------------------------------------------------------------------------
     def _score_call(self, chunks: list[Chunk]) -> None:
@@ -561,13 +646,55 @@ class Engine:
         """How many requests of n_tokens (prompt + new) the whole pool holds at once."""
         return self.pool.capacity // kv.pages_for(n_tokens, self.page_size)
 
-    def describe(self) -> str:
-        """The pool the seed's way: bytes per token, pages, and requests of a few lengths that fit."""
+    def startup_report(self) -> "StartupReport":
+        """What this engine holds and what building its programs cost (see `describe`)."""
         bpt = kv.bytes_per_token(self.cfg)
-        fits = ", ".join(f"{self.requests_that_fit(n)} x {n}" for n in (512, 2048, self.max_len) if n <= self.max_len)
-        return (f"KV pool {self.runner.cache.nbytes / 2**20:.0f} MiB = {self.pool.capacity} pages x {self.page_size} tokens "
-                f"x {bpt} bytes/token (+1 trash page); requests that fit at once: {fits} tokens; "
-                f"weights {params_nbytes(self.model.params) / 2**20:.0f} MiB")
+        r = self.runner.programs.report()
+        return StartupReport(weights_bytes=params_nbytes(self.model.params), pool_bytes=self.runner.cache.nbytes,
+                             pool_tokens=self.pool.capacity * self.page_size, page_size=self.page_size,
+                             bytes_per_token=bpt, max_len=self.max_len,
+                             fits={n: self.requests_that_fit(n) for n in (512, 2048, self.max_len) if n <= self.max_len},
+                             programs=r.programs, pending=r.pending, compiled=r.compiled, loaded=r.loaded,
+                             in_memory=r.in_memory, compile_seconds=r.seconds,
+                             warmup_seconds=self.warmup_seconds if self.warmup_seconds is not None else r.wall_seconds,
+                             compile_cache=jax.config.jax_compilation_cache_dir or None)
+
+    def describe(self) -> str:
+        """The start-up report in one line: weights X GB, KV pool Y GB = Z tokens, programs N
+        (compiled C, loaded from the compile cache L, S seconds), and which requests fit."""
+        return str(self.startup_report())
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupReport:
+    """An Engine at start-up (`Engine.startup_report`, printed by `jaxinfer serve`)."""
+
+    weights_bytes: int
+    pool_bytes: int  # the KV pool (its trash page included)
+    pool_tokens: int  # tokens the pool holds for requests (pages x page_size, the trash page not counted)
+    page_size: int
+    bytes_per_token: int
+    max_len: int
+    fits: dict  # request length -> how many of them the pool holds at once
+    programs: int  # programs built
+    pending: int  # programs a background warmup still builds
+    compiled: int  # XLA executables compiled afresh
+    loaded: int  # ... loaded from the persistent compile cache
+    in_memory: int  # programs this process had built already (another Engine of the same shapes)
+    compile_seconds: float  # building them, summed over the threads that did
+    warmup_seconds: float  # wall time of the warmup
+    compile_cache: Optional[str]  # the persistent compile cache's folder (None: off)
+
+    def __str__(self) -> str:
+        fits = ", ".join(f"{k} x {n}" for n, k in self.fits.items())
+        programs = f"programs {self.programs} (compiled {self.compiled}, loaded from cache {self.loaded}"
+        programs += f", in memory {self.in_memory}" if self.in_memory else ""
+        programs += f", {self.warmup_seconds:.1f} s)"
+        programs += f", {self.pending} more building" if self.pending else ""
+        return (f"weights {self.weights_bytes / 1e9:.2f} GB, KV pool {self.pool_bytes / 1e9:.2f} GB = "
+                f"{self.pool_tokens:,} tokens ({self.pool_tokens // self.page_size:,} pages x {self.page_size}, "
+                f"{self.bytes_per_token:,} bytes/token; at once: {fits} tokens), {programs}; compile cache "
+                f"{self.compile_cache or 'off'}")
 
 
 def _key_data(key, seed, sampling: SamplingParams) -> np.ndarray:

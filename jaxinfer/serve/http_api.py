@@ -346,11 +346,23 @@ async def retrieve_model(http: HttpRequest):
 
 
 async def health(http: HttpRequest):
+    """200 {"status": "ok"} once every request can be served without compiling; 503 with
+    "starting" (the app is not up), "warming" (the engine's first programs are being built:
+    requests sent now wait for them) or "engine failed". While a background warmup builds the
+    remaining programs, "ok" comes with "warming": the programs still to build (requests are
+    served meanwhile, long prompts in smaller chunks)."""
     st: ServerState = http.app.state.server
     if not st.healthy:
         return JSONResponse({"status": "starting"}, status_code=503)
-    if st.engine.dead is not None:
-        return JSONResponse({"status": "engine failed", "error": st.engine.dead[:500]}, status_code=503)
+    engine = st.engine
+    if engine.dead is not None:
+        return JSONResponse({"status": "engine failed", "error": engine.dead[:500]}, status_code=503)
+    report = engine.runner.programs.report()
+    if not engine.ready:
+        return JSONResponse({"status": "warming", "programs_built": report.programs,
+                             "programs_pending": report.pending}, status_code=503)
+    if engine.warming:
+        return JSONResponse({"status": "ok", "warming": report.pending})
     return JSONResponse({"status": "ok"})
 
 
@@ -411,7 +423,9 @@ async def chat_completions(http: HttpRequest):
 def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
                limits: Limits = Limits(), manage_engine: bool = True) -> Starlette:
     """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
-    (after uvicorn has finished the running requests). The engine should be warmed up before."""
+    (after uvicorn has finished the running requests). The engine should be warmed up before, or
+    warming up in the background (`Engine.warmup(wait=False)`): /health says "warming" until it
+    is `ready`."""
     st = ServerState(engine, model, model_name, api_key, limits)
 
     @contextlib.asynccontextmanager

@@ -52,6 +52,7 @@ class Live:
     sent: int = 0  # characters of text already handed out
     error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
     error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
+    packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner._row`)
 
     def accept(self, tokens: list[int], logprobs: list[float], tops: list) -> tuple[list[int], Optional[str]]:
         """Take a device call's tokens for this request, one at a time, until it ends.
@@ -128,37 +129,52 @@ class Live:
 
 
 def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int,
-               key_size: int, spare: Optional[pen.TokenCounts] = None) -> tuple[core.Rows, pen.TokenCounts]:
+               key_size: int, spare: Optional[pen.TokenCounts] = None, raw_keys: bool = False
+               ) -> tuple[core.Rows, pen.TokenCounts]:
     """core.Rows and TokenCounts for a device call whose row i runs lives[i] (None: an idle row);
     constrained rows get their grammar's mask of allowed next tokens.
 
     `spare`: TokenCounts of this shape already on the device (the last call's), returned as they
     are when no row is penalized: then nothing reads them (`core._controlled` skips the
     penalties), and the [R, V] arrays need not be built and sent again (20 MB a call for 32
-    rows of a 128k vocabulary)."""
+    rows of a 128k vocabulary). `raw_keys`: the keys as raw key data [R, k] uint32 (the program
+    wraps them), not typed keys."""
+    R, V = len(lives), vocab_size
+    rows = slot_rows(lives, budgets, eos_ids, vocab_size, key_size, raw_keys=raw_keys)
+    mask = np.asarray(rows.mask)
+    for i, lv in enumerate(lives):
+        if lv is not None and lv.matcher is not None:
+            lv.matcher.fill_bitmask(mask[i])
+    reuse = spare is not None and all(lv is None or lv.counts is None for lv in lives)
+    if reuse:
+        return rows, spare
+    counts, in_prompt = np.zeros((R, V), np.int32), np.zeros((R, V), bool)
+    for i, lv in enumerate(lives):
+        if lv is not None and lv.counts is not None:
+            counts[i], in_prompt[i] = lv.counts, lv.in_prompt
+    return rows, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=np.asarray(rows.steps))
+
+
+def slot_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int, key_size: int,
+              raw_keys: bool = False) -> core.Rows:
+    """core.Rows of host arrays for rows running lives[i] (None: an idle row): settings, keys
+    (typed, or raw key data with `raw_keys`), steps so far, stop ids, budgets; every token
+    allowed (constrained rows' masks are filled by the caller)."""
     R, V = len(lives), vocab_size
     samplings = [lv.sampling if lv is not None else smp.GREEDY for lv in lives]
     key_data = np.zeros((R, key_size), np.uint32)
     steps = np.zeros((R,), np.int32)
-    reuse = spare is not None and all(lv is None or lv.counts is None for lv in lives)
-    counts, in_prompt = (None, None) if reuse else (np.zeros((R, V), np.int32), np.zeros((R, V), bool))
-    mask = core.no_mask(R, V)
     for i, lv in enumerate(lives):
-        if lv is None:
-            continue
-        key_data[i], steps[i] = lv.key_data, len(lv.seq.generated)
-        if lv.counts is not None:
-            counts[i], in_prompt[i] = lv.counts, lv.in_prompt
-        if lv.matcher is not None:
-            lv.matcher.fill_bitmask(mask[i])
+        if lv is not None:
+            key_data[i], steps[i] = lv.key_data, len(lv.seq.generated)
     # Fixed widths (every request's stop ids, MAX_LOGIT_BIAS bias slots): no request's settings
     # change a program's shapes, so nothing compiles after `Engine.warmup`.
     stop_width = 1 << (len(eos_ids) + MAX_STOP_TOKENS - 1).bit_length()
-    rows = core.Rows(sampling=smp.row_params(samplings), keys=jax.random.wrap_key_data(key_data), steps=steps,
+    return core.Rows(sampling=smp.row_params(samplings),
+                     keys=key_data if raw_keys else jax.random.wrap_key_data(key_data), steps=steps,
                      stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives], stop_width),
                      budget=np.asarray(budgets, np.int32), finished=np.zeros((R,), bool),
                      controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
                                                             for lv in lives], eos_ids, V,
                                                 bias_slots=pen.MAX_LOGIT_BIAS, stop_slots=MAX_STOP_TOKENS),
-                     mask=mask)
-    return rows, spare if reuse else pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=steps)
+                     mask=core.no_mask(R, V))

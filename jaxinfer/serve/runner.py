@@ -14,22 +14,40 @@ Scoring requests (prompt logprobs) are prefilled by their own prefill calls (`co
 which returns logits for every chunk position). Every shape is bucketed, so `warmup` can build
 every program before serving and nothing compiles after it. The pool is donated to every call
 and replaced by its result.
+
+The host's share of an iteration is kept small (on an H200 the GPU sat idle 44% of a burst
+while the host prepared the next call): each slot's settings (sampling, key, stop ids, logit
+bias...) are packed once, when its request takes the slot, into a row of two host tables
+(`packed.Packing`: one int32 and one float32 array for ~25 per-row arrays); a call sends the
+two tables with the few columns that move (tokens, lengths, page table, steps, budgets), the
+mixed call hands its state on to the scan on the device, the results come back as two packed
+arrays whose copies start as soon as the calls are dispatched, and the programs are compiled
+ahead of time (`programs.Programs`, on worker threads at `warmup`) and called directly.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import os
+import threading
 import time
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxinfer import sharding as shd
 from jaxinfer.decode import core
+from jaxinfer.decode import penalties as pen
 from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
-from jaxinfer.serve.live import Live, batch_rows
+from jaxinfer.serve.live import Live, batch_rows, slot_rows
+from jaxinfer.serve.packed import Packing
+from jaxinfer.serve.programs import Programs
 from jaxinfer.serve.scheduler import Chunk, Seq, call_rows, one_call
 
 # Smallest prefill chunk bucket (chunks are padded to powers of two from here). 16, not 32: a
@@ -84,6 +102,80 @@ class StepOut:
     decode: DecodeOut
 
 
+@struct.dataclass
+class Slots:
+    """Every decode slot's small state for one call, [S]-leading arrays: what the host packs into
+    two tables (`Packing`) and the programs unpack. Its counts [S, V] and constraint mask [S, U]
+    travel apart (large, and mostly unchanged from call to call)."""
+
+    tokens: jax.Array  # [S] int32: each slot's last sampled token (its next input)
+    lengths: jax.Array  # [S] int32: filled positions
+    page_table: jax.Array  # [S, W] int32
+    rows: core.Rows  # keys as raw key data [S, k] uint32; mask [S, 0] (the real one is an argument)
+    generated: jax.Array  # [S] int32: tokens generated (TokenCounts.generated)
+    top: jax.Array  # [S] bool: the slot's request wants its top alternatives
+
+
+def _state(cache: kv.KVCache, counts, slots: Slots, mask) -> core.DecodeState:
+    """The decode core's state from a call's arguments (inside a program)."""
+    rows = slots.rows.replace(keys=jax.random.wrap_key_data(slots.rows.keys), mask=mask)
+    return core.DecodeState(cache=cache.with_rows(slots.page_table, slots.lengths), tokens=slots.tokens, rows=rows,
+                            counts=pen.TokenCounts(counts=counts[0], in_prompt=counts[1], generated=slots.generated))
+
+
+def _slots(state: core.DecodeState, top) -> Slots:
+    rows = state.rows
+    return Slots(tokens=state.tokens, lengths=state.cache.lengths, page_table=state.cache.page_table,
+                 rows=rows.replace(keys=jax.random.key_data(rows.keys), mask=rows.mask[:, :0]),
+                 generated=state.counts.generated, top=top)
+
+
+@functools.lru_cache(maxsize=64)
+def _emitted_packing(steps: int, rows: int, n_top: int) -> Packing:
+    """The packing of core.Emitted stacked over `steps` ([steps, rows, ...])."""
+    z = lambda *shape, dtype=np.int32: np.zeros((steps, rows) + shape, dtype)  # noqa: E731
+    return Packing.of(core.Emitted(tokens=z(1), logprobs=z(1, dtype=np.float32), count=z(),
+                                   top_ids=z(1, n_top), top_logprobs=z(1, n_top, dtype=np.float32)), lead=2)
+
+
+def _pack_emitted(em: core.Emitted, steps: int, n_top: int):
+    return _emitted_packing(steps, em.tokens.shape[1], n_top).pack(em)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_top", "packing"), donate_argnums=(1, 2))
+def mixed_program(params, cache, counts, ints, floats, mask, chunks: core.Chunks, *, cfg, n_top: int,
+                  packing: Packing):
+    """`core.mixed_step` over packed slots: (cache, counts, ints, floats, the decode rows'
+    Emitted [1, S] packed, the chunks' first tokens [1, R] packed)."""
+    slots = packing.unpack(ints, floats)
+    state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask), chunks, cfg, n_top, slots.top)
+    ints, floats = packing.pack(_slots(state, slots.top))
+    em, first = jax.tree.map(lambda a: a[None], (em, first))
+    return (state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats,
+            _pack_emitted(em, 1, n_top), _pack_emitted(first, 1, n_top))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_top", "packing"), donate_argnums=(1, 2))
+def decode_program(params, cache, counts, ints, floats, mask, *, cfg, n_steps: int, n_top: int, packing: Packing):
+    """`core.decode` (until a row ends) over packed slots: (cache, counts, ints, floats, Emitted
+    [n_steps, S] packed)."""
+    slots = packing.unpack(ints, floats)
+    state, em = core.decode(params, _state(cache, counts, slots, mask), cfg, n_steps, n_top, top=slots.top,
+                            until_a_row_ends=jnp.asarray(True))
+    ints, floats = packing.pack(_slots(state, slots.top))
+    return state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats, _pack_emitted(em, n_steps, n_top)
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs of a pytree of arrays (what a program is lowered for), shardings kept
+    for committed device arrays."""
+    def one(a):
+        if isinstance(a, jax.Array) and getattr(a, "committed", False):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+    return jax.tree.map(one, tree)
+
+
 class Runner:
     def __init__(self, model: Model, *, n_pages: int, page_size: int, max_slots: int, max_len: int,
                  prefill_chunk: int, decode_steps: int, eos_ids: tuple[int, ...], call_rows: Optional[int] = None):
@@ -102,12 +194,32 @@ class Runner:
         self.wide = [(max_slots, c) for c in self._within_budget(max_slots)] if max_slots > 1 else []
         self.key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
         self.cache = self.new_pool()
-        self.spare_counts = None  # the last step's TokenCounts [max_slots, V], on the device (`batch_rows`)
+        self.spare_counts = None  # the last call's (counts, in_prompt) [S, V], on the device (`_counts`)
         # A call's fixed cost in token rows, for `pick`: given, or measured by `warmup`.
         self.call_rows, self.measure_call_rows = (MIXED_CALL_ROWS, True) if call_rows is None else (call_rows, False)
         self.call_seconds: dict[tuple[int, int], float] = {}  # (R, C) -> a mixed call's seconds (`warmup`)
         if call_rows is not None:
             self.wide += self.mid_shapes(call_rows)
+        # Programs are compiled ahead of time and called directly, except over a mesh, where jit's
+        # dispatch places arguments on the shardings each program was built for.
+        self.programs = Programs()
+        self.direct = shd.params_mesh(model.params) is None
+        self.warming = False  # a background warmup is under way: calls use the shapes built so far
+        self.warm_done = threading.Event()  # set when no warmup is under way
+        self.warm_done.set()
+        self.warm_error: Optional[BaseException] = None  # what a background warmup failed with
+        self._minimal: list[tuple] = []  # the programs a warmup builds first (`minimal`)
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # a background warmup's workers
+        self._cancelled = False  # `cancel_warmup` was called
+        self.scoring_shapes = False  # warmup builds the scoring prefills too
+        # The per-slot tables (`Slots`, packed): each slot's row is written when a request takes it.
+        self.packing = Packing.of(self._slots_template(max_slots))
+        self._idle_row = self._row(None)
+        self._table = (np.tile(self._idle_row[0], (max_slots, 1)), np.tile(self._idle_row[1], (max_slots, 1)))
+        self._occupant: list[Optional[int]] = [None] * max_slots  # request id whose row each slot holds
+        self._cols = {name: self.packing.columns(name)[1] for name in
+                      ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
+        self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
 
     def new_pool(self) -> kv.KVCache:
         """An empty pool (on the model's mesh, kv heads split like wk/wv, when the model is sharded)."""
@@ -124,6 +236,10 @@ class Runner:
 
     def chunk_bucket(self, n: int) -> int:
         return next(c for c in self.chunks if c >= n)
+
+    def _ready_bucket(self, n: int) -> int:
+        """The smallest chunk bucket that holds n tokens and whose programs are built (any, if none)."""
+        return next((c for c in self.chunks if c >= n and self._ready((1, c))), None) or self.chunk_bucket(n)
 
     def _within_budget(self, R: int) -> list[int]:
         """Chunk buckets C with R x C within an iteration's prompt budget (or the smallest)."""
@@ -142,11 +258,126 @@ class Runner:
         """Every (R, C) of a prompt-chunk call: one row of any chunk bucket, or many (`wide`)."""
         return [(1, c) for c in self.chunks] + self.wide
 
-    def pick(self, chunks: list[Chunk]) -> list[Chunk]:
+    def _ready(self, shape: tuple[int, int]) -> bool:
+        """The programs of a chunk call of this shape are built (always, unless warming)."""
+        if not self.warming:
+            return True
+        R, C = shape
+        return ("mixed", R, C) in self.programs and (R > 1 or not self.scoring_shapes
+                                                     or ("prefill", R, C) in self.programs)
+
+    def pick(self, chunks: list[Chunk], scoring: bool = False) -> list[Chunk]:
         """The chunks of one call (`scheduler.one_call` over this runner's shapes, at their
-        measured seconds once `warmup` has timed them)."""
-        return one_call(chunks, self.max_slots, self.chunks, self.wide, self.call_rows,
-                        self.call_seconds if self.measure_call_rows else None)
+        measured seconds once `warmup` has timed them); a `scoring` call takes one chunk (those
+        calls are rare, and a one-row program per chunk bucket is all they need). While a
+        background warmup still builds programs, only the shapes already built are used (a chunk
+        longer than the longest is cut)."""
+        buckets, wide = self.chunks, [] if scoring else self.wide
+        if self.warming:
+            buckets = [c for c in self.chunks if self._ready((1, c))] or self.chunks[:1]
+            wide = [s for s in wide if self._ready(s)]
+            longest = buckets[-1]
+            chunks = [ch if ch.n <= longest else dataclasses.replace(ch, n=longest, last=False) for ch in chunks]
+        seconds = self.call_seconds if self.measure_call_rows and not self.warming else None
+        return one_call(chunks, self.max_slots, buckets, wide, self.call_rows, seconds)
+
+    # ---- the programs ---------------------------------------------------------------------------
+    def _program(self, key: tuple, jitted, static: dict, *args):
+        """Run the program `key` (jitted with `static`) on args: its compiled executable, built
+        here if no warmup has (over a mesh: through jit)."""
+        if not self.direct:
+            return jitted(*args, **static)
+        return self.programs.get(key, lambda: jitted.lower(*_abstract(args), **static).compile())(*args)
+
+    def _mixed(self, *args):
+        R, C = args[-1].tokens.shape
+        return self._program(("mixed", R, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
+                                                                  packing=self.packing), self.model.params, *args)
+
+    def _decode(self, *args):
+        return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
+                                                              n_top=MAX_TOP_LOGPROBS, packing=self.packing),
+                             self.model.params, *args)
+
+    def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens):
+        R, C = tokens.shape
+        cache = self.cache.with_rows(table, starts)
+        cache, _, out = self._program(("prefill", R, C), scoring_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS),
+                                      self.model.params, cache, tokens, starts, n_real, last, rows, counts, next_tokens)
+        # The pool as the slots' programs take it: [S, W] rows (theirs come in the packed tables).
+        S = self.max_slots
+        self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
+        return out
+
+    # ---- the per-slot tables --------------------------------------------------------------------
+    def _slots_template(self, S: int) -> Slots:
+        rows = slot_rows([None] * S, np.zeros((S,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
+                         raw_keys=True)
+        z = np.zeros((S,), np.int32)
+        return Slots(tokens=z, lengths=z, page_table=np.zeros((S, self.width), np.int32),
+                     rows=rows.replace(mask=np.zeros((S, 0), np.int32)), generated=z, top=np.zeros((S,), bool))
+
+    def _row(self, lv: Optional[Live]) -> tuple[np.ndarray, np.ndarray]:
+        """One slot's packed row for request `lv` (None: an idle slot): its settings, with the
+        columns that move left at 0. Packed once per request and kept on it."""
+        if lv is not None and lv.packed_row is not None:
+            return lv.packed_row
+        rows = slot_rows([lv], np.zeros((1,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
+                         raw_keys=True)
+        one = Slots(tokens=np.zeros((1,), np.int32), lengths=np.zeros((1,), np.int32),
+                    page_table=np.zeros((1, self.width), np.int32), rows=rows.replace(mask=np.zeros((1, 0), np.int32)),
+                    generated=np.zeros((1,), np.int32), top=np.array([lv is not None and lv.n_top > 0]))
+        ints, floats = self.packing.pack(one)
+        row = (ints[0], floats[0])
+        if lv is not None:
+            lv.packed_row = row
+        return row
+
+    def _tables(self, by_slot: list, tokens, lengths, table, budgets) -> tuple[np.ndarray, np.ndarray]:
+        """The two packed tables of this call: each slot's row (rewritten where its request
+        changed) with this call's tokens, lengths, page table, steps and budgets."""
+        ti, tf = self._table
+        for s, lv in enumerate(by_slot):
+            rid = None if lv is None else lv.seq.rid
+            if self._occupant[s] != rid:
+                ti[s], tf[s] = self._row(lv)
+                self._occupant[s] = rid
+        ints = ti.copy()  # the call may read its arguments after this returns: never the live table
+        c = self._cols
+        steps = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
+        ints[:, c["tokens"]], ints[:, c["lengths"]] = tokens[:, None], lengths[:, None]
+        ints[:, c["page_table"]], ints[:, c["rows.budget"]] = table, budgets[:, None]
+        ints[:, c["rows.steps"]] = ints[:, c["generated"]] = steps[:, None]
+        return ints, tf.copy()
+
+    def _mask(self, lives: list) -> jax.Array:
+        """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
+        (one device array, reused, while no row is constrained)."""
+        R = len(lives)
+        if any(lv is not None and lv.matcher is not None for lv in lives):
+            mask = core.no_mask(R, self.cfg.vocab_size)
+            for i, lv in enumerate(lives):
+                if lv is not None and lv.matcher is not None:
+                    lv.matcher.fill_bitmask(mask[i])
+            return mask
+        if self._all_allowed is None:
+            self._all_allowed = jax.device_put(core.no_mask(R, self.cfg.vocab_size))
+        return self._all_allowed
+
+    def _counts(self, lives: list):
+        """(counts, in_prompt) [S, V] of this call: the penalized rows' own, or the last call's
+        (left on the device) while nobody is penalized: then nothing reads them
+        (`core._controlled` skips the penalties), and [S, V] arrays are not built and sent again
+        (20 MB a call for 32 rows of a 128k vocabulary)."""
+        spare, self.spare_counts = self.spare_counts, None  # donated by the call: only its result comes back
+        if spare is not None and all(lv is None or lv.counts is None for lv in lives):
+            return spare
+        S, V = len(lives), self.cfg.vocab_size
+        counts, in_prompt = np.zeros((S, V), np.int32), np.zeros((S, V), bool)
+        for i, lv in enumerate(lives):
+            if lv is not None and lv.counts is not None:
+                counts[i], in_prompt[i] = lv.counts, lv.in_prompt
+        return counts, in_prompt
 
     # ---- the calls ------------------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk], lives: list[Live]) -> PrefillOut:
@@ -158,10 +389,10 @@ class Runner:
         for i, ch in enumerate(chunks):
             nxt = ch.seq.context[ch.start + 1:ch.start + ch.n + 1]
             next_tokens[i, :len(nxt)] = nxt
-        rows, counts = batch_rows(lives + [None] * (R - len(lives)), np.ones((R,), np.int32), self.eos_ids,
-                                  self.cfg.vocab_size, self.key_size)
-        out = self._prefill(rows, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table, next_tokens,
-                            MAX_TOP_LOGPROBS, True)
+        padded = lives + [None] * (R - len(lives))
+        rows, counts = batch_rows(padded, np.ones((R,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
+                                  raw_keys=True)
+        out = self._prefill(rows, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table, next_tokens)
         first = out.first
         return PrefillOut(first=shd.to_host(first.tokens)[:, 0], first_logprob=shd.to_host(first.logprobs)[:, 0],
                           first_top=(shd.to_host(first.top_ids)[:, 0], shd.to_host(first.top_logprobs)[:, 0]),
@@ -189,43 +420,44 @@ class Runner:
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 table[ch.seq.slot, :len(ch.seq.pages)] = ch.seq.pages
                 budgets[ch.seq.slot] = n
-        spare, self.spare_counts = self.spare_counts, None  # donated below: only a finished call's come back
-        rows, counts = batch_rows(by_slot, budgets, self.eos_ids, self.cfg.vocab_size, self.key_size, spare=spare)
-        top = np.array([lv is not None and lv.n_top > 0 for lv in by_slot])
-        state = core.DecodeState(cache=self.cache.with_rows(table, lengths), tokens=tokens, rows=rows, counts=counts)
-        ems, first = [], None
+        ints, floats = self._tables(by_slot, tokens, lengths, table, budgets)
+        counts, mask = self._counts(by_slot), self._mask(by_slot)
+        results, first = [], None
         if chunks:
-            state, em0, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays(chunks), self.cfg,
-                                                    MAX_TOP_LOGPROBS, top)
-            ems.append(jax.tree.map(lambda a: shd.to_host(a)[None], em0))
-            self.cache = state.cache
+            arr = self._chunk_arrays(chunks)
+            self.cache, counts, ints, floats, em, first = self._mixed(self.cache, counts, ints, floats, mask, arr)
+            results.append((1, em))
         if not chunks or max(budgets, default=0) > 1:
             on_scan()
-            state, em = core.decode_jit(self.model.params, state, self.cfg, self.decode_steps, MAX_TOP_LOGPROBS, top=top,
-                                        until_a_row_ends=np.asarray(True))
-            ems.append(em)
-            self.cache = state.cache
-        self.spare_counts = state.counts  # every slot's counts, for the next call when nobody is penalized
-        host = [jax.tree.map(np.asarray, jax.tree.map(shd.to_host, em)) for em in ems]
+            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask)
+            results.append((self.decode_steps, em))
+        self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
+        for a in jax.tree.leaves([results, first]):  # start every copy to the host now, read them below
+            if isinstance(a, jax.Array):
+                a.copy_to_host_async()
+        host = [_emitted_packing(n, S, MAX_TOP_LOGPROBS).unpack(*map(shd.to_host, em)) for n, em in results]
         cat = lambda f: np.concatenate([f(h) for h in host], axis=0)  # noqa: E731
-        want_top = bool(top.any())
+        want_top = any(lv is not None and lv.n_top > 0 for lv in by_slot)
         dec = DecodeOut(tokens=cat(lambda h: h.tokens[:, :, 0]), logprobs=cat(lambda h: h.logprobs[:, :, 0]),
                         count=cat(lambda h: h.count),
                         top=(cat(lambda h: h.top_ids[:, :, 0]), cat(lambda h: h.top_logprobs[:, :, 0])) if want_top
                         else None)
         pre = None
         if first is not None:
-            f = jax.tree.map(shd.to_host, first)
-            pre = PrefillOut(first=f.tokens[:, 0], first_logprob=f.logprobs[:, 0],
-                             first_top=(f.top_ids[:, 0], f.top_logprobs[:, 0]), prompt_logprobs=None, prompt_top=None)
+            f = _emitted_packing(1, arr.tokens.shape[0], MAX_TOP_LOGPROBS).unpack(
+                *map(shd.to_host, first))
+            pre = PrefillOut(first=f.tokens[0, :, 0], first_logprob=f.logprobs[0, :, 0],
+                             first_top=(f.top_ids[0, :, 0], f.top_logprobs[0, :, 0]), prompt_logprobs=None,
+                             prompt_top=None)
         return StepOut(first=pre, decode=dec)
 
     def _chunk_arrays(self, chunks: list[Chunk], shape: Optional[tuple[int, int]] = None) -> core.Chunks:
         """core.Chunks of these chunks, padded to the smallest call shape that holds them (or `shape`)."""
         if shape is None:  # the fewest rows that hold them: [1, C] for one chunk, else a wide shape
             n, longest = len(chunks), max(ch.n for ch in chunks)
-            shape = (1, self.chunk_bucket(longest)) if n == 1 else min(
-                ((R, C) for R, C in self.wide if R >= n and C >= longest), key=lambda s: s[0] * s[1])
+            shape = (1, self._ready_bucket(longest)) if n == 1 else min(
+                ((R, C) for R, C in self.wide if R >= n and C >= longest and self._ready((R, C))),
+                key=lambda s: s[0] * s[1])
         R, C = shape
         tokens, starts, n_real = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
         last, slots = np.zeros((R,), bool), np.full((R,), self.max_slots, np.int32)
@@ -236,63 +468,163 @@ class Runner:
             table[i, :len(ch.seq.pages)] = ch.seq.pages
         return core.Chunks(tokens=tokens, starts=starts, n_real=n_real, last=last, slots=slots, page_table=table)
 
-    def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, n_top, prompt_logprobs):
-        cache = self.cache.with_rows(table, starts)
-        self.cache, _, out = core.prefill_jit(self.model.params, cache, tokens, starts, n_real, last, rows, counts,
-                                              next_tokens, self.cfg, n_top, prompt_logprobs)
+    # ---- warmup ---------------------------------------------------------------------------------
+    def _builds(self, shapes: list[tuple[int, int]], scoring: bool, decode: bool) -> list[tuple[tuple, Callable]]:
+        """(key, compile function) of the programs for these chunk shapes (and the scan), lowered
+        for abstract arguments shaped as serving passes them."""
+        S, z = self.max_slots, np.zeros
+        ints, floats = self._table
+        counts = (z((S, self.cfg.vocab_size), np.int32), z((S, self.cfg.vocab_size), bool))
+        mask = core.no_mask(S, self.cfg.vocab_size)
+        base = _abstract((self.model.params, self.cache, counts, ints, floats, mask))
+        out = []
+        if decode:
+            static = dict(cfg=self.cfg, n_steps=self.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
+            out.append((("decode",), functools.partial(_compile, decode_program, base, static)))
+        for R, C in shapes:
+            static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
+            args = base + (_abstract(self._chunk_arrays([], (R, C))),)
+            out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static)))
+            if scoring and R == 1:  # scoring calls take one chunk (`pick`)
+                rows, pcounts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
+                                           self.key_size, raw_keys=True)
+                cache = self.cache.with_rows(z((R, self.width), np.int32), z((R,), np.int32))
+                args = _abstract((self.model.params, cache, z((R, C), np.int32), z((R,), np.int32),
+                                  z((R,), np.int32), z((R,), bool), rows, pcounts, z((R, C), np.int32)))
+                static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS)
+                out.append((("prefill", R, C), functools.partial(_compile, scoring_program, args, static)))
         return out
 
-    def warmup(self, *, scoring: bool) -> int:
-        """Build every program these calls can use (on the trash page), and (unless `call_rows`
-        was given) measure a call's fixed cost from the mixed calls' times (each runs twice more
-        after its compile, the faster run counts), adding the `mid_shapes` that cost makes worth
-        their programs. Returns how many programs."""
-        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        S = self.max_slots
-        self.call_seconds = {}  # (R, C) -> seconds of a mixed call of that shape, as measured here
-        n = self._build_mixed(self.shapes())
-        if self.measure_call_rows and len({R * C for R, C in self.call_seconds}) > 1:
-            self.call_rows = call_rows([(R * C + S, t) for (R, C), t in self.call_seconds.items()])
-            mid = [s for s in self.mid_shapes(self.call_rows) if s not in self.wide]
-            self.wide += mid  # worth their programs at this cost: built (and timed) too
-            n += self._build_mixed(mid)
-        if scoring:  # every shape a call can take, the ones just added included
-            for R, C in self.shapes():
-                rows, counts = batch_rows([None] * R, z(R), self.eos_ids, self.cfg.vocab_size, self.key_size)
-                self._prefill(rows, counts, z(R, C), z(R), z(R), np.zeros((R,), bool), z(R, self.width), z(R, C),
-                              MAX_TOP_LOGPROBS, True)
-                n += 1
-        state, em = core.decode_jit(self.model.params, self._idle_state(), self.cfg, self.decode_steps,
-                                    MAX_TOP_LOGPROBS, top=np.zeros((S,), bool), until_a_row_ends=np.asarray(True))
-        self.cache = state.cache
-        jax.block_until_ready(em.tokens)
-        return n + 1
+    def minimal(self, scoring: bool) -> list[tuple]:
+        """The programs every request can be served with: the scan and the smallest chunk call."""
+        C = self.chunks[0]
+        return [("decode",), ("mixed", 1, C)] + ([("prefill", 1, C)] if scoring else [])
 
-    def _idle_state(self, spare=None) -> core.DecodeState:
-        """Every slot idle on the trash page: the decode state `warmup` builds programs with.
-        `spare`: the last call's TokenCounts, reused as serving reuses them (`batch_rows`)."""
+    def warmup(self, *, scoring: bool, workers: Optional[int] = None, background: bool = False,
+               lock=None) -> int:
+        """Build every program these calls can use, `workers` at a time (default: one per CPU
+        core, at most 8), and (unless `call_rows` was given) measure a call's fixed cost from the
+        mixed calls' times (each runs twice, the faster run counts), adding the `mid_shapes` that
+        cost makes worth their programs. Returns how many programs.
+
+        With `background`, return at once: the programs are built, and the calls timed, on
+        background threads (`warming` until then; `ready()` once the `minimal` ones are built;
+        calls meanwhile use the shapes already built, waiting for the minimal ones if need be).
+        `lock` (a context manager) is held around the device calls that time them (the engine's
+        step lock)."""
+        self.scoring_shapes = scoring
+        self._cancelled = False
+        lock = lock if lock is not None else threading.RLock()
+        workers = workers or min(8, os.cpu_count() or 1)
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-compile")
+        builds = self._builds(self.shapes(), scoring, decode=True)
+        first = self.minimal(scoring)  # these first: the rest of the calls can wait for them
+        builds.sort(key=lambda b: (b[0] not in first, b[0][1] * b[0][2] if len(b[0]) == 3 else 0))
+        self._minimal = first
+        if background:
+            self.warming = True
+            self.warm_done.clear()
+        for key, fn in builds:
+            self.programs.build(key, fn, pool)
+        if not background:
+            try:
+                self.programs.wait([k for k, _ in builds])
+                with lock:
+                    return len(builds) + self._finish_warmup(scoring, pool)
+            finally:
+                pool.shutdown()
+
+        self._pool = pool
+
+        def finish():
+            try:
+                self.programs.wait([k for k, _ in builds])
+                if not self._cancelled:
+                    with lock:
+                        self._finish_warmup(scoring, pool)
+            except Exception as e:  # noqa: BLE001 - reported by `wait_warm`
+                self.warm_error = e
+            finally:
+                self.warming = False
+                pool.shutdown(wait=False)
+                self.warm_done.set()
+
+        threading.Thread(target=finish, name="jaxinfer-warmup", daemon=True).start()
+        return len(builds)
+
+    def cancel_warmup(self) -> None:
+        """Stop a background warmup: builds not started are dropped (built on first use
+        instead), the ones under way finish; returns when it has ended."""
+        self._cancelled = True
+        if self._pool is not None:
+            self.programs.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.warm_done.wait()
+
+    def ready(self) -> bool:
+        """The programs every request can be served with are built (see `warmup`)."""
+        return all(key in self.programs for key in self._minimal)
+
+    def _finish_warmup(self, scoring: bool, pool) -> int:
+        """Time the mixed calls, add (build and time) the mid shapes worth it; run the scan once.
+        Returns the programs added."""
+        added = 0
+        seconds = self._time_mixed(self.shapes())
+        if self.measure_call_rows and len({R * C for R, C in seconds}) > 1:
+            rows = call_rows([(R * C + self.max_slots, t) for (R, C), t in seconds.items()])
+            mid = [s for s in self.mid_shapes(rows) if s not in self.wide]
+            builds = self._builds(mid, scoring, decode=False)
+            for key, fn in builds:
+                self.programs.build(key, fn, pool)
+            self.programs.wait([k for k, _ in builds])
+            added = len(builds)
+            self.wide = self.wide + mid  # worth their programs at this cost: built (and timed) too
+            seconds.update(self._time_mixed(mid))
+            self.call_rows = rows
+        self.call_seconds = seconds
+        self.step([], [], [], [], [], 1)  # every slot idle: the scan's first call
+        return added
+
+    def _time_mixed(self, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
+        """Seconds of a mixed call of each shape (on the trash page; the faster of two runs).
+
+        Timed as serving runs them while nobody is penalized: the [slots, V] token counts stay
+        on the device from call to call, not sent afresh with each."""
+        S = self.max_slots
+        idle = [None] * S
+        seconds = {}
+        for R, C in shapes:
+            times = []
+            for _ in range(2 if self.measure_call_rows else 1):
+                ints, floats = self._tables(idle, np.zeros((S,), np.int32), np.zeros((S,), np.int32),
+                                            np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
+                counts, mask = self._counts(idle), self._mask(idle)
+                t0 = time.perf_counter()
+                self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask,
+                                                                 self._chunk_arrays([], (R, C)))
+                jax.block_until_ready(first)
+                times.append(time.perf_counter() - t0)
+                self.spare_counts = counts
+            seconds[R, C] = min(times)
+        return seconds
+
+    def _idle_state(self) -> core.DecodeState:
+        """Every slot idle on the trash page, as a decode state of the core (for experiments
+        that build the core's programs themselves)."""
         S, z = self.max_slots, np.zeros
-        rows, counts = batch_rows([None] * S, z((S,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
-                                  spare=spare)
+        rows, counts = batch_rows([None] * S, z((S,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size)
         return core.DecodeState(cache=self.cache.with_rows(z((S, self.width), np.int32), z((S,), np.int32)),
                                 tokens=z((S,), np.int32), rows=rows, counts=counts)
 
-    def _build_mixed(self, shapes: list[tuple[int, int]]) -> int:
-        """Compile the mixed call of each shape (on the trash page) and, when measuring, time it.
 
-        Timed as serving runs them while nobody is penalized: the [slots, V] token counts stay
-        on the device from call to call (`batch_rows`' spare), not sent afresh with each."""
-        no_top = np.zeros((self.max_slots,), bool)
-        spare = None
-        for R, C in shapes:
-            times = []
-            for _ in range(3 if self.measure_call_rows else 1):  # the first compiles
-                state = self._idle_state(spare)
-                t0 = time.perf_counter()
-                state, _, first = core.mixed_step_jit(self.model.params, state, self._chunk_arrays([], (R, C)),
-                                                      self.cfg, MAX_TOP_LOGPROBS, no_top)
-                self.cache, spare = state.cache, state.counts
-                jax.block_until_ready(first.tokens)
-                times.append(time.perf_counter() - t0)
-            self.call_seconds[R, C] = min(times[1:], default=times[0])
-        return len(shapes)
+def _compile(jitted, args, static):
+    """jitted lowered for `args` (abstract) and compiled."""
+    return jitted.lower(*args, **static).compile()
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_top"), donate_argnums=(1,))
+def scoring_program(params, cache, tokens, starts, n_real, last, rows: core.Rows, counts, next_tokens, *, cfg,
+                    n_top: int):
+    """`core.prefill` with prompt logprobs, its rows' keys as raw key data."""
+    rows = rows.replace(keys=jax.random.wrap_key_data(rows.keys))
+    return core.prefill(params, cache, tokens, starts, n_real, last, rows, counts, next_tokens, cfg, n_top, True)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sharding
+from jaxinfer import compile_cache, sharding
 from jaxinfer.model import quantize
 from jaxinfer.model.config import DTYPES
 from jaxinfer.model.model import Model
@@ -62,6 +62,7 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
       A `Model`.
     """
     _check_options(dtype, quant, kv_cache, mesh, layout)
+    compile_cache.use_default_cache()  # programs of this model compile once per machine, not per process
     src = checkpoint.require_model(classify(name_or_path, cache=cache), name_or_path)
     model = _READERS[src.kind](src, dtype, progress, mesh)
     if mesh is not None:  # e.g. experts split over the mesh run the kernel the partitioner splits

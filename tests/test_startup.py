@@ -1,0 +1,207 @@
+"""Engine start-up: pool sizes that do not move, programs built once per machine (a second Engine
+compiles nothing, a second process loads them from the persistent cache), the start-up report,
+a background warmup that serves as soon as its first programs are built, /health "warming"."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.model import config
+from jaxinfer.model import cache as kv
+from jaxinfer.model.model import Model
+from jaxinfer.model.params import init_params, nbytes
+from jaxinfer.serve import Engine
+from jaxinfer.serve import engine as engine_mod
+from jaxinfer.serve import runner as runner_mod
+from tests.test_serve import assert_same, make_specs, reference, run_staggered, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(max_slots=2, page_size=8, max_len=32, prefill_chunk=16, n_pages=12)  # decode + 2 chunk calls
+
+
+def test_pool_sizes_are_a_few_fixed_ones():
+    """pool_size rounds down to 2^k or 3 x 2^(k-1) pages: budgets a little apart get one size
+    (the 2,582 and 2,588 pages two starts computed minutes apart), never more than the budget,
+    at most a third less."""
+    assert engine_mod.pool_size(2582) == engine_mod.pool_size(2588) == 2048
+    for n in range(2, 5000):
+        p = engine_mod.pool_size(n)
+        assert n * 2 // 3 <= p <= n, n
+        assert p & (p - 1) == 0 or (p // 3) & (p // 3 - 1) == 0 and p % 3 == 0, (n, p)
+    assert sorted({engine_mod.pool_size(n) for n in range(1000, 4100)}) == [768, 1024, 1536, 2048, 3072, 4096]
+
+
+def test_default_pool_does_not_follow_the_free_memory(monkeypatch):
+    """The default pool's pages come from the physical memory (a CPU), so a first Engine's pool
+    (memory no longer free) does not change a second one's shapes."""
+    model = tiny_model(max_seq_len=4096)  # 64 slots x 4096 tokens: the memory budget decides
+    page = os.sysconf("SC_PAGE_SIZE")
+    mem = {"SC_PHYS_PAGES": (256 << 20) // page, "SC_AVPHYS_PAGES": (200 << 20) // page}
+    real = os.sysconf
+    monkeypatch.setattr(engine_mod.os, "sysconf", lambda name: mem.get(name) or real(name))
+    first = Engine(model, max_slots=64)
+    mem["SC_AVPHYS_PAGES"] -= first.runner.cache.nbytes // page + 12345
+    second = Engine(model, max_slots=64)
+    per_page = kv.bytes_per_token(model.config) * kv.PAGE_SIZE
+    assert first.n_pages == second.n_pages == engine_mod.pool_size(int(0.1 * (256 << 20)) // per_page)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_a_second_engine_compiles_nothing_and_the_report_says_so(model):
+    """Two Engines of the same shapes in one process: the second finds every program built (JAX
+    keeps what it compiled), and its start-up report says so."""
+    first = Engine(model, **SMALL)
+    n = first.warmup()
+    with CompileCounter() as compiles:
+        second = Engine(model, **SMALL)
+        assert second.warmup() == n
+    assert compiles.count == 0
+    r = second.startup_report()
+    assert (r.programs, r.compiled, r.loaded, r.in_memory, r.pending) == (n, 0, 0, n, 0)
+    assert r.weights_bytes == nbytes(model.params) and r.pool_bytes == second.runner.cache.nbytes
+    assert r.pool_tokens == (SMALL["n_pages"] - 1) * SMALL["page_size"]
+    assert r.bytes_per_token == kv.bytes_per_token(model.config) and r.warmup_seconds >= 0
+    assert r.compile_cache is None  # the suite runs with the default cache off (conftest)
+    text = second.describe()
+    for part in (f"weights {r.weights_bytes / 1e9:.2f} GB", f"KV pool {r.pool_bytes / 1e9:.2f} GB = {r.pool_tokens:,} "
+                 "tokens", f"programs {n} (compiled 0, loaded from cache 0, in memory {n},", "compile cache off"):
+        assert part in text, text
+
+
+_PROCESS = """
+import json, jax
+from jaxinfer.model import config
+from jaxinfer.model.model import Model
+from jaxinfer.model.params import init_params
+from jaxinfer.serve import Engine
+cfg = config.tiny(name="tiny-startup-cache")
+engine = Engine(Model(config=cfg, params=init_params(cfg, jax.random.key(0))), **json.loads({small!r}))
+engine.warmup()
+r = engine.startup_report()
+print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded, cache=r.compile_cache)))
+"""
+
+
+def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path):
+    """Two processes with the same settings and a fresh cache folder: the first compiles every
+    program, the second compiles none (it loads them all from the cache)."""
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _PROCESS.format(small=json.dumps(SMALL))], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["cache"] == second["cache"] == str(tmp_path / "xla")
+    assert first["compiled"] >= first["programs"] > 0 and first["loaded"] == 0, runs
+    assert second["compiled"] == 0 and second["loaded"] >= second["programs"], runs
+
+
+def test_a_background_warmup_serves_at_once_with_the_shapes_it_has(model, monkeypatch):
+    """warmup(wait=False) returns at once; the engine is ready once its first programs are built
+    and serves with the chunk shapes built so far (a long prompt in 16-token chunks while the
+    larger programs are held back); every request still gets generate's tokens, and once the
+    warmup is over nothing compiles."""
+    hold = threading.Event()
+    real = runner_mod.Runner._builds
+
+    def held(self, shapes, scoring, decode):  # chunk programs above 16 tokens wait for `hold`
+        out = []
+        for key, fn in real(self, shapes, scoring, decode):
+            slow = len(key) == 3 and key[2] > 16
+            out.append((key, (lambda fn=fn: hold.wait(120) and fn()) if slow else fn))
+        return out
+
+    monkeypatch.setattr(runner_mod.Runner, "_builds", held)
+    engine = Engine(model, max_slots=4, page_size=8, max_len=64, prefill_chunk=64, n_pages=40)
+    try:
+        engine.warmup(wait=False)
+        assert engine.warming and engine.wait_ready(timeout=300) and engine.warming
+        specs = make_specs(6, seed=7)
+        specs[0].prompt, specs[0].max_new_tokens = list(range(3, 53)), 8  # 50 tokens: 4 chunks of <= 16 while warming
+        cuts, pick = [], engine.runner.pick
+        engine.runner.pick = lambda chunks, **k: cuts.append(out := pick(chunks, **k)) or out
+        got = run_staggered(engine, specs)
+        assert cuts and all(ch.n <= 16 for call in cuts for ch in call), cuts
+        assert_same(got, reference(model, specs))
+    finally:
+        hold.set()
+    assert engine.wait_warm(timeout=300) and not engine.warming
+    with CompileCounter() as compiles:
+        assert_same(run_staggered(engine, specs), reference(model, specs))
+    assert compiles.count == 0 and engine.startup_report().pending == 0
+
+
+def test_health_says_warming_until_ready(model, monkeypatch):
+    """The server answers /health 503 "warming" while the engine's first programs are being built
+    (a request sent then waits for them), then 200 "ok"."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from jaxinfer.serve import http_api as srv
+
+    hold = threading.Event()
+    real = runner_mod.Runner._builds
+    monkeypatch.setattr(runner_mod.Runner, "_builds", lambda self, *a, **k: [
+        (key, (lambda fn=fn: hold.wait(120) and fn()) if key == ("decode",) else fn) for key, fn in real(self, *a, **k)])
+    engine = Engine(model, **SMALL)
+    engine.warmup(wait=False)
+    app = srv.create_app(engine, model, model_name="tiny")
+    server, thread, url = srv.serve_in_thread(app)
+    try:
+        r = httpx.get(url + "/health", timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "warming", r.text
+        req = engine.submit([5, 6, 7], max_new_tokens=3)  # waits for the programs
+        hold.set()
+        assert engine.wait_ready(timeout=300)
+        assert req.result(timeout=300).token_ids == reference(model, [_Spec([5, 6, 7], 3)])[0].token_ids
+        assert engine.wait_warm(timeout=300)
+        r = httpx.get(url + "/health", timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+    finally:
+        hold.set()
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+class _Spec:
+    def __init__(self, prompt, n):
+        from jaxinfer.decode.sampling import SamplingParams
+
+        self.prompt, self.max_new_tokens, self.sampling, self.seed = prompt, n, SamplingParams(temperature=0.0), 0
+
+
+def test_cancel_warmup_leaves_no_build_behind(model):
+    """cancel_warmup (what `jaxinfer serve` does on its way out) drops the builds not started and
+    returns once the others are done; the engine still serves, building what it needs."""
+    engine = Engine(tiny_model(name="tiny-cancel"), **SMALL)
+    engine.warmup(wait=False, workers=1)
+    engine.cancel_warmup()
+    assert not engine.warming and engine.runner.programs.report().pending == 0
+    out = engine.submit([5, 6, 7], max_new_tokens=2).result(timeout=300)
+    assert len(out.token_ids) == 2
+
+
+def test_startup_benchmark_smoke(tmp_path):
+    """experiments.startup --smoke: two Engines in this process (the second compiles nothing) and
+    the host loop's timing in a fresh process; the JSON holds both."""
+    from experiments import startup
+
+    res = startup.main(["--smoke", "--out", str(tmp_path)])
+    first, second = res["engines"]
+    assert first["programs"] == second["programs"] == second["in_memory"] and second["compiled"] == 0
+    host = res["host"]["this"]
+    assert host["iterations"] > 0 and 0 < host["host_ms_p50"] <= host["wall_ms_p50"]
+    saved = json.loads((tmp_path / "startup.json").read_text())
+    assert saved["experiment"] == "startup" and set(saved) >= {"engines", "host", "environment", "args"}
