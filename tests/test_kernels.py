@@ -79,6 +79,19 @@ def test_int8_kernel_refuses_what_it_cannot_tile():
         km.int8_matmul(jnp.ones((1, 64)), qw.q.astype(jnp.int32), qw.scale)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton lowering needs a GPU")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_int8_kernel_compiled_for_the_gpu_equals_xla(rows):
+    """The default choice on a GPU: Llama-3-8B's wq shape in bfloat16, Triton-compiled."""
+    k1, k2 = jax.random.split(jax.random.key(2))
+    qw = Q.quantize_int8(jax.random.normal(k1, (4096, 4096)).astype(jnp.bfloat16), (-1,))
+    x = jax.random.normal(k2, (rows, 4096)).astype(jnp.bfloat16)
+    assert km.use_kernel(None, rows, x.dtype, 4096, 4096)
+    got = km.int8_matmul(x, qw.q, qw.scale)
+    want = qw.einsum("...I,OI->...O", x)
+    assert_close(got.astype(jnp.float32), want.astype(jnp.float32), dtype="bfloat16", what="Triton int8 vs XLA")
+
+
 @pytest.mark.parametrize("eq,want", [("BTD,VD->BTV", "OI"), ("BTD,DF->BTF", "IO"), ("...I,OI->...O", "OI"),
                                      ("BTD,DNH->BTNH", None), ("BTD,DF->BFT", None)])
 def test_matrix_layout_reads_the_einsum(eq, want):

@@ -54,9 +54,17 @@ class Blocks:
     num_stages: int = 3
 
     def fits(self, I: int, O: int) -> bool:
-        """Whether these blocks tile an [I, O] weight exactly (and are Triton-sized)."""
-        pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (self.block_o, self.block_k))
-        return pow2 and self.split_k >= 1 and O % self.block_o == 0 and I % (self.split_k * self.block_k) == 0
+        """Whether these blocks tile an [I, O] weight exactly and are Triton-sized (every block a
+        power of two of at least 16, a program's input share I / split_k among them)."""
+        if self.split_k < 1 or I % self.split_k:
+            return False
+        share = I // self.split_k
+        return (all(_pow2(b) for b in (self.block_o, self.block_k, share)) and O % self.block_o == 0
+                and share % self.block_k == 0)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
 
 
 def _largest_dividing(n: int, sizes) -> Optional[int]:
@@ -75,12 +83,13 @@ def default_blocks(M: int, I: int, O: int, w_layout: str = "OI") -> Optional[Blo
     block_k = _largest_dividing(I, wide if w_layout == "OI" else narrow)
     if block_o is None or block_k is None:
         return None
-    steps, split = I // block_k, 1
-    while (O // block_o) * split < TARGET_PROGRAMS:
-        nxt = next((s for s in range(split + 1, steps + 1) if steps % s == 0), None)
-        if nxt is None or steps // nxt < 2:  # keep at least two loop steps per program
-            break
-        split = nxt
+    # input shares must be powers of two (a Triton block): 14,336 inputs split 7 ways, not 2
+    splits = [s for s in range(1, I // block_k + 1) if Blocks(block_o, block_k, s).fits(I, O)]
+    if not splits:
+        return None
+    enough = [s for s in splits if (O // block_o) * s >= TARGET_PROGRAMS and I // s >= 2 * block_k]
+    deep = [s for s in splits if I // s >= 2 * block_k]  # at least two loop steps per program
+    split = enough[0] if enough else (deep[-1] if deep else splits[0])
     return Blocks(block_o=block_o, block_k=block_k, split_k=split)
 
 
