@@ -189,10 +189,10 @@ def _call(x, q, scale, w_layout, blocks, interpret):
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))).reshape(Mp, S, Ks)
     if w_layout == "OI":
         w = q.reshape(O, S, Ks)
-        w_spec = pl.BlockSpec((bo, None, Ks), lambda o, s: (o, s, 0))
+        w_spec = pl.BlockSpec((bo, pl.squeezed, Ks), lambda o, s: (o, s, 0))
     else:
         w = q.reshape(S, Ks, O)
-        w_spec = pl.BlockSpec((None, Ks, bo), lambda o, s: (s, 0, o))
+        w_spec = pl.BlockSpec((pl.squeezed, Ks, bo), lambda o, s: (s, 0, o))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None  # float32: no TF32 rounding
     kernel = functools.partial(_kernel, block_k=blocks.block_k, w_layout=w_layout, precision=precision)
     params = None
@@ -203,9 +203,9 @@ def _call(x, q, scale, w_layout, blocks, interpret):
     out = pl.pallas_call(
         kernel,
         grid=(O // bo, S),
-        in_specs=[pl.BlockSpec((Mp, None, Ks), lambda o, s: (0, s, 0)), w_spec,
+        in_specs=[pl.BlockSpec((Mp, pl.squeezed, Ks), lambda o, s: (0, s, 0)), w_spec,
                   pl.BlockSpec((bo,), lambda o, s: (o,))],
-        out_specs=pl.BlockSpec((None, Mp, bo), lambda o, s: (s, 0, o)),
+        out_specs=pl.BlockSpec((pl.squeezed, Mp, bo), lambda o, s: (s, 0, o)),
         out_shape=jax.ShapeDtypeStruct((S, Mp, O), jnp.float32 if S > 1 else x.dtype),
         compiler_params=params,
         interpret=interpret,
