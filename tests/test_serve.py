@@ -147,8 +147,9 @@ def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_an
         scans[wait] = engine.stats().scans
         assert engine.step_seconds is not None and engine.step_seconds > 0
     n = len(w.token_ids)
-    # one token per iteration, after the first (busy_decode_steps = 4 tokens, before a step is timed)
-    assert scans[0.0] >= n - 3, (scans, n)
+    # one token per iteration, after the first two (busy_decode_steps = 4 tokens each before a step
+    # is timed: the second scan is dispatched before the first one's results are read)
+    assert scans[0.0] >= n - 6, (scans, n)
     assert scans[1e3] <= 2 + (n - 1 + 7) // 8, (scans, n)
     for bad in (-1, float("nan"), "0.2", True):
         with pytest.raises(ValueError, match="admission_wait must be a finite number of seconds >= 0"):

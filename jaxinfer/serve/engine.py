@@ -12,7 +12,9 @@ slot, in one forward (`core.mixed_step`: the weights are read once for both, as 
 llama.cpp batch them), and a multi-step decode scan (`core.decode`) over all `max_slots` slots
 for the rest of the iteration; a request whose prompt ends in the chunk decodes on in that scan.
 The host syncs once per iteration; between iterations it schedules, admits, detokenizes, checks
-stop strings and streams. The scan runs `decode_steps` steps while every slot is taken and
+stop strings and streams. While every running request just decodes, the next scan is dispatched
+from the slots as the last one left them on the device before that one's results are read, so
+the host's work overlaps the device's (`step`; tokens reach streams one scan later). The scan runs `decode_steps` steps while every slot is taken and
 nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
 replaced sooner), only about `admission_wait` seconds of steps while a slot is free (a client
 that sends its next request when its last one ends finds the slot taken by a scan otherwise:
@@ -61,7 +63,7 @@ from jaxinfer.serve.live import MAX_STOP_TOKENS, Live
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
 from jaxinfer.serve.pages import PagePool
 from jaxinfer.serve.request import EngineError, Request
-from jaxinfer.serve.scheduler import DECODE, PREFILL, Chunk, Scheduler, Seq
+from jaxinfer.serve.scheduler import DECODE, DONE, PREFILL, Chunk, Scheduler, Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
 CPU_MEMORY_FRACTION = 0.10  # default KV pool on a CPU: this share of the host's physical memory
@@ -219,6 +221,9 @@ class Engine:
         self.dead: Optional[str] = None  # why the engine stopped working, once it has
         self._compiler = None  # constraints.Compiler, built when the first constrained request comes
         self._touched: set[int] = set()  # requests of the device call under way (failed together)
+        self._chain_touched: set[int] = set()  # requests of a chained scan being dispatched
+        self._flight: Optional[_Flight] = None  # the iteration dispatched and not yet read (`step`)
+        self._last_collect = 0.0  # when the last flight's results were read
         self.tokens_generated = self.requests_finished = self.requests_failed = self.steps = self.scans = 0
         self.compiles_while_serving = 0  # programs built by `step` and `submit` (`warmup` builds them all)
         self.warmup_seconds: Optional[float] = None  # wall time of the last `warmup` call
@@ -327,34 +332,125 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """One scheduler iteration: admit, then one mixed call (new prompts' chunks beside a decode
-        step of every slot) and a decode scan for the rest of the iteration. False when idle."""
+        """One scheduler iteration. While every running request just decodes, the next decode
+        scan is dispatched before the last one's results are read (`_chain`), so the device
+        never waits for the host; otherwise: admit, then one mixed call (new prompts' chunks
+        beside a decode step of every slot) and a decode scan for the rest of the iteration,
+        whose results the next step reads. False when idle."""
         with self._step_lock, self._counting_compiles():
             self._drain_inbox()
-            if self.dead is not None or self.scheduler.idle():
+            if self.dead is not None or (self._flight is None and self.scheduler.idle()):
                 return False
-            self._touched: set[int] = set()  # requests of the device call under way
+            chained, error = None, None
             try:
-                plan = self.scheduler.schedule(self._steps_wanted())
-                scoring = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is not None]
-                plain = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is None]
-                while scoring:  # their programs return every position's logits: calls of their own
-                    call = self.runner.pick(scoring, scoring=True)  # (a chunk cut short continues next iteration)
-                    self._score_call(call)
-                    scoring = [c for c in scoring if all(c.seq is not d.seq for d in call)]
-                chunks = self.runner.pick(plain) if plain else []
-                joining = {id(c.seq) for c in chunks if c.last}
-                steps = plan.steps
-                if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
-                    steps = 1  # prompts still wait for their chunks: come back after one step
-                budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
-                seqs = [s for s in plan.decode if s.state == DECODE]
-                if chunks or seqs:
-                    self._run_step(chunks, budgets, seqs, steps)
-            except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
-                self._recover(self._touched, e)
+                chained = self._chain()
+            except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
+                error = e
+            if self._flight is not None:
+                flight, self._flight = self._flight, None
+                try:
+                    self._collect(flight)
+                except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
+                    if chained is not None:  # it went on from this flight's device state: lost too
+                        self._drop(chained)
+                        chained = None
+                    self._recover(flight.touched, e)
+            if error is not None:
+                self._recover(self._chain_touched, error)
+            if chained is not None:
+                self._flight = chained
+            elif error is None and self.dead is None:
+                self._touched: set[int] = set()  # requests of the device call under way
+                try:
+                    self._flight = self._dispatch()
+                except Exception as e:  # noqa: BLE001
+                    self._recover(self._touched, e)
             self.steps += 1
             return True
+
+    def _dispatch(self) -> Optional["_Flight"]:
+        """Schedule an iteration and start its calls (scoring calls run to the end here)."""
+        plan = self.scheduler.schedule(self._steps_wanted())
+        scoring = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is not None]
+        plain = [c for c in plan.prefill if self._live[c.seq.rid].prompt_logprobs is None]
+        while scoring:  # their programs return every position's logits: calls of their own
+            call = self.runner.pick(scoring, scoring=True)  # (a chunk cut short continues next iteration)
+            self._score_call(call)
+            scoring = [c for c in scoring if all(c.seq is not d.seq for d in call)]
+        chunks = self.runner.pick(plain) if plain else []
+        joining = {id(c.seq) for c in chunks if c.last}
+        steps = plan.steps
+        if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
+            steps = 1  # prompts still wait for their chunks: come back after one step
+        budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
+        seqs = [s for s in plan.decode if s.state == DECODE]
+        if not (chunks or seqs):
+            return None
+        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
+        lives = [self._live[s.rid] for s in seqs]
+        # A fault in the mixed call fails the requests whose chunks it read (the decode rows beside
+        # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
+        self._touched = {ch.seq.rid for ch in chunks}
+        scan = {s.rid for s in seqs} | {ch.seq.rid for ch in chunks if ch.last}
+        t0 = time.perf_counter()
+        pending = self.runner.dispatch(chunks, chunk_lives, budgets, seqs, lives, steps,
+                                       on_scan=lambda: self._touched.update(scan))
+        self.scans += 1
+        rows = [(s.slot, s, lv, min(steps, s.remaining)) for s, lv in zip(seqs, lives)]
+        rows += [(ch.seq.slot, ch.seq, lv, n) for ch, lv, n in zip(chunks, chunk_lives, budgets) if ch.last]
+        return _Flight(pending=pending, chunks=chunks, chunk_lives=chunk_lives, rows=rows,
+                       touched=set(self._touched), t0=t0)
+
+    def _chain(self) -> Optional["_Flight"]:
+        """The next decode scan, dispatched before the flight under way is read, when nothing but
+        decoding is to be done: no request waits or prefills, no row is constrained (its next
+        mask needs its last token), and the pool has the pages both scans may fill. It goes on
+        from the flight's slots on the device; a row that the flight ends (stop token, length)
+        is not live there, and a row the host ends on reading the flight (a stop string, a
+        cancel) decodes tokens that are dropped. None when not."""
+        fl = self._flight
+        self._chain_touched: set[int] = set()
+        if (fl is None or self.dead is not None or not self.runner.can_chain() or self.scheduler.waiting
+                or any(not ch.last for ch in fl.chunks)):
+            return None
+        flying = {id(seq) for _, seq, _, _ in fl.rows}
+        if any(s.state == PREFILL and id(s) not in flying for s in self.scheduler.running):
+            return None
+        if any(lv.matcher is not None or lv.prompt_logprobs is not None and lv.seq.state == PREFILL
+               for _, _, lv, _ in fl.rows):
+            return None
+        steps = self._steps_wanted()
+        grow, page = [], self.page_size
+        for slot, seq, lv, cap in fl.rows:
+            if lv.req.done or seq.state == DONE:
+                continue  # its slot decodes nothing (trash pages, no budget)
+            left = seq.max_new_tokens - len(seq.generated) - cap  # at least this many after the flight
+            if left <= 0:
+                continue
+            n = min(steps, left)
+            end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
+            grow.append((slot, seq, lv, n, max(0, kv.pages_for(end, page) - len(seq.pages))))
+        if not grow or sum(g[4] for g in grow) > self.pool.available():
+            return None
+        S = self.max_slots
+        table, caps, limits = np.zeros((S, self.runner.width), np.int32), np.zeros((S,), np.int32), np.zeros(
+            (S,), np.int32)
+        for slot, seq, lv, n, short in grow:
+            if short:
+                seq.pages += self.pool.allocate(short)
+            table[slot, :len(seq.pages)] = seq.pages
+            caps[slot], limits[slot] = n, seq.max_new_tokens
+        self._chain_touched = {seq.rid for _, seq, _, _, _ in grow}
+        t0 = time.perf_counter()
+        pending = self.runner.chain(table, caps, limits, any(lv.n_top > 0 for _, _, lv, _, _ in grow))
+        self.scans += 1
+        return _Flight(pending=pending, chunks=[], chunk_lives=[], rows=[(slot, seq, lv, n) for slot, seq, lv, n, _ in grow],
+                       touched=set(self._chain_touched), t0=t0)
+
+    def _drop(self, flight: "_Flight") -> None:
+        """A dispatched flight whose results are lost (the one before it failed): its requests are
+        recomputed, as after any fault that may have touched the pool."""
+        self._recover(flight.touched, RuntimeError("the device call before this one failed"), fail=False)
 
     @contextlib.contextmanager
     def _counting_compiles(self):
@@ -516,23 +612,16 @@ class Engine:
                     top = list(zip(out.first_top[0][i, :lv.n_top].tolist(), out.first_top[1][i, :lv.n_top].tolist()))
                     self._emit(lv, [int(out.first[i])], [float(out.first_logprob[i])], [top])
 
-    def _run_step(self, chunks: list[Chunk], budgets: list[int], seqs: list[Seq], steps: int) -> None:
-        """The iteration's device calls: chunks beside a decode step of every slot, then the scan."""
-        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
-        lives = [self._live[s.rid] for s in seqs]
-        # A fault in the mixed call fails the requests whose chunks it read (the decode rows beside
-        # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
-        self._touched = {ch.seq.rid for ch in chunks}
-        scan = {s.rid for s in seqs} | {ch.seq.rid for ch in chunks if ch.last}
-        t0 = time.perf_counter()
-        out = self.runner.step(chunks, chunk_lives, budgets, seqs, lives, steps,
-                               on_scan=lambda: self._touched.update(scan))
-        self.scans += 1
+    def _collect(self, fl: "_Flight") -> None:
+        """Read a flight's results and hand each request its tokens."""
+        out = self.runner.collect(fl.pending)
         dec = out.decode
         ran = int(np.any(dec.count > 0, axis=1).sum())  # steps that decoded (the mixed call's included)
-        if ran:
-            per_step = (time.perf_counter() - t0) / ran
+        now = time.perf_counter()
+        if ran:  # the device's time for it: from its dispatch, or from the last flight read if later
+            per_step = (now - max(fl.t0, self._last_collect)) / ran
             self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
+        self._last_collect = now
 
         def decoded(lv: Live, slot: int):
             at = np.flatnonzero(dec.count[:, slot])
@@ -540,26 +629,43 @@ class Engine:
                      for t in at] if lv.n_top else [[] for _ in at])
             return dec.tokens[at, slot].tolist(), dec.logprobs[at, slot].tolist(), tops
 
-        for i, (ch, lv) in enumerate(zip(chunks, chunk_lives)):
+        for i, (ch, lv) in enumerate(zip(fl.chunks, fl.chunk_lives)):
+            if lv.req.done or ch.seq.state == DONE:
+                continue  # cancelled while its chunk was on the device
             self.scheduler.prefilled(ch)
-            if ch.last and not lv.req.done:
+            if ch.last:
                 f = out.first
                 first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
                 toks, lps, tops = decoded(lv, ch.seq.slot)
                 self._emit(lv, [int(f.first[i])] + toks, [float(f.first_logprob[i])] + lps, [first_top] + tops)
-        for s, lv in zip(seqs, lives):
-            if not lv.req.done:
-                self._emit(lv, *decoded(lv, s.slot))
+        joined = {id(ch.seq) for ch in fl.chunks}
+        for slot, seq, lv, _ in fl.rows:
+            if id(seq) not in joined and not lv.req.done:
+                self._emit(lv, *decoded(lv, slot))
 
     # ---- faults -------------------------------------------------------------------------------
-    def _recover(self, touched: set[int], error: Exception) -> None:
-        """A step raised: fail the requests of the call that failed, then make the engine usable again."""
+    def _recover(self, touched: set[int], error: Exception, fail: bool = True) -> None:
+        """A step raised: fail the requests of the call that failed (with `fail`), then make the
+        engine usable again. A flight still under way is read first, if it can be."""
         message = f"{type(error).__name__}: {error}"
+        self.runner.forget_slots()  # the device's slots may be gone with the call: the host rebuilds them
         for rid in list(touched):
             lv = self._live.get(rid)
-            if lv is not None:
+            if lv is not None and fail:
                 self._fail(lv, message)
+        if self._flight is not None:
+            flight, self._flight = self._flight, None
+            try:
+                self._collect(flight)
+            except Exception:  # noqa: BLE001 - its results are lost with the pool: recomputed below
+                for seq in list(self.scheduler.running):
+                    if seq.rid in flight.touched:
+                        self.scheduler.preempt(seq)
         try:
+            if not fail:  # requests whose results were lost: recomputed from their prompt and tokens so far
+                for seq in list(self.scheduler.running):
+                    if seq.rid in touched:
+                        self.scheduler.preempt(seq)
             if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.runner.cache)):
                 # The pool was donated to the call that failed: rebuild it. Its contents are gone, so
                 # every running request is recomputed from its prompt and tokens so far.
@@ -663,6 +769,18 @@ class Engine:
         """The start-up report in one line: weights X GB, KV pool Y GB = Z tokens, programs N
         (compiled C, loaded from the compile cache L, S seconds), and which requests fit."""
         return str(self.startup_report())
+
+
+@dataclasses.dataclass
+class _Flight:
+    """An iteration dispatched to the device and not yet read."""
+
+    pending: object  # runner.Pending
+    chunks: list  # its prompt chunks (row i: chunks[i])
+    chunk_lives: list
+    rows: list  # (slot, seq, live, most tokens it may sample) of every slot it decodes
+    touched: set  # request ids a fault in it fails
+    t0: float  # when it was dispatched
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when aske
 # (`python -m experiments.serving`).
 MIXED_CALL_ROWS = 32
 MID_ROWS = 8  # rows of the wide calls between one chunk and every slot's (`Runner.mid_shapes`)
+NO_LIMIT = 1 << 30  # a decode call's cap per slot when its token limit says it all
 
 
 def buckets(lo: int, hi: int, factor: int = 2) -> list[int]:
@@ -92,6 +93,23 @@ class DecodeOut:
     logprobs: np.ndarray
     count: np.ndarray  # 1 where the slot emitted at that step
     top: Optional[tuple[np.ndarray, np.ndarray]]  # ([n_steps, slots, n], ...) when asked
+
+
+@dataclasses.dataclass
+class Pending:
+    """A dispatched iteration: its results on the device, on their way to the host (`Runner.collect`)."""
+
+    want_top: bool  # some slot's request wants its top alternatives
+    results: list = dataclasses.field(default_factory=list)  # (steps, packed Emitted) of its calls, in order
+    first: Optional[tuple] = None  # the chunk rows' first tokens (packed), when it had chunks
+    rows: int = 0  # chunk rows of its mixed call
+
+    def start_copies(self) -> "Pending":
+        """Start every copy to the host now (they run while the host does other work)."""
+        for a in jax.tree.leaves([self.results, self.first]):
+            if isinstance(a, jax.Array):
+                a.copy_to_host_async()
+        return self
 
 
 @dataclasses.dataclass
@@ -156,10 +174,15 @@ def mixed_program(params, cache, counts, ints, floats, mask, chunks: core.Chunks
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_top", "packing"), donate_argnums=(1, 2))
-def decode_program(params, cache, counts, ints, floats, mask, *, cfg, n_steps: int, n_top: int, packing: Packing):
+def decode_program(params, cache, counts, ints, floats, mask, table, cap, limit, *, cfg, n_steps: int, n_top: int,
+                   packing: Packing):
     """`core.decode` (until a row ends) over packed slots: (cache, counts, ints, floats, Emitted
-    [n_steps, S] packed)."""
+    [n_steps, S] packed). The slots' page tables are `table` [S, W] and their budgets
+    min(cap, limit - steps) [S] (at least 0): so the slots of the last call, still on the device,
+    decode on with new pages (`Runner.chain`) without the host knowing their last tokens."""
     slots = packing.unpack(ints, floats)
+    budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
+    slots = slots.replace(page_table=table, rows=slots.rows.replace(budget=budget))
     state, em = core.decode(params, _state(cache, counts, slots, mask), cfg, n_steps, n_top, top=slots.top,
                             until_a_row_ends=jnp.asarray(True))
     ints, floats = packing.pack(_slots(state, slots.top))
@@ -220,6 +243,7 @@ class Runner:
         self._cols = {name: self.packing.columns(name)[1] for name in
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
         self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
+        self._carry = None  # the last call's slots on the device (ints, floats, mask), for `chain`
 
     def new_pool(self) -> kv.KVCache:
         """An empty pool (on the model's mesh, kv heads split like wk/wv, when the model is sharded)."""
@@ -307,6 +331,7 @@ class Runner:
         # The pool as the slots' programs take it: [S, W] rows (theirs come in the packed tables).
         S = self.max_slots
         self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
+        self._carry = None
         return out
 
     # ---- the per-slot tables --------------------------------------------------------------------
@@ -333,7 +358,7 @@ class Runner:
             lv.packed_row = row
         return row
 
-    def _tables(self, by_slot: list, tokens, lengths, table, budgets) -> tuple[np.ndarray, np.ndarray]:
+    def _tables(self, by_slot: list, tokens, lengths, table, budgets, steps) -> tuple[np.ndarray, np.ndarray]:
         """The two packed tables of this call: each slot's row (rewritten where its request
         changed) with this call's tokens, lengths, page table, steps and budgets."""
         ti, tf = self._table
@@ -344,7 +369,6 @@ class Runner:
                 self._occupant[s] = rid
         ints = ti.copy()  # the call may read its arguments after this returns: never the live table
         c = self._cols
-        steps = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
         ints[:, c["tokens"]], ints[:, c["lengths"]] = tokens[:, None], lengths[:, None]
         ints[:, c["page_table"]], ints[:, c["rows.budget"]] = table, budgets[:, None]
         ints[:, c["rows.steps"]] = ints[:, c["generated"]] = steps[:, None]
@@ -401,10 +425,16 @@ class Runner:
 
     def step(self, chunks: list[Chunk], chunk_lives: list[Live], join_budgets: list[int], seqs: list[Seq],
              lives: list[Live], steps: int, on_scan: Callable[[], None] = lambda: None) -> StepOut:
-        """One iteration: `chunks` (of `pick`) beside a decode step of every slot, then (when
-        steps > 1) a decode scan. seqs[i] decodes up to `steps` tokens; a chunk that ends its
-        context joins with join_budgets[i] tokens (its first included). on_scan() is called
-        just before the scan (the engine's fault bookkeeping)."""
+        """One iteration, dispatched and collected (`dispatch`, then `collect`)."""
+        return self.collect(self.dispatch(chunks, chunk_lives, join_budgets, seqs, lives, steps, on_scan))
+
+    def dispatch(self, chunks: list[Chunk], chunk_lives: list[Live], join_budgets: list[int], seqs: list[Seq],
+                 lives: list[Live], steps: int, on_scan: Callable[[], None] = lambda: None) -> "Pending":
+        """Start one iteration on the device: `chunks` (of `pick`) beside a decode step of every
+        slot, then (when steps > 1) a decode scan. seqs[i] decodes up to `steps` tokens; a chunk
+        that ends its context joins with join_budgets[i] tokens (its first included). on_scan()
+        is called just before the scan (the engine's fault bookkeeping). Returns at once: the
+        results are copied to the host meanwhile (`collect` waits for them)."""
         S = self.max_slots
         tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
         table = np.zeros((S, self.width), np.int32)
@@ -420,32 +450,62 @@ class Runner:
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 table[ch.seq.slot, :len(ch.seq.pages)] = ch.seq.pages
                 budgets[ch.seq.slot] = n
-        ints, floats = self._tables(by_slot, tokens, lengths, table, budgets)
+        steps_so_far = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
+        ints, floats = self._tables(by_slot, tokens, lengths, table, budgets, steps_so_far)
         counts, mask = self._counts(by_slot), self._mask(by_slot)
-        results, first = [], None
+        pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
             arr = self._chunk_arrays(chunks)
-            self.cache, counts, ints, floats, em, first = self._mixed(self.cache, counts, ints, floats, mask, arr)
-            results.append((1, em))
+            self.cache, counts, ints, floats, em, pending.first = self._mixed(self.cache, counts, ints, floats, mask,
+                                                                              arr)
+            pending.rows = arr.tokens.shape[0]
+            pending.results.append((1, em))
         if not chunks or max(budgets, default=0) > 1:
             on_scan()
-            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask)
-            results.append((self.decode_steps, em))
+            # Budgets as limits on the tokens sampled in all: the scan goes on from the mixed
+            # call's slots, whose rows have sampled one token of their budget there already.
+            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
+                                                                np.full((S,), NO_LIMIT, np.int32),
+                                                                steps_so_far + budgets)
+            pending.results.append((self.decode_steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
-        for a in jax.tree.leaves([results, first]):  # start every copy to the host now, read them below
-            if isinstance(a, jax.Array):
-                a.copy_to_host_async()
-        host = [_emitted_packing(n, S, MAX_TOP_LOGPROBS).unpack(*map(shd.to_host, em)) for n, em in results]
+        self._carry = (ints, floats, mask)
+        return pending.start_copies()
+
+    def forget_slots(self) -> None:
+        """After a fault: no `chain` from the device's slots (the next call rebuilds them)."""
+        self._carry = None
+
+    def can_chain(self) -> bool:
+        """A last call's slots are on the device for `chain` (no scoring call or fault since)."""
+        return self._carry is not None
+
+    def chain(self, table: np.ndarray, caps: np.ndarray, limits: np.ndarray, want_top: bool) -> "Pending":
+        """Start a decode scan that goes on from the last call's slots as they are on the device
+        (their last tokens, lengths, keys, counters, settings), before the host has read that
+        call's results: the host never makes the device wait. The slots' pages are `table`
+        [S, W] (grown for the tokens both calls may sample); slot s samples at most caps[s]
+        tokens, and stops at limits[s] tokens in all (its request's max_new_tokens)."""
+        ints, floats, mask = self._carry
+        self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, ints, floats, mask,
+                                                            table, caps, limits)
+        self.spare_counts, self._carry = counts, (ints, floats, mask)
+        pending = Pending(want_top=want_top)
+        pending.results.append((self.decode_steps, em))
+        return pending.start_copies()
+
+    def collect(self, pending: "Pending") -> StepOut:
+        """Wait for a dispatched iteration's results; host arrays (`StepOut`)."""
+        S = self.max_slots
+        host = [_emitted_packing(n, S, MAX_TOP_LOGPROBS).unpack(*map(shd.to_host, em)) for n, em in pending.results]
         cat = lambda f: np.concatenate([f(h) for h in host], axis=0)  # noqa: E731
-        want_top = any(lv is not None and lv.n_top > 0 for lv in by_slot)
         dec = DecodeOut(tokens=cat(lambda h: h.tokens[:, :, 0]), logprobs=cat(lambda h: h.logprobs[:, :, 0]),
                         count=cat(lambda h: h.count),
-                        top=(cat(lambda h: h.top_ids[:, :, 0]), cat(lambda h: h.top_logprobs[:, :, 0])) if want_top
-                        else None)
+                        top=(cat(lambda h: h.top_ids[:, :, 0]), cat(lambda h: h.top_logprobs[:, :, 0]))
+                        if pending.want_top else None)
         pre = None
-        if first is not None:
-            f = _emitted_packing(1, arr.tokens.shape[0], MAX_TOP_LOGPROBS).unpack(
-                *map(shd.to_host, first))
+        if pending.first is not None:
+            f = _emitted_packing(1, pending.rows, MAX_TOP_LOGPROBS).unpack(*map(shd.to_host, pending.first))
             pre = PrefillOut(first=f.tokens[0, :, 0], first_logprob=f.logprobs[0, :, 0],
                              first_top=(f.top_ids[0, :, 0], f.top_logprobs[0, :, 0]), prompt_logprobs=None,
                              prompt_top=None)
@@ -480,7 +540,8 @@ class Runner:
         out = []
         if decode:
             static = dict(cfg=self.cfg, n_steps=self.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
-            out.append((("decode",), functools.partial(_compile, decode_program, base, static)))
+            args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32)))
+            out.append((("decode",), functools.partial(_compile, decode_program, args, static)))
         for R, C in shapes:
             static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
             args = base + (_abstract(self._chunk_arrays([], (R, C))),)
@@ -583,6 +644,7 @@ class Runner:
             self.call_rows = rows
         self.call_seconds = seconds
         self.step([], [], [], [], [], 1)  # every slot idle: the scan's first call
+        self._carry = None  # (a background warmup's idle slots are not what the engine decodes)
         return added
 
     def _time_mixed(self, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
@@ -596,8 +658,8 @@ class Runner:
         for R, C in shapes:
             times = []
             for _ in range(2 if self.measure_call_rows else 1):
-                ints, floats = self._tables(idle, np.zeros((S,), np.int32), np.zeros((S,), np.int32),
-                                            np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
+                z = np.zeros((S,), np.int32)
+                ints, floats = self._tables(idle, z, z, np.zeros((S, self.width), np.int32), z, z)
                 counts, mask = self._counts(idle), self._mask(idle)
                 t0 = time.perf_counter()
                 self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask,
