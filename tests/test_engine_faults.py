@@ -157,3 +157,23 @@ def test_result_honours_its_timeout(model, specs_and_ref):
         else:  # without a loop, result() drives the engine itself and finishes within the timeout
             req = submit(engine, specs[0])
             assert req.result(timeout=60).finish_reason in ("stop", "length")
+
+
+def test_a_fault_before_any_call_fails_the_requests_instead_of_spinning(model, specs_and_ref, monkeypatch):
+    """A step that raises while planning (before any device call names its requests) would raise
+    again at every step: its requests fail with the cause, `run_until_idle` returns, and the
+    engine serves the next request."""
+    specs, want = specs_and_ref
+    engine = Engine(model, n_pages=40, **ENGINE)
+    real = engine.runner.pick
+    monkeypatch.setattr(engine.runner, "pick", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planning bug")))
+    reqs = [submit(engine, s) for s in specs[:2]]
+    engine.run_until_idle()
+    for r in reqs:
+        with pytest.raises(EngineError, match="planning bug"):
+            r.result(timeout=5)
+    monkeypatch.setattr(engine.runner, "pick", real)
+    later = submit(engine, specs[2])
+    engine.run_until_idle()
+    assert later.result(timeout=5).token_ids == want[2].token_ids
+    assert engine.healthy and engine.stats().pages_in_use == 0

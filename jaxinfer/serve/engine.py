@@ -364,7 +364,9 @@ class Engine:
                 try:
                     self._flight = self._dispatch()
                 except Exception as e:  # noqa: BLE001
-                    self._recover(self._touched, e)
+                    # Raised before any call was built (scheduling, picking chunks): the same plan
+                    # would raise again next step, so every request it could hold fails, loudly.
+                    self._recover(self._touched or set(self._live), e)
             self.steps += 1
             return True
 
