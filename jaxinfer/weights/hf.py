@@ -6,13 +6,17 @@ A folder holds `config.json` and either `model.safetensors` or shards listed by
 stacked [L, ...] weight in place, so the host holds one tensor, not the model. Families: `llama`
 (Llama 2/3, 3.1/3.2 with llama3 RoPE scaling), `mistral`, `qwen2` (Qwen2, Qwen2.5), `qwen3`
 (per-head QK-norm), `gemma3_text` (Gemma3ForCausalLM) and the mixture-of-experts families
-`qwen3_moe`, `qwen2_moe` (+ a sigmoid-gated shared expert), `mixtral` and `olmoe` (QK-norm over
-the whole projection). Config fields jaxinfer does not implement (a RoPE type, partial rotary,
-an attention variant, an activation, dense layers among MoE ones) are refused by name. Hugging
-Face keeps the original "rotate half" Q/K layout, so no permutation is needed; Gemma's RMSNorm
+`qwen3_moe`, `qwen2_moe` (+ a sigmoid-gated shared expert), `mixtral`, `olmoe` (QK-norm over
+the whole projection), `deepseek_v2` / `deepseek_v3` (multi-head latent attention, dense first
+layers, grouped routing) and `gpt_oss` (attention sinks, alternating windows, expert biases,
+MXFP4 experts dequantized on load, `mxfp4_dequantize`). Config fields jaxinfer does not
+implement (a RoPE type, partial rotary, an attention variant, an activation, dense layers among
+MoE ones) are refused by name. Hugging Face keeps the original "rotate half" Q/K layout, so no
+permutation is needed, but for DeepSeek's interleaved RoPE rows (`_rope_rows`); Gemma's RMSNorm
 multiplies by (1 + w), and we fold the 1 in on load. Experts are read as `save_pretrained`
 writes them (one tensor per expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj`
-[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout).
+[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout; gpt-oss's own
+[X, D, 2Fe] with gate and up interleaved).
 """
 
 from __future__ import annotations
@@ -103,11 +107,11 @@ def _rope(raw: dict, kind: str, default_theta: float, path: Path) -> dict:
                    rope_high_freq_factor=float(merged["high_freq_factor"]),
                    rope_original_max_len=int(merged["original_max_position_embeddings"]))
     if rtype == "yarn":
-        out.update(_yarn(merged, raw, where))
+        out.update(_yarn(merged, where))
     return out
 
 
-def _yarn(rp: dict, raw: dict, where: str) -> dict:
+def _yarn(rp: dict, where: str) -> dict:
     """YaRN's ModelConfig fields as transformers' `_compute_yarn_parameters` reads them: the ramp's
     betas and truncation, and the attention factor on cos and sin (given, or from mscale /
     mscale_all_dim, or 0.1 ln(factor) + 1)."""
@@ -413,7 +417,7 @@ class _ExpertNames:
     rope_interleave: bool = False  # DeepSeek: RoPE rows stored in interleaved pairs (`_rope_rows`)
 
 
-def _expert_names(names, cfg: ModelConfig, raw: Optional[dict] = None) -> _ExpertNames:
+def _expert_names(names, raw: Optional[dict] = None) -> _ExpertNames:
     """The naming scheme of a folder's experts, from its tensor names (and config.json's model_type)."""
     mt = (raw or {}).get("model_type")
     if mt == "gpt_oss":
@@ -622,7 +626,7 @@ def _checked_sources(folder: Path, cfg: ModelConfig) -> list[tuple[_Source, st.T
     except (OSError, ValueError):
         raw = {}
     out = []
-    for src in _sources(cfg, _expert_names(idx, cfg, raw)):
+    for src in _sources(cfg, _expert_names(idx, raw)):
         info = idx.get(src.hf_name)
         if info is None:
             raise HFError(f"{folder}: tensor {src.hf_name!r} is missing")
