@@ -37,6 +37,12 @@ GROUP_SCORES = ("top2_sum", "max")  # a group's score in group-limited routing (
 EXPERT_KERNELS = ("blocks", "ragged")  # how the chosen experts' matmuls run (`jaxinfer.model.moe.grouped_matmul`)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1; transformers'
+    `yarn_get_mscale`): the attention factor, and DeepSeek's softmax scale factor (squared)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """A mixture-of-experts feed-forward block (`jaxinfer.model.moe`): a router sends each token to
@@ -432,8 +438,6 @@ def deepseek_v3(**overrides) -> ModelConfig:
     """DeepSeek-V3 shapes (deepseek-ai/DeepSeek-V3 config.json, without the multi-token-prediction
     layer): 61 layers, the first 3 dense, then 256 experts (width 2048) of which 8 per token from 4 of
     8 groups, one shared expert; latent attention (R 512, Rq 1536); YaRN RoPE (factor 40)."""
-    from jaxinfer.model.rope import yarn_mscale
-
     m = yarn_mscale(40.0, 1.0)  # mscale_all_dim 1.0: the softmax scale times m^2
     cfg = ModelConfig(name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=1,
                       head_dim=192, ffn_dim=18432, rope_theta=10_000.0, rope_scaling="yarn", rope_factor=40.0,
@@ -450,8 +454,6 @@ def deepseek_v3(**overrides) -> ModelConfig:
 def gpt_oss_20b(**overrides) -> ModelConfig:
     """gpt-oss-20b shapes (openai/gpt-oss-20b config.json): 24 layers alternating a 128-token window
     and full attention, attention sinks, 32 experts (width 2880) of which 4 per token; YaRN (factor 32)."""
-    from jaxinfer.model.rope import yarn_mscale
-
     cfg = ModelConfig(name="gpt-oss-20b", vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8,
                       head_dim=64, ffn_dim=2880, rope_theta=150_000.0, rope_scaling="yarn", rope_factor=32.0,
                       rope_original_max_len=4096, rope_truncate=False, rope_attention_factor=yarn_mscale(32.0),

@@ -392,6 +392,38 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     return logits, (None if cache is None else views[0]), probs
 
 
+def _latent_attention_inputs(h: jax.Array, positions: jax.Array, inv_freq: jax.Array, lp: Params,
+                             cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Latent attention's absorbed queries and the latent row to cache (`jaxinfer.model.mla`).
+
+    Args:
+      h: [B, T, D] normed hidden states.
+      positions: [B, T] RoPE positions.
+      inv_freq: [Hr/2] the layer's RoPE inverse frequencies.
+      lp: the layer's params (wq or wq_a/q_a_norm/wq_b; wkv_a, kv_a_norm, wk_b).
+      cfg: model config with `cfg.mla`.
+    Returns:
+      (q [B, T, N, R + Hr], latent [B, T, 1, R + Hr]: [RMSNorm(c), RoPE(k_r)]).
+    """
+    a = cfg.mla
+    if a.q_lora_rank:
+        q = linear("BTR,RNH->BTNH", rms_norm(linear("BTD,DR->BTR", h, lp["wq_a"]), lp["q_a_norm"], cfg.norm_eps),
+                   lp["wq_b"])
+    else:
+        q = linear("BTD,DNH->BTNH", h, lp["wq"])
+    q_n, q_r = mla.split_query(q, cfg)
+    kv = linear("BTD,DR->BTR", h, lp["wkv_a"])  # [B, T, R + Hr]
+    c = rms_norm(kv[..., :a.kv_lora_rank], lp["kv_a_norm"], cfg.norm_eps)
+    k_r = rope(kv[..., None, a.kv_lora_rank:], positions, inv_freq, cfg.rope_attention_factor)  # [B, T, 1, Hr]
+    q_r = rope(q_r, positions, inv_freq, cfg.rope_attention_factor)
+    return mla.absorbed_query(q_n, q_r, lp["wk_b"]), mla.latent_row(c, k_r)
+
+
+def _latent_heads(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """Each head's output from its latent-weighted sum: [B, T, N, R + Hr] -> W_uv applied, [B, T, N, Hv]."""
+    return linear("BTNR,RNV->BTNV", mla.latent_values(out, cfg), lp["wv_b"])
+
+
 def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect, sinks=None):
     """One layer's attention for each segment: write its k, v to the cache (if any), then attend.
 
@@ -512,7 +544,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None, collect
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
             if cfg.mla is not None:  # latent attention: absorbed queries, one latent row per token
-                q, k = mla.queries_and_latent(h, positions, theta, lp, cfg)
+                q, k = _latent_attention_inputs(h, positions, theta, lp, cfg)
                 vs = None
             else:
                 q, k, v = qkv_projection(h, lp, cfg)
@@ -527,7 +559,7 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None, collect
                                         collect_attention, lp.get("sinks"))
             heads = rows.join(outs)
             if cfg.mla is not None:
-                heads = mla.heads(heads, lp, cfg)
+                heads = _latent_heads(heads, lp, cfg)
             heads, buf = at_site("attn_heads", heads, idx, buf)
             attn = _attention_output(heads, lp, cfg)
             if cfg.o_bias:

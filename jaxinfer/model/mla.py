@@ -17,19 +17,23 @@ Both products are linear in c, so W_uk moves onto the query and W_uv after the w
 which is multi-query attention with one kv head: the key is the cached row [c, k_r] (R + Hr),
 the value its first R entries. So the cache holds exactly the latent row (`jaxinfer.model.cache`,
 latent pool) and `paged_attention` runs unchanged: it reads the row as key and as value (the
-value's Hr RoPE columns ride along and are dropped here, `heads`). Same function as
+value's Hr RoPE columns ride along and are dropped, `latent_values`). Same function as
 transformers, different order of float operations (parity: tests/test_moe.py).
 
 Why absorption and not decompression: decompressing keys and values per block (W_uk c and W_uv c
 for every cached position, then ordinary attention over N heads) is just as exact, but a decode
-step would redo N (Hn + Hv) values of work per cached position per layer (DeepSeek-V3: 32,768
-against the R + Hr = 576 positions' values absorption reads), and a paged kernel would need the
+step would redo N (Hn + Hv) values of work per cached position per layer (DeepSeek-V3: 32,768,
+against the R + Hr = 576 values absorption reads there), and a paged kernel would need the
 layer's W_uk and W_uv inside its loop. Decompression is cheaper for long prefill chunks (T queries
 x S keys x N heads x (R + Hr) score work against x (Hn + Hr), R = 4 Hn in DeepSeek), which is where
 a production engine switches to it; here one form serves every call.
 
 wk_b is contracted over its output axis (Hn) here, so int8 quantization leaves it in float
 (`jaxinfer.model.quantize`): per-output-channel scales would not factor out of that product.
+
+The projections themselves (wq or wq_a/wq_b, wkv_a, the norms, RoPE, wv_b) run in
+`forward._latent_attention_inputs` and `forward._latent_heads` with the forward's own matmul
+(`forward.linear`, float or quantized); this module holds the absorption.
 
 Shape letters as in `jaxinfer.model.config` (R, Rq, Hn, Hr, Hv: the latent widths).
 """
@@ -39,40 +43,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model import forward as F  # rms_norm, rope, linear (resolved at call time)
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params
 
 
-def queries_and_latent(h: jax.Array, positions: jax.Array, inv_freq: jax.Array, lp: Params, cfg: ModelConfig
-                       ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed queries and the latent row to cache, from one layer's normed inputs.
+def split_query(q: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, N, Hn + Hr] -> (q_n [B, T, N, Hn], q_r [B, T, N, Hr]): the part without RoPE, the RoPE part."""
+    Hn = cfg.mla.qk_nope_head_dim
+    return q[..., :Hn], q[..., Hn:]
+
+
+def absorbed_query(q_n: jax.Array, q_r: jax.Array, wk_b: jax.Array) -> jax.Array:
+    """The query that scores the cached latent row directly: [W_uk^T q_n, q_r].
 
     Args:
-      h: [B, T, D] normed hidden states.
-      positions: [B, T] RoPE positions.
-      inv_freq: [Hr/2] the layer's RoPE inverse frequencies.
-      lp: the layer's params (wq or wq_a/q_a_norm/wq_b; wkv_a, kv_a_norm, wk_b).
-      cfg: model config with `cfg.mla`.
+      q_n: [B, T, N, Hn] each head's query without RoPE.
+      q_r: [B, T, N, Hr] its RoPE part (rotated).
+      wk_b: [R, N, Hn] the key up-projection W_uk (kv_b_proj's key half).
     Returns:
-      (q [B, T, N, R + Hr]: [W_uk^T q_n, RoPE(q_r)]; latent [B, T, 1, R + Hr]: [RMSNorm(c), RoPE(k_r)]).
+      [B, T, N, R + Hr].
     """
-    a = cfg.mla
-    if a.q_lora_rank:
-        q_lat = F.rms_norm(F.linear("BTD,DR->BTR", h, lp["wq_a"]), lp["q_a_norm"], cfg.norm_eps)
-        q = F.linear("BTR,RNH->BTNH", q_lat, lp["wq_b"])
-    else:
-        q = F.linear("BTD,DNH->BTNH", h, lp["wq"])
-    q_n, q_r = q[..., :a.qk_nope_head_dim], q[..., a.qk_nope_head_dim:]
-    kv = F.linear("BTD,DR->BTR", h, lp["wkv_a"])  # [B, T, R + Hr]
-    c = F.rms_norm(kv[..., :a.kv_lora_rank], lp["kv_a_norm"], cfg.norm_eps)
-    k_r = F.rope(kv[..., None, a.kv_lora_rank:], positions, inv_freq, cfg.rope_attention_factor)  # [B, T, 1, Hr]
-    q_r = F.rope(q_r, positions, inv_freq, cfg.rope_attention_factor)
-    q_abs = jnp.einsum("BTNH,RNH->BTNR", q_n, lp["wk_b"].astype(q_n.dtype))  # W_uk^T q_n
-    return jnp.concatenate([q_abs, q_r], axis=-1), jnp.concatenate([c[:, :, None, :], k_r], axis=-1)
+    q_abs = jnp.einsum("BTNH,RNH->BTNR", q_n, wk_b.astype(q_n.dtype))
+    return jnp.concatenate([q_abs, q_r.astype(q_abs.dtype)], axis=-1)
 
 
-def heads(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
-    """Each head's attention output from its latent-weighted sum: out [B, T, N, R + Hr] (the
-    latent row's weighted sum; its RoPE columns are dropped) -> W_uv applied, [B, T, N, Hv]."""
-    return F.linear("BTNR,RNV->BTNV", out[..., :cfg.mla.kv_lora_rank], lp["wv_b"])
+def latent_row(c: jax.Array, k_r: jax.Array) -> jax.Array:
+    """What the cache holds for each token: c [B, T, R] (normed latent) and k_r [B, T, 1, Hr]
+    (rotated RoPE key) -> [B, T, 1, R + Hr]."""
+    return jnp.concatenate([c[:, :, None, :], k_r.astype(c.dtype)], axis=-1)
+
+
+def latent_values(out: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Attention's output over latent rows [B, T, N, R + Hr] -> its latent part [B, T, N, R] (the
+    RoPE key's columns rode along as values and are dropped); W_uv is applied next."""
+    return out[..., :cfg.mla.kv_lora_rank]

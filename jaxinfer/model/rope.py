@@ -52,12 +52,6 @@ def llama3_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1; transformers'
-    `yarn_get_mscale`): the attention factor, and DeepSeek's softmax scale factor (squared)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def yarn_inv_freq(theta: float, dim: int, factor: float, original_max_len: int, beta_fast: float,
                   beta_slow: float, truncate: bool) -> np.ndarray:
     """[dim/2] float32 YaRN inverse frequencies (transformers `_compute_yarn_parameters`)."""

@@ -115,7 +115,7 @@ def _yarn(rp: dict, where: str) -> dict:
     """YaRN's ModelConfig fields as transformers' `_compute_yarn_parameters` reads them: the ramp's
     betas and truncation, and the attention factor on cos and sin (given, or from mscale /
     mscale_all_dim, or 0.1 ln(factor) + 1)."""
-    from jaxinfer.model.rope import yarn_mscale
+    from jaxinfer.model.config import yarn_mscale
 
     if rp.get("original_max_position_embeddings") is None:
         raise HFError(f"{where}: RoPE type 'yarn' needs 'original_max_position_embeddings'")
@@ -285,7 +285,7 @@ def _mla_fields(raw: dict, path: Path) -> dict:
     softmax scale (transformers' `yarn_apply_mscale`: with YaRN and mscale_all_dim, (Hn + Hr)^-1/2
     times mscale(factor, mscale_all_dim)^2, written as query_pre_attn_scalar)."""
     from jaxinfer.model.config import MLAConfig
-    from jaxinfer.model.rope import yarn_mscale
+    from jaxinfer.model.config import yarn_mscale
 
     keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     missing = [k for k in keys if raw.get(k) is None]
