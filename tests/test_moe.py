@@ -308,6 +308,25 @@ def test_speculative_decoding_keeps_greedy_tokens(models):
     assert out.completions[0].token_ids == ref["greedy"].tolist()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_latent_cache_and_sinks_through_checkpoints_and_speculative_decoding(models, family, tmp_path):
+    """A jaxinfer checkpoint of the folder computes the same logits (the dense_layers / moe_layers
+    stacks, the latent and sink weights round-trip), and speculative decoding (the cache rolled
+    back) keeps transformers' greedy tokens."""
+    from jaxinfer.decode import speculative
+    from jaxinfer.weights import checkpoint
+
+    ref = _ref(family)
+    ids = ref["ids"].tolist()
+    checkpoint.convert(_folder(family), tmp_path / "c", dtype="float32")
+    c = jaxinfer.load(str(tmp_path / "c"), layout="stacked")
+    np.testing.assert_array_equal(np.asarray(jaxinfer.logits(c, ids)),
+                                  np.asarray(jaxinfer.logits(models[family, "stacked"], ids)))
+    out = speculative.generate(models[family, "per_layer"], [ids], method="lookup", max_new_tokens=32,
+                               stop_at_eos=False)
+    assert out.completions[0].token_ids == ref["greedy"].tolist()
+
+
 def test_mxfp4_dequantization_equals_transformers():
     """MXFP4 blocks and scales (every 4-bit code, exponents 117..136) dequantize to what transformers'
     `convert_moe_packed_tensors` gives (which transposes the result to [.., in, out])."""
