@@ -82,7 +82,8 @@ def random_model(preset: str, dtype: str, layout: str = "per_layer"):
 def variant(model, name: str):
     """`model` as a named variant: "default" (as given), "stacked" / "per_layer" (the float weights
     in that layout), "int8" / "int4" (quantized weights, in the layout `load` gives them: int8
-    per_layer off the CPU, else stacked), "int8_stacked", "int8kv" (an int8 KV cache)."""
+    per_layer off the CPU, else stacked), "int8_stacked", "int8kv" (an int8 KV cache), "fused_attention"
+    (prompt chunks through `kernels.prefill_attention`: cuDNN on a GPU, XLA's fused form elsewhere)."""
     import dataclasses
 
     def to(m, layout):  # one compiled program: eager slicing would dispatch one copy per layer and weight
@@ -97,9 +98,13 @@ def variant(model, name: str):
         return to(model, name)
     if name == "int8kv":
         return dataclasses.replace(model, config=model.config.replace(kv_dtype="int8"))
+    if name == "fused_attention":
+        fused = "cudnn" if jax.default_backend() == "gpu" else "xla"  # "cudnn" falls back by rule per layer
+        return dataclasses.replace(model, config=model.config.replace(prefill_attention=fused))
     mode, _, where = name.partition("_")
     if mode not in ("int8", "int4") or where not in ("", "stacked"):
-        raise ValueError(f"unknown variant {name!r}: default, stacked, per_layer, int8, int8_stacked, int4, int8kv")
+        raise ValueError(f"unknown variant {name!r}: default, stacked, per_layer, int8, int8_stacked, int4, int8kv, "
+                         f"fused_attention")
     base = to(model, "stacked")
     q = dataclasses.replace(base, params=jax.jit(Q.quantize, static_argnums=(1, 2))(base.params, base.config, mode))
     return to(q, "per_layer") if mode == "int8" and not where and jax.default_backend() != "cpu" else q
@@ -155,17 +160,23 @@ def prefill_flops(model, tokens: int) -> float:
     return 2 * T * layer_params + 2 * cfg.d_model * cfg.vocab_size + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * (T + 1)
 
 
-def prefill_call(model, ids: list[int]) -> Callable[[], float]:
-    """A call of `generate` on one prompt for one token, returning its prefill seconds."""
-    return lambda: jaxinfer.generate(model, [ids], max_new_tokens=1, stop_at_eos=False).timings.prefill_s
+def prefill_call(model, ids: list[int], chunk: Optional[int] = None) -> Callable[[], float]:
+    """A call of `generate` on one prompt for one token, returning its prefill seconds (prompt
+    read `chunk` tokens per program call; default `generate`'s)."""
+    kw = {} if chunk is None else {"prefill_chunk_size": chunk}
+    return lambda: jaxinfer.generate(model, [ids], max_new_tokens=1, stop_at_eos=False, **kw).timings.prefill_s
 
 
-def measure_prefill(model, tokens: int, repeats: int, peak_flops: Optional[float] = None, seed: int = 0) -> dict:
+def measure_prefill(model, tokens: int, repeats: int, peak_flops: Optional[float] = None, seed: int = 0,
+                    chunk: Optional[int] = None) -> dict:
     """Prefill tokens/s of a `tokens`-token prompt at batch 1 (median of `repeats` after the call
-    that compiles), with the % of the matmul peak when `peak_flops` is given."""
-    s = _median_seconds(prefill_call(model, prompts(model, 1, tokens, seed)[0]), repeats)
+    that compiles; `chunk` tokens per program call, default `generate`'s), with the % of the
+    matmul peak when `peak_flops` is given."""
+    s = _median_seconds(prefill_call(model, prompts(model, 1, tokens, seed)[0], chunk), repeats)
     flops = prefill_flops(model, tokens)
     out = {"tokens": tokens, "batch": 1, "s": s, "tok_s": tokens / s, "flops": flops, "TFLOPs": flops / s / 1e12}
+    if chunk is not None:
+        out["chunk"] = chunk
     if peak_flops:
         out["pct_peak"] = 100 * flops / s / peak_flops
     return out

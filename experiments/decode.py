@@ -5,7 +5,7 @@
     python -m experiments.decode --against HEAD~1 --rounds 4        # this tree against another commit or tree
 
 Every --variants (default = what `jaxinfer.load` gives, stacked, per_layer, int8, int8_stacked,
-int4, int8kv) interleaved repeat by repeat, medians of --repeats after the call that compiles:
+int4, int8kv, fused_attention: prompt chunks through `kernels.prefill_attention`) interleaved repeat by repeat, medians of --repeats after the call that compiles:
 decode tokens/s of `generate` (greedy, no early stop, compiles excluded) at --batches against the
 roofline B x bandwidth / (weight bytes + B x filled KV bytes), the bandwidth measured in the run
 (`_measure`); prefill tokens/s at --prefill lengths. --peers: transformers' fp32 `generate` in
@@ -32,7 +32,7 @@ from experiments._common import ROOT, plt
 from jaxinfer.model import cache
 from jaxinfer.weights import hub
 
-VARIANTS = ("default", "stacked", "per_layer", "int8", "int8_stacked", "int4", "int8kv")
+VARIANTS = ("default", "stacked", "per_layer", "int8", "int8_stacked", "int4", "int8kv", "fused_attention")
 SECTIONS = ("prefill", "decode", "long")
 
 

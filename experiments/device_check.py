@@ -1,12 +1,15 @@
 """Is jaxinfer right and fast on this accelerator? One prepared run for a lent GPU (tools/device_check.sh).
 
-    python -m experiments.device_check [--preset full|layouts|prefill|engine] [--sections ...]
+    python -m experiments.device_check [--preset full|layouts|prefill|engine|kernels] [--sections ...]
 
 A thin driver over the runners' own measurements, section by section; a section (or a size in it)
 that fails records why and the rest still run; the JSON is rewritten after each. environment:
 devices, versions, staged files. correctness: `quality.parity`. decode: `_measure`'s bandwidth
 and matmul peak, random-weight decode per batch against the roofline in the layout `load` picks,
-the stacked layout, int8 weights in both, the int8 KV cache, prefill against the matmul peak.
+the stacked layout, int8 weights in both, the int8 KV cache, prefill against the matmul peak;
+the kernels preset: int8 weights with each int8 matmul (`kernels.int8_matmul`: Pallas, XLA) beside
+bf16, and prefill of 2k/8k/32k tokens with each prompt-chunk attention (`kernels.prefill_attention`:
+paged, cuDNN) against the matmul peak.
 serving: bursts through `Engine(model)` (`_serve`), `generate` in static batches, one burst traced.
 profile: `profile`'s per-stage tables. compiles: programs and seconds per section, peak memory
 against the prediction. Speed is refused on a CPU unless --smoke or --allow-cpu; --time-budget is
@@ -25,6 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import jax
 import numpy as np
@@ -66,6 +70,10 @@ class Preset:
     profile_batches: tuple[int, ...]  # decode batch sizes traced by the profile section
     models: tuple[str, ...]  # correctness: real model names and tiny_hf/<family>
     warmup: bool = True  # serving: build every program first (the smoke run compiles only what it meets)
+    int8_kernels: tuple[str, ...] = ()  # int8 weights again with ModelConfig.int8_matmul forced to each
+    prefill_lengths: tuple[int, ...] = ()  # prompts (batch 1) timed with each of prefill_attentions
+    prefill_attentions: tuple[str, ...] = ()  # ModelConfig.prefill_attention values
+    prefill_chunk: Optional[int] = None  # those prompts' chunk (generate's prefill_chunk_size; None: its default)
 
 
 GPU = dict(model="llama31_8b", dtype="bfloat16", prompt=64, new_tokens=64, chunk=32, copy_bytes=4 << 30,
@@ -86,11 +94,17 @@ PRESETS = {
     # the engine: a burst at 32 slots with its trace, and a trace of a batch-1 decode step
     "engine": Preset(**GPU, batches=(), quant_batches=(), ab_batches=(), prefill=0, slots=(32,), profile_batches=(1,),
                      models=()),
+    # issue 51's table in one call (~7 minutes of one H200): decode at 1/64/256, bf16 beside int8
+    # through each int8 matmul, prefill of 2k/8k/32k tokens with the paged and the cuDNN attention
+    "kernels": Preset(**GPU, batches=(1, 64, 256), quant_batches=(1, 64), ab_batches=(), prefill=0, slots=(),
+                      profile_batches=(), models=(), int8_kernels=("xla", "pallas"),
+                      prefill_lengths=(2048, 8192, 32768), prefill_attentions=("paged", "cudnn"), prefill_chunk=2048),
     # anywhere in seconds (the suite): float32 (XLA's CPU bf16 is emulated); its % of roofline means
     # little, the weights (0.4 MB) sit in cache and steps are dispatch-bound
     "smoke": Preset(model="tiny", dtype="float32", batches=(1,), quant_batches=(1,), ab_batches=(), prompt=16,
                     new_tokens=16, chunk=8, prefill=16, copy_bytes=16 << 20, matmul_n=256, repeats=1, slots=(2,),
-                    profile_batches=(), models=("tiny_hf/gemma3",), warmup=False),
+                    profile_batches=(), models=("tiny_hf/gemma3",), warmup=False, int8_kernels=("pallas",),
+                    prefill_lengths=(32,), prefill_attentions=("paged", "xla"), prefill_chunk=16),
 }
 
 
@@ -138,7 +152,10 @@ def run_order(preset: Preset, base: str) -> list[tuple[str, int]]:
     for b in q:
         first += [x for x in ((base, b), ("int8", b)) if x not in first]
     pre = [("prefill", 1), ("prefill_stacked", 1)] if preset.prefill else []
-    return first + pre + [(base, b) for b in preset.batches if (base, b) not in first] + [("int8kv", b) for b in q]
+    pre += [(f"prefill_{a}", n) for n in preset.prefill_lengths for a in preset.prefill_attentions]
+    order = first + pre + [(base, b) for b in preset.batches if (base, b) not in first] + [("int8kv", b) for b in q]
+    return [x for label, b in order for x in [(label, b)] + ([(f"int8_{k}", b) for k in preset.int8_kernels]
+                                                                if label == "int8" else [])]
 
 
 def decode(args, preset, ctx, deadline) -> dict:
@@ -172,10 +189,20 @@ def decode(args, preset, ctx, deadline) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            if label.startswith("prefill"):
+            if label.startswith("prefill_") and label != "prefill_stacked":  # b: the prompt's tokens
+                attention = label.split("_", 1)[1]
+                m = dataclasses.replace(model, config=model.config.replace(prefill_attention=attention))
+                res.setdefault("prefill_attention", []).append(
+                    {"attention": attention, **_measure.measure_prefill(m, b, preset.repeats, peak,
+                                                                        chunk=preset.prefill_chunk)})
+            elif label.startswith("prefill"):
                 res[label] = _measure.measure_prefill(built["stacked" if label.endswith("stacked") else base],
                                                       preset.prefill, preset.repeats, peak)
             else:
+                if label not in built and label.removeprefix("int8_") in preset.int8_kernels:
+                    q8 = built.get("int8") or _measure.variant(stacked, "int8")  # the same weights, another matmul
+                    built[label] = dataclasses.replace(q8, config=q8.config.replace(
+                        int8_matmul=label.removeprefix("int8_")))
                 if label not in built:
                     built[label] = _measure.variant(model if label == "int8kv" else stacked, label)
                 m = built[label]
@@ -196,6 +223,11 @@ def decode(args, preset, ctx, deadline) -> dict:
     b1 = min(preset.batches, default=1)
     res["ratios"].update({f"{base}_batch{b}_vs_batch{b1}": tok[(base, b)] / tok[(base, b1)]
                           for b in preset.batches[1:] if (base, b) in tok and (base, b1) in tok})
+    res["ratios"].update({f"int8_pallas_vs_int8_xla_batch{b}": tok[("int8_pallas", b)] / tok[("int8_xla", b)]
+                          for b in preset.quant_batches if ("int8_pallas", b) in tok and ("int8_xla", b) in tok})
+    pre = {(r["attention"], r["tokens"]): r["tok_s"] for r in res.get("prefill_attention", []) if "tok_s" in r}
+    res["ratios"].update({f"prefill_{a}_vs_paged_{n}": v / pre[("paged", n)] for (a, n), v in pre.items()
+                          if a != "paged" and ("paged", n) in pre})
     if "prefill" in res and "prefill_stacked" in res:
         res["ratios"]["prefill_stacked_vs_per_layer"] = res["prefill_stacked"]["tok_s"] / res["prefill"]["tok_s"]
     return res
@@ -345,6 +377,8 @@ def summary(report: dict) -> str:
               f"the roofline" if "tok_s" in r else r.get("error", "?")) for r in d.get("runs", [])]
     lines += [f"  {k} {d[k]['tokens']} tokens: {d[k]['tok_s']:.0f} tok/s, {d[k]['pct_peak']:.1f}% of the matmul peak"
               for k in ("prefill", "prefill_stacked") if k in d]
+    lines += [f"  prefill {r['attention']:6s} {r['tokens']:6d} tokens: {r['tok_s']:8.0f} tok/s, {r['pct_peak']:.1f}% of the "
+              f"matmul peak" for r in d.get("prefill_attention", []) if "tok_s" in r]
     lines += [f"  {k}: {v:.2f}x" for k, v in d.get("ratios", {}).items()]
     lines += [f"  {m}: " + (f"fp32 {r['fp32']['max_logit_diff']:.1e}, bf16 {r['bf16']['max_logit_diff']:.1e}, pass "
               f"{r['fp32']['pass'] and r['bf16']['pass']}" if "fp32" in r else str(r.get("status") or r.get("error")))

@@ -2,12 +2,18 @@
 
     python -m experiments.devices [--preset llama3_70b] [--dtype bfloat16] [--max-len 8192]
     python -m experiments.devices --mesh [--model smollm2-135m|tiny] [--batch 8]
+    python -m experiments.devices --mesh --devices 2 --batch 1 --new-tokens 64 --repeats 7   # CPU batch 1, two cores
 
 memory (default): weights and KV-cache bytes per device on each (data, model) mesh of 8 devices,
 from shapes only (`jaxinfer.sharding.memory_report`, nothing allocated), and what is replicated.
---mesh: decode on each mesh of 8 fake CPU devices against one device (in a fresh process when JAX
-already started): the same tokens, nothing compiled in the timed runs, meshes round-robin. The 8
-"devices" share the cores, so the ratios are the cost of partitioning, not a speedup.
+--mesh: decode on each mesh of --devices (default 8) fake CPU devices against one device (in a
+fresh process when JAX already started): the same tokens, nothing compiled in the timed runs,
+meshes round-robin, medians. 8 "devices" share 2 cores, so their ratios are the cost of
+partitioning, not a speedup. --devices 2 on a 2-core CPU asks the other question: with the
+weights split over a `model` axis of 2, does each core stream half of every matvec's weights
+(XLA's CPU dot runs small matvecs on one core)? Meshes whose data axis exceeds --batch are
+skipped (a row is not split), and a "1 device, <layout>" row adds the single-device default
+layout (`jaxinfer.load`'s; sharding takes the stacked one) so the split is judged against the best.
 Writes devices.json (devices_mesh.json).
 """
 
@@ -62,7 +68,13 @@ def mesh(args) -> dict:
     cfg, host = base.config, jax.tree.map(np.asarray, base.params)
     prompts = [[(13 * b + 7 * t) % (cfg.vocab_size - 3) + 3 for t in range(8 + b)] for b in range(args.batch)]
     models = {"1 device": Model(cfg, jax.tree.map(jnp.asarray, host), base.tokenizer)}
-    for data, model in MESHES[:2] if args.smoke else MESHES:
+    if args.batch == 1 and args.model != "tiny" and not args.smoke:  # the best single device: the default layout
+        best = jaxinfer.load(args.model)
+        if best.config.layout != cfg.layout:
+            models[f"1 device, {best.config.layout}"] = best
+    meshes = [(args.devices // m, m) for m in range(1, args.devices + 1) if args.devices % m == 0]
+    meshes = [(d, m) for d, m in meshes if d <= args.batch][::-1]  # model-parallel first
+    for data, model in meshes[:2] if args.smoke else meshes:
         models[f"{data}x{model}"] = Model(cfg, shd.shard_params(host, cfg, shd.make_mesh(data, model)), base.tokenizer)
     steps = args.new_tokens - 1
 
@@ -75,7 +87,7 @@ def mesh(args) -> dict:
     compiles = {}
     for name, m in models.items():  # compile everything first: the timed calls must build nothing
         _, toks, compiles[name] = run(m)
-        if toks != ref:
+        if toks != ref and not name.startswith("1 device"):  # another layout may round differently
             raise RuntimeError(f"{name}: tokens differ from the single-device run")
     times = {name: [] for name in models}
     for _ in range(args.repeats):
@@ -86,12 +98,13 @@ def mesh(args) -> dict:
             times[name].append(t)
     base_t, rows = median(times["1 device"]), []
     for name, ts in times.items():
-        reasons = {} if name == "1 device" else shd.plan(cfg, models[name].params["embed"].sharding.mesh).reasons
+        reasons = {} if name.startswith("1 device") else shd.plan(cfg, models[name].params["embed"].sharding.mesh).reasons
         rows.append(dict(mesh=name, ms_per_step=median(ts) * 1e3, tokens_per_s=args.batch / median(ts),
                          slowdown=median(ts) / base_t, replicated=list(reasons), warmup_compiles=compiles[name]))
         print(f"{name:>9} {median(ts) * 1e3:9.1f} ms/step {args.batch / median(ts):9.1f} tokens/s "
               f"{median(ts) / base_t:6.2f}x  {', '.join(reasons) or '-'}")
-    return {"model": cfg.name, "batch": args.batch, "decode_steps": steps, "same_tokens": True, "rows": rows}
+    return {"model": cfg.name, "batch": args.batch, "devices": args.devices, "decode_steps": steps,
+            "same_tokens": True, "rows": rows}
 
 
 def main(argv=None) -> dict:
@@ -99,28 +112,31 @@ def main(argv=None) -> dict:
     p.add_argument("--preset", default="llama3_70b", help="memory: a jaxinfer.model.config preset function")
     p.add_argument("--dtype", default="bfloat16", help="memory: weight dtype")
     p.add_argument("--max-len", type=int, default=8192, help="memory: cache tokens per row")
-    p.add_argument("--mesh", action="store_true", help="decode on 8 fake CPU devices, mesh by mesh")
+    p.add_argument("--mesh", action="store_true", help="decode on --devices fake CPU devices, mesh by mesh")
+    p.add_argument("--devices", type=int, default=8, help="--mesh: host devices (2: one per core of this CPU)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     if args.smoke:
-        args.batch, args.new_tokens, args.repeats = 2, 3, 1
+        args.batch, args.new_tokens, args.repeats = min(args.batch, 2), 3, 1
     if not args.mesh:
         result = memory(args)
         _common.save("devices", result, args)
         return result
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    if args.devices < 2:
+        raise SystemExit(f"--devices must be at least 2, got {args.devices}")
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     if "jax" not in sys.modules:  # not started yet: this process can have the 8 devices
         os.environ["XLA_FLAGS"] = flags
     import jax
 
-    if len(jax.devices()) != 8:  # JAX started with another device count: measure in a fresh process
+    if len(jax.devices()) != args.devices:  # JAX started with another device count: measure in a fresh process
         proc = subprocess.run([sys.executable, "-m", "experiments.devices", *(argv if argv is not None else sys.argv[1:])],
                               cwd=ROOT, env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
                                              "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
         if proc.returncode:
-            raise RuntimeError(f"the 8-device process failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"the {args.devices}-device process failed:\n{proc.stderr[-3000:]}")
         print(proc.stdout, end="")
         return json.loads((Path(args.out) / "devices_mesh.json").read_text())
     result = mesh(args)

@@ -26,7 +26,7 @@ import numpy as np
 
 from experiments import _common
 from jaxinfer.decode import core
-from jaxinfer.decode import generate as gen
+from jaxinfer.decode import request
 from jaxinfer.decode import sampling as smp
 from jaxinfer.model import cache as kv
 
@@ -177,7 +177,7 @@ def main(argv=None, model=None) -> dict:
     lengths = np.full((B,), T, np.int32)
 
     def rows():  # fresh each time: the decode scan donates its state, keys included
-        return gen.initial_rows(smp.row_keys(np.arange(B)), smp.GREEDY, (), args.decode_steps + 1,
+        return request.initial_rows(smp.row_keys(np.arange(B)), smp.GREEDY, (), args.decode_steps + 1,
                                 vocab_size=cfg.vocab_size)
 
     def prefill_args():

@@ -1,13 +1,33 @@
-"""Shared fixtures: the real default model is loaded once per test session."""
+"""Shared fixtures: the real default model is loaded once per test session; one compile cache per run."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
-# The Python API turns on the persistent compile cache in ~/.cache/jaxinfer/xla by default
-# (`compile_cache.use_default_cache`); the suite must not write that shared folder (other
-# processes may write it at the same time). Tests that want a cache pass their own folder.
-os.environ.setdefault("JAXINFER_COMPILE_CACHE", "off")
+# One persistent compile cache per run, in a fresh temporary folder: a program compiled by one test
+# is loaded, not compiled again, by a later test after `_release_compiled_programs` cleared JAX's
+# in-memory caches, by the other pytest-xdist worker, and by the subprocesses tests start (the CLI,
+# the experiments, a second process), which inherit $JAXINFER_COMPILE_CACHE. Never the user's
+# ~/.cache/jaxinfer/xla: other processes may write that at the same time. The pytest process that
+# makes the folder removes it when the run ends (xdist's workers inherit it from that process);
+# $JAXINFER_COMPILE_CACHE set by the caller (a folder, or "off") is kept.
+_RUN_CACHE = None
+if "JAXINFER_COMPILE_CACHE" not in os.environ:
+    _RUN_CACHE = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
+    os.environ["JAXINFER_COMPILE_CACHE"] = _RUN_CACHE
+
+
+def pytest_configure(config):
+    from jaxinfer import compile_cache
+
+    compile_cache.use_default_cache()  # this process too, for the programs of models built in tests
+
+
+def pytest_unconfigure(config):
+    if _RUN_CACHE is not None:
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 SMOLLM2_GGUF_NAME = "smollm2-135m"
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.decode import core
-from jaxinfer.decode import generate as gen
+from jaxinfer.decode import request
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
@@ -32,7 +32,7 @@ def _greedy_reference(prompt, n):
 
 def _rows(sampling, stops=()):
     keys = smp.row_keys(np.arange(len(PROMPTS)))
-    return gen.initial_rows(keys, sampling, tuple(stops), 16, eos_ids=(2,), vocab_size=CFG.vocab_size)
+    return request.initial_rows(keys, sampling, tuple(stops), 16, eos_ids=(2,), vocab_size=CFG.vocab_size)
 
 
 class CoreTest(chex.TestCase):
@@ -97,7 +97,7 @@ class CoreTest(chex.TestCase):
 
 def _alone(prompt, n, sampling, key):
     """Tokens of one prompt decoded alone in its own cache (prefill, then n - 1 decode steps)."""
-    rows = gen.initial_rows(key[None], sampling, (), n, eos_ids=(2,), vocab_size=CFG.vocab_size)
+    rows = request.initial_rows(key[None], sampling, (), n, eos_ids=(2,), vocab_size=CFG.vocab_size)
     counts = core.host_counts([prompt], CFG.vocab_size)
     cache = kv.init_cache(CFG, 1, 64)
     t = np.asarray([prompt], np.int32)
@@ -140,7 +140,7 @@ class MixedStepTest(chex.TestCase):
         old, new = PROMPTS
         want_old, want_new = _alone(old, n + 1, sampling, keys[0]), _alone(new, n, sampling, keys[2])
         # slot 0: `old` prefilled alone into pages 1..4 with its first token sampled (as the engine leaves it)
-        rows = gen.initial_rows(keys, sampling, (), n, eos_ids=(2,), vocab_size=CFG.vocab_size)
+        rows = request.initial_rows(keys, sampling, (), n, eos_ids=(2,), vocab_size=CFG.vocab_size)
         counts = core.host_counts([old, [0], new], CFG.vocab_size)
         table = np.zeros((3, 4), np.int32)
         table[0], table[2] = [1, 2, 3, 4], [5, 6, 7, 8]

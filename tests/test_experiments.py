@@ -299,7 +299,8 @@ def test_device_check_decode_rooflines_are_consistent(device_run):
     assert bw == max(d["bandwidth"]["copy_GBps"], d["bandwidth"]["read_GBps"]) * 1e9 > 0
     runs = {(r["label"], r["batch"]): r for r in d["runs"]}
     assert d["model"]["layout"] == "per_layer" and d["model"]["writes"] == "slices"  # what load picks on this CPU
-    assert set(runs) == {("fp32", 1), ("int8", 1), ("int8kv", 1)}  # the smoke preset leaves the layout A/B out
+    # the smoke preset leaves the layout A/B out; int8 runs again through the Pallas kernel (interpret mode)
+    assert set(runs) == {("fp32", 1), ("int8", 1), ("int8_pallas", 1), ("int8kv", 1)}
     for r in runs.values():
         # no upper bound: the tiny model's weights sit in cache and a loaded CPU's bandwidth probe is noisy
         expect = roofline.decode_ceiling(bw, r["weight_bytes"], batch=r["batch"], cache_bytes_per_row=r["kv_bytes_per_row"])
@@ -308,7 +309,12 @@ def test_device_check_decode_rooflines_are_consistent(device_run):
     fp = runs[("fp32", 1)]
     assert fp["weight_bytes"] == d["model"]["weight_bytes"] and runs[("int8", 1)]["weight_bytes"] < 0.5 * fp["weight_bytes"]
     assert runs[("int8kv", 1)]["kv_bytes_per_row"] < 0.5 * fp["kv_bytes_per_row"]
-    assert {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "prefill_stacked_vs_per_layer"} <= set(d["ratios"])
+    assert {"int8_vs_fp32_batch1", "int8kv_vs_fp32_batch1", "prefill_stacked_vs_per_layer", "int8_pallas_vs_fp32_batch1",
+            "prefill_xla_vs_paged_32"} <= set(d["ratios"])
+    assert runs[("int8_pallas", 1)]["weight_bytes"] == runs[("int8", 1)]["weight_bytes"]
+    pre = {r["attention"]: r for r in d["prefill_attention"]}  # the kernels preset's prefill rows, smoke-sized
+    assert set(pre) == {"paged", "xla"}
+    assert all(r["tokens"] == 32 and r["chunk"] == 16 and r["tok_s"] > 0 and r["pct_peak"] > 0 for r in pre.values())
     for p in (d["prefill"], d["prefill_stacked"]):
         assert p["tokens"] == dc.PRESETS["smoke"].prefill and p["tok_s"] > 0 and p["pct_peak"] > 0
     assert d["skipped_for_time"] == []
@@ -357,3 +363,19 @@ def test_device_check_run_order_puts_the_ab_first():
     assert dc.run_order(dc.PRESETS["layouts"], "bf16") == [
         ("bf16", 1), ("int8", 1), ("int8_stacked", 1), ("stacked", 1), ("bf16", 64), ("int8", 64),
         ("prefill", 1), ("prefill_stacked", 1), ("int8kv", 1), ("int8kv", 64)]
+    # issue 51's table: int8 through each matmul beside bf16, prefill lengths with each attention
+    assert dc.run_order(dc.PRESETS["kernels"], "bf16") == [
+        ("bf16", 1), ("int8", 1), ("int8_xla", 1), ("int8_pallas", 1), ("bf16", 64), ("int8", 64), ("int8_xla", 64),
+        ("int8_pallas", 64), ("prefill_paged", 2048), ("prefill_cudnn", 2048), ("prefill_paged", 8192),
+        ("prefill_cudnn", 8192), ("prefill_paged", 32768), ("prefill_cudnn", 32768), ("bf16", 256), ("int8kv", 1),
+        ("int8kv", 64)]
+
+
+def test_devices_mesh_two_host_devices_batch_one(tmp_path):
+    """The CPU batch-1 question: 2 host devices, weights split over `model`, against one device."""
+    from experiments import devices
+
+    r = devices.main(["--smoke", "--mesh", "--devices", "2", "--batch", "1", "--out", str(tmp_path)])
+    assert r["devices"] == 2 and r["same_tokens"]
+    assert [x["mesh"] for x in r["rows"]] == ["1 device", "1x2"]  # data 2 cannot split one row
+    assert all(x["tokens_per_s"] > 0 for x in r["rows"])

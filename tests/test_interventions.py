@@ -262,7 +262,7 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
     import jax.numpy as jnp
 
     from jaxinfer.decode import core
-    from jaxinfer.decode import generate as gen
+    from jaxinfer.decode import request
     from jaxinfer.decode import sampling as smp
     from jaxinfer.model import cache as kv
     from experiments._common import tiny_model
@@ -281,7 +281,7 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
                                  stop_at_eos=False).completions[0].token_ids != want
     hooks = I.hooks_for(ivs, cfg, 3)
     keys = smp.row_keys(np.array([11, 0, 12]))
-    rows = gen.initial_rows(keys, sampling, (), n, eos_ids=(), vocab_size=cfg.vocab_size)
+    rows = request.initial_rows(keys, sampling, (), n, eos_ids=(), vocab_size=cfg.vocab_size)
     counts = core.host_counts([old, [0], new], cfg.vocab_size)
     table = np.zeros((3, 4), np.int32)
     table[0], table[2] = [1, 2, 3, 4], [5, 6, 7, 8]

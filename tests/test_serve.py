@@ -220,7 +220,7 @@ def test_identity_when_chunks_are_cut_to_pad_less(model):
     engine = Engine(model, max_slots=4, page_size=8, max_len=128, n_pages=80, prefill_chunk=128, call_rows=0)
     assert engine.runner.chunks == [16, 32, 64, 128]
     cuts, pick = [], engine.runner.pick
-    engine.runner.pick = lambda chunks: cuts.append((chunks[0].n, out := pick(chunks))) or out
+    engine.runner.pick = lambda chunks, **k: cuts.append((chunks[0].n, out := pick(chunks, **k))) or out
     assert_same(run_staggered(engine, specs), want)
     assert any(len(out) == 1 and out[0].n < n for n, out in cuts), cuts
     prompt = list(range(3, 73))  # 70 tokens: 64 + 6 (padded to 16), not one 128-token call

@@ -9,14 +9,11 @@ import sys
 import threading
 
 import jax
-import numpy as np
 import pytest
 
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.model import config
 from jaxinfer.model import cache as kv
-from jaxinfer.model.model import Model
-from jaxinfer.model.params import init_params, nbytes
+from jaxinfer.model.params import nbytes
 from jaxinfer.serve import Engine
 from jaxinfer.serve import engine as engine_mod
 from jaxinfer.serve import runner as runner_mod
@@ -72,10 +69,11 @@ def test_a_second_engine_compiles_nothing_and_the_report_says_so(model):
     assert r.weights_bytes == nbytes(model.params) and r.pool_bytes == second.runner.cache.nbytes
     assert r.pool_tokens == (SMALL["n_pages"] - 1) * SMALL["page_size"]
     assert r.bytes_per_token == kv.bytes_per_token(model.config) and r.warmup_seconds >= 0
-    assert r.compile_cache is None  # the suite runs with the default cache off (conftest)
+    assert r.compile_cache == (jax.config.jax_compilation_cache_dir or None)  # the run's own folder (conftest)
     text = second.describe()
     for part in (f"weights {r.weights_bytes / 1e9:.2f} GB", f"KV pool {r.pool_bytes / 1e9:.2f} GB = {r.pool_tokens:,} "
-                 "tokens", f"programs {n} (compiled 0, loaded from cache 0, in memory {n},", "compile cache off"):
+                 "tokens", f"programs {n} (compiled 0, loaded from cache 0, in memory {n},",
+                 f"compile cache {r.compile_cache or 'off'}"):
         assert part in text, text
 
 

@@ -58,12 +58,10 @@ MIN_STOP_SLOTS = 8  # stop-id arrays are padded to a power of two >= this (few p
 INVALID_TOKEN = -1
 MIN_BIAS_SLOTS = 16  # logit_bias entries per row are padded to a power of two >= this
 # A closed batch of one row checks whether it is live once per this many decode steps, not every
-# step: on XLA's CPU backend the per-step `lax.cond` around a one-row step copies the KV pool in
-# each step, and generate's batch-1 decode ran 1.08x faster with the check grouped (SmolLM2-135M,
-# 2 cores, side by side; README "Batch 1, the last row below 1.0x"). At 8 rows a grouped check ran
-# 0.90-0.94x (the per-step one copies nothing there), so wider batches and the serving engine
-# (`until_a_row_ends`) check every step.
-# A finished row then runs at most this many - 1 masked steps.
+# step: on XLA's CPU backend the per-step `lax.cond` around a one-row step copies the KV pool.
+# Wider batches and the serving engine (`until_a_row_ends`) check every step, where the grouped
+# check measured slower (docs/notes/cpu_decode.md). A finished row runs at most this many - 1
+# masked steps.
 LIVE_CHECK_STEPS = 8
 
 

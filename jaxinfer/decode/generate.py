@@ -30,9 +30,9 @@ import numpy as np
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode import constraints, core
-from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import sampling as smp
-from jaxinfer.decode.inputs import Prompts, bucket, check_context, check_int, check_sampling, check_sequence, check_token_ids, eos_ids_for, pack_prompts, prompt_ids, request_keys, stop_ids_for
+from jaxinfer.decode.inputs import Prompts, check_int, check_sequence, pack_prompts
+from jaxinfer.decode.request import Batch, prepare, read_emitted
 from jaxinfer.decode.outputs import Output, Timings, completion_for
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
@@ -44,7 +44,6 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.moe import Routing
 from jaxinfer.model.params import Params
 
-MIN_KV_BUCKET = 64  # smallest cache (positions per row)
 PREFILL_CHUNK = 512  # prompts padded beyond this many tokens are read in chunks of it
 
 
@@ -54,18 +53,6 @@ def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
     if mesh is None:
         return kv.init_cache_jit(model.config, batch, max_len)
     return shd.init_cache(model.config, mesh, batch, max_len)
-
-
-def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int,
-                 eos_ids: tuple[int, ...] = (), extra_stops: tuple[int, ...] = (), vocab_size: int = 1) -> core.Rows:
-    """Rows of a closed batch: one setting, one stop set, one budget for every row (host arrays:
-    they travel with the first call, no device op compiles for them)."""
-    B = keys.shape[0]
-    return core.Rows(sampling=smp.row_params(sampling, B), keys=keys, steps=np.zeros((B,), np.int32),
-                     stop_ids=core.stop_array([stop_ids] * B), budget=np.full((B,), budget, np.int32),
-                     finished=np.zeros((B,), bool),
-                     controls=core.controls_for([sampling] * B, [tuple(extra_stops)] * B, eos_ids, vocab_size),
-                     mask=core.no_mask(B, vocab_size))
 
 
 def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
@@ -120,55 +107,7 @@ def _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, pr
     return cache, counts, first, first_lp, captured
 
 
-@dataclasses.dataclass
-class _Batch:
-    """A closed batch, checked and packed on the host (before anything compiles)."""
-
-    ids: list[list[int]]  # each prompt's ids
-    tokens: np.ndarray  # [B, Tb] right-padded prompts
-    lengths: np.ndarray  # [B]
-    stop_ids: tuple[int, ...]  # ids that end a row
-    max_new_tokens: int
-    chunk: int  # prefill chunk
-    max_len: int  # S: positions per row in the cache
-    rows: core.Rows
-    counts: pen.TokenCounts
-    compiler: Optional[constraints.Compiler] = None  # the constraint's, compiled and walked (`Compiler.compile`)
-
-
-def _prepare(model: Model, prompts: Prompts, key, seed, max_new_tokens: int, sampling: SamplingParams,
-             stop_at_eos: bool, stop_tokens: Sequence[int], chunk_size: int, allow_special: bool,
-             prefill_chunk_size: Optional[int]) -> _Batch:
-    cfg = model.config
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    check_int("chunk_size", chunk_size, 1)
-    if prefill_chunk_size is not None and (check_int("prefill_chunk_size", prefill_chunk_size, 1)
-                                           & (prefill_chunk_size - 1)):
-        raise ValueError(f"prefill_chunk_size must be a power of two (prompts are padded to one), "
-                         f"got {prefill_chunk_size}")
-    check_sampling(sampling)
-    if sampling.constraint is not None and model.tokenizer is None:
-        raise ValueError("a constraint needs a model with a tokenizer (its token texts)")
-    ids = prompt_ids(model, prompts, allow_special)
-    check_context(ids, max_new_tokens, 0, cfg)
-    check_token_ids(list(stop_tokens) or [0], cfg.vocab_size, "stop_tokens")
-    stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens, sampling.ignore_eos)
-    compiler = None
-    if sampling.constraint is not None:  # one llguidance can't serve is refused here, before any XLA compile
-        compiler = constraints.Compiler(model.tokenizer, cfg.vocab_size, stop_ids=stop_ids)
-        compiler.compile(sampling.constraint)
-    keys = request_keys(len(ids), key, seed, sampling)
-    tokens, lengths = pack_prompts(ids)
-    Tb = tokens.shape[1]
-    rows = initial_rows(keys, sampling, stop_ids, max_new_tokens, eos_ids_for(model), tuple(stop_tokens),
-                        cfg.vocab_size)
-    return _Batch(ids=ids, tokens=tokens, lengths=lengths, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
-                  chunk=Tb if prefill_chunk_size is None else min(Tb, prefill_chunk_size),
-                  max_len=bucket(max(Tb, int(lengths.max()) + max_new_tokens), MIN_KV_BUCKET), rows=rows,
-                  counts=core.host_counts(ids, cfg.vocab_size), compiler=compiler)
-
-
-def _history(batch: _Batch, first: np.ndarray) -> np.ndarray:
+def _history(batch: Batch, first: np.ndarray) -> np.ndarray:
     """[B, S] each row's tokens by position: its prompt, then its first sampled token."""
     h = np.zeros((len(batch.ids), batch.max_len), np.int32)
     h[:, :batch.tokens.shape[1]] = batch.tokens
@@ -179,7 +118,7 @@ def _history(batch: _Batch, first: np.ndarray) -> np.ndarray:
 class _Constrained:
     """The host side of constrained rows: a grammar matcher per row, a token mask before each step."""
 
-    def __init__(self, model: Model, batch: _Batch, constraint):
+    def __init__(self, model: Model, batch: Batch, constraint):
         self.matchers = [batch.compiler.matcher(constraint) for _ in batch.ids]
         self.complete = np.zeros((len(batch.ids),), bool)  # the grammar admits nothing more
         self.vocab = model.config.vocab_size
@@ -252,8 +191,10 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     """
     t0 = time.perf_counter()
     cfg = model.config
-    batch = _prepare(model, prompts, key, seed, max_new_tokens, sampling, stop_at_eos, stop_tokens, chunk_size,
-                     allow_special, prefill_chunk_size)
+    check_int("chunk_size", chunk_size, 1)
+    batch = prepare(model, prompts, key=key, seed=seed, max_new_tokens=max_new_tokens, sampling=sampling,
+                    stop_at_eos=stop_at_eos, stop_tokens=stop_tokens, allow_special=allow_special,
+                    prefill_chunk_size=prefill_chunk_size)
     B = len(batch.ids)
     if return_routing and cfg.moe is None:
         raise ValueError(f"return_routing needs a mixture-of-experts model; {cfg.name} has dense MLPs only")
@@ -314,7 +255,7 @@ def _row_routing(prompt_routes: list, b: int, steps: list, n_prompt: int, n_new:
     return Routing(ids=np.concatenate(ids), weights=np.concatenate(weights))
 
 
-def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: Optional[_Constrained],
+def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Optional[_Constrained],
             first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor, routing: bool = False):
     """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
     constraint: one step per scan, each row's mask computed on the host from its grammar.
@@ -336,11 +277,10 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
                                                           budget=np.minimum(remaining, 1)))
         steps = 1 if constrained is not None else chunk_size
         state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor, routing=routing)
-        toks = shd.to_host(em.tokens)[:, :, 0].T  # [B, n]
-        lps = shd.to_host(em.logprobs)[:, :, 0].T
-        count = shd.to_host(em.count).T  # [B, n]: 1 where the row emitted at that step
-        new = [[int(t) for t, c in zip(toks[b], count[b]) if c] for b in range(B)]
-        _check_drawable(np.where(count > 0, toks, 0), np.array([len(t) for t in out_tokens]))
+        toks, step_count = shd.to_host(em.tokens), shd.to_host(em.count)  # [n, B, 1], [n, B]
+        new, new_lps = read_emitted(toks, shd.to_host(em.logprobs), step_count)
+        count = step_count.T  # [B, n]: 1 where the row emitted at that step
+        _check_drawable(np.where(count > 0, toks[:, :, 0].T, 0), np.array([len(t) for t in out_tokens]))
         cap = {k: np.asarray(shd.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
         if routing:  # [n, B, 1, L, k]: the choices at each step's input token
             r_ids, r_w = shd.to_host(em.routing.ids)[:, :, 0], shd.to_host(em.routing.weights)[:, :, 0]
@@ -348,7 +288,7 @@ def _decode(model: Model, state: core.DecodeState, batch: _Batch, constrained: O
                 out_routes[b] += [(r_ids[j, b], r_w[j, b]) for j in np.flatnonzero(count[b])]
         for b in range(B):
             out_tokens[b] += new[b]
-            out_lps[b] += [float(x) for x, c in zip(lps[b], count[b]) if c]
+            out_lps[b] += new_lps[b]
             for k, v in cap.items():
                 out_cap[b].setdefault(k, []).extend(v[count[b] > 0, b])
             if constrained is not None:
@@ -376,7 +316,7 @@ def _check_drawable(tokens: np.ndarray, done) -> None:
             "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN")
 
 
-def _with_activations(c, b: int, batch: _Batch, prompt_cap: dict, out_cap: list[dict], whole_prompt: bool):
+def _with_activations(c, b: int, batch: Batch, prompt_cap: dict, out_cap: list[dict], whole_prompt: bool):
     """Completion c (row b) with its captured sites: [n, layers, ...] float32 per site, one row per
     generated token (cut where its tokens were cut), and the prompt's if captured."""
     n, P = len(c.token_ids), int(batch.lengths[b])

@@ -40,8 +40,9 @@ from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode import core
 from jaxinfer.decode import sampling as smp
-from jaxinfer.decode.generate import MIN_KV_BUCKET, initial_rows, new_cache, prefill_prompts
-from jaxinfer.decode.inputs import Prompts, bucket, check_context, check_int, check_sampling, pack_prompts, prompt_ids, request_keys, stop_ids_for
+from jaxinfer.decode.generate import new_cache, prefill_prompts
+from jaxinfer.decode.request import prepare, read_emitted
+from jaxinfer.decode.inputs import Prompts, check_int, check_sampling
 from jaxinfer.decode.outputs import Output, Timings, completion_for
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
@@ -342,18 +343,13 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
     cfg = model.config
     k, max_ngram, max_new_tokens, rounds_per_chunk = _check(model, method, draft, k, max_ngram, max_new_tokens,
                                                             rounds_per_chunk, sampling)
-    ids = prompt_ids(model, prompts, allow_special)
-    check_context(ids, max_new_tokens, 2 * k + 1, cfg)  # a round may run k + 1 slots past the end
-    stop_ids = stop_ids_for(model, stop_at_eos, stop_tokens)
-    keys = request_keys(len(ids), key, seed, sampling)
-
-    B = len(ids)
-    tokens, lengths = pack_prompts(ids)
-    S = bucket(max(tokens.shape[1], int(lengths.max()) + max_new_tokens + 2 * k + 2), MIN_KV_BUCKET)
-    chunk = tokens.shape[1]
+    batch = prepare(model, prompts, key=key, seed=seed, max_new_tokens=max_new_tokens, sampling=sampling,
+                    stop_at_eos=stop_at_eos, stop_tokens=stop_tokens, allow_special=allow_special,
+                    working_slots=2 * k + 1)  # a round may run k + 1 slots past the end
+    ids, tokens, lengths, stop_ids, rows, counts = (batch.ids, batch.tokens, batch.lengths, batch.stop_ids,
+                                                    batch.rows, batch.counts)
+    B, S, chunk = len(ids), batch.max_len, batch.chunk
     with CompileCounter() as compiles:
-        rows = initial_rows(keys, sampling, stop_ids, max_new_tokens, vocab_size=cfg.vocab_size)
-        counts = core.host_counts(ids, cfg.vocab_size)
         cache, _, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows,
                                                     counts, cfg, chunk)
         draft_cache = None
@@ -376,14 +372,10 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
         out_tokens, out_lps = [[int(t)] for t in first], [[float(x)] for x in first_lp]
         while (~shd.to_host(state.rows.finished) & (shd.to_host(state.rows.budget) > 0)).any():
             state, em = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, **static)
-            toks, lps, count = (shd.to_host(em.tokens), shd.to_host(em.logprobs), shd.to_host(em.count))
-            new = [[] for _ in range(B)]
-            for r in range(toks.shape[0]):
-                for b in range(B):
-                    new[b] += [int(t) for t in toks[r, b, :count[r, b]]]
-                    out_lps[b] += [float(x) for x in lps[r, b, :count[r, b]]]
+            new, new_lps = read_emitted(shd.to_host(em.tokens), shd.to_host(em.logprobs), shd.to_host(em.count))
             for b in range(B):
                 out_tokens[b] += new[b]
+                out_lps[b] += new_lps[b]
             if on_tokens:
                 on_tokens(new)
         t_end = time.perf_counter()

@@ -35,6 +35,8 @@ KV_WRITES = ("slices", "scatter")  # how new keys and values enter the KV pool (
 ROUTER_SCORES = ("softmax", "sigmoid", "softmax_topk")
 GROUP_SCORES = ("top2_sum", "max")  # a group's score in group-limited routing (DeepSeek V3, V2)
 EXPERT_KERNELS = ("blocks", "ragged")  # how the chosen experts' matmuls run (`jaxinfer.model.moe.grouped_matmul`)
+PREFILL_ATTENTIONS = ("paged", "cudnn", "xla")  # a prompt chunk's attention (`jaxinfer.model.kernels.prefill_attention`)
+INT8_MATMULS = ("xla", "pallas")  # int8 weights' matmul for few rows (`jaxinfer.model.kernels.int8_matmul`)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -207,6 +209,12 @@ class ModelConfig:
     #                                  (but the first moe.first_dense layers)
     mla: Optional[MLAConfig] = None  # multi-head latent attention (`jaxinfer.model.mla`): then head_dim is Hn + Hr,
     #                                  n_kv_heads 1 (the latent every head reads) and the cache holds R + Hr per token
+    prefill_attention: Optional[str] = None  # a prompt chunk's attention: "paged" (blockwise, portable), or fused
+    #                                          through jax.nn.dot_product_attention's "cudnn" or "xla"; None = by
+    #                                          backend, dtype and shape (`kernels.prefill_attention.kernel_for`)
+    context_block: int = 2048  # fused prefill attention reads a row's earlier positions in blocks of this many
+    int8_matmul: Optional[str] = None  # int8 weights times few rows: "xla" or "pallas" (`kernels.int8_matmul`);
+    #                                    None = the Pallas kernel on a GPU where it tiles the shape, else XLA
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
@@ -228,6 +236,13 @@ class ModelConfig:
             raise ValueError(f"kv_dtype must be None or one of {DTYPES + ('int8',)}, got {self.kv_dtype!r}")
         if self.kv_writes is not None and self.kv_writes not in KV_WRITES:
             raise ValueError(f"kv_writes must be None or one of {KV_WRITES}, got {self.kv_writes!r}")
+        if self.prefill_attention is not None and self.prefill_attention not in PREFILL_ATTENTIONS:
+            raise ValueError(f"prefill_attention must be None or one of {PREFILL_ATTENTIONS}, "
+                             f"got {self.prefill_attention!r}")
+        if not isinstance(self.context_block, int) or self.context_block <= 0:
+            raise ValueError(f"context_block must be a positive int, got {self.context_block!r}")
+        if self.int8_matmul is not None and self.int8_matmul not in INT8_MATMULS:
+            raise ValueError(f"int8_matmul must be None or one of {INT8_MATMULS}, got {self.int8_matmul!r}")
         if isinstance(self.rope_freq_divisors, list):  # restored from JSON: keep the config hashable
             object.__setattr__(self, "rope_freq_divisors", tuple(float(d) for d in self.rope_freq_divisors))
         if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:

@@ -36,11 +36,20 @@ from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block, update_latent
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.kernels import int8_matmul, prefill_attention
 from jaxinfer.model.params import Params
+from jaxinfer.model.quantize import Int8Weight
 
 
-def linear(eq: str, x: jax.Array, w) -> jax.Array:
-    """`einsum(eq, x, w)`: every weight matmul goes through here (quantized weights hook in)."""
+def linear(eq: str, x: jax.Array, w, int8_kernel: Optional[str] = None) -> jax.Array:
+    """`einsum(eq, x, w)`: every weight matmul goes through here (quantized weights hook in).
+
+    An int8 matrix times a few rows runs `kernels.int8_matmul` where `int8_kernel`
+    (`ModelConfig.int8_matmul`; None: by backend) says so."""
+    if isinstance(w, Int8Weight) and w.q.ndim == 2 and (lay := int8_matmul.matrix_layout(eq)):
+        O, I = w.q.shape if lay == "OI" else w.q.shape[::-1]
+        if int8_matmul.use_kernel(int8_kernel, math.prod(x.shape[:-1]), x.dtype, I, O, lay):
+            return int8_matmul.int8_matmul(x, w.q, w.scale, w_layout=lay)
     if hasattr(w, "einsum"):  # quantized weight types carry their own dequantizing matmul
         return w.einsum(eq, x)
     return jnp.einsum(eq, x, w)
@@ -55,13 +64,13 @@ def linear(eq: str, x: jax.Array, w) -> jax.Array:
 FEW_ROWS = 32
 
 
-def project(x: jax.Array, w) -> jax.Array:
+def project(x: jax.Array, w, int8_kernel: Optional[str] = None) -> jax.Array:
     """x [..., I] times an output-major matrix w [O, I] (the per-layer layout's weights) -> [..., O].
 
     w is a float array or an int8 `Int8Weight` (codes [O, I], scales [O, 1]), whose own matmul
-    dequantizes it."""
+    dequantizes it (or `kernels.int8_matmul`, as `linear` picks with `int8_kernel`)."""
     if hasattr(w, "einsum"):
-        return linear("...I,OI->...O", x, w)
+        return linear("...I,OI->...O", x, w, int8_kernel)
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     if 2 <= m <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and jax.default_backend() == "cpu":
         rows = x.reshape(m, x.shape[-1])
@@ -114,7 +123,7 @@ def _attention_output(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array
     """out [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "per_layer") wo_t [D, N*H]."""
     if cfg.layout == "per_layer":
         B, T, N, H = out.shape
-        return project(out.reshape(B, T, N * H), lp["wo_t"])
+        return project(out.reshape(B, T, N * H), lp["wo_t"], cfg.int8_matmul)
     return _out_projection(out, lp["wo"])
 
 
@@ -133,7 +142,7 @@ def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
     if cfg.layout == "stacked":
         return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
                 linear("BTD,DKH->BTKH", h, lp["wv"]))
-    return split_qkv(project(h, lp["w_qkv"]), cfg)
+    return split_qkv(project(h, lp["w_qkv"], cfg.int8_matmul), cfg)
 
 
 def split_qkv(x: jax.Array, cfg: ModelConfig):
@@ -155,11 +164,11 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     w_gate_up [2F, D] (gate first) and w_down_t [D, F].
     """
     if cfg.layout == "per_layer":
-        gate, up = jnp.split(project(x, lp["w_gate_up"]), 2, axis=-1)
-        return project(_activation(cfg)(gate) * up, lp["w_down_t"])
-    gate = linear("BTD,DF->BTF", x, lp["w_gate"])
-    up = linear("BTD,DF->BTF", x, lp["w_up"])
-    return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"])
+        gate, up = jnp.split(project(x, lp["w_gate_up"], cfg.int8_matmul), 2, axis=-1)
+        return project(_activation(cfg)(gate) * up, lp["w_down_t"], cfg.int8_matmul)
+    gate = linear("BTD,DF->BTF", x, lp["w_gate"], cfg.int8_matmul)
+    up = linear("BTD,DF->BTF", x, lp["w_up"], cfg.int8_matmul)
+    return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"], cfg.int8_matmul)
 
 
 def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None
@@ -451,8 +460,18 @@ def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect, sinks=None):
         out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale,
                             sinks)
         return [out], cache, probs
-    outs = [paged_attention(q, seg.positions, cache.with_rows(seg.page_table, seg.lengths), idx, cfg.attn_scale,
-                            window, local, sinks) for q, seg in zip(qs, segs)]
+    outs = []
+    for q, k, v, seg in zip(qs, ks, vs, segs):
+        rows = cache.with_rows(seg.page_table, seg.lengths)
+        # attention sinks and latent rows are the paged attention's alone (the fused kernels have neither)
+        kernel = ("paged" if sinks is not None or cache.latent else
+                  prefill_attention.kernel_for(cfg, q.shape[1], q.dtype, window, local))
+        if kernel == "paged":
+            outs.append(paged_attention(q, seg.positions, rows, idx, cfg.attn_scale, window, local, sinks))
+        else:  # a prompt chunk through fused attention (`kernels.prefill_attention`)
+            outs.append(prefill_attention.prefill_attention(
+                q, k.astype(q.dtype), v.astype(q.dtype), seg.positions, rows, idx, cfg.attn_scale, window, local,
+                implementation=kernel, context_block=cfg.context_block))
     return outs, cache, None
 
 
@@ -492,11 +511,11 @@ def unembed(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     if cfg.tie_embeddings and cfg.layout == "per_layer":
-        logits = project(x, params["embed"])
+        logits = project(x, params["embed"], cfg.int8_matmul)
     elif cfg.tie_embeddings:
-        logits = linear("BTD,VD->BTV", x, params["embed"])
+        logits = linear("BTD,VD->BTV", x, params["embed"], cfg.int8_matmul)
     else:
-        logits = linear("BTD,DV->BTV", x, params["lm_head"])
+        logits = linear("BTD,DV->BTV", x, params["lm_head"], cfg.int8_matmul)
     logits = logits.astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)

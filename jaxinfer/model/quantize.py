@@ -14,15 +14,10 @@ in every leaf, so the layer `lax.scan` slices them like plain arrays.
         share one byte: the low nibble holds the first half of a group, the high nibble the
         second half, so unpacking is a concatenate, not an interleave.
 
-Speed on CPU: XLA's CPU backend has no matmul kernel that reads int8/int4 (or bf16) weights; it
-converts each weight to the compute dtype and then runs the fp32 dot (docs/notes/probes.md, matvec:
-2-4x slower per matmul than fp32 on the same shape). So the bytes read from memory shrink, but the
-time does not follow: measured by `python -m experiments.decode`, int8 is 1.55x the canonical fp32 layout at
-batch 1 (whose stacked slice copies move 4 bytes per weight) and even with the CPU decode layout;
-int4 (unpacking on top) is 0.76x. XLA's GPU backend fuses the conversion into its Triton GEMM,
-so int8 is what is read: on an H200 (Llama-3.1-8B shapes, `experiments/figures/device_check_int8.json`)
-int8 decodes 1.32x bf16 at batch 1 in the unstacked layout (`jaxinfer.model.layout`, which
-carries Int8Weight leaves) and 2.64x the stacked int8 scan.
+Speed: XLA's GPU backend fuses the int8 -> compute-dtype conversion into its GEMM, so int8 is
+what is read; XLA's CPU backend has no narrow-type matmul kernel and converts each weight before
+the dot, so on a CPU the bytes read shrink but the time does not follow. Measured figures:
+docs/quantization.md and docs/notes/layout.md.
 
 Embedding and LM head: with tied embeddings the table [V, D] is read in full every decode step
 (it is the LM head), so at 135M parameters it is 21% of all weight bytes and must be quantized

@@ -471,8 +471,8 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        """Every request can be served without compiling: no warmup was asked for, or the
-        warmup's first programs (the scan, the smallest chunk calls) are built."""
+        """True when every request can be served without compiling (no warmup was asked for, or
+        the warmup's first programs, the scan and the smallest chunk calls, are built)."""
         return self.runner.ready()
 
     def wait_ready(self, timeout: Optional[float] = None) -> bool:

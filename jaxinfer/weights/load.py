@@ -81,10 +81,10 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
 def auto_layout(quant: Optional[str], mesh, backend: str) -> str:
     """The layout `load(layout="auto")` picks, by what was measured (`jaxinfer.model.layout`).
 
-    One device: float weights per layer ("per_layer") on every backend; int8 weights unstacked off the
-    CPU (H200, 8B shapes: 2.64x the stacked int8 scan at batch 1) but stacked on it (XLA's CPU
-    backend converts int8 before its dot: SmolLM2 decode 27.7 stacked vs 17.2 tok/s unstacked).
-    int4 and meshes: "stacked".
+    One device: float weights per layer ("per_layer") on every backend; int8 weights per layer off
+    the CPU but stacked on it (XLA's CPU backend converts a per-layer int8 matrix to float before
+    its dot, the stacked scan's fused dequantization does not). int4 and meshes: "stacked". The
+    measurements behind each choice: docs/notes/layout.md.
     """
     if mesh is not None or quant not in (None, "int8"):
         return "stacked"
