@@ -161,8 +161,9 @@ class ShardingPlan:
 
 def _model_dims(cfg: ModelConfig) -> dict[str, int]:
     dims = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.ffn_dim, "vocab": cfg.vocab_size}
-    if cfg.moe is not None:  # every layer's MLP is experts: no weight has the dense "ffn" axis
-        del dims["ffn"]
+    if cfg.moe is not None:  # every layer's MLP is experts (but DeepSeek's dense first layers)
+        if not cfg.moe.first_dense:
+            del dims["ffn"]
         dims["experts"] = cfg.moe.n_experts
     return dims
 
@@ -188,8 +189,9 @@ def plan(cfg: ModelConfig, mesh: AnyMesh, *, strict: bool = False) -> ShardingPl
             rules[axis] = RULES[axis]
         else:
             rules[axis] = None
+            what = _WHAT_MLA if axis == "kv_heads" and cfg.mla is not None else _WHAT[axis]
             reasons[axis] = (f"{axis}={size} is not divisible by model={model}: "
-                             f"{_WHAT[axis]} whole on every model shard and computed redundantly")
+                             f"{what} whole on every model shard and computed redundantly")
     if model > 1 and all(r is None for r in rules.values()):
         raise ValueError(f"bad mesh: model={model} divides none of {_dims_text(dims)}, so nothing "
                          f"would be split; use a model size in {_divisors_any(dims)}")
@@ -204,6 +206,7 @@ _WHAT = {"heads": "query heads (wq, wo) are kept",
          "ffn": "the MLP (w_gate, w_up, w_down) is kept",
          "experts": "the routed experts (we_gate_up, we_down) and the router are kept",
          "vocab": "the embedding and LM head are kept"}
+_WHAT_MLA = "the latent KV cache (one row per token that every head reads) and wkv_a are kept"
 
 
 def config_for(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh]) -> ModelConfig:
@@ -405,6 +408,6 @@ def memory_report(cfg: ModelConfig, data: int, model: int, *, batch_size: int = 
     if batch_axis(batch_size, mesh) is None:
         reasons["batch"] = f"batch={batch_size} is not divisible by data={data}: cache rows are replicated"
     return MemoryReport(mesh=(data, model), weights_total=int(w_total), weights_per_device=int(w_dev),
-                        cache_total=int(cache.k.size * 2 * jnp.dtype(cache.k.dtype).itemsize),
+                        cache_total=int((cache.k.size + cache.v.size) * jnp.dtype(cache.k.dtype).itemsize),
                         cache_per_device=_shard_bytes(cache.k, cs.k) + _shard_bytes(cache.v, cs.v),
                         cache_tokens=cache.k.shape[1] * cache.page_size, reasons=reasons)

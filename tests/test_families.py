@@ -199,7 +199,7 @@ def _config_error(tmp_path, family, **changes):
     return str(e.value)
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope", "su", "my_new_rope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su", "my_new_rope"])
 def test_unimplemented_rope_type_refused_by_name(tmp_path, rope_type):
     new = _config_error(tmp_path, "llama", rope_parameters={"rope_type": rope_type, "rope_theta": 1e4, "factor": 4.0})
     old = _config_error(tmp_path, "llama", rope_parameters=None,

@@ -113,9 +113,9 @@ def test_truncated_shard_refused_before_reading(tmp_path, no_reads):
 def test_unknown_rope_type_refused_before_reading(tmp_path, no_reads):
     d = _copy("llama31", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"]["rope_type"] = "yarn"
+    cfg["rope_parameters"]["rope_type"] = "longrope"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(hf_io.HFError, match="RoPE type 'yarn' is not implemented"):
+    with pytest.raises(hf_io.HFError, match="RoPE type 'longrope' is not implemented"):
         jaxinfer.load(str(d))
 
 

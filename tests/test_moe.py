@@ -1,4 +1,5 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) vs Hugging Face transformers.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss) vs
+Hugging Face transformers.
 
 The tiny random models, their reference logits, greedy tokens, routing and a GGUF of one of them
 were made by tests/golden/make_tiny_moe.py (transformers 5, fp32, eager attention and experts);
@@ -29,7 +30,9 @@ from jaxinfer.weights import hf as hf_io
 from tests.tolerances import assert_close
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_moe")
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe_skewed")
+PHASE1 = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+PHASE2 = ("deepseek_v2", "deepseek_v3", "gpt_oss")  # latent attention, dense first layers; sinks, MXFP4
+FAMILIES = PHASE1 + ("qwen3_moe_skewed",) + PHASE2
 
 
 def _ref(family):
@@ -54,13 +57,20 @@ def test_logits_and_routing_match_transformers(models, family, layout):
     logits = np.asarray(logits)
     assert_close(logits, ref["logits"], fp32_error=ref["logits_fp32_error"], what=f"{family} {layout} vs transformers")
     np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
-    np.testing.assert_array_equal(np.asarray(routing.ids), ref["router_ids"].transpose(1, 0, 2))
-    np.testing.assert_allclose(np.asarray(routing.weights), ref["router_weights"].transpose(1, 0, 2), atol=1e-5)
+    ids, weights = np.asarray(routing.ids), np.asarray(routing.weights)  # [T, L, k]
+    dense = models[family, layout].config.moe.first_dense  # DeepSeek's dense first layers route nothing
+    assert (ids[:, :dense] == -1).all() and (weights[:, :dense] == 0).all()
+    ids, weights = ids[:, dense:], weights[:, dense:]
+    if family.startswith("deepseek"):  # transformers' DeepSeek routers return their top-k unsorted
+        order = np.argsort(ids, axis=-1)
+        ids, weights = np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
+    np.testing.assert_array_equal(ids, ref["router_ids"].transpose(1, 0, 2))
+    np.testing.assert_allclose(weights, ref["router_weights"].transpose(1, 0, 2), atol=1e-5)
     # `jaxinfer.logits` (the plain forward) gives the same logits
     np.testing.assert_array_equal(np.asarray(jaxinfer.logits(models[family, layout], ref["ids"].tolist())), logits)
 
 
-@pytest.mark.parametrize("family", FAMILIES[:4])
+@pytest.mark.parametrize("family", PHASE1 + PHASE2)
 def test_cached_path_logits_and_greedy_tokens(models, family):
     """Prefill the prompt, then 31 one-token decode steps along transformers' greedy sequence: every
     step's logits are its teacher-forced ones; and `generate` gives its 32 greedy tokens."""
@@ -83,8 +93,9 @@ def _batch(ref):
     return [row[:n].tolist() for row, n in zip(ref["batch_ids"], ref["batch_lengths"])]
 
 
-@pytest.mark.parametrize("family,layout", [(f, "per_layer") for f in FAMILIES[:4]]
-                         + [("qwen3_moe", "stacked"), ("qwen2_moe", "stacked")])
+@pytest.mark.parametrize("family,layout", [(f, "per_layer") for f in PHASE1 + PHASE2]
+                         + [("qwen3_moe", "stacked"), ("qwen2_moe", "stacked"), ("deepseek_v3", "stacked"),
+                            ("gpt_oss", "stacked")])
 def test_batch_of_mixed_lengths(models, family, layout):
     """Prompts of 24, 7 and 15 tokens in one batch: each row's 32 tokens are transformers' for that
     prompt alone."""
@@ -93,7 +104,7 @@ def test_batch_of_mixed_lengths(models, family, layout):
     assert [c.token_ids for c in out.completions] == ref["batch_greedy"].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", PHASE1 + PHASE2)
 def test_engine(models, family):
     """The serving engine (prompt chunks beside decode rows in one forward) gives each request the
     tokens transformers gives its prompt alone."""
@@ -297,6 +308,98 @@ def test_speculative_decoding_keeps_greedy_tokens(models):
     assert out.completions[0].token_ids == ref["greedy"].tolist()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_latent_cache_and_sinks_through_checkpoints_and_speculative_decoding(models, family, tmp_path):
+    """A jaxinfer checkpoint of the folder computes the same logits (the dense_layers / moe_layers
+    stacks, the latent and sink weights round-trip), and speculative decoding (the cache rolled
+    back) keeps transformers' greedy tokens."""
+    from jaxinfer.decode import speculative
+    from jaxinfer.weights import checkpoint
+
+    ref = _ref(family)
+    ids = ref["ids"].tolist()
+    checkpoint.convert(_folder(family), tmp_path / "c", dtype="float32")
+    c = jaxinfer.load(str(tmp_path / "c"), layout="stacked")
+    np.testing.assert_array_equal(np.asarray(jaxinfer.logits(c, ids)),
+                                  np.asarray(jaxinfer.logits(models[family, "stacked"], ids)))
+    out = speculative.generate(models[family, "per_layer"], [ids], method="lookup", max_new_tokens=32,
+                               stop_at_eos=False)
+    assert out.completions[0].token_ids == ref["greedy"].tolist()
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    """MXFP4 blocks and scales (every 4-bit code, exponents 117..136) dequantize to what transformers'
+    `convert_moe_packed_tensors` gives (which transposes the result to [.., in, out])."""
+    ref = np.load(os.path.join(GOLDEN, "mxfp4_reference.npz"))
+    got = hf_io.mxfp4_dequantize(ref["blocks"], ref["scales"])
+    np.testing.assert_array_equal(got.transpose(0, 2, 1), ref["dequantized"])
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "stacked"])
+def test_gpt_oss_mxfp4_folder_loads_the_float_folders_weights(models, layout):
+    """gpt_oss_mxfp4 stores the experts as gpt-oss checkpoints do (uint8 blocks and scales,
+    quant_method "mxfp4"); the float folder holds transformers' dequantization of the same codes:
+    the params and the logits are identical."""
+    m = jaxinfer.load(_folder("gpt_oss_mxfp4"), layout=layout)
+    jax.tree.map(np.testing.assert_array_equal, m.params, models["gpt_oss", layout].params)
+    assert m.config.moe == models["gpt_oss", layout].config.moe
+
+
+def test_latent_attention_cache_holds_the_latent(models):
+    """DeepSeek's KV pool holds one row of R + Hr per token and layer (the latent and the RoPE key,
+    a zero-width v), and the bytes-per-token formula counts that: DeepSeek-V3 in bfloat16 70,272
+    bytes a token (61 x 576 x 2) against 61 x 128 x (192 + 128) x 2 for full keys and values."""
+    from jaxinfer.model import cache as kv
+
+    cfg = models["deepseek_v3", "per_layer"].config
+    pool = kv.init_pool(cfg, 4, 8)
+    assert pool.latent and pool.k.shape == (3, 4, 8, 1, 32 + 8) and pool.v.shape == (3, 4, 8, 1, 0)
+    assert kv.bytes_per_token(cfg) == 3 * 40 * 4 == pool.nbytes // (4 * 8)
+    big = C.deepseek_v3(dtype="bfloat16")
+    assert kv.bytes_per_token(big) == 61 * 576 * 2
+    q = kv.init_pool(cfg.replace(kv_dtype="int8"), 4, 8)
+    assert q.k_scale.shape == (3, 4, 8, 1, 1) and q.v_scale.shape == (3, 4, 8, 1, 0)
+    assert kv.bytes_per_token(cfg.replace(kv_dtype="int8")) == 3 * (40 + 4)
+
+
+def test_int8_covers_deepseek_experts_and_dense_layers(models):
+    """quant="int8" on DeepSeek V3: the experts, the shared expert, the dense first layer's MLP and
+    wo are int8 (the latent projections stay float); the model computes what its dequantized
+    weights compute."""
+    q = jaxinfer.load(_folder("deepseek_v3"), quant="int8", layout="stacked")
+    layers = q.params["layers"]
+    for name in ("we_gate_up", "we_down", "ws_gate", "w_gate", "wo"):
+        assert isinstance(layers[name], quantize.Int8Weight), name
+    ids = _ref("deepseek_v3")["ids"].tolist()
+    deq = dataclasses.replace(q, params=quantize.dequantize(q.params))
+    assert_close(np.asarray(jaxinfer.logits(q, ids)), np.asarray(jaxinfer.logits(deq, ids)), what="int8 vs dequantized")
+
+
+def test_chat_template_gpt_oss(models):
+    """The gpt_oss folder's harmony-framed template renders a conversation as transformers does."""
+    from jaxinfer.decode.inputs import chat_ids
+
+    chat = json.load(open(os.path.join(GOLDEN, "gpt_oss", "chat.json"), encoding="utf-8"))
+    tok = models["gpt_oss", "per_layer"].tokenizer
+    assert chat_ids(tok, chat["messages"]) == chat["ids"]
+    assert tok.decode(chat["ids"]) == chat["text"]
+
+
+def test_memory_report_deepseek_v3():
+    """DeepSeek-V3 in bfloat16 (671B parameters, 1.34 TB): experts split over 8 and 64 devices; the
+    latent cache (70 KB a token) is one row shared by all heads, kept whole on every model shard."""
+    from jaxinfer import sharding as shd
+
+    cfg = C.deepseek_v3(dtype="bfloat16")
+    assert round(cfg.n_params / 1e9) == 671 and 36e9 < cfg.n_active_params < 38e9
+    r8, r64 = shd.memory_report(cfg, 1, 8), shd.memory_report(cfg, 1, 64)
+    assert round(r8.weights_total / 1e9) == 1342
+    assert r8.weights_per_device < r8.weights_total / 7.5 and r64.weights_per_device < r64.weights_total / 45
+    assert "experts" not in r8.reasons and "heads" not in r64.reasons and "ffn" not in r64.reasons
+    assert "latent KV cache" in r8.reasons["kv_heads"]
+    assert r8.cache_total == r8.cache_tokens * 61 * 576 * 2 == r64.cache_per_device
+
+
 def _config_error(tmp_path, family, **changes):
     d = tmp_path / family
     d.mkdir(exist_ok=True)
@@ -309,9 +412,12 @@ def _config_error(tmp_path, family, **changes):
 
 
 @pytest.mark.parametrize("family,changes,named", [
-    ("qwen3_moe", {"model_type": "deepseek_v3"}, "deepseek_v3: multi-head latent attention is not implemented yet"),
-    ("qwen3_moe", {"model_type": "deepseek_v2"}, "deepseek_v2: multi-head latent attention is not implemented yet"),
-    ("qwen3_moe", {"model_type": "gpt_oss"}, "gpt_oss: attention sinks and MXFP4 experts are not implemented yet"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "deepseek_v2 topk_method 'noaux_tc' is not implemented"),
+    ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq 2 is not implemented"),
+    ("deepseek_v3", {"kv_lora_rank": None}, "multi-head latent attention needs ['kv_lora_rank']"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias on deepseek_v3 are not supported"),
+    ("gpt_oss", {"layer_types": None}, "gpt_oss needs layer_types"),
+    ("qwen3_moe", {"quantization_config": {"quant_method": "mxfp4"}}, "quant_method 'mxfp4'"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, "dense MLP layers among the mixture-of-experts layers"),
     ("qwen2_moe", {"decoder_sparse_step": 2}, "dense MLP layers among the mixture-of-experts layers"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
@@ -321,8 +427,8 @@ def test_unimplemented_moe_configs_refused_by_name(tmp_path, family, changes, na
     assert named in _config_error(tmp_path, family, **changes)
 
 
-@pytest.mark.parametrize("arch,named", [("deepseek2", "multi-head latent attention is not implemented yet"),
-                                         ("gpt-oss", "attention sinks and MXFP4 experts are not implemented yet")])
+@pytest.mark.parametrize("arch,named", [("deepseek2", "multi-head latent attention from GGUF is not implemented"),
+                                         ("gpt-oss", "attention sinks and MXFP4 experts from GGUF are not implemented")])
 def test_unimplemented_gguf_architectures_refused_by_name(tmp_path, arch, named):
     import gguf
 

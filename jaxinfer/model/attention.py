@@ -14,6 +14,10 @@ before their window. A decode step reads whole blocks up to the longest row's co
 small blocks (`DECODE_BLOCK_TOKENS`) past it. A chunk longer than a block attends in query tiles of one block, each
 reading up to its own diagonal.
 
+Attention sinks (gpt-oss): a learned logit per head joins every softmax's denominator, as if each
+query also saw one more key of that score and a zero value (`sinks`); the online softmax starts
+from it (running max = the sink, sum = 1).
+
 Shape letters as in `jaxinfer.model.config`; S here is the keys one block (or the sequence) holds.
 """
 
@@ -66,25 +70,32 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array, window: Optional[int], local
     return mask
 
 
-def attend(q, k, v, mask, scale):
+def attend(q, k, v, mask, scale, sinks: Optional[jax.Array] = None):
     """Grouped-query attention over given keys.
 
     Args:
       q: [B, T, N, H] queries.
-      k, v: [B, S, K, H] keys and values.
+      k, v: [B, S, K, H] keys and values (v's width may differ from H: [B, S, K, Hv]).
       mask: [B, T, S] bool.
       scale: score scale (1/sqrt(H) for most families).
+      sinks: optional [N] per-head logits added to each softmax's denominator (module docstring).
     Returns:
-      out [B, T, N, H] and probabilities [B, N, T, S] (float32).
+      out [B, T, N, Hv] and probabilities [B, N, T, S] (float32; with sinks they sum to less than 1).
     """
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1)
+        m = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - m)
+        probs = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - m))
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
-    return out.reshape(B, T, N, H), probs.reshape(B, N, T, -1)
+    return out.reshape(B, T, N, v.shape[-1]), probs.reshape(B, N, T, -1)
 
 
 def _as(x: jax.Array, src: str, dst: str) -> jax.Array:
@@ -95,7 +106,7 @@ def _as(x: jax.Array, src: str, dst: str) -> jax.Array:
 
 
 def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale: float,
-                    window: Optional[int] = None, local=True) -> jax.Array:
+                    window: Optional[int] = None, local=True, sinks: Optional[jax.Array] = None) -> jax.Array:
     """Attention of new queries over their rows' cached context, read block by block.
 
     Args:
@@ -105,8 +116,9 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
       layer: layer index (int or scalar array).
       scale: score scale.
       window: sliding window size, or None; `local` (traced bool) says whether it applies.
+      sinks: optional [N] per-head logits added to each softmax's denominator (module docstring).
     Returns:
-      [B, T, N, H] attention output in q's dtype.
+      [B, T, N, H] attention output in q's dtype (a latent cache's values are its keys: H wide).
     """
     B, T, N, H = q.shape
     if T > cache.block and cache.page_table.shape[1] > cache.block_pages:
@@ -114,7 +126,7 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         # and masks only the blocks its positions cross, so a chunk of 2 blocks from position 0
         # scores 3 block pairs (2 masked) instead of 4 (all masked).
         tiles = [paged_attention(q[:, i:i + cache.block], q_pos[:, i:i + cache.block], cache, layer, scale,
-                                 window, local) for i in range(0, T, cache.block)]
+                                 window, local, sinks) for i in range(0, T, cache.block)]
         return jnp.concatenate(tiles, axis=1)
     K = cache.k.shape[3]
     G = N // K
@@ -157,6 +169,9 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
 
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros([dict(B=B, K=K, G=G, T=T, H=H)[a] for a in oc], jnp.float32))
+    if sinks is not None:  # the sink as a first key: running max = its logit, sum = exp(0)
+        init = (jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G, 1), (B, K, G, T)),
+                jnp.ones((B, K, G, T), jnp.float32), init[2])
     last = jnp.max(q_pos)  # the last position any query reads
     zero = jnp.zeros((), jnp.int32)
     small = max(1, DECODE_BLOCK_TOKENS // cache.page_size)  # pages per small block (a decode step's)

@@ -32,6 +32,14 @@ per-slot. Attention dequantizes the pages it reads.
 
 Bytes: the seed's formula, 2 (k and v) x L x K x H x bytes per element (+ the int8 scales) per
 token, times page_size per page (`bytes_per_token`, `pool_bytes`).
+
+Latent attention (DeepSeek V2/V3, `cfg.mla`): a token's keys and values are one latent of width
+R and one RoPE key of width Hr shared by every head (`jaxinfer.model.mla`), so the pool holds
+k [L, P, ps, 1, R + Hr] (the latent, then the RoPE key) and a zero-width v [L, P, ps, 1, 0]:
+attention reads the latent row as its key and as its value (`read_block` returns it twice; the
+value's last Hr columns are dropped after attention). Bytes per token: L x (R + Hr) x bytes per
+element (+ one int8 scale per token and layer), against L x N x (Hn + Hr + Hv) for the per-head
+keys and values it stands for (DeepSeek-V3 in bfloat16: 70 KB a token instead of 5.0 MB).
 """
 
 from __future__ import annotations
@@ -56,8 +64,8 @@ _SCALE_DTYPE = jnp.float32  # per token per kv head, for the int8 cache
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, P, page_size, K, H]
-    v: jax.Array  # [L, P, page_size, K, H]
+    k: jax.Array  # [L, P, page_size, K, H]; latent attention: [L, P, page_size, 1, R + Hr]
+    v: jax.Array  # [L, P, page_size, K, H]; latent attention: [L, P, page_size, 1, 0] (the values are k's)
     page_table: jax.Array  # [B, W] int32: row b's pages in position order (trash page when unused)
     lengths: jax.Array  # [B] int32: filled positions per row (where the next token goes)
     k_scale: Optional[jax.Array] = None  # [L, P, page_size, K, 1] float32: int8 cache only
@@ -92,6 +100,11 @@ class KVCache:
         return self.k_scale is not None
 
     @property
+    def latent(self) -> bool:
+        """Whether this is a latent-attention cache: one row per token serves as key and value."""
+        return self.v.shape[-1] == 0
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the pages (k, v and their scales; tables and lengths excluded)."""
         return sum(int(a.nbytes) for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
@@ -116,14 +129,17 @@ def kv_dtype(cfg: ModelConfig, dtype=None) -> str:
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: str | jnp.dtype | None = None) -> int:
-    """KV-cache bytes one token occupies: 2 (k and v) x L x K x (H x bytes per element + scale bytes).
+    """KV-cache bytes one token occupies: 2 (k and v) x L x K x (H x bytes per element + scale bytes),
+    or with latent attention L x ((R + Hr) x bytes per element + scale bytes).
 
     The scale term is 0 for float caches and one float32 per token per kv head for int8.
     `dtype` defaults to the config's KV dtype (`cfg.kv_dtype`, else `cfg.dtype`).
     """
     name = kv_dtype(cfg, dtype)
     scale_bytes = jnp.dtype(_SCALE_DTYPE).itemsize if name == "int8" else 0
-    return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim * jnp.dtype(name).itemsize + scale_bytes)
+    K, Hk, Hv = cfg.kv_widths
+    item = jnp.dtype(name).itemsize
+    return cfg.n_layers * K * (Hk * item + scale_bytes + (Hv * item + scale_bytes if Hv else 0))
 
 
 def write_mode(cfg: ModelConfig, platform: Optional[str] = None) -> str:
@@ -185,16 +201,17 @@ def init_pool(cfg: ModelConfig, n_pages: int, page_size: int = PAGE_SIZE, dtype=
     if n_pages < 2 or page_size < 1:
         raise ValueError(f"a pool needs n_pages >= 2 (page 0 is the trash page) and page_size >= 1, "
                          f"got {n_pages}, {page_size}")
-    shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    K, Hk, Hv = cfg.kv_widths  # latent attention: (1, R + Hr, 0)
+    shape = (cfg.n_layers, n_pages, page_size, K, Hk)
     dt = jnp.dtype(kv_dtype(cfg, dtype))
     scales = {}
     if dt == jnp.int8:
         scales = dict(k_scale=jnp.zeros(shape[:-1] + (1,), _SCALE_DTYPE),
-                      v_scale=jnp.zeros(shape[:-1] + (1,), _SCALE_DTYPE))
+                      v_scale=jnp.zeros(shape[:-1] + (1 if Hv else 0,), _SCALE_DTYPE))
     bp = block_pages_for(page_size)
     while width % bp:  # a table holds whole attention blocks
         bp -= 1
-    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape[:-1] + (Hv,), dt),
                    page_table=jnp.zeros((batch_size, width), jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32), block_pages=bp, writes=write_mode(cfg), **scales)
 
@@ -322,6 +339,25 @@ def update_layer(cache: KVCache, k: jax.Array, v: jax.Array, layer, starts: jax.
                              v_scale=write(cache.v_scale, vs))
 
 
+def update_latent(cache: KVCache, latent: jax.Array, layer, starts: jax.Array) -> KVCache:
+    """Write one layer's new latent rows into a latent-attention cache (see the module docstring).
+
+    Args:
+      cache: a cache whose v is zero-width (`KVCache.latent`); lengths are not changed here.
+      latent: [B, T, 1, R + Hr] each token's key-value latent, then its RoPE key.
+      layer: layer index (int or scalar array).
+      starts: [B] first position per row.
+    """
+    chex.assert_shape(latent, (cache.page_table.shape[0], None, 1, cache.k.shape[4]))
+    with jax.named_scope("cache_write"):
+        pages, offsets = locate(cache.page_table, cache.page_size, starts, latent.shape[1])
+        write = lambda pool, new: _scatter(pool, new, layer, pages, offsets, cache.writes)
+        if not cache.quantized:
+            return cache.replace(k=write(cache.k, latent))
+        q, scale = quantize_kv(latent)  # one scale per token over its latent and RoPE key
+        return cache.replace(k=write(cache.k, q), k_scale=write(cache.k_scale, scale))
+
+
 def read_block(cache: KVCache, layer, block_index: jax.Array, dtype, block_pages: Optional[int] = None
                ) -> tuple[jax.Array, jax.Array]:
     """Keys and values of positions block_index x block .. + block - 1 of every row, [B, block, K, H]
@@ -331,7 +367,7 @@ def read_block(cache: KVCache, layer, block_index: jax.Array, dtype, block_pages
     copy that whole slice (every page of the pool) for each block read inside the layer loop,
     which made a decode step's cost grow with the pool (SmolLM2, 8 rows: 0.83 s per step with a
     1k-token pool and 4.9 s with an 8k-token one, against 0.15 and 0.17 s gathered directly).
-    int8 pages are dequantized.
+    int8 pages are dequantized. A latent cache's rows are returned as the keys and as the values.
     """
     bp = cache.block_pages if block_pages is None else block_pages
     B = cache.page_table.shape[0]
@@ -341,6 +377,10 @@ def read_block(cache: KVCache, layer, block_index: jax.Array, dtype, block_pages
         x = a[layer, pages]  # [B, bp, ps, K, X]: one gather of the pages, never a copy of the layer
         return x.reshape(B, bp * x.shape[2], *x.shape[3:])
 
+    if cache.latent:
+        k = get(cache.k).astype(dtype)
+        k = k * get(cache.k_scale).astype(dtype) if cache.quantized else k
+        return k, k
     if not cache.quantized:
         return get(cache.k).astype(dtype), get(cache.v).astype(dtype)
     return (get(cache.k).astype(dtype) * get(cache.k_scale).astype(dtype),

@@ -11,6 +11,10 @@ Shape letters used across jaxinfer (defined once, here):
             U words of a packed token bitmask (ceil(V / 32) int32)
   experts   X routed experts per layer, k experts per token, Fe one expert's hidden width,
             Fs the shared expert's hidden width, Q token-expert slots (tokens x k)
+  latent    (multi-head latent attention, `MLAConfig`) R the compressed key-value latent's width
+            (kv_lora_rank), Rq the queries' (q_lora_rank), Hn a head's key width without RoPE
+            (qk_nope_head_dim), Hr the RoPE key width shared by all heads (qk_rope_head_dim), Hv a
+            head's value width
 
 The config is hashable so it can be a static argument of `jax.jit`. Presets are functions that
 return a config and accept keyword overrides, e.g. `llama3_8b(max_seq_len=4096)`.
@@ -23,14 +27,22 @@ import math
 from typing import Optional
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-ROPE_SCALINGS = ("linear", "llama3")  # see `jaxinfer.model.rope`
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # see `jaxinfer.model.rope`
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("stacked", "per_layer")  # how the params tree is laid out (`jaxinfer.model.params.param_specs`)
 KV_WRITES = ("slices", "scatter")  # how new keys and values enter the KV pool (`jaxinfer.model.cache.write_mode`)
-ROUTER_SCORES = ("softmax", "sigmoid")  # how a router turns its logits into expert scores (`jaxinfer.model.moe`)
+# how a router turns its logits into expert weights (`jaxinfer.model.moe.route`)
+ROUTER_SCORES = ("softmax", "sigmoid", "softmax_topk")
+GROUP_SCORES = ("top2_sum", "max")  # a group's score in group-limited routing (DeepSeek V3, V2)
 EXPERT_KERNELS = ("blocks", "ragged")  # how the chosen experts' matmuls run (`jaxinfer.model.moe.grouped_matmul`)
 PREFILL_ATTENTIONS = ("paged", "cudnn", "xla")  # a prompt chunk's attention (`jaxinfer.model.kernels.prefill_attention`)
 INT8_MATMULS = ("xla", "pallas")  # int8 weights' matmul for few rows (`jaxinfer.model.kernels.int8_matmul`)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1; transformers'
+    `yarn_get_mscale`): the attention factor, and DeepSeek's softmax scale factor (squared)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,8 +52,10 @@ class MoEConfig:
     optional shared expert (width Fs) sees every token. Dropless: no capacity, no token is dropped.
 
     The router's knobs cover Qwen2/3-MoE, Mixtral and OLMoE (softmax over all X, top-k, with or
-    without renormalising the k weights) and leave room for DeepSeek V3 (sigmoid scores, a
-    per-expert bias used for choosing only, group-limited choice, a scale on the routed output).
+    without renormalising the k weights), DeepSeek V2 (softmax in float32, greedy or group-limited
+    top-k, a scale on the routed output), DeepSeek V3 (sigmoid scores, a per-expert bias used for
+    choosing only, group-limited choice, renormalised and scaled) and gpt-oss (biased logits, a
+    softmax over the k chosen ones; experts with biases and a clamped SwiGLU).
     """
 
     n_experts: int  # X: routed experts per layer
@@ -53,8 +67,15 @@ class MoEConfig:
     n_groups: int = 1  # experts fall in this many equal groups (DeepSeek's n_group) ...
     top_k_groups: int = 1  # ... and a token chooses only among the best this many groups (topk_group)
     routed_scale: float = 1.0  # the routed experts' output is multiplied by this (routed_scaling_factor)
+    group_score: str = "top2_sum"  # a group's score: its two best experts' sum (V3) or its best (V2's "max")
+    router_float32: bool = False  # the router's logits in float32 whatever the activations' dtype (DeepSeek)
+    router_logit_bias: bool = False  # gpt-oss: a learned per-expert bias added to the router's logits
     shared_ffn_dim: int = 0  # Fs: hidden width of the always-on shared expert; 0 = none
     shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x . w_gate)
+    expert_bias: bool = False  # gpt-oss: biases on the routed experts' gate/up and down projections
+    swiglu_limit: Optional[float] = None  # gpt-oss's clamped SwiGLU (`moe.expert_activation`); None = SwiGLU
+    swiglu_alpha: float = 1.702  # with swiglu_limit: gate * sigmoid(alpha * gate)
+    first_dense: int = 0  # the first this many layers have a dense MLP of width ffn_dim (first_k_dense_replace)
     kernel: Optional[str] = None  # "blocks" or "ragged" (`moe.grouped_matmul`); None = by backend
 
     def __post_init__(self):
@@ -78,23 +99,68 @@ class MoEConfig:
             raise ValueError("MoEConfig.shared_gate needs a shared expert (shared_ffn_dim > 0)")
         if self.kernel is not None and self.kernel not in EXPERT_KERNELS:
             raise ValueError(f"MoEConfig.kernel must be None or one of {EXPERT_KERNELS}, got {self.kernel!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"MoEConfig.group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if not isinstance(self.first_dense, int) or self.first_dense < 0:
+            raise ValueError(f"MoEConfig.first_dense must be an int >= 0, got {self.first_dense!r}")
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            raise ValueError(f"MoEConfig.swiglu_limit must be None or positive, got {self.swiglu_limit!r}")
+
+    def params_per_layer(self, d_model: int) -> int:
+        """Parameters of one MoE layer's router, routed and shared experts (and their biases)."""
+        X, Fe, D = self.n_experts, self.expert_ffn_dim, d_model
+        shared = 3 * self.shared_ffn_dim * D + (D if self.shared_gate else 0)
+        biases = (X if self.score_bias else 0) + (X if self.router_logit_bias else 0)
+        biases += X * (2 * Fe + D) if self.expert_bias else 0
+        return X * D * (1 + 3 * Fe) + shared + biases
+
+    def idle_per_token(self, d_model: int) -> int:
+        """Parameters of one MoE layer a token does not read: the X - k experts it was not sent to."""
+        per_expert = 3 * self.expert_ffn_dim * d_model + ((2 * self.expert_ffn_dim + d_model) if self.expert_bias else 0)
+        return (self.n_experts - self.top_k) * per_expert
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3, `jaxinfer.model.mla`).
+
+    Each token's keys and values are compressed into one latent of width R, shared by all heads,
+    plus one RoPE key of width Hr shared by all heads: the KV cache holds these R + Hr values per
+    token and layer, not 2 x K x H. A head's key is [W_uk(latent) (Hn), RoPE key (Hr)] and its
+    value W_uv(latent) (Hv). The queries may pass their own low-rank bottleneck (Rq).
+    """
+
+    kv_lora_rank: int  # R: the compressed key-value latent's width
+    qk_nope_head_dim: int  # Hn: a head's query/key width without RoPE
+    qk_rope_head_dim: int  # Hr: the RoPE part of queries and keys (one key shared by all heads)
+    v_head_dim: int  # Hv: a head's value width
+    q_lora_rank: int = 0  # Rq: queries through a low-rank bottleneck of this width (+ norm); 0 = one projection
+
+    def __post_init__(self):
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MLAConfig.{f} must be a positive int, got {v!r}")
+        if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            raise ValueError(f"MLAConfig.q_lora_rank must be an int >= 0, got {self.q_lora_rank!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
 
     @property
-    def params_per_layer(self) -> int:
-        """Parameters of one layer's router, routed and shared experts, divided by d_model."""
-        shared = 3 * self.shared_ffn_dim + (1 if self.shared_gate else 0)
-        return self.n_experts * (1 + 3 * self.expert_ffn_dim) + shared
+    def qk_head_dim(self) -> int:
+        """A head's query/key width: Hn + Hr."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def active_per_layer(self) -> int:
-        """Parameters one token reads in one layer (the router, k experts and the shared one) over d_model."""
-        shared = 3 * self.shared_ffn_dim + (1 if self.shared_gate else 0)
-        return self.n_experts + self.top_k * 3 * self.expert_ffn_dim + shared
+    def latent_dim(self) -> int:
+        """What the cache holds per token and layer: R + Hr."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama, Qwen2, Mistral and Gemma 3 families)."""
+    """Architecture of a decoder-only transformer (Llama, Qwen2, Mistral and Gemma 3 families; the
+    mixture-of-experts families with `moe`, DeepSeek's latent attention with `mla`)."""
 
     name: str = "custom"  # human-readable preset or model name
     vocab_size: int  # V: rows of the embedding table
@@ -105,11 +171,15 @@ class ModelConfig:
     head_dim: int  # H: width of one head
     ffn_dim: int  # F: hidden width of the gated MLP (of dense layers; unused where every layer is MoE)
     rope_theta: float = 10_000.0  # RoPE base for global layers
-    rope_scaling: Optional[str] = None  # None, "linear" (positions / factor) or "llama3" (Llama 3.1 bands)
-    rope_factor: float = 1.0  # linear / llama3: the factor long wavelengths are divided by
+    rope_scaling: Optional[str] = None  # None, "linear" (positions / factor), "llama3" (Llama 3.1 bands), "yarn"
+    rope_factor: float = 1.0  # linear / llama3 / yarn: the factor long wavelengths are divided by
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / this are divided by factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / this are kept
-    rope_original_max_len: Optional[int] = None  # llama3: the pre-training context length
+    rope_original_max_len: Optional[int] = None  # llama3 / yarn: the pre-training context length
+    rope_beta_fast: float = 32.0  # yarn: wavelengths with more than this many turns in original_max are kept
+    rope_beta_slow: float = 1.0  # yarn: ... with fewer than this many are divided by factor (a ramp between)
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (transformers' "truncate")
+    rope_attention_factor: float = 1.0  # yarn: cos and sin are multiplied by this (YaRN's attention factor)
     rope_freq_divisors: Optional[tuple[float, ...]] = None  # [H/2] divisor per frequency (GGUF rope_freqs)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     max_seq_len: int = 2048  # longest sequence (prompt + generated) the model supports
@@ -118,6 +188,8 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
     qk_norm: bool = False  # Gemma 3, Qwen3: RMSNorm on each query and key head (before RoPE)
     qk_norm_whole: bool = False  # OLMoE: with qk_norm, one RMSNorm over all N*H query (K*H key) values, not per head
+    o_bias: bool = False  # gpt-oss: a bias on the attention output projection
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head that joins every softmax's denominator
     post_norms: bool = False  # Gemma 3: RMSNorm after attention and after the MLP, before the residual add
     scale_embeddings: bool = False  # Gemma: multiply embeddings by sqrt(D)
     query_pre_attn_scalar: Optional[float] = None  # scores scale 1/sqrt(this); None means H
@@ -134,6 +206,9 @@ class ModelConfig:
     kv_writes: Optional[str] = None  # "slices" (one dynamic_update_slice per token) or "scatter" (one
     #                                  scatter per layer); None = by backend (`cache.write_mode`)
     moe: Optional[MoEConfig] = None  # every layer's MLP is a mixture of experts (`jaxinfer.model.moe`); None = dense
+    #                                  (but the first moe.first_dense layers)
+    mla: Optional[MLAConfig] = None  # multi-head latent attention (`jaxinfer.model.mla`): then head_dim is Hn + Hr,
+    #                                  n_kv_heads 1 (the latent every head reads) and the cache holds R + Hr per token
     prefill_attention: Optional[str] = None  # a prompt chunk's attention: "paged" (blockwise, portable), or fused
     #                                          through jax.nn.dot_product_attention's "cudnn" or "xla"; None = by
     #                                          backend, dtype and shape (`kernels.prefill_attention.kernel_for`)
@@ -172,14 +247,16 @@ class ModelConfig:
             object.__setattr__(self, "rope_freq_divisors", tuple(float(d) for d in self.rope_freq_divisors))
         if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"rope_scaling must be None or one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        if self.rope_scaling == "yarn" and (self.rope_original_max_len is None or self.rope_attention_factor <= 0):
+            raise ValueError("rope_scaling 'yarn' needs rope_original_max_len and a positive rope_attention_factor")
         if self.rope_scaling == "llama3" and (self.rope_original_max_len is None
                                                or self.rope_high_freq_factor <= self.rope_low_freq_factor):
             raise ValueError("rope_scaling 'llama3' needs rope_original_max_len and "
                              "rope_high_freq_factor > rope_low_freq_factor")
         if self.rope_scaling is not None and self.rope_factor <= 0:
             raise ValueError(f"rope_factor must be positive, got {self.rope_factor!r}")
-        if self.rope_freq_divisors is not None and len(self.rope_freq_divisors) != self.head_dim // 2:
-            raise ValueError(f"rope_freq_divisors needs head_dim / 2 = {self.head_dim // 2} entries, "
+        if self.rope_freq_divisors is not None and len(self.rope_freq_divisors) != self.rope_dim // 2:
+            raise ValueError(f"rope_freq_divisors needs rope_dim / 2 = {self.rope_dim // 2} entries, "
                              f"got {len(self.rope_freq_divisors)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
@@ -189,6 +266,19 @@ class ModelConfig:
             raise ValueError(f"moe must be None or a MoEConfig, got {type(self.moe).__name__}")
         if self.moe is not None and self.activation != "silu":
             raise ValueError(f"mixture-of-experts layers are SwiGLU (activation 'silu'), got {self.activation!r}")
+        if self.moe is not None and self.moe.first_dense >= self.n_layers:
+            raise ValueError(f"moe.first_dense ({self.moe.first_dense}) must be < n_layers ({self.n_layers})")
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if self.mla is not None:
+            if not isinstance(self.mla, MLAConfig):
+                raise ValueError(f"mla must be None or an MLAConfig, got {type(self.mla).__name__}")
+            if self.head_dim != self.mla.qk_head_dim or self.n_kv_heads != 1:
+                raise ValueError(f"with mla, head_dim must be qk_nope_head_dim + qk_rope_head_dim "
+                                 f"({self.mla.qk_head_dim}) and n_kv_heads 1 (the shared latent), got "
+                                 f"{self.head_dim} and {self.n_kv_heads}")
+            if self.qkv_bias or self.qk_norm or self.attention_sinks:
+                raise ValueError("mla has no q/k/v biases, QK-norm or attention sinks")
         if self.qk_norm_whole and not self.qk_norm:
             raise ValueError("qk_norm_whole needs qk_norm")
 
@@ -199,7 +289,30 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
+        """The attention scores' scale: 1 / sqrt(query_pre_attn_scalar, else head_dim)."""
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: head_dim, or Hr with latent attention."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """A head's value (attention output) width: head_dim, or Hv with latent attention."""
+        return self.head_dim if self.mla is None else self.mla.v_head_dim
+
+    @property
+    def kv_widths(self) -> tuple[int, int, int]:
+        """(kv heads, key width, value width) of one cached token per layer: (K, H, H), or with latent
+        attention (1, R + Hr, 0): one latent row whose first R values serve as the values."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, 0
+        return self.n_kv_heads, self.head_dim, self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has the mixture-of-experts MLP (not a dense first layer)."""
+        return self.moe is not None and layer >= self.moe.first_dense
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) uses the sliding window."""
@@ -217,16 +330,23 @@ class ModelConfig:
         """Parameter count (embedding counted once when tied)."""
         D, N, K, H, F, V, L = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
                                self.ffn_dim, self.vocab_size, self.n_layers)
-        attn = D * N * H + 2 * D * K * H + N * H * D
+        if self.mla is None:
+            attn = D * N * H + 2 * D * K * H + N * H * D
+        else:
+            a = self.mla
+            q = D * N * H if not a.q_lora_rank else D * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * N * H
+            attn = q + D * a.latent_dim + a.kv_lora_rank + a.kv_lora_rank * N * (a.qk_nope_head_dim + a.v_head_dim)
+            attn += N * a.v_head_dim * D
         if self.qkv_bias:
             attn += N * H + 2 * K * H
+        attn += (D if self.o_bias else 0) + (N if self.attention_sinks else 0)
         norms = 2 * D + (2 * H if self.qk_norm else 0) + (2 * D if self.post_norms else 0)
         if self.qk_norm_whole:
             norms += (N - 1) * H + (K - 1) * H
-        mlp = 3 * D * F if self.moe is None else D * self.moe.params_per_layer
-        per_layer = attn + mlp + norms
+        n_moe = 0 if self.moe is None else L - self.moe.first_dense
+        mlp = (L - n_moe) * 3 * D * F + (n_moe * self.moe.params_per_layer(D) if n_moe else 0)
         head = 0 if self.tie_embeddings else D * V
-        return V * D + L * per_layer + D + head
+        return V * D + L * (attn + norms) + mlp + D + head
 
     @property
     def n_active_params(self) -> int:
@@ -235,9 +355,9 @@ class ModelConfig:
         Every weight but the experts it was not sent to and, with an untied head, the embedding
         rows of the other tokens (the head is read in full)."""
         D, L, V = self.d_model, self.n_layers, self.vocab_size
-        idle = 0 if self.moe is None else (self.moe.n_experts - self.moe.top_k) * 3 * self.moe.expert_ffn_dim * D
+        idle = 0 if self.moe is None else (L - self.moe.first_dense) * self.moe.idle_per_token(D)
         embed = 0 if self.tie_embeddings else (V - 1) * D  # one embedding row is read, the head in full
-        return self.n_params - L * idle - embed
+        return self.n_params - idle - embed
 
     def replace(self, **overrides) -> "ModelConfig":
         return dataclasses.replace(self, **overrides)
@@ -329,6 +449,46 @@ def tiny_moe(**overrides) -> ModelConfig:
                                                shared_ffn_dim=48)).replace(**overrides)
 
 
+def deepseek_v3(**overrides) -> ModelConfig:
+    """DeepSeek-V3 shapes (deepseek-ai/DeepSeek-V3 config.json, without the multi-token-prediction
+    layer): 61 layers, the first 3 dense, then 256 experts (width 2048) of which 8 per token from 4 of
+    8 groups, one shared expert; latent attention (R 512, Rq 1536); YaRN RoPE (factor 40)."""
+    m = yarn_mscale(40.0, 1.0)  # mscale_all_dim 1.0: the softmax scale times m^2
+    cfg = ModelConfig(name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=1,
+                      head_dim=192, ffn_dim=18432, rope_theta=10_000.0, rope_scaling="yarn", rope_factor=40.0,
+                      rope_original_max_len=4096, query_pre_attn_scalar=192 / m ** 4, norm_eps=1e-6,
+                      max_seq_len=163840, tie_embeddings=False, bos_token_id=0, eos_token_id=1,
+                      moe=MoEConfig(n_experts=256, top_k=8, expert_ffn_dim=2048, score="sigmoid", score_bias=True,
+                                    n_groups=8, top_k_groups=4, norm_top_k=True, routed_scale=2.5,
+                                    router_float32=True, shared_ffn_dim=2048, first_dense=3),
+                      mla=MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                    v_head_dim=128))
+    return cfg.replace(**overrides)
+
+
+def gpt_oss_20b(**overrides) -> ModelConfig:
+    """gpt-oss-20b shapes (openai/gpt-oss-20b config.json): 24 layers alternating a 128-token window
+    and full attention, attention sinks, 32 experts (width 2880) of which 4 per token; YaRN (factor 32)."""
+    cfg = ModelConfig(name="gpt-oss-20b", vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8,
+                      head_dim=64, ffn_dim=2880, rope_theta=150_000.0, rope_scaling="yarn", rope_factor=32.0,
+                      rope_original_max_len=4096, rope_truncate=False, rope_attention_factor=yarn_mscale(32.0),
+                      norm_eps=1e-5, max_seq_len=131072, tie_embeddings=False, qkv_bias=True, o_bias=True,
+                      attention_sinks=True, sliding_window=128, global_every=2, eos_token_id=200002,
+                      moe=MoEConfig(n_experts=32, top_k=4, expert_ffn_dim=2880, score="softmax_topk",
+                                    router_logit_bias=True, expert_bias=True, swiglu_limit=7.0))
+    return cfg.replace(**overrides)
+
+
+def tiny_mla(**overrides) -> ModelConfig:
+    """`tiny_moe` with DeepSeek's latent attention (R 32, Rq 24), a dense first layer and grouped
+    sigmoid routing (2 of 4 groups)."""
+    return tiny(name="tiny-mla", n_kv_heads=1, head_dim=24,
+                mla=MLAConfig(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+                moe=MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=32, score="sigmoid", score_bias=True, n_groups=4,
+                              top_k_groups=2, norm_top_k=True, routed_scale=2.5, router_float32=True,
+                              shared_ffn_dim=32, first_dense=1)).replace(**overrides)
+
+
 PRESETS = {
     "smollm2-135m": smollm2_135m,
     "llama3-8b": llama3_8b,
@@ -339,6 +499,9 @@ PRESETS = {
     "qwen3-8b": qwen3_8b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "qwen3-235b-a22b": qwen3_235b_a22b,
+    "deepseek-v3": deepseek_v3,
+    "gpt-oss-20b": gpt_oss_20b,
     "tiny": tiny,
     "tiny-moe": tiny_moe,
+    "tiny-mla": tiny_mla,
 }

@@ -10,7 +10,9 @@ the cache writes and paged attention name their own), so a profiler trace reads 
 Families: Llama/Mistral (SwiGLU, RMSNorm, RoPE, GQA), Qwen2 (+ q/k/v biases) and Gemma 3
 (+ QK-norm, post-norms, scaled embeddings, GeGLU, sliding-window local layers with their own
 RoPE base) are switches on `ModelConfig`; with `cfg.moe` every layer's MLP is the
-mixture-of-experts block of `jaxinfer.model.moe` (Qwen2/3-MoE, Mixtral, OLMoE).
+mixture-of-experts block of `jaxinfer.model.moe` (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss with its
+attention sinks and biases; DeepSeek's dense first layers), and with `cfg.mla` attention is
+DeepSeek's multi-head latent attention (`jaxinfer.model.mla`, a latent KV cache).
 Shape letters are defined in `jaxinfer.model.config`.
 
 Every layer passes the named sites of `jaxinfer.model.sites` (resid_pre, attn_heads, attn_out,
@@ -28,11 +30,11 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model import moe
+from jaxinfer.model import mla, moe
 from jaxinfer.model import rope as rope_lib
 from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
-from jaxinfer.model.cache import KVCache, read_block
+from jaxinfer.model.cache import KVCache, read_block, update_latent
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernels import int8_matmul, prefill_attention
 from jaxinfer.model.params import Params
@@ -83,18 +85,21 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotary position embedding, "rotate half" layout (as in Hugging Face Llama).
 
     Args:
       x: [B, T, heads, H].
       positions: [B, T] int positions.
       inv_freq: [H/2] float32 inverse frequencies (`jaxinfer.model.rope`; traced: layers may differ).
+      scale: cos and sin are multiplied by this (YaRN's attention factor, `cfg.rope_attention_factor`).
     """
     H = x.shape[-1]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -172,10 +177,35 @@ def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax
 
     The dense gated MLP, or (cfg.moe) the mixture-of-experts block, whose shared expert is a
     dense MLP of its own. `layer`: the layer's index when lp holds every layer's experts
-    (`moe.unscanned`).
+    (`moe.unscanned`). With dense first layers (`cfg.moe.first_dense`), those run the dense MLP
+    and report the routing ids -1 with weight 0: per layer in the per_layer layout (a dense layer's
+    dict has no router), by a `lax.cond` on the layer index in the stacked scan, where lp holds the
+    dense layers' MLPs [Ld, ...] and the MoE layers' weights [Lm, ...] whole.
     """
     if cfg.moe is None:
         return mlp(x, lp, cfg), None
+    if not cfg.moe.first_dense:
+        return _moe_layer(x, lp, cfg, layer)
+    B, T, _ = x.shape
+    no_routing = moe.Routing(ids=jnp.full((B, T, cfg.moe.top_k), -1, jnp.int32),
+                             weights=jnp.zeros((B, T, cfg.moe.top_k), jnp.float32))
+    if cfg.layout == "per_layer":
+        return _moe_layer(x, lp, cfg, None) if "router" in lp else (mlp(x, lp, cfg), no_routing)
+    Ld = cfg.moe.first_dense
+
+    def dense(x):
+        return mlp(x, {k: moe.take_layer(lp[k], layer) for k in ("w_gate", "w_up", "w_down")}, cfg), no_routing
+
+    def routed(x):
+        i = layer - Ld
+        own = {k: (v if k in moe.EXPERT_WEIGHTS else moe.take_layer(v, i)) for k, v in lp.items()
+               if k not in ("w_gate", "w_up", "w_down")}
+        return _moe_layer(x, own, cfg, i)
+
+    return jax.lax.cond(layer < Ld, dense, routed, x)
+
+
+def _moe_layer(x, lp, cfg, layer):
     shared = mlp(x, moe.shared_expert(lp, cfg), cfg) if cfg.moe.shared_ffn_dim else None
     return moe.moe_block(x, lp, cfg, shared, layer)
 
@@ -371,32 +401,73 @@ def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, c
     return logits, (None if cache is None else views[0]), probs
 
 
-def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect):
+def _latent_attention_inputs(h: jax.Array, positions: jax.Array, inv_freq: jax.Array, lp: Params,
+                             cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Latent attention's absorbed queries and the latent row to cache (`jaxinfer.model.mla`).
+
+    Args:
+      h: [B, T, D] normed hidden states.
+      positions: [B, T] RoPE positions.
+      inv_freq: [Hr/2] the layer's RoPE inverse frequencies.
+      lp: the layer's params (wq or wq_a/q_a_norm/wq_b; wkv_a, kv_a_norm, wk_b).
+      cfg: model config with `cfg.mla`.
+    Returns:
+      (q [B, T, N, R + Hr], latent [B, T, 1, R + Hr]: [RMSNorm(c), RoPE(k_r)]).
+    """
+    a = cfg.mla
+    if a.q_lora_rank:
+        q = linear("BTR,RNH->BTNH", rms_norm(linear("BTD,DR->BTR", h, lp["wq_a"]), lp["q_a_norm"], cfg.norm_eps),
+                   lp["wq_b"])
+    else:
+        q = linear("BTD,DNH->BTNH", h, lp["wq"])
+    q_n, q_r = mla.split_query(q, cfg)
+    kv = linear("BTD,DR->BTR", h, lp["wkv_a"])  # [B, T, R + Hr]
+    c = rms_norm(kv[..., :a.kv_lora_rank], lp["kv_a_norm"], cfg.norm_eps)
+    k_r = rope(kv[..., None, a.kv_lora_rank:], positions, inv_freq, cfg.rope_attention_factor)  # [B, T, 1, Hr]
+    q_r = rope(q_r, positions, inv_freq, cfg.rope_attention_factor)
+    return mla.absorbed_query(q_n, q_r, lp["wk_b"]), mla.latent_row(c, k_r)
+
+
+def _latent_heads(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """Each head's output from its latent-weighted sum: [B, T, N, R + Hr] -> W_uv applied, [B, T, N, Hv]."""
+    return linear("BTNR,RNV->BTNV", mla.latent_values(out, cfg), lp["wv_b"])
+
+
+def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect, sinks=None):
     """One layer's attention for each segment: write its k, v to the cache (if any), then attend.
 
+    vs is None for latent attention (`jaxinfer.model.mla`): ks are the latent rows, which serve as
+    keys and values (the cache's `update_latent`). sinks: [N] gpt-oss's per-head sink logits, or None.
     Returns (outs [B, T, N, H] per segment, the cache, probabilities [B, N, T, S] or None).
     """
     window = cfg.sliding_window
+    if vs is None:
+        vs = ks
     if cache is None:  # one uncached pass: the T tokens attend to each other
         (q,), (k,), (v,), (seg,) = qs, ks, vs, segs
-        out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale)
+        out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale,
+                            sinks)
         return [out], None, probs
     own_rows = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
     for k, v, seg in zip(ks, vs, segs):  # every segment's keys first: none reads another's pages
-        cache = cache.with_rows(seg.page_table, seg.lengths).update_layer(k, v, idx, seg.lengths)
+        view = cache.with_rows(seg.page_table, seg.lengths)
+        cache = update_latent(view, k, idx, seg.lengths) if cache.latent else view.update_layer(k, v, idx, seg.lengths)
     cache = cache.with_rows(*own_rows)
     if collect:  # the probes' path: every table position, one softmax
         (q,), (seg,) = qs, segs
         keys, values = _read_all(cache, idx, q.dtype)
         k_pos = jnp.arange(keys.shape[1], dtype=seg.positions.dtype)
-        out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale)
+        out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale,
+                            sinks)
         return [out], cache, probs
     outs = []
     for q, k, v, seg in zip(qs, ks, vs, segs):
         rows = cache.with_rows(seg.page_table, seg.lengths)
-        kernel = prefill_attention.kernel_for(cfg, q.shape[1], q.dtype, window, local)
+        # attention sinks and latent rows are the paged attention's alone (the fused kernels have neither)
+        kernel = ("paged" if sinks is not None or cache.latent else
+                  prefill_attention.kernel_for(cfg, q.shape[1], q.dtype, window, local))
         if kernel == "paged":
-            outs.append(paged_attention(q, seg.positions, rows, idx, cfg.attn_scale, window, local))
+            outs.append(paged_attention(q, seg.positions, rows, idx, cfg.attn_scale, window, local, sinks))
         else:  # a prompt chunk through fused attention (`kernels.prefill_attention`)
             outs.append(prefill_attention.prefill_attention(
                 q, k.astype(q.dtype), v.astype(q.dtype), seg.positions, rows, idx, cfg.attn_scale, window, local,
@@ -491,17 +562,27 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None, collect
         x, buf = at_site("resid_pre", x, idx, buf)
         with jax.named_scope("attention"):
             h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-            q, k, v = qkv_projection(h, lp, cfg)
-            if cfg.qkv_bias:
-                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-            if cfg.qk_norm:
-                q, k = _qk_norm(q, k, lp, cfg)
-            q = rope(q, positions, theta)
-            k = rope(k, positions, theta)
-            outs, c, probs = _attention(rows.split(q), rows.split(k), rows.split(v), segs, c, idx, local, cfg,
-                                        collect_attention)
-            heads, buf = at_site("attn_heads", rows.join(outs), idx, buf)
+            if cfg.mla is not None:  # latent attention: absorbed queries, one latent row per token
+                q, k = _latent_attention_inputs(h, positions, theta, lp, cfg)
+                vs = None
+            else:
+                q, k, v = qkv_projection(h, lp, cfg)
+                if cfg.qkv_bias:
+                    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+                if cfg.qk_norm:
+                    q, k = _qk_norm(q, k, lp, cfg)
+                q = rope(q, positions, theta, cfg.rope_attention_factor)
+                k = rope(k, positions, theta, cfg.rope_attention_factor)
+                vs = rows.split(v)
+            outs, c, probs = _attention(rows.split(q), rows.split(k), vs, segs, c, idx, local, cfg,
+                                        collect_attention, lp.get("sinks"))
+            heads = rows.join(outs)
+            if cfg.mla is not None:
+                heads = _latent_heads(heads, lp, cfg)
+            heads, buf = at_site("attn_heads", heads, idx, buf)
             attn = _attention_output(heads, lp, cfg)
+            if cfg.o_bias:
+                attn = attn + lp["bo"]
             if cfg.post_norms:
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
             attn, buf = at_site("attn_out", attn, idx, buf)

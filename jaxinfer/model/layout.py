@@ -7,7 +7,9 @@
              projections are fused and stored output-major ([out, in], as GGUF and PyTorch store
              them): w_qkv [(N + 2K) * H, D], w_gate_up [2F, D], wo_t [D, N * H], w_down_t [D, F].
              A mixture-of-experts layer's shared expert is fused the same way (ws_gate_up, ws_down_t);
-             its routed experts are stored alike in both layouts (`params._moe_specs`).
+             its routed experts are stored alike in both layouts (`params._moe_specs`), and so are
+             latent attention's projections but wo (`params._mla_specs`). Layers may differ: a
+             DeepSeek model's dense first layers hold an MLP, the others experts.
 
 Why per_layer decodes faster: decoding multiplies a few activation rows by every weight, so it is
 bound by how fast the weights stream from memory. Inside a `lax.scan`, XLA (CPU and GPU) copies
@@ -31,7 +33,7 @@ import numpy as np
 
 from jaxinfer.model.config import LAYOUTS, ModelConfig
 from jaxinfer.model.model import Model
-from jaxinfer.model.params import FUSED, SHARED, Params
+from jaxinfer.model.params import FUSED, SHARED, Params, param_axes
 from jaxinfer.model.quantize import Int8Weight
 
 
@@ -55,6 +57,8 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if cfg.layout == layout:
         return params
+    axes = {k: a[0] for k, a in param_axes(cfg.replace(layout="stacked"))["layers"].items()}
+    Ld = cfg.moe.first_dense if cfg.moe is not None else 0
     if layout == "per_layer":
         stacked = params["layers"]
         for name in [n for n in FUSED + ("wo", "w_down") + SHARED if n in stacked]:  # before any layer is sliced
@@ -62,18 +66,26 @@ def convert(params: Params, cfg: ModelConfig, layout: str) -> Params:
             if not (isinstance(w, (jax.Array, Int8Weight)) or hasattr(w, "__array__")):
                 raise ValueError(f"the per_layer layout takes float or int8 weights, got {type(w).__name__} for "
                                  f"{name}")
-        n = cfg.n_layers
-        per_layer = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
+
+        def row(name, i):  # layer i's slice of a stacked weight, or None where layer i has no such weight
+            j = {"layers": i, "dense_layers": i if i < Ld else None, "moe_layers": i - Ld if i >= Ld else None}[axes[name]]
+            return None if j is None else jax.tree.map(lambda a: a[j], stacked[name])
+
+        per_layer = [{k: w for k in stacked if (w := row(k, i)) is not None} for i in range(cfg.n_layers)]
         return dict(params, layers=tuple(_fuse(lp) for lp in per_layer))
     layers = [_unfuse(lp, cfg) for lp in params["layers"]]
-    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *layers))
+    return dict(params, layers={k: jax.tree.map(lambda *xs: jnp.stack(xs), *[lp[k] for lp in layers if k in lp])
+                                for k in axes})
 
 
 def _fuse(layer: Params) -> Params:
     """One layer's weights with wq/wk/wv fused into w_qkv and w_gate/w_up into w_gate_up, every
     matrix output-major (wo -> wo_t, w_down -> w_down_t)."""
     out = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down") + SHARED}
-    out["w_qkv"] = _output_major([layer[n] for n in ("wq", "wk", "wv")], n_in=1)
+    if "wk" in layer:
+        out["w_qkv"] = _output_major([layer[n] for n in ("wq", "wk", "wv")], n_in=1)
+    elif "wq" in layer:  # latent attention without a query bottleneck keeps its wq
+        out["wq"] = layer["wq"]
     out["wo_t"] = _output_major([layer["wo"]], n_in=2)
     for p in ("w_", "ws_"):  # the dense MLP, or a mixture-of-experts layer's shared expert
         if p + "gate" in layer:
@@ -87,8 +99,9 @@ def _unfuse(layer: Params, cfg: ModelConfig) -> Params:
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     fused = ("w_qkv", "w_gate_up", "wo_t", "w_down_t", "ws_gate_up", "ws_down_t")
     out = {k: v for k, v in layer.items() if k not in fused}
-    out["wq"], out["wk"], out["wv"] = _input_major(layer["w_qkv"], [(D, N, H), (D, K, H), (D, K, H)], n_in=1)
-    (out["wo"],) = _input_major(layer["wo_t"], [(N, H, D)], n_in=2)
+    if "w_qkv" in layer:
+        out["wq"], out["wk"], out["wv"] = _input_major(layer["w_qkv"], [(D, N, H), (D, K, H), (D, K, H)], n_in=1)
+    (out["wo"],) = _input_major(layer["wo_t"], [(N, cfg.v_head_dim, D)], n_in=2)
     for p, F in (("w_", cfg.ffn_dim), ("ws_", cfg.moe.shared_ffn_dim if cfg.moe else 0)):
         if p + "gate_up" in layer:
             out[p + "gate"], out[p + "up"] = _input_major(layer[p + "gate_up"], [(D, F), (D, F)], n_in=1)

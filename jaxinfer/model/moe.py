@@ -11,11 +11,18 @@ expert (a capacity, as in Switch/GShard training code, drops the tokens beyond i
 output would depend on its batch neighbours); the price is that the work per expert is a runtime
 count, which `grouped_matmul` handles without a recompile.
 
-The router (`route`): softmax over the X logits, or a sigmoid of each (DeepSeek V3); an optional
-per-expert bias that shifts the choice but not the weights; an optional group limit (the experts
-fall in `n_groups` groups, a token chooses among its best `top_k_groups`); top-k; the k weights
-renormalised to sum to 1 or kept as they are; a scale on the routed output. Qwen2/3-MoE, Mixtral
-and OLMoE are settings of `MoEConfig` (`jaxinfer.model.config`).
+The router (`route`): softmax over the X logits, or a sigmoid of each (DeepSeek V3), or (gpt-oss)
+a softmax over the k largest logits only; an optional per-expert bias that shifts the choice but
+not the weights (V3), or one added to the logits (gpt-oss); an optional group limit (the experts
+fall in `n_groups` groups, a token chooses among its best `top_k_groups`, a group scored by its two
+best experts (V3) or its best (V2)); top-k; the k weights renormalised to sum to 1 or kept as they
+are; a scale on the routed output. Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek V2/V3 and gpt-oss are
+settings of `MoEConfig` (`jaxinfer.model.config`). The experts are SwiGLU MLPs, or gpt-oss's
+clamped variant with biases (`expert_activation`).
+
+DeepSeek's first `first_dense` layers have a dense MLP instead (`feed_forward` in
+`jaxinfer.model.forward` picks per layer; in the stacked layout their weights and the MoE layers'
+lead with their own layer counts and stay out of the layer scan, `unscanned`).
 
 The expert matmuls (`grouped_matmul`) run over the slots sorted by expert, in one of two kernels:
   blocks  a loop over blocks of `block` rows of one expert each (the loop's trip count is the
@@ -42,10 +49,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig, MoEConfig
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import Params, param_axes
 from jaxinfer.model.quantize import Int8Weight
 
 MAX_BLOCK = 32  # rows per block of the "blocks" kernel, at most (`block_rows`)
+_SWIGLU = MoEConfig(n_experts=1, top_k=1, expert_ffn_dim=1)  # the plain SwiGLU's settings
 EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in]
 
 
@@ -57,7 +65,8 @@ class Routing:
     weights: jax.Array  # [..., k] float32: each one's weight in the token's output (after norm and scale)
 
 
-def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConfig) -> Routing:
+def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConfig,
+          logit_bias: Optional[jax.Array] = None) -> Routing:
     """Each token's k experts and their weights, as the families' routers compute them.
 
     Args:
@@ -65,19 +74,29 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
       router: [X, D] the router's weights (one row per expert).
       bias: [X] per-expert bias added to the scores for choosing only (m.score_bias), or None.
       m: the MoE config.
+      logit_bias: [X] per-expert bias added to the logits (m.router_logit_bias, gpt-oss), or None.
     Returns:
       Routing with ids, weights [N, k].
     """
-    # the logits in the activations' dtype, as Qwen, Mixtral and OLMoE compute them; DeepSeek's
-    # sigmoid router works in float32 throughout
-    dt = jnp.float32 if m.score == "sigmoid" else x.dtype
-    logits = jnp.einsum("ND,XD->NX", x.astype(dt), router.astype(dt)).astype(jnp.float32)
+    # the logits in the activations' dtype, as Qwen, Mixtral, OLMoE and gpt-oss compute them;
+    # DeepSeek's routers work in float32 throughout
+    dt = jnp.float32 if m.score == "sigmoid" or m.router_float32 else x.dtype
+    logits = jnp.einsum("ND,XD->NX", x.astype(dt), router.astype(dt))
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(dt)
+    logits = logits.astype(jnp.float32)
+    if m.score == "softmax_topk":  # gpt-oss: the k largest logits, then a softmax over them
+        top, ids = jax.lax.top_k(logits, m.top_k)
+        return Routing(ids=ids.astype(jnp.int32), weights=jax.nn.softmax(top, axis=-1) * m.routed_scale)
     scores = jax.nn.softmax(logits, axis=-1) if m.score == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
-    if m.n_groups > 1:  # DeepSeek V3: a group's score is the sum of its two best experts' scores
+    if m.n_groups > 1:  # a token chooses among the experts of its best top_k_groups groups
         N, X = choice.shape
         grouped = choice.reshape(N, m.n_groups, X // m.n_groups)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        if m.group_score == "top2_sum":  # DeepSeek V3: the sum of the group's two best scores
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        else:  # DeepSeek V2's group_limited_greedy: the group's best score
+            group_scores = grouped.max(-1)
         best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [N, top_k_groups]
         keep = jnp.zeros((N, m.n_groups), bool).at[jnp.arange(N)[:, None], best].set(True)
         choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, -jnp.inf)
@@ -109,11 +128,22 @@ def unscanned(layers: Params, cfg: ModelConfig) -> tuple[Params, Params]:
     experts that would copy all X of them (2.4 GB a layer for Qwen3-30B-A3B in float32) to read
     k. So the stacked experts [L, X, out, in] stay whole, and the blocks kernel reads expert
     (layer, e) in place (`grouped_matmul`'s `layer`). The per-layer layout has nothing to hold back.
+
+    With dense first layers (`MoEConfig.first_dense`) the dense MLPs [Ld, ...] and every MoE weight
+    [Lm, ...] are held back too: they do not have the scan's L rows (`feed_forward` takes each
+    layer's own).
     """
     if cfg.moe is None or cfg.layout != "stacked":
         return layers, {}
-    return ({k: v for k, v in layers.items() if k not in EXPERT_WEIGHTS},
-            {k: v for k, v in layers.items() if k in EXPERT_WEIGHTS})
+    held = EXPERT_WEIGHTS
+    if cfg.moe.first_dense:
+        held = tuple(k for k, axes in param_axes(cfg)["layers"].items() if axes[0] != "layers")
+    return ({k: v for k, v in layers.items() if k not in held}, {k: v for k, v in layers.items() if k in held})
+
+
+def take_layer(w, i: jax.Array):
+    """Row i of a stacked weight [L', ...] (float or quantized: every leaf's row i)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), w)
 
 
 def _one_expert(a: jax.Array, e: jax.Array, layer: Optional[jax.Array]) -> jax.Array:
@@ -191,14 +221,30 @@ def grouped_matmul(x: jax.Array, w, sizes: jax.Array, kernel: str, block: int = 
     return _blocks(x, w, sizes, block, layer)
 
 
+def expert_activation(h: jax.Array, m: MoEConfig) -> jax.Array:
+    """An expert's gated activation: h [..., 2Fe] (gate, then up) -> [..., Fe].
+
+    SwiGLU silu(gate) * up, or with `m.swiglu_limit` gpt-oss's clamped form (transformers'
+    GptOssExperts): gate clipped above at the limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    if m.swiglu_limit is None:
+        return jax.nn.silu(gate) * up
+    limit = m.swiglu_limit
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * m.swiglu_alpha))
+
+
 def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
-            layer: Optional[jax.Array] = None) -> jax.Array:
+            layer: Optional[jax.Array] = None, m: Optional[MoEConfig] = None,
+            b_gate_up: Optional[jax.Array] = None, b_down: Optional[jax.Array] = None) -> jax.Array:
     """The routed experts' weighted sum: x [N, D] -> [N, D].
 
     Each token's k slots are sorted by expert, run through their expert's SwiGLU (gate and up
     as one grouped matmul, then down) and added back up with the router's weights.
     w_gate_up [X, 2Fe, D] (gate rows first), w_down [X, D, Fe]; with `layer`, [L, X, ...] of
-    every layer (`grouped_matmul`).
+    every layer (`grouped_matmul`). m: the config whose activation to use (`expert_activation`;
+    None = SwiGLU); b_gate_up [X, 2Fe] and b_down [X, D]: the experts' biases (gpt-oss), or None.
     """
     N, k = routing.ids.shape
     X = w_gate_up.shape[-3]
@@ -207,8 +253,13 @@ def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
     sizes = jnp.bincount(flat, length=X)  # [X]
     block = block_rows(N * k, X)
     h = grouped_matmul(x[order // k], w_gate_up, sizes, kernel, block, layer)  # [Q, 2Fe]
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, kernel, block, layer)  # [Q, D], sorted
+    expert_of = flat[order]  # [Q] each sorted slot's expert
+    if b_gate_up is not None:
+        h = h + b_gate_up[expert_of].astype(h.dtype)
+    act = expert_activation(h, m or _SWIGLU)
+    y = grouped_matmul(act, w_down, sizes, kernel, block, layer)  # [Q, D], sorted
+    if b_down is not None:
+        y = y + b_down[expert_of].astype(y.dtype)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in slot order
     return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
 
@@ -226,7 +277,8 @@ def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.A
 
     Args:
       x: [B, T, D] normed hidden states.
-      lp: the layer's params (router, we_gate_up, we_down, optional router_bias, shared_gate).
+      lp: the layer's params (router, we_gate_up, we_down; optional router_bias, router_logit_bias,
+        we_gate_up_bias, we_down_bias, shared_gate).
       cfg: model config with `cfg.moe` set.
       shared: [B, T, D] the shared expert's output (`forward.mlp` over `shared_expert(lp, cfg)`),
         or None when the model has none; gated by sigmoid(x . shared_gate) where cfg.moe says so.
@@ -236,9 +288,10 @@ def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.A
     B, T, D = x.shape
     xt = x.reshape(B * T, D)
     with jax.named_scope("router"):
-        routing = route(xt, lp["router"], lp.get("router_bias"), m)
+        routing = route(xt, lp["router"], lp.get("router_bias"), m, lp.get("router_logit_bias"))
     with jax.named_scope("experts"):
-        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m), layer).reshape(B, T, D)
+        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m), layer, m,
+                    lp.get("we_gate_up_bias"), lp.get("we_down_bias")).reshape(B, T, D)
     if shared is not None:
         if m.shared_gate:
             shared = shared * jax.nn.sigmoid(jnp.einsum("BTD,D->BT", x, lp["shared_gate"].astype(x.dtype)))[..., None]

@@ -16,10 +16,18 @@ Layout (shape letters as in `jaxinfer.model.config`; the stacked layout, see `pa
     q_norm     [L, H]        k_norm [L, H]  (qk_norm only; [L, N, H], [L, K, H] with qk_norm_whole)
     post_attn_norm [L, D]    post_ffn_norm [L, D]  (post_norms only)
     w_gate     [L, D, F]     w_up [L, D, F]   w_down [L, F, D]
+    bo         [L, D]        (o_bias only)   sinks [L, N]  (attention_sinks only)
     (cfg.moe: the MoE block, `jaxinfer.model.moe`, in place of w_gate, w_up, w_down)
-    router     [L, X, D]     router_bias [L, X]  (score_bias only)
+    router     [L, X, D]     router_bias [L, X]  (score_bias only)  router_logit_bias [L, X]
     we_gate_up [L, X, 2Fe, D]  we_down [L, X, D, Fe]   (output-major in both layouts)
+    we_gate_up_bias [L, X, 2Fe]  we_down_bias [L, X, D]  (expert_bias only)
     ws_gate    [L, D, Fs]    ws_up [L, D, Fs]  ws_down [L, Fs, D]  shared_gate [L, D]  (shared expert)
+    (cfg.moe.first_dense: the first Ld layers' w_gate, w_up, w_down lead with Ld ("dense_layers"),
+    the MoE weights with the Lm = L - Ld others ("moe_layers"); the rest with L)
+    (cfg.mla: latent attention, `jaxinfer.model.mla`, in place of wq, wk, wv, wo)
+    wq_a       [L, D, Rq]    q_a_norm [L, Rq]   wq_b [L, Rq, N, Hn + Hr]   (q_lora_rank; else wq [L, D, N, Hn + Hr])
+    wkv_a      [L, D, R + Hr]  kv_a_norm [L, R]
+    wk_b       [L, R, N, Hn]   wv_b [L, R, N, Hv]   wo [L, N, Hv, D]
   final_norm   [D]
   lm_head      [D, V]        (untied only)
 RMSNorm weights are stored as the multiplier actually applied (Gemma's 1 + w is folded in).
@@ -81,23 +89,28 @@ def param_specs(cfg: ModelConfig) -> Params:
     if cfg.post_norms:
         layer["post_attn_norm"] = ParamSpec((D,), ("embed",), "ones")
         layer["post_ffn_norm"] = ParamSpec((D,), ("embed",), "ones")
+    if cfg.o_bias:
+        layer["bo"] = ParamSpec((D,), ("embed",), "zeros")
+    if cfg.attention_sinks:
+        layer["sinks"] = ParamSpec((N,), ("heads",), "zeros")
+    if cfg.mla is not None:
+        del layer["wq"], layer["wk"], layer["wv"], layer["wo"]
+        layer.update(_mla_specs(cfg))
+    moe_layer = {}
     if cfg.moe is not None:
-        del layer["w_gate"], layer["w_up"], layer["w_down"]
-        layer.update(_moe_specs(cfg))
+        moe_layer = _moe_specs(cfg)
+        if not cfg.moe.first_dense:
+            del layer["w_gate"], layer["w_up"], layer["w_down"]
     if cfg.layout == "per_layer":
-        fused = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down") + SHARED}
-        fused["w_qkv"] = ParamSpec((((N + 2 * K) * H), D), ("qkv", "embed"), fan_in_last=True)
-        fused["wo_t"] = ParamSpec((D, N * H), ("embed", "attn_out"), fan_in_last=True)
-        if cfg.moe is None:
-            fused["w_gate_up"] = ParamSpec((2 * F, D), ("gate_up", "embed"), fan_in_last=True)
-            fused["w_down_t"] = ParamSpec((D, F), ("embed", "ffn"), fan_in_last=True)
-        elif cfg.moe.shared_ffn_dim:
-            Fs = cfg.moe.shared_ffn_dim
-            fused["ws_gate_up"] = ParamSpec((2 * Fs, D), ("shared_gate_up", "embed"), fan_in_last=True)
-            fused["ws_down_t"] = ParamSpec((D, Fs), ("embed", "shared_ffn"), fan_in_last=True)
-        layers = tuple(dict(fused) for _ in range(L))
+        layers = tuple(_fused_layer(layer if not cfg.is_moe_layer(i) else
+                                    {**{k: v for k, v in layer.items() if k not in MLP}, **moe_layer}, cfg)
+                       for i in range(L))
     else:
-        layers = {k: ParamSpec((L,) + v.shape, ("layers",) + v.axes, v.init, v.fan_in_last) for k, v in layer.items()}
+        Ld = 0 if cfg.moe is None else cfg.moe.first_dense
+        lead = {k: (L, "layers") if k not in MLP or not Ld else (Ld, "dense_layers") for k in layer}
+        lead.update({k: (L - Ld, "moe_layers" if Ld else "layers") for k in moe_layer})
+        layers = {k: ParamSpec((lead[k][0],) + v.shape, (lead[k][1],) + v.axes, v.init, v.fan_in_last)
+                  for k, v in {**layer, **moe_layer}.items()}
     specs: Params = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "layers": layers,
@@ -110,6 +123,49 @@ def param_specs(cfg: ModelConfig) -> Params:
 
 FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked-layout weights that the "per_layer" layout fuses
 SHARED = ("ws_gate", "ws_up", "ws_down")  # the shared expert's, fused as w_gate, w_up, w_down are
+MLP = ("w_gate", "w_up", "w_down")  # a dense layer's MLP
+LAYER_AXES = ("layers", "dense_layers", "moe_layers")  # a stacked weight's leading axis: which layers it holds
+
+
+def _fused_layer(layer: Params, cfg: ModelConfig) -> Params:
+    """One layer's specs in the per_layer layout: projections fused and output-major
+    (`jaxinfer.model.layout`). Latent attention's projections are kept as they are (but wo)."""
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    fused = {k: v for k, v in layer.items() if k not in FUSED + ("wo", "w_down") + SHARED}
+    if cfg.mla is None:
+        fused["w_qkv"] = ParamSpec((((N + 2 * K) * H), D), ("qkv", "embed"), fan_in_last=True)
+    elif "wq" in layer:  # latent attention without a query bottleneck: its wq stays as it is
+        fused["wq"] = layer["wq"]
+    Hv = cfg.v_head_dim
+    fused["wo_t"] = ParamSpec((D, N * Hv), ("embed", "attn_out"), fan_in_last=True)
+    if "w_gate" in layer:
+        fused["w_gate_up"] = ParamSpec((2 * F, D), ("gate_up", "embed"), fan_in_last=True)
+        fused["w_down_t"] = ParamSpec((D, F), ("embed", "ffn"), fan_in_last=True)
+    if "ws_gate" in layer:
+        Fs = cfg.moe.shared_ffn_dim
+        fused["ws_gate_up"] = ParamSpec((2 * Fs, D), ("shared_gate_up", "embed"), fan_in_last=True)
+        fused["ws_down_t"] = ParamSpec((D, Fs), ("embed", "shared_ffn"), fan_in_last=True)
+    return fused
+
+
+def _mla_specs(cfg: ModelConfig) -> Params:
+    """One layer's latent-attention weights (`jaxinfer.model.mla`), input-major as wq and wo are.
+
+    kv_b_proj's key and value halves are kept apart (wk_b, wv_b): attention absorbs wk_b into the
+    queries and applies wv_b after the latent-weighted sum."""
+    a, D, N = cfg.mla, cfg.d_model, cfg.n_heads
+    out = {"wkv_a": ParamSpec((D, a.latent_dim), ("embed", "kv_latent_rope")),
+           "kv_a_norm": ParamSpec((a.kv_lora_rank,), ("kv_latent",), "ones"),
+           "wk_b": ParamSpec((a.kv_lora_rank, N, a.qk_nope_head_dim), ("kv_latent", "heads", "qk_nope")),
+           "wv_b": ParamSpec((a.kv_lora_rank, N, a.v_head_dim), ("kv_latent", "heads", "v_head")),
+           "wo": ParamSpec((N, a.v_head_dim, D), ("heads", "v_head", "embed"))}
+    if a.q_lora_rank:
+        out.update(wq_a=ParamSpec((D, a.q_lora_rank), ("embed", "q_latent")),
+                   q_a_norm=ParamSpec((a.q_lora_rank,), ("q_latent",), "ones"),
+                   wq_b=ParamSpec((a.q_lora_rank, N, a.qk_head_dim), ("q_latent", "heads", "qk_head")))
+    else:
+        out["wq"] = ParamSpec((D, N, a.qk_head_dim), ("embed", "heads", "qk_head"))
+    return out
 
 
 def _moe_specs(cfg: ModelConfig) -> Params:
@@ -125,6 +181,11 @@ def _moe_specs(cfg: ModelConfig) -> Params:
                                 fan_in_last=True)}
     if m.score_bias:
         out["router_bias"] = ParamSpec((m.n_experts,), ("experts",), "zeros")
+    if m.router_logit_bias:
+        out["router_logit_bias"] = ParamSpec((m.n_experts,), ("experts",), "zeros")
+    if m.expert_bias:
+        out.update(we_gate_up_bias=ParamSpec((m.n_experts, 2 * m.expert_ffn_dim), ("experts", "expert_gate_up"), "zeros"),
+                   we_down_bias=ParamSpec((m.n_experts, D), ("experts", "embed"), "zeros"))
     if m.shared_ffn_dim:
         Fs = m.shared_ffn_dim
         out.update(ws_gate=ParamSpec((D, Fs), ("embed", "shared_ffn")), ws_up=ParamSpec((D, Fs), ("embed", "shared_ffn")),
@@ -174,7 +235,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: str | None = None) -> P
 
 
 def _fan_in(spec: ParamSpec) -> int:
-    axes = [a for a in spec.axes if a != "layers"]
+    axes = [a for a in spec.axes if a not in LAYER_AXES]
     shape = spec.shape[len(spec.shape) - len(axes):]
     if axes[0] in ("heads",):  # wo: [N, H, D] contracts N and H
         return shape[0] * shape[1]

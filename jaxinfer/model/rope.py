@@ -9,8 +9,14 @@ Computed on the host in float32, in the same order of operations as transformers
   llama3   Llama 3.1: wavelengths 2 pi / inv_freq longer than original_max / low_freq_factor are
            divided by factor, shorter than original_max / high_freq_factor kept, and the band
            between interpolated smoothly
+  yarn     YaRN (`_compute_yarn_parameters`): dimensions that turn more than beta_fast times in
+           original_max keep their frequency, those turning fewer than beta_slow times are divided
+           by factor, a linear ramp between; the rotated values are multiplied by the attention
+           factor (`ModelConfig.rope_attention_factor`, applied to cos and sin by `forward.rope`)
   divisors inv_freq / divisors[i]  (llama.cpp's `rope_freqs` tensor: Llama 3.1 GGUFs store the
            llama3 scaling this way)
+
+The rotated width is `cfg.rope_dim`: head_dim, or the RoPE part of DeepSeek's latent attention.
 
 Scaling applies to the layers that use `cfg.rope_theta` (Gemma 3's local layers, with their own
 `rope_local_theta`, keep plain RoPE, as transformers does).
@@ -46,10 +52,33 @@ def llama3_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def yarn_inv_freq(theta: float, dim: int, factor: float, original_max_len: int, beta_fast: float,
+                  beta_slow: float, truncate: bool) -> np.ndarray:
+    """[dim/2] float32 YaRN inverse frequencies (transformers `_compute_yarn_parameters`)."""
+    def correction_dim(rotations):
+        return (dim * math.log(original_max_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)  # 1: keep the frequency
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    keep = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    divided = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    return (divided * (np.float32(1) - extrapolation) + keep * extrapolation).astype(np.float32)
+
+
 def inv_frequencies(cfg: ModelConfig, layer: int) -> np.ndarray:
-    """[H/2] float32 inverse frequencies of layer `layer` (0-based)."""
+    """[rope_dim/2] float32 inverse frequencies of layer `layer` (0-based)."""
     theta = cfg.layer_rope_theta(layer)
-    inv_freq = default_inv_freq(theta, cfg.head_dim)
+    if cfg.rope_scaling == "yarn" and not (cfg.rope_local_theta is not None and cfg.is_local_layer(layer)):
+        return yarn_inv_freq(theta, cfg.rope_dim, cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_beta_fast,
+                             cfg.rope_beta_slow, cfg.rope_truncate)
+    inv_freq = default_inv_freq(theta, cfg.rope_dim)
     if cfg.rope_local_theta is not None and cfg.is_local_layer(layer):
         return inv_freq  # Gemma 3 local layers: plain RoPE with their own base
     if cfg.rope_scaling == "linear":
@@ -63,5 +92,5 @@ def inv_frequencies(cfg: ModelConfig, layer: int) -> np.ndarray:
 
 
 def layer_inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[L, H/2] float32: every layer's inverse frequencies (scanned beside the layer weights)."""
+    """[L, rope_dim/2] float32: every layer's inverse frequencies (scanned beside the layer weights)."""
     return np.stack([inv_frequencies(cfg, i) for i in range(cfg.n_layers)])

@@ -40,9 +40,10 @@ SITES = ("resid_pre", "attn_heads", "attn_out", "resid_mid", "mlp_out", "resid_p
 
 
 def site_shape(site: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """The per-token shape of a site: (D,) or, for attn_heads, (N, H)."""
+    """The per-token shape of a site: (D,) or, for attn_heads, (N, H) (H: the value width, Hv with
+    latent attention)."""
     check_site(site)
-    return (cfg.n_heads, cfg.head_dim) if site == "attn_heads" else (cfg.d_model,)
+    return (cfg.n_heads, cfg.v_head_dim) if site == "attn_heads" else (cfg.d_model,)
 
 
 def check_site(site) -> str:

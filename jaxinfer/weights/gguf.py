@@ -30,8 +30,10 @@ from jaxinfer.text.tokenizer import TokenizerData
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", "qwen3moe", "qwen2moe", "olmoe")
 NORM_TOP_K = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}  # llama.cpp's build_moe_ffn calls
-NOT_YET = {"deepseek2": "multi-head latent attention is not implemented yet",  # DeepSeek V2 and V3
-           "gpt-oss": "attention sinks and MXFP4 experts are not implemented yet"}
+# DeepSeek V2/V3 and gpt-oss run from Hugging Face folders; their GGUF tensors are not mapped
+NOT_YET = {"deepseek2": "multi-head latent attention from GGUF is not implemented yet (load the Hugging Face folder)",
+           "gpt-oss": "attention sinks and MXFP4 experts from GGUF are not implemented yet (load the Hugging Face "
+                      "folder)"}
 
 
 class GGUFError(ValueError):

@@ -6,13 +6,17 @@ A folder holds `config.json` and either `model.safetensors` or shards listed by
 stacked [L, ...] weight in place, so the host holds one tensor, not the model. Families: `llama`
 (Llama 2/3, 3.1/3.2 with llama3 RoPE scaling), `mistral`, `qwen2` (Qwen2, Qwen2.5), `qwen3`
 (per-head QK-norm), `gemma3_text` (Gemma3ForCausalLM) and the mixture-of-experts families
-`qwen3_moe`, `qwen2_moe` (+ a sigmoid-gated shared expert), `mixtral` and `olmoe` (QK-norm over
-the whole projection). Config fields jaxinfer does not implement (a RoPE type, partial rotary,
-an attention variant, an activation, dense layers among MoE ones) are refused by name. Hugging
-Face keeps the original "rotate half" Q/K layout, so no permutation is needed; Gemma's RMSNorm
+`qwen3_moe`, `qwen2_moe` (+ a sigmoid-gated shared expert), `mixtral`, `olmoe` (QK-norm over
+the whole projection), `deepseek_v2` / `deepseek_v3` (multi-head latent attention, dense first
+layers, grouped routing) and `gpt_oss` (attention sinks, alternating windows, expert biases,
+MXFP4 experts dequantized on load, `mxfp4_dequantize`). Config fields jaxinfer does not
+implement (a RoPE type, partial rotary, an attention variant, an activation, dense layers among
+MoE ones) are refused by name. Hugging Face keeps the original "rotate half" Q/K layout, so no
+permutation is needed, but for DeepSeek's interleaved RoPE rows (`_rope_rows`); Gemma's RMSNorm
 multiplies by (1 + w), and we fold the 1 in on load. Experts are read as `save_pretrained`
 writes them (one tensor per expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj`
-[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout).
+[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout; gpt-oss's own
+[X, D, 2Fe] with gate and up interleaved).
 """
 
 from __future__ import annotations
@@ -33,13 +37,11 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.weights import safetensors_io as st
 from jaxinfer.weights import hf_cache
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (`jaxinfer.model.mla`)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES
 # Mixture-of-experts families refused by name, with what is missing.
 NOT_YET = {
-    "deepseek_v2": "multi-head latent attention is not implemented yet",
-    "deepseek_v3": "multi-head latent attention is not implemented yet",
-    "gpt_oss": "attention sinks and MXFP4 experts are not implemented yet",
     "qwen3_next": "its linear-attention (Gated DeltaNet) layers are not implemented",
     "llama4_text": "chunked attention and interleaved dense layers are not implemented",
 }
@@ -58,7 +60,7 @@ def is_hf_folder(path: os.PathLike) -> bool:
     return (p / CONFIG_FILE).is_file() and ((p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file())
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what `jaxinfer.model.rope` computes
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what `jaxinfer.model.rope` computes
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -104,7 +106,28 @@ def _rope(raw: dict, kind: str, default_theta: float, path: Path) -> dict:
         out.update(rope_low_freq_factor=float(merged["low_freq_factor"]),
                    rope_high_freq_factor=float(merged["high_freq_factor"]),
                    rope_original_max_len=int(merged["original_max_position_embeddings"]))
+    if rtype == "yarn":
+        out.update(_yarn(merged, where))
     return out
+
+
+def _yarn(rp: dict, where: str) -> dict:
+    """YaRN's ModelConfig fields as transformers' `_compute_yarn_parameters` reads them: the ramp's
+    betas and truncation, and the attention factor on cos and sin (given, or from mscale /
+    mscale_all_dim, or 0.1 ln(factor) + 1)."""
+    from jaxinfer.model.config import yarn_mscale
+
+    if rp.get("original_max_position_embeddings") is None:
+        raise HFError(f"{where}: RoPE type 'yarn' needs 'original_max_position_embeddings'")
+    factor = float(rp["factor"])
+    attention = rp.get("attention_factor")
+    mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    return dict(rope_original_max_len=int(rp["original_max_position_embeddings"]),
+                rope_beta_fast=float(rp.get("beta_fast") or 32), rope_beta_slow=float(rp.get("beta_slow") or 1),
+                rope_truncate=bool(rp.get("truncate", True)), rope_attention_factor=float(attention))
 
 
 def _rope_fields(rope: dict, theta_field: str) -> dict:
@@ -175,10 +198,12 @@ def _refuse_unsupported(raw: dict, mt: Optional[str], path: Path) -> None:
         raise HFError(f"{path}: {mt}: {NOT_YET[mt]}")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise HFError(f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if raw.get("mlp_bias") or (mt != "qwen2" and raw.get("attention_bias")):
+    if raw.get("mlp_bias") or (mt not in ("qwen2", "gpt_oss") and raw.get("attention_bias")):
         raise HFError(f"{path}: mlp_bias / attention_bias on {mt} are not supported")
     quant = (raw.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "gguf"):  # "gguf": transformers saved the dequantized float weights
+    # "gguf": transformers saved the dequantized float weights; gpt-oss's "mxfp4" experts are
+    # dequantized on load (`_mxfp4`)
+    if quant not in (None, "gguf") and not (mt == "gpt_oss" and quant == "mxfp4"):
         raise HFError(f"{path}: quantized checkpoint (quantization_config quant_method {quant!r}) is not "
                       "supported; jaxinfer reads float safetensors (quantize after loading with quant=)")
     for key in ("attn_logit_softcapping", "attention_chunk_size"):  # attention variants
@@ -236,14 +261,48 @@ def _family_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
         out.update(_gemma_layer_pattern(raw, cfg["n_layers"], path))
         return out
     out.update(_rope_fields(_rope(raw, "", 10_000.0, path), "rope_theta"))
-    window = _uniform_window(raw, mt, cfg["n_layers"], path)
-    if window is not None:
-        out["sliding_window"] = window  # every layer local (Mistral)
-    out["qkv_bias"] = mt == "qwen2" or (mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+    if mt == "gpt_oss":  # sliding-window and full-attention layers alternate (layer_types)
+        if not raw.get("layer_types"):
+            raise HFError(f"{path}: gpt_oss needs layer_types (which layers use the sliding window)")
+        out.update(_gemma_layer_pattern(raw, cfg["n_layers"], path))
+        out.update(o_bias=bool(raw.get("attention_bias")), attention_sinks=True)
+    else:
+        window = _uniform_window(raw, mt, cfg["n_layers"], path)
+        if window is not None:
+            out["sliding_window"] = window  # every layer local (Mistral)
+    out["qkv_bias"] = (mt == "qwen2" or (mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+                       or (mt == "gpt_oss" and bool(raw.get("attention_bias"))))
     out["qk_norm"] = mt in ("qwen3", "qwen3_moe", "olmoe")  # RMSNorm on q and k before RoPE
+    if mt in MLA_MODEL_TYPES:
+        out.update(_mla_fields(raw, path))
     if mt in MOE_MODEL_TYPES:
         out.update(_moe_fields(raw, mt, cfg, path))
     return out
+
+
+def _mla_fields(raw: dict, path: Path) -> dict:
+    """DeepSeek's latent attention: the MLAConfig, head_dim Hn + Hr over one shared latent, and the
+    softmax scale (transformers' `yarn_apply_mscale`: with YaRN and mscale_all_dim, (Hn + Hr)^-1/2
+    times mscale(factor, mscale_all_dim)^2, written as query_pre_attn_scalar)."""
+    from jaxinfer.model.config import MLAConfig
+    from jaxinfer.model.config import yarn_mscale
+
+    keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    missing = [k for k in keys if raw.get(k) is None]
+    if missing:
+        raise HFError(f"{path}: multi-head latent attention needs {missing}")
+    if raw.get("head_dim") not in (None, raw["qk_rope_head_dim"]):
+        raise HFError(f"{path}: head_dim ({raw['head_dim']}) must equal qk_rope_head_dim "
+                      f"({raw['qk_rope_head_dim']}): it is the width RoPE rotates")
+    try:
+        mla = MLAConfig(q_lora_rank=int(raw.get("q_lora_rank") or 0), **{k: int(raw[k]) for k in keys})
+    except ValueError as e:
+        raise HFError(f"{path}: {e}") from e
+    rp = dict(raw.get("rope_scaling") or {}, **(raw.get("rope_parameters") or {}))
+    scalar = float(mla.qk_head_dim)
+    if (rp.get("rope_type", rp.get("type")) or "default") != "default" and rp.get("mscale_all_dim"):
+        scalar /= yarn_mscale(float(rp["factor"]), float(rp["mscale_all_dim"])) ** 4
+    return dict(mla=mla, head_dim=mla.qk_head_dim, n_kv_heads=1, query_pre_attn_scalar=scalar)
 
 
 def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
@@ -254,12 +313,21 @@ def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
         raise HFError(f"{path}: dense MLP layers among the mixture-of-experts layers (mlp_only_layers "
                       f"{raw.get('mlp_only_layers')}, decoder_sparse_step {raw.get('decoder_sparse_step')}) are not "
                       "implemented: every layer must be MoE")
-    n_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    n_experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
     if not n_experts or "num_experts_per_tok" not in raw:
-        raise HFError(f"{path}: {mt} needs num_experts (or num_local_experts) and num_experts_per_tok")
-    width = raw.get("moe_intermediate_size") if mt in ("qwen3_moe", "qwen2_moe") else raw.get("intermediate_size")
+        raise HFError(f"{path}: {mt} needs num_experts (or num_local_experts, n_routed_experts) and "
+                      "num_experts_per_tok")
+    moe_width = mt in ("qwen3_moe", "qwen2_moe") + MLA_MODEL_TYPES
+    width = raw.get("moe_intermediate_size") if moe_width else raw.get("intermediate_size")
     shared = int(raw.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
     out: dict = {}
+    kw: dict = dict(norm_top_k=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)))
+    if mt in MLA_MODEL_TYPES:
+        kw.update(_deepseek_router(raw, mt, path))
+        shared = int(width) * int(raw.get("n_shared_experts") or 0)
+    if mt == "gpt_oss":  # biased logits, softmax over the top k; experts with biases, clamped SwiGLU
+        kw = dict(score="softmax_topk", router_logit_bias=True, expert_bias=True,
+                  swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
     if mt == "olmoe":
         if raw.get("clip_qkv") is not None:
             raise HFError(f"{path}: olmoe clip_qkv = {raw['clip_qkv']} is not implemented")
@@ -268,10 +336,34 @@ def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
         out["qk_norm_whole"] = True
     try:
         out["moe"] = MoEConfig(n_experts=int(n_experts), top_k=int(raw["num_experts_per_tok"]),
-                               expert_ffn_dim=int(width), shared_ffn_dim=shared, shared_gate=shared > 0,
-                               norm_top_k=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)))
+                               expert_ffn_dim=int(width), shared_ffn_dim=shared,
+                               shared_gate=shared > 0 and mt == "qwen2_moe", **kw)
     except (TypeError, ValueError) as e:
         raise HFError(f"{path}: {e}") from e
+    return out
+
+
+def _deepseek_router(raw: dict, mt: str, path: Path) -> dict:
+    """MoEConfig router fields of DeepSeek V2 (softmax; greedy or group_limited_greedy, a group
+    scored by its best expert; the k weights never renormalised, as transformers' V2 router) and V3
+    (sigmoid with a correction bias, groups scored by their two best, norm_topk_prob); both in
+    float32, scaled by routed_scaling_factor, the first first_k_dense_replace layers dense."""
+    if int(raw.get("moe_layer_freq") or 1) != 1:
+        raise HFError(f"{path}: moe_layer_freq {raw['moe_layer_freq']} is not implemented (every layer after "
+                      "first_k_dense_replace must be MoE)")
+    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    out = dict(router_float32=True, routed_scale=float(raw.get("routed_scaling_factor") or 1.0),
+               first_dense=int(raw.get("first_k_dense_replace") or 0))
+    if mt == "deepseek_v3":
+        return dict(out, score="sigmoid", score_bias=True, n_groups=n_group, top_k_groups=topk_group,
+                    group_score="top2_sum")
+    method = raw.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise HFError(f"{path}: deepseek_v2 topk_method {method!r} is not implemented (greedy, "
+                      "group_limited_greedy)")
+    out["norm_top_k"] = False
+    if method == "group_limited_greedy":
+        out.update(n_groups=n_group, top_k_groups=topk_group, group_score="max")
     return out
 
 
@@ -306,6 +398,8 @@ class _Source:
     add_one: bool  # Gemma RMSNorm multiplies by (1 + w): fold the 1 in
     shape: Optional[tuple[int, ...]] = None  # the jaxinfer value's shape; None = the whole (layer) slice
     at: tuple[int, ...] = ()  # where it goes in the slice (leading offsets): one expert, its gate or up rows
+    fn: Optional[Callable[[np.ndarray], np.ndarray]] = None  # applied to the stored tensor first (on the host)
+    packed: bool = False  # an MXFP4 blocks tensor (uint8), dequantized by fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,13 +411,23 @@ class _ExpertNames:
     up: str = "up_proj"  # Mixtral: "w3"
     down: str = "down_proj"  # Mixtral: "w2"
     fused: bool = False  # experts.gate_up_proj [X, 2Fe, D] and experts.down_proj [X, D, Fe]
+    shared: str = "shared_expert"  # DeepSeek: "shared_experts"
+    gpt_oss: bool = False  # gpt-oss's router and experts (`_gpt_oss_sources`)
+    mxfp4: bool = False  # gpt-oss experts as MXFP4 blocks and scales
+    rope_interleave: bool = False  # DeepSeek: RoPE rows stored in interleaved pairs (`_rope_rows`)
 
 
-def _expert_names(names) -> _ExpertNames:
-    """The naming scheme of a folder's experts, from its tensor names (layer 0's)."""
+def _expert_names(names, raw: Optional[dict] = None) -> _ExpertNames:
+    """The naming scheme of a folder's experts, from its tensor names (and config.json's model_type)."""
+    mt = (raw or {}).get("model_type")
+    if mt == "gpt_oss":
+        return _ExpertNames(gpt_oss=True, mxfp4=any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in names))
     if any(".block_sparse_moe." in n for n in names):
         return _ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
-    return _ExpertNames(fused=any(n.endswith(".mlp.experts.gate_up_proj") for n in names))
+    deepseek = mt in MLA_MODEL_TYPES
+    return _ExpertNames(fused=any(n.endswith(".mlp.experts.gate_up_proj") for n in names),
+                        shared="shared_experts" if deepseek else "shared_expert",
+                        rope_interleave=deepseek and (mt == "deepseek_v2" or bool(raw.get("rope_interleave", True))))
 
 
 def _sources(cfg: ModelConfig, names: _ExpertNames = _ExpertNames()) -> list[_Source]:
@@ -340,12 +444,13 @@ def _sources(cfg: ModelConfig, names: _ExpertNames = _ExpertNames()) -> list[_So
     out = []
     for i in range(L):
         p = f"model.layers.{i}."
-        rows = [("attn_norm", "input_layernorm.weight", (D,), False, g),
-                ("wq", "self_attn.q_proj.weight", (N * H, D), True, False),
-                ("wk", "self_attn.k_proj.weight", (K * H, D), True, False),
-                ("wv", "self_attn.v_proj.weight", (K * H, D), True, False),
-                ("wo", "self_attn.o_proj.weight", (D, N * H), True, False)]
-        if cfg.moe is None:
+        rows = [("attn_norm", "input_layernorm.weight", (D,), False, g)]
+        if cfg.mla is None:
+            rows += [("wq", "self_attn.q_proj.weight", (N * H, D), True, False),
+                     ("wk", "self_attn.k_proj.weight", (K * H, D), True, False),
+                     ("wv", "self_attn.v_proj.weight", (K * H, D), True, False),
+                     ("wo", "self_attn.o_proj.weight", (D, N * H), True, False)]
+        if not cfg.is_moe_layer(i):
             rows += [("w_gate", "mlp.gate_proj.weight", (F, D), True, False),
                      ("w_up", "mlp.up_proj.weight", (F, D), True, False),
                      ("w_down", "mlp.down_proj.weight", (D, F), True, False)]
@@ -363,8 +468,14 @@ def _sources(cfg: ModelConfig, names: _ExpertNames = _ExpertNames()) -> list[_So
             whole = cfg.qk_norm_whole  # OLMoE: [N*H] and [K*H], not [H]
             rows += [("q_norm", "self_attn.q_norm.weight", (N * H,) if whole else (H,), False, g),
                      ("k_norm", "self_attn.k_norm.weight", (K * H,) if whole else (H,), False, g)]
+        if cfg.o_bias:
+            rows.append(("bo", "self_attn.o_proj.bias", (D,), False, False))
+        if cfg.attention_sinks:
+            rows.append(("sinks", "self_attn.sinks", (N,), False, False))
         out += [_Source(k, i, p + n, shape, t, a) for k, n, shape, t, a in rows]
-        if cfg.moe is not None:
+        if cfg.mla is not None:
+            out += _mla_sources(cfg, i, p, names)
+        if cfg.is_moe_layer(i):
             out += _moe_sources(cfg, i, p, names)
     out += [_Source("embed", None, "model.embed_tokens.weight", (V, D), False, False),
             _Source("final_norm", None, "model.norm.weight", (D,), False, g)]
@@ -373,14 +484,117 @@ def _sources(cfg: ModelConfig, names: _ExpertNames = _ExpertNames()) -> list[_So
     return out
 
 
+def _rope_rows(a: np.ndarray, heads: int, width: int, rope: int) -> np.ndarray:
+    """a [heads * width, ...] with each head's last `rope` rows reordered from DeepSeek's interleaved
+    RoPE pairs (x0, x1), (x2, x3) .. to the rotate-half layout (x0, x2, .., x1, x3, ..) that
+    `forward.rope` rotates: queries and keys permuted alike keep every score (as transformers'
+    `apply_rotary_pos_emb_interleave` does at run time)."""
+    perm = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)]) + (width - rope)
+    order = np.concatenate([np.arange(width - rope), perm])
+    return a.reshape(heads, width, -1)[:, order].reshape(a.shape)
+
+
+def _kv_b_half(a: np.ndarray, heads: int, nope: int, first: bool) -> np.ndarray:
+    """kv_b_proj [N * (Hn + Hv), R] -> wk_b [R, N, Hn] (first) or wv_b [R, N, Hv]."""
+    a = a.reshape(heads, -1, a.shape[-1])
+    return np.ascontiguousarray((a[:, :nope] if first else a[:, nope:]).transpose(2, 0, 1))
+
+
+def _mla_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
+    """One layer's latent-attention weights (`params._mla_specs`): the RoPE rows of q_proj / q_b_proj
+    and kv_a_proj_with_mqa de-interleaved (`_rope_rows`, DeepSeek V2 always, V3 with
+    rope_interleave), kv_b_proj split into its key and value halves."""
+    a, D, N = cfg.mla, cfg.d_model, cfg.n_heads
+    Hq, R, Hr = a.qk_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
+    fix = (lambda heads, width: functools.partial(_rope_rows, heads=heads, width=width, rope=Hr)
+           ) if names.rope_interleave else (lambda heads, width: None)
+    s = p + "self_attn."
+    out = [_Source("wkv_a", i, s + "kv_a_proj_with_mqa.weight", (R + Hr, D), True, False, fn=fix(1, R + Hr)),
+           _Source("kv_a_norm", i, s + "kv_a_layernorm.weight", (R,), False, False),
+           _Source("wk_b", i, s + "kv_b_proj.weight", (N * (a.qk_nope_head_dim + a.v_head_dim), R), False, False,
+                   fn=functools.partial(_kv_b_half, heads=N, nope=a.qk_nope_head_dim, first=True)),
+           _Source("wv_b", i, s + "kv_b_proj.weight", (N * (a.qk_nope_head_dim + a.v_head_dim), R), False, False,
+                   fn=functools.partial(_kv_b_half, heads=N, nope=a.qk_nope_head_dim, first=False)),
+           _Source("wo", i, s + "o_proj.weight", (D, N * a.v_head_dim), True, False)]
+    if a.q_lora_rank:
+        out += [_Source("wq_a", i, s + "q_a_proj.weight", (a.q_lora_rank, D), True, False),
+                _Source("q_a_norm", i, s + "q_a_layernorm.weight", (a.q_lora_rank,), False, False),
+                _Source("wq_b", i, s + "q_b_proj.weight", (N * Hq, a.q_lora_rank), True, False, fn=fix(N, Hq))]
+    else:
+        out.append(_Source("wq", i, s + "q_proj.weight", (N * Hq, D), True, False, fn=fix(N, Hq)))
+    return out
+
+
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 -> float32, as transformers' `convert_moe_packed_tensors` (without its final transpose).
+
+    Args:
+      blocks: [..., G, 16] uint8: two 4-bit E2M1 codes a byte, the low nibble first.
+      scales: [..., G] uint8: each block of 32 values' power-of-two exponent, biased by 127.
+    Returns:
+      [..., G * 32] float32.
+    """
+    lo, hi = _FP4[blocks & 0x0F], _FP4[blocks >> 4]
+    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)  # [..., G, 32]
+    vals = np.ldexp(vals, (scales.astype(np.int32) - 127)[..., None])
+    return vals.reshape(*blocks.shape[:-2], -1).astype(np.float32)
+
+
+def _gpt_oss_gate_up(a: np.ndarray, scales: Optional[st.TensorInfo] = None) -> np.ndarray:
+    """gpt-oss's experts.gate_up_proj [X, D, 2Fe] (gate and up interleaved along 2Fe), or its MXFP4
+    blocks [X, 2Fe, D/32, 16] with `scales` -> we_gate_up [X, 2Fe, D] (gate rows, then up rows)."""
+    a = mxfp4_dequantize(a, st.read(scales)) if scales is not None else a.transpose(0, 2, 1)
+    return np.ascontiguousarray(np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1))
+
+
+def _gpt_oss_down(a: np.ndarray, scales: Optional[st.TensorInfo] = None) -> np.ndarray:
+    """gpt-oss's experts.down_proj [X, Fe, D], or its MXFP4 blocks [X, D, Fe/32, 16] -> we_down [X, D, Fe]."""
+    return mxfp4_dequantize(a, st.read(scales)) if scales is not None else np.ascontiguousarray(a.transpose(0, 2, 1))
+
+
+def _deinterleave(a: np.ndarray) -> np.ndarray:
+    """[X, 2Fe] gate/up interleaved -> gate then up (gpt-oss's gate_up_proj_bias)."""
+    return np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1)
+
+
+def _gpt_oss_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
+    """gpt-oss's router (with a bias) and experts (fused, with biases; float or MXFP4 blocks whose
+    scales `_checked_sources` attaches)."""
+    m, D = cfg.moe, cfg.d_model
+    X, Fe = m.n_experts, m.expert_ffn_dim
+    b = f"{p}mlp."
+    out = [_Source("router", i, b + "router.weight", (X, D), False, False),
+           _Source("router_logit_bias", i, b + "router.bias", (X,), False, False),
+           _Source("we_gate_up_bias", i, b + "experts.gate_up_proj_bias", (X, 2 * Fe), False, False, fn=_deinterleave),
+           _Source("we_down_bias", i, b + "experts.down_proj_bias", (X, D), False, False)]
+    if names.mxfp4:
+        out += [_Source("we_gate_up", i, b + "experts.gate_up_proj_blocks", (X, 2 * Fe, D // 32, 16), False, False,
+                        fn=_gpt_oss_gate_up, packed=True),
+                _Source("we_down", i, b + "experts.down_proj_blocks", (X, D, Fe // 32, 16), False, False,
+                        fn=_gpt_oss_down, packed=True)]
+    else:
+        out += [_Source("we_gate_up", i, b + "experts.gate_up_proj", (X, D, 2 * Fe), False, False, fn=_gpt_oss_gate_up),
+                _Source("we_down", i, b + "experts.down_proj", (X, Fe, D), False, False, fn=_gpt_oss_down)]
+    return out
+
+
 def _moe_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
     """One layer's router, routed experts and shared expert. Experts are stored output-major in
     jaxinfer too (`params._moe_specs`), so nothing is transposed: expert e's gate [Fe, D] goes to
-    we_gate_up[l, e, :Fe], its up to we_gate_up[l, e, Fe:], its down [D, Fe] to we_down[l, e]."""
+    we_gate_up[l, e, :Fe], its up to we_gate_up[l, e, Fe:], its down [D, Fe] to we_down[l, e].
+    With dense first layers the MoE weights' rows count the MoE layers only (i - first_dense)."""
     m, D = cfg.moe, cfg.d_model
     X, Fe = m.n_experts, m.expert_ffn_dim
+    if names.gpt_oss:
+        return _gpt_oss_sources(cfg, i, p, names)
     b = f"{p}{names.block}."
+    i -= m.first_dense
     out = [_Source("router", i, b + "gate.weight", (X, D), False, False)]
+    if m.score_bias:  # DeepSeek V3
+        out.append(_Source("router_bias", i, b + "gate.e_score_correction_bias", (X,), False, False))
     if names.fused:
         out += [_Source("we_gate_up", i, b + "experts.gate_up_proj", (X, 2 * Fe, D), False, False),
                 _Source("we_down", i, b + "experts.down_proj", (X, D, Fe), False, False)]
@@ -391,10 +605,10 @@ def _moe_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[
                     _Source("we_gate_up", i, x + names.up + ".weight", (Fe, D), False, False, (Fe, D), (e, Fe)),
                     _Source("we_down", i, x + names.down + ".weight", (D, Fe), False, False, (D, Fe), (e,))]
     if m.shared_ffn_dim:
-        Fs = m.shared_ffn_dim
-        out += [_Source("ws_gate", i, b + "shared_expert.gate_proj.weight", (Fs, D), True, False),
-                _Source("ws_up", i, b + "shared_expert.up_proj.weight", (Fs, D), True, False),
-                _Source("ws_down", i, b + "shared_expert.down_proj.weight", (D, Fs), True, False)]
+        Fs, sh = m.shared_ffn_dim, b + names.shared
+        out += [_Source("ws_gate", i, sh + ".gate_proj.weight", (Fs, D), True, False),
+                _Source("ws_up", i, sh + ".up_proj.weight", (Fs, D), True, False),
+                _Source("ws_down", i, sh + ".down_proj.weight", (D, Fs), True, False)]
     if m.shared_gate:
         out.append(_Source("shared_gate", i, b + "shared_expert_gate.weight", (1, D), False, False))
     return out
@@ -407,18 +621,31 @@ def _checked_sources(folder: Path, cfg: ModelConfig) -> list[tuple[_Source, st.T
         idx = st.index(folder)
     except st.SafetensorsError as e:
         raise HFError(str(e)) from e
+    try:
+        raw = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}
     out = []
-    for src in _sources(cfg, _expert_names(idx)):
+    for src in _sources(cfg, _expert_names(idx, raw)):
         info = idx.get(src.hf_name)
         if info is None:
             raise HFError(f"{folder}: tensor {src.hf_name!r} is missing")
         if info.shape != src.hf_shape:
             raise HFError(f"{info.file}: tensor {src.hf_name!r} has shape {info.shape}, expected {src.hf_shape}")
-        if info.dtype not in st.NP_DTYPES:
+        if src.packed:  # MXFP4 blocks: uint8, with their scales beside them
+            scales = idx.get(src.hf_name[:-len("_blocks")] + "_scales")
+            if info.dtype != "U8" or scales is None or scales.dtype != "U8" or scales.shape != info.shape[:-1]:
+                raise HFError(f"{info.file}: MXFP4 tensor {src.hf_name!r} needs uint8 blocks {src.hf_shape} and "
+                              f"uint8 scales {src.hf_shape[:-1]} beside it")
+            src = dataclasses.replace(src, fn=functools.partial(src.fn, scales=scales))
+        elif info.dtype not in FLOAT_DTYPES:
             raise HFError(f"{info.file}: tensor {src.hf_name!r} has dtype {info.dtype}; supported: "
-                          f"{', '.join(st.NP_DTYPES)} (quantized safetensors are not)")
+                          f"{', '.join(FLOAT_DTYPES)} (quantized safetensors are not, but gpt-oss's MXFP4 experts)")
         out.append((src, info))
     return out
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # stored dtypes of float tensors
 
 
 def stored_dtype(folder: os.PathLike) -> str:
@@ -434,6 +661,8 @@ def _read(src: _Source, info: st.TensorInfo) -> np.ndarray:
     """One stored tensor; NaN/inf refused: there is no checksum, trained weights are finite, and a
     NaN/inf is what corrupt bytes often become."""
     a = st.read(info)
+    if src.fn is not None:
+        a = src.fn(a)
     finite = np.isfinite(a)
     if not finite.all():
         raise HFError(f"{info.file}: tensor {src.hf_name!r} holds {int((~finite).sum())} NaN/inf values "

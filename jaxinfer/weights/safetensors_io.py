@@ -25,7 +25,8 @@ import numpy as np
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 NP_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-             "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
+             "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
+             "U8": np.dtype(np.uint8)}  # U8: packed quantized blocks (gpt-oss's MXFP4 experts)
 JAX_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # model dtypes jaxinfer runs in
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
