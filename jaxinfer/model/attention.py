@@ -38,11 +38,9 @@ NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 # chunk's score product comes out keys-major whatever the einsum asks for, so queries-major
 # scores cost a transposed copy of every block's scores before the softmax and another of the
 # probabilities before the value product; keys-major scores, a values-major output and queries
-# arranged once before the loop skip all three (docs/notes/probes.md, attention_layout, SmolLM2's
-# shapes: a 512-token chunk 1.2-1.4x faster per layer, more the longer its context). Decode
-# steps measured slower keys-major (`generate` 0.96x at batch 1 and 0.90x at batch 8,
-# experiments/figures/bench_regression_keys_major_everywhere.json) and keep the queries-major
-# form, as other backends do, where it was measured.
+# arranged once before the loop skip all three. Decode steps measured slower keys-major and keep
+# the queries-major form, as other backends do (the measurements: docs/notes/probes.md,
+# attention_layout).
 QUERIES_MAJOR = ("BTKGH", "BKGTS", "BKGTH")
 LAYOUT = {("cpu", "chunk"): ("BKHGT", "BKSGT", "BKHGT")}
 # A decode step (one query per row) reads the part of its context past the last whole block in
@@ -181,8 +179,8 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         if n_table == 1 and T == 1 and small < bp:
             # A decode step over one block (a short closed batch) reads its small blocks up to the
             # longest row's context, each under a `lax.cond`, not a loop: XLA's CPU backend makes a
-            # loop over a one-block table far slower than the block itself (it fused the cache
-            # write into the read and copied the pool: generate, 8 rows, 62 vs 165 tokens/s).
+            # loop over a one-block table far slower than the block itself (it fuses the cache
+            # write into the read and copies the pool).
             carry = init
             for j in range(bp // small):
                 carry = jax.lax.cond(j * small * cache.page_size <= last,

@@ -57,10 +57,10 @@ def linear(eq: str, x: jax.Array, w, int8_kernel: Optional[str] = None) -> jax.A
 
 # A product of 2..FEW_ROWS rows (a decode step of a batch, a speculative round) with a float32
 # output-major matrix runs faster on XLA's CPU backend written as an elementwise product summed
-# over the matrix's contiguous axis than as a dot: XLA hands the first to YNN's reduction kernel
-# and the second to its GEMM, which streams these weights 1.1-1.45x slower at 2-32 rows
-# (docs/notes/probes.md, matvec). One row (XLA's own matrix-vector loop) and long chunks
-# (GEMM at full speed) stay dots. Other backends always take the dot (measured on an H200 with it).
+# over the matrix's contiguous axis than as a dot: XLA hands the first to a reduction kernel that
+# streams the weights once, the second to its GEMM, which is slower at so few rows. One row (XLA's
+# own matrix-vector loop), long chunks (GEMM at full speed) and other backends stay dots. The
+# measurements: docs/notes/probes.md (matvec).
 FEW_ROWS = 32
 
 

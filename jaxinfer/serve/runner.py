@@ -52,14 +52,13 @@ from jaxinfer.serve.scheduler import Chunk, Seq, call_rows, one_call
 
 # Smallest prefill chunk bucket (chunks are padded to powers of two from here). 16, not 32: a
 # request's new turn or a short prompt is often under 16 tokens, and on a CPU every padded row
-# costs as much as a real one (SmolLM2-135M, 2 cores: [1, 16] calls 80 ms, [1, 32] 113 ms). With
-# 16, bench_engine's burst ran 1.05x the useful tokens/s of 32 (docs/notes/probes.md, chunk_calls,
-# medians of 5 alternating runs, 131.0 vs 124.6), for two more programs ([1, 16] and [slots, 16]).
+# costs as much as a real one; two more programs ([1, 16] and [slots, 16]) buy more useful tokens
+# per second (docs/notes/probes.md, chunk_calls).
 MIN_CHUNK = 16
 MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
 # A device call's fixed cost in token rows, for choosing a mixed call's shape until `warmup` has
-# measured it: SmolLM2-135M on a 2-core CPU costs ~40 ms per forward plus ~1.1 ms per token row
-# (`python -m experiments.serving`).
+# measured it: on a small model and a CPU a forward's fixed cost is worth tens of token rows
+# (`python -m experiments.serving` measures it).
 MIXED_CALL_ROWS = 32
 MID_ROWS = 8  # rows of the wide calls between one chunk and every slot's (`Runner.mid_shapes`)
 NO_LIMIT = 1 << 30  # a decode call's cap per slot when its token limit says it all

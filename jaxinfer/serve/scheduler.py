@@ -287,11 +287,9 @@ def first_piece(n: int, buckets: list[int], fixed: int) -> int:
     the n tokens in the fewest token rows, each call costing `fixed` rows more than its C.
 
     Buckets are powers of two, so a prompt can be padded to nearly twice its rows (257 tokens in a
-    512-row call). On the serving load test's workload (prompts of 30-600 tokens, SmolLM2-135M, a
-    2-core CPU) cutting served 1.03x the tokens per second (medians of 3 alternating rounds, each
-    round 1.00-1.07x) at the same median time to first token (docs/notes/probes.md, chunk_cut,
-    figures/chunk_cut.json). Cutting adds a call, so it can only pay where the padding it saves
-    exceeds `fixed`; ties keep the single call, whose first token comes sooner.
+    512-row call). Cutting adds a call, so it can only pay where the padding it saves exceeds
+    `fixed`; ties keep the single call, whose first token comes sooner (measured on the serving
+    load test's workload: docs/notes/probes.md, chunk_cut).
     """
     up = sorted(buckets)
     if n > up[-1] or up[bisect.bisect_left(up, n)] - n <= fixed:
