@@ -7,7 +7,6 @@ check on a CPU what a GPU runs, shapes tiny so interpret mode stays fast. Timing
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxinfer.model import cache as kv
