@@ -155,3 +155,36 @@ def write_row(hooks: sites_lib.Hooks, row: int, rows: Optional[Rows], steering: 
             slot.gate[row] = rows.gates[s, k]
             slot.params["vector"][row] = rows.vectors[s, k]
             slot.params["scale"][row] = rows.scales[s, k]
+
+
+def load_vectors(path: str, d_model: int) -> dict[str, np.ndarray]:
+    """Named steering vectors from a file: name -> [D] float32 (`jaxinfer serve --steering-vectors`).
+
+    Args:
+      path: a .npz (numpy.savez: one array per name) or a .safetensors file (one tensor per name).
+      d_model: the model's width D; every vector must be [D], finite.
+    Returns:
+      {name: vector}. Raises ValueError naming the file and the bad entry.
+    """
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as f:
+            raw = {k: f[k] for k in f.files}
+    elif path.endswith(".safetensors"):
+        from safetensors.numpy import load_file
+
+        raw = load_file(path)
+    else:
+        raise ValueError(f"steering vectors file {path!r}: expected a .npz or .safetensors file of name -> [D] vectors")
+    if not raw:
+        raise ValueError(f"steering vectors file {path!r} holds no vectors")
+    out = {}
+    for name, a in raw.items():
+        a = np.asarray(a)
+        if a.shape != (d_model,) or a.dtype.name not in ("float16", "bfloat16", "float32", "float64"):
+            raise ValueError(f"steering vectors file {path!r}: {name!r} has shape {a.shape} ({a.dtype}); every vector "
+                             f"must be [D] = [{d_model}] floats (the model's width)")
+        a = a.astype(np.float32)
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"steering vectors file {path!r}: {name!r} holds NaN or inf")
+        out[name] = a
+    return out
