@@ -207,8 +207,7 @@ def test_the_steering_field_is_refused_naming_the_field(model, engine, chat):
     with pytest.raises(proto.ApiError, match="at most 2 per site") as e:
         proto.parse(base | {"steering": ok + ok[:1]}, model, chat=chat, extensions=ext)
     assert e.value.param == "steering"
-    for ext_off in (proto.Extensions(), _ext(Engine.__new__(Engine)) if False else proto.Extensions(
-            steering=steering.Steering(0))):
+    for ext_off in (proto.Extensions(), proto.Extensions(steering=steering.Steering(0))):
         with pytest.raises(proto.ApiError, match="--steering-slots") as e:
             proto.parse(base | {"steering": ok}, model, chat=chat, extensions=ext_off)
         assert e.value.param == "steering"

@@ -23,6 +23,12 @@ two tables with the few columns that move (tokens, lengths, page table, steps, b
 mixed call hands its state on to the scan on the device, the results come back as two packed
 arrays whose copies start as soon as the calls are dispatched, and the programs are compiled
 ahead of time (`programs.Programs`, on worker threads at `warmup`) and called directly.
+
+Steering (`steering.py`, an engine built with steering_slots > 0): the slots' add vectors,
+scales and layer gates are one more argument of the mixed and decode programs (`sites.Hooks`
+with rows [S, ...]), rewritten on the host where a slot's request changed and sent again only
+then; a scoring call builds its rows' own. Hidden states: scoring calls of requests that ask
+for them run "hidden" programs that also capture the engine's hidden sites at every layer.
 """
 
 from __future__ import annotations
