@@ -28,6 +28,10 @@ derived as generate derives row 0's (`inputs.request_keys`), its t-th token is s
 fold_in(key, t) by the same sampler, whatever runs beside it, and a preempted request is
 recomputed from its prompt and tokens so far.
 
+Steering (`Engine(steering_slots=K)`, `submit(interventions=[add(...)])`) and hidden states of
+the scoring pass (`Engine(hidden_sites=...)`, `submit(hidden_states=...)`) are data of the same
+programs: see `serve.steering` and docs/interventions.md.
+
 Faults: an exception inside a step fails the requests that step touched (their streams end with
 an error) and the engine recovers: if the device pool was lost, it is rebuilt and the other
 running requests are recomputed. If recovery fails, the engine is marked dead (`health`), every
