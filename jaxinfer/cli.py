@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -258,6 +259,17 @@ def _add_serve(sub) -> None:
                         "faster")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+    p.add_argument("--steering-slots", type=int, default=None, metavar="K",
+                   help="steering vectors one request may add at each steering site (the 'steering' extension "
+                        "field; default 0 = off, or 4 with --steering-vectors)")
+    p.add_argument("--steering-sites", default="resid_post", metavar="SITES",
+                   help="comma-separated sites the steering slots add at (default resid_post)")
+    p.add_argument("--steering-vectors", metavar="FILE",
+                   help="named steering vectors a request may use by name: a .npz or .safetensors file of "
+                        "name -> [D] vectors")
+    p.add_argument("--hidden-states", default=None, metavar="SITES",
+                   help="comma-separated sites the scoring call may return at chosen layers (the 'hidden_states' "
+                        "extension field, e.g. resid_post; default off)")
 
 
 MAX_KV_MEMORY = 1 << 50  # 1 PiB: more than any device holds; a larger --kv-memory is a typo
@@ -290,6 +302,16 @@ def _check_serve_flags(args):
     check_int("--max-slots", args.max_slots, 1)
     check_int("--max-waiting", args.max_waiting, 0)
     check_int("--max-body-bytes", args.max_body_bytes, 1)
+    if args.steering_slots is not None:
+        check_int("--steering-slots", args.steering_slots, 0)
+    if args.steering_vectors is not None and not os.path.isfile(args.steering_vectors):
+        raise ValueError(f"--steering-vectors {args.steering_vectors!r}: no such file")
+    from jaxinfer.model.sites import SITES
+
+    for flag, value in (("--steering-sites", args.steering_sites), ("--hidden-states", args.hidden_states)):
+        bad = [s for s in (value or "").split(",") if s and s not in SITES]
+        if bad:
+            raise ValueError(f"{flag}: unknown site {bad[0]!r}; the sites are {', '.join(SITES)}")
     if args.max_len is not None:  # its upper bound (the model's context) needs the config
         check_int("--max-len", args.max_len, 1)
     if args.layout == "per_layer" and (args.quant == "int4" or args.mesh is not None):
@@ -335,7 +357,16 @@ def _serve(args) -> int:
         model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=args.layout)
         memory.release()  # what the load freed (a layout conversion's first copy of the weights)
         print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
-        engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len)
+        vectors = None
+        if args.steering_vectors is not None:
+            from jaxinfer.serve.steering import load_vectors
+
+            vectors = load_vectors(args.steering_vectors, model.config.d_model)
+        slots = args.steering_slots if args.steering_slots is not None else (4 if vectors else 0)
+        engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len,
+                                    steering_slots=slots,
+                                    steering_sites=tuple(s for s in args.steering_sites.split(",") if s),
+                                    hidden_sites=tuple(s for s in (args.hidden_states or "").split(",") if s))
         # Warm up in the background, serving as soon as the first programs are built (/health
         # says "warming" until then); the rest are built while requests are served.
         n = engine.warmup(logprobs=True, scoring=True, wait=False)
@@ -358,7 +389,8 @@ def _serve(args) -> int:
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
                                max_body_bytes=args.max_body_bytes)
         name = args.served_name or args.model
-        app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits)
+        app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits,
+                                steering_vectors=vectors)
         config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="warning",
                                 timeout_graceful_shutdown=None)  # (re)configures logging: add ours after
         server.log.addHandler(handler)

@@ -538,6 +538,10 @@ def test_private_use_characters_in_a_chat_message_are_plain_text(tiny_model):
     (["--max-waiting", "-1"], "--max-waiting must be an int >= 0, got -1"),
     (["--host", "192.0.2.1", "--port", "0"], "cannot listen on 192.0.2.1:0: .*no such address"),
     (["--layout", "per_layer", "--quant", "int4"], "--layout per_layer works with float or int8 weights"),
+    (["--steering-slots", "-1"], "--steering-slots must be an int >= 0, got -1"),
+    (["--steering-sites", "resid_post,resid_side"], "--steering-sites: unknown site 'resid_side'"),
+    (["--hidden-states", "residpost"], "--hidden-states: unknown site 'residpost'"),
+    (["--steering-vectors", "no/such/vectors.npz"], "--steering-vectors 'no/such/vectors.npz': no such file"),
 ])
 def test_serve_bad_flags_refused_before_loading(no_load, capsys, flags, match):
     import re

@@ -30,6 +30,10 @@ derived as generate derives row 0's (`inputs.request_keys`), its t-th token is s
 fold_in(key, t) by the same sampler, whatever runs beside it, and a preempted request is
 recomputed from its prompt and tokens so far.
 
+Steering (`Engine(steering_slots=K)`, `submit(interventions=[add(...)])`) and hidden states of
+the scoring pass (`Engine(hidden_sites=...)`, `submit(hidden_states=...)`) are data of the same
+programs: see `serve.steering` and docs/interventions.md.
+
 Faults: an exception inside a step fails the requests that step touched (their streams end with
 an error) and the engine recovers: if the device pool was lost, it is rebuilt and the other
 running requests are recomputed. If recovery fails, the engine is marked dead (`health`), every
@@ -58,7 +62,9 @@ from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import nbytes as params_nbytes
+from jaxinfer.model import sites as sites_lib
 from jaxinfer.serve import memory
+from jaxinfer.serve import steering as steer
 from jaxinfer.serve.live import MAX_STOP_TOKENS, Live
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS, Runner
 from jaxinfer.serve.pages import PagePool
@@ -142,7 +148,9 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 8, page_size: int = kv.PAGE_SIZE,
                  kv_memory: Optional[int] = None, n_pages: Optional[int] = None, max_len: Optional[int] = None,
                  prefill_chunk: int = 512, prefix_cache: bool = True, decode_steps: int = 16,
-                 busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT, call_rows: Optional[int] = None):
+                 busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT, call_rows: Optional[int] = None,
+                 steering_slots: int = 0, steering_sites: Sequence[str] = ("resid_post",),
+                 hidden_sites: Sequence[str] = ()):
         """
         Args:
           model: a loaded Model (either params layout).
@@ -169,8 +177,19 @@ class Engine:
             (runner.MIXED_CALL_ROWS until then), which also times every call shape, and those
             times then decide whether a call prefills one request's chunk or many short ones
             (`scheduler.one_call`); given, the rows decide that too.
+          steering_slots: `add` interventions one request may carry at each of `steering_sites`
+            (`serve.steering`): K slots of per-slot vectors, scales and layer gates, data of
+            the programs (0: no steering, the programs of an engine without it).
+          steering_sites: the sites the slots add at (default resid_post only).
+          hidden_sites: sites a scoring request may read at chosen layers (`submit`'s
+            hidden_states); its scoring calls capture them at every layer (programs of their
+            own, built by `warmup(scoring=True)`). Default none.
         """
         cfg = model.config
+        self.steering = steer.Steering(steering_slots, tuple(steering_sites))
+        hidden_sites = (hidden_sites,) if isinstance(hidden_sites, str) else tuple(hidden_sites)
+        for s in hidden_sites:
+            sites_lib.check_site(s)
         use_default_cache()  # the persistent compile cache, unless the user opted out (compile_cache)
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
                         ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):
@@ -209,7 +228,8 @@ class Engine:
         self.eos_ids = inputs.eos_ids_for(model)
         self.runner = Runner(model, n_pages=n_pages, page_size=page_size, max_slots=max_slots, max_len=self.max_len,
                              prefill_chunk=prefill_chunk, decode_steps=decode_steps, eos_ids=self.eos_ids,
-                             call_rows=call_rows)
+                             call_rows=call_rows, steering=self.steering, hidden_sites=hidden_sites)
+        self.hidden_sites = hidden_sites
         self._ids = itertools.count()
         self._live: dict[int, Live] = {}
         self._inbox: list = []
@@ -232,7 +252,8 @@ class Engine:
     def submit(self, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
                sampling: SamplingParams = smp.GREEDY, seed: Optional[int] = None, key: Optional[jax.Array] = None,
                stop_tokens: Sequence[int] = (), stop: Sequence[str] = (), stop_at_eos: bool = True,
-               logprobs: int = 0, prompt_logprobs: Optional[int] = None, score_from: int = 1) -> Request:
+               logprobs: int = 0, prompt_logprobs: Optional[int] = None, score_from: int = 1,
+               interventions: Optional[Sequence] = None, hidden_states: Optional[tuple] = None) -> Request:
         """Queue a request; returns its handle at once (it runs at the engine's next steps).
 
         Same arguments and meaning as `generate` for one prompt (seed or key, required unless
@@ -244,6 +265,13 @@ class Engine:
           prompt_logprobs: score the prompt: log p(token | tokens before it) for every prompt
             position from `score_from` on, with this many alternatives each (None = off). With
             max_new_tokens=0 the request only scores its prompt (no token is generated).
+          interventions: `jaxinfer.interventions.add(...)` steering vectors, applied to this
+            request's prompt and every decode step as `generate(interventions=...)` applies them
+            (same tokens); at most `steering_slots` per site of `steering_sites` (see
+            `serve.steering`: other interventions are refused).
+          hidden_states: (site, layers) with prompt_logprobs: the Completion's
+            prompt_activations {site: [P, len(layers), D] float32} at every prompt token, as
+            `jaxinfer.activations` returns them; site one of the engine's `hidden_sites`.
         Returns:
           The `Request`: iterate it (or `async for`) for `Delta` objects, or call `result()`.
         Raises:
@@ -267,6 +295,8 @@ class Engine:
             raise ValueError("prompt must be a string or one list of token ids")
         ids = inputs.prompt_ids(self.model, [prompt])[0]
         score_from = inputs.check_int("score_from", score_from, 1, max(1, len(ids)))
+        steering = steer.check(interventions, self.steering, self.cfg)
+        hidden = self._check_hidden(hidden_states, prompt_logprobs)
         extra = tuple(int(t) for t in stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
         if (extra is None or any(not 0 <= t < self.cfg.vocab_size for t in extra)
                 or len(extra) > MAX_STOP_TOKENS):
@@ -284,11 +314,15 @@ class Engine:
         req = Request(rid, ids, max_new_tokens, drive=self.step, running=lambda: self.running,
                       on_cancel=self._cancel)
         tok = self.model.tokenizer
-        live = Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens,
-                             recompute_from=score_from if prompt_logprobs is not None else None),
+        recompute_from = score_from if prompt_logprobs is not None else None
+        if hidden is not None:  # every prompt position is computed (none taken from the prefix cache)
+            recompute_from = 1
+        live = Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens, recompute_from=recompute_from,
+                             cache_salt=b"" if steering is None else steering.salt()),
                      req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
                      detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
-                     prompt_logprobs=prompt_logprobs, score_from=score_from, extra_stops=extra, matcher=matcher)
+                     prompt_logprobs=prompt_logprobs, score_from=score_from, extra_stops=extra, matcher=matcher,
+                     steering=steering, hidden=hidden)
         if sampling.penalized:
             live.counts = np.zeros((self.cfg.vocab_size,), np.int32)
             live.in_prompt = np.zeros((self.cfg.vocab_size,), bool)
@@ -298,6 +332,21 @@ class Engine:
         with self._wake:
             self._wake.notify_all()
         return req
+
+    def _check_hidden(self, hidden_states, prompt_logprobs) -> Optional[tuple[str, tuple[int, ...]]]:
+        """submit's hidden_states as (site, layers), checked (None: off)."""
+        if hidden_states is None:
+            return None
+        if prompt_logprobs is None:
+            raise ValueError("hidden_states come from the scoring pass: pass prompt_logprobs too")
+        if not (isinstance(hidden_states, (tuple, list)) and len(hidden_states) == 2):
+            raise TypeError(f"hidden_states must be (site, layers), got {hidden_states!r}")
+        site, layers = hidden_states
+        if site not in self.hidden_sites:
+            raise ValueError(f"hidden_states site {site!r}: this engine returns "
+                             f"{', '.join(self.hidden_sites) or 'no hidden states'} (Engine(hidden_sites=...))")
+        layers = tuple(int(x) for x in sites_lib.check_layers(layers, self.cfg, "hidden_states layers"))
+        return site, layers
 
     def _constraints(self):
         """The constraint compiler for this model's vocabulary (built on first use, ~0.3 s)."""
@@ -606,6 +655,10 @@ class Engine:
                     lv.prompt_lps[pos] = (float(out.prompt_logprobs[i, j]),
                                           list(zip(out.prompt_top[0][i, j, :k].tolist(),
                                                    out.prompt_top[1][i, j, :k].tolist())))
+            if lv.hidden is not None:  # [C, L, D] at the chunk's positions: the asked layers, prompt tokens only
+                site, layers = lv.hidden
+                for j in range(min(ch.n, len(seq.prompt) - ch.start)):
+                    lv.hidden_values[ch.start + j] = out.hidden[site][i, j, list(layers)].astype(np.float32)
             self.scheduler.prefilled(ch)
             if ch.last:
                 if seq.max_new_tokens == 0:

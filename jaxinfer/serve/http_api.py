@@ -65,8 +65,12 @@ class Limits:
 class ServerState:
     """What the endpoints share: the engine, the model, the limits and the counters."""
 
-    def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits):
+    def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits,
+                 steering_vectors: Optional[dict] = None):
         self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
+        # the `steering` and `hidden_states` extensions, as far as the engine was built for them
+        self.extensions = proto.Extensions(steering=getattr(engine, "steering", None), vectors=steering_vectors or {},
+                                           hidden_sites=tuple(getattr(engine, "hidden_sites", ())))
         self.in_flight = 0  # engine requests submitted and not finished
         self.ttft, self.tpot = mx.Histogram(mx.TTFT_BUCKETS), mx.Histogram(mx.TPOT_BUCKETS)
         self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
@@ -153,7 +157,8 @@ def _submit(st: ServerState, job: proto.Job) -> list:
                 reqs.append(st.engine.submit(ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
                                              seed=(job.seed + i) % (1 << 32), stop=list(job.stop),
                                              logprobs=job.logprobs or 0,
-                                             prompt_logprobs=(job.logprobs or 0) if scored else None))
+                                             prompt_logprobs=(job.logprobs or 0) if scored else None,
+                                             **_extensions(job)))
     except ValueError as e:
         for r in reqs:
             r.cancel()
@@ -164,6 +169,17 @@ def _submit(st: ServerState, job: proto.Job) -> list:
         raise ApiError(503, str(e), code="engine_unavailable") from None
     st.in_flight += len(reqs)
     return reqs
+
+
+def _extensions(job: proto.Job) -> dict:
+    """submit's arguments for the job's `steering` and `hidden_states` (none when it has neither,
+    so an engine without them is called as before)."""
+    out = {}
+    if job.interventions:
+        out["interventions"] = list(job.interventions)
+    if job.hidden_states is not None:
+        out["hidden_states"] = job.hidden_states
+    return out
 
 
 class _Tracker:
@@ -222,7 +238,7 @@ async def _generate(http: HttpRequest, chat: bool):
         body = await _read_json(http, st.limits.max_body_bytes)
         if isinstance(body, dict):
             _check_model(st, body.get("model"))
-        job = proto.parse(body, st.model, chat=chat, context=st.context)
+        job = proto.parse(body, st.model, chat=chat, context=st.context, extensions=st.extensions)
         await _compile_constraint(st, job)
         reqs = _submit(st, job)  # the scoring call (echo, max_tokens 0) too: admitted, paged, cancellable
     except ApiError as e:
@@ -421,12 +437,14 @@ async def chat_completions(http: HttpRequest):
 
 
 def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
-               limits: Limits = Limits(), manage_engine: bool = True) -> Starlette:
+               limits: Limits = Limits(), manage_engine: bool = True,
+               steering_vectors: Optional[dict] = None) -> Starlette:
     """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
     (after uvicorn has finished the running requests). The engine should be warmed up before, or
     warming up in the background (`Engine.warmup(wait=False)`): /health says "warming" until it
-    is `ready`."""
-    st = ServerState(engine, model, model_name, api_key, limits)
+    is `ready`. `steering_vectors`: name -> [D] vectors a request's `steering` may name
+    (`steering.load_vectors`); steering itself needs an engine with steering slots."""
+    st = ServerState(engine, model, model_name, api_key, limits, steering_vectors)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

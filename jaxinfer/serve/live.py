@@ -53,6 +53,9 @@ class Live:
     error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
     error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
     packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner._row`)
+    steering: Optional[Any] = None  # its steering as slot rows (`steering.Rows`), or None
+    hidden: Optional[tuple] = None  # (site, layers): hidden states to return per prompt token (scoring only)
+    hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
 
     def accept(self, tokens: list[int], logprobs: list[float], tops: list) -> tuple[list[int], Optional[str]]:
         """Take a device call's tokens for this request, one at a time, until it ends.
@@ -122,10 +125,14 @@ class Live:
             n = len(self.seq.prompt)
             prompt_lps = [self.prompt_lps[p][0] if p in self.prompt_lps else None for p in range(n)]
             prompt_top = [self.prompt_lps[p][1] if p in self.prompt_lps else None for p in range(n)]
+        hidden = None
+        if self.hidden is not None and len(self.hidden_values) == len(self.seq.prompt):
+            hidden = {self.hidden[0]: np.stack([self.hidden_values[p] for p in range(len(self.seq.prompt))])}
         return outputs.Completion(prompt_ids=list(self.req.prompt_ids), token_ids=list(self.seq.generated), text=self.text,
                              logprobs=list(self.logprobs), finish_reason=reason,
                              top_logprobs=list(self.top) if self.n_top else None,
-                             prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top)
+                             prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
+                             prompt_activations=hidden)
 
 
 def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int,

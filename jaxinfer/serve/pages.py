@@ -26,10 +26,11 @@ import numpy as np
 from jaxinfer.model.cache import TRASH_PAGE
 
 
-def prefix_hashes(tokens: Sequence[int], page_size: int, n_pages: int) -> list[bytes]:
+def prefix_hashes(tokens: Sequence[int], page_size: int, n_pages: int, salt: bytes = b"") -> list[bytes]:
     """Keys of the first n_pages full pages of `tokens`: key i hashes tokens[: (i + 1) * page_size]
-    (chained: sha256 of the previous key and page i's tokens)."""
-    out, h = [], b""
+    (chained: sha256 of the previous key and page i's tokens). `salt` starts the chain: requests
+    whose keys/values differ for the same tokens (steered ones) get keys of their own."""
+    out, h = [], salt
     for i in range(n_pages):
         page = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64)
         if len(page) < page_size:

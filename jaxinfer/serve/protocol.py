@@ -18,6 +18,8 @@ import re
 import secrets
 from typing import Any, Optional
 
+import numpy as np
+
 from jaxinfer.decode import penalties as pen
 from jaxinfer.decode.inputs import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import MIN_TOKENS_WITH_CONSTRAINT, SamplingParams
@@ -39,7 +41,7 @@ _HARMLESS = {"model", "user", "metadata", "store", "service_tier", "parallel_too
              "stream_options", "n", "seed", "stop", "temperature", "top_p", "top_k", "min_p", "max_tokens",
              "max_new_tokens", "echo", "logprobs", "top_logprobs", "max_completion_tokens", "prompt", "messages",
              "num_beams", "logit_bias", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
-             "ignore_eos", *structured.PARAMS}
+             "ignore_eos", "steering", "hidden_states", *structured.PARAMS}
 
 
 class ApiError(Exception):
@@ -78,6 +80,8 @@ class Job:
     chat: bool
     constraint_param: Optional[str] = None  # the parameter the sampling constraint came from
     tool_format: Optional[str] = None  # chat with tools: how replies are read into tool_calls (None: plain text)
+    interventions: tuple = ()  # the `steering` extension: jaxinfer.interventions.add(...) per entry
+    hidden_states: Optional[tuple] = None  # the `hidden_states` extension: (site, layers) (scoring call only)
 
 
 # ---- typed field readers ---------------------------------------------------------------------
@@ -383,7 +387,126 @@ def _fit(prompts: list[list[int]], max_tokens: Optional[int], length_param: str,
     return max_tokens
 
 
-def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job:
+@dataclasses.dataclass(frozen=True)
+class Extensions:
+    """What the server offers beyond OpenAI's API (`steering`, `hidden_states`): the engine's
+    steering capacity, the named vectors loaded at start, and the hidden-state sites."""
+
+    steering: Any = None  # serve.steering.Steering, or None (no steering)
+    vectors: Any = dataclasses.field(default_factory=dict)  # name -> [D] float32 (`--steering-vectors`)
+    hidden_sites: tuple = ()
+
+
+_STEER_KEYS = {"layer", "site", "vector", "name", "scale"}
+
+
+def _steering(body: dict, model, ext: Extensions) -> tuple:
+    """The `steering` extension: [{"layer", "site", "vector" | "name", "scale"}] -> add interventions.
+
+    Every fault is a 400 naming the entry's field (steering[i].vector, ...), before admission."""
+    from jaxinfer.model import interventions as iv
+    from jaxinfer.model.sites import SITES
+
+    v = body.get("steering")
+    if v is None:
+        return ()
+    st = ext.steering
+    if st is None or not st.on:
+        raise bad("steering", "'steering' is not enabled on this server: start it with --steering-slots K",
+                  "unsupported_parameter")
+    if not isinstance(v, list):
+        raise bad("steering", "'steering' must be a list of {layer, site, vector or name, scale} objects",
+                  "invalid_type")
+    cfg = model.config
+    out, per_site = [], {}
+    for i, e in enumerate(v):
+        at = f"steering[{i}]"
+        if not isinstance(e, dict):
+            raise bad(at, f"{at} must be an object {{layer, site, vector or name, scale}}", "invalid_type")
+        unknown = sorted(set(e) - _STEER_KEYS)
+        if unknown:
+            raise bad(f"{at}.{unknown[0]}", f"{at} has an unknown field {unknown[0]!r}; its fields are layer, site, "
+                      "vector or name, scale", "unknown_parameter")
+        site = e.get("site", "resid_post")
+        if site not in st.sites:
+            known = "a site" if site in SITES else "not a site"
+            raise bad(f"{at}.site", f"{at}.site {_show(site)} is {known} this server steers at; it steers at "
+                      f"{', '.join(st.sites)}")
+        layers = e.get("layer")
+        flat = layers if isinstance(layers, list) else [layers]
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in flat)
+        if layers is None or not flat or not ints or any(not 0 <= x < cfg.n_layers for x in flat):
+            raise bad(f"{at}.layer", f"{at}.layer must be a layer index in [0, {cfg.n_layers}) (or a list of them), "
+                      f"got {_show(layers)}")
+        if ("vector" in e) == ("name" in e):
+            raise bad(at, f"{at} needs exactly one of 'vector' (a list of {cfg.d_model} numbers) and 'name' "
+                      "(a vector loaded with --steering-vectors)", "missing_required_parameter")
+        if "name" in e:
+            name = e["name"]
+            if not isinstance(name, str) or name not in ext.vectors:
+                names = sorted(ext.vectors)
+                have = (f"the server has {', '.join(map(repr, names[:20]))}" + (" ..." if len(names) > 20 else "")
+                        if names else "the server has no named vectors (--steering-vectors FILE)")
+                raise bad(f"{at}.name", f"{at}.name {_show(name)} is not a loaded steering vector; {have}")
+            vec = ext.vectors[name]
+        else:
+            raw = e["vector"]
+            if not isinstance(raw, list) or len(raw) != cfg.d_model:
+                got = f"{len(raw)} numbers" if isinstance(raw, list) else type(raw).__name__
+                raise bad(f"{at}.vector", f"{at}.vector must be a list of {cfg.d_model} numbers (the model's "
+                          f"width), got {got}")
+            if not all(_is_number(x) for x in raw):
+                raise bad(f"{at}.vector", f"{at}.vector must hold numbers only", "invalid_type")
+            try:
+                vec = np.asarray(raw, np.float64)
+            except OverflowError:
+                vec = np.full(1, np.inf)
+            if not np.all(np.isfinite(vec)) or np.any(np.abs(vec) > np.finfo(np.float32).max):
+                raise bad(f"{at}.vector", f"{at}.vector holds a number that is not finite in float32 "
+                          "(NaN, inf or beyond 3.4e38)")
+        scale = e.get("scale", 1.0)
+        if not _is_number(scale) or not abs(scale) <= np.finfo(np.float32).max:
+            raise bad(f"{at}.scale", f"{at}.scale must be a finite number, got {_show(scale)}")
+        per_site[site] = per_site.get(site, 0) + 1
+        if per_site[site] > st.slots:
+            raise bad("steering", f"'steering' has more than {st.slots} entries at {site}; this server takes at most "
+                      f"{st.slots} per site (--steering-slots)")
+        out.append(iv.add(site, sorted(set(flat)), np.asarray(vec, np.float32), float(scale)))
+    return tuple(out)
+
+
+def _hidden_states(body: dict, model, ext: Extensions, chat: bool, echo: bool, max_tokens_asked) -> Optional[tuple]:
+    """The `hidden_states` extension of the scoring call: {"layers": [...], "site": ...} -> (site, layers)."""
+    v = body.get("hidden_states")
+    if v is None:
+        return None
+    if chat or not echo or max_tokens_asked != 0:
+        raise bad("hidden_states", "'hidden_states' belongs to the scoring call: /v1/completions with echo: true "
+                  "and max_tokens: 0", "unsupported_parameter")
+    if not ext.hidden_sites:
+        raise bad("hidden_states", "'hidden_states' is not enabled on this server: start it with --hidden-states "
+                  "(e.g. resid_post)", "unsupported_parameter")
+    if not isinstance(v, dict):
+        raise bad("hidden_states", "'hidden_states' must be an object {layers: [...], site: ...}", "invalid_type")
+    unknown = sorted(set(v) - {"layers", "site"})
+    if unknown:
+        raise bad(f"hidden_states.{unknown[0]}", f"hidden_states has an unknown field {unknown[0]!r}; its fields are "
+                  "layers and site", "unknown_parameter")
+    site = v.get("site", ext.hidden_sites[0])
+    if site not in ext.hidden_sites:
+        raise bad("hidden_states.site", f"hidden_states.site {_show(site)}: this server returns "
+                  f"{', '.join(ext.hidden_sites)}")
+    n = model.config.n_layers
+    layers = v.get("layers")
+    ints = isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+    if not ints or not layers or any(not 0 <= x < n for x in layers) or len(set(layers)) != len(layers):
+        raise bad("hidden_states.layers", f"hidden_states.layers must be a non-empty list of distinct layer indices "
+                  f"in [0, {n}), got {_show(layers)}")
+    return site, tuple(sorted(layers))
+
+
+def parse(body: Any, model, *, chat: bool, context: Optional[int] = None,
+          extensions: Optional[Extensions] = None) -> Job:
     """Validate a /v1/completions (chat=False) or /v1/chat/completions body against `model`.
 
     Args:
@@ -392,6 +515,7 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
       chat: True for /v1/chat/completions.
       context: the most tokens (prompt + max_tokens) one request may hold; default the model's
         context length.
+      extensions: what the server offers of `steering` and `hidden_states` (None: neither).
     Returns:
       the Job. Raises ApiError (400) naming the parameter at fault.
     """
@@ -450,11 +574,15 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None) -> Job
     if constraint is not None and max_tokens == 0:
         raise bad(constraint_param, f"'{constraint_param}' constrains generated text; the scoring call "
                   "(max_tokens: 0) generates none")
+    ext = extensions if extensions is not None else Extensions()
+    interventions = _steering(body, model, ext)
+    hidden = _hidden_states(body, model, ext, chat, echo, asked)
     return Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling,
                seed=seed if seed is not None else secrets.randbits(31),
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
                include_usage=include_usage, chat=chat, constraint_param=constraint_param,
-               tool_format=tools.reply_format if tools is not None else None)
+               tool_format=tools.reply_format if tools is not None else None, interventions=interventions,
+               hidden_states=hidden)
 
 
 # ---- the tokenizer endpoints (vLLM's shapes; lm-evaluation-harness's `tokenizer_backend=remote`) ----

@@ -125,8 +125,18 @@ def full_response(model, model_name: str, job: Job, comps: list[Completion]) -> 
             text = (model.tokenizer.decode(prompt) if job.echo else "") + c.text
             lp = completion_logprobs(model, c, job.logprobs, job.echo) if job.logprobs is not None else None
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            if job.hidden_states is not None:
+                choices[-1]["hidden_states"] = hidden_states(job, c)
     return {"id": _id(job.chat), "object": "chat.completion" if job.chat else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": choices, "usage": _usage(job, comps)}
+
+
+def hidden_states(job: Job, comp: Completion) -> dict:
+    """A scoring choice's `hidden_states` (the extension): {"site", "layers", "data"}, data
+    [prompt tokens][layers][D] float32 values, row j the site at prompt token j."""
+    site, layers = job.hidden_states
+    values = (comp.prompt_activations or {}).get(site)
+    return {"site": site, "layers": list(layers), "data": None if values is None else values.tolist()}
 
 
 class StreamHead:

@@ -23,6 +23,12 @@ two tables with the few columns that move (tokens, lengths, page table, steps, b
 mixed call hands its state on to the scan on the device, the results come back as two packed
 arrays whose copies start as soon as the calls are dispatched, and the programs are compiled
 ahead of time (`programs.Programs`, on worker threads at `warmup`) and called directly.
+
+Steering (`steering.py`, an engine built with steering_slots > 0): the slots' add vectors,
+scales and layer gates are one more argument of the mixed and decode programs (`sites.Hooks`
+with rows [S, ...]), rewritten on the host where a slot's request changed and sent again only
+then; a scoring call builds its rows' own. Hidden states: scoring calls of requests that ask
+for them run "hidden" programs that also capture the engine's hidden sites at every layer.
 """
 
 from __future__ import annotations
@@ -44,11 +50,13 @@ from jaxinfer import sharding as shd
 from jaxinfer.decode import core
 from jaxinfer.decode import penalties as pen
 from jaxinfer.model import cache as kv
+from jaxinfer.model import sites
 from jaxinfer.model.model import Model
 from jaxinfer.serve.live import Live, batch_rows, slot_rows
 from jaxinfer.serve.packed import Packing
 from jaxinfer.serve.programs import Programs
 from jaxinfer.serve.scheduler import Chunk, Seq, call_rows, one_call
+from jaxinfer.serve import steering as steer
 
 # Smallest prefill chunk bucket (chunks are padded to powers of two from here). 16, not 32: a
 # request's new turn or a short prompt is often under 16 tokens, and on a CPU every padded row
@@ -82,6 +90,7 @@ class PrefillOut:
     first_top: tuple[np.ndarray, np.ndarray]  # ([R, n], [R, n]) ids and logprobs of the alternatives
     prompt_logprobs: Optional[np.ndarray]  # [R, C] log p(next prompt token) (scoring calls only)
     prompt_top: Optional[tuple[np.ndarray, np.ndarray]]  # ([R, C, n], [R, C, n])
+    hidden: Optional[dict] = None  # site -> [R, C, L, D] float32 at every chunk position (hidden-state calls)
 
 
 @dataclasses.dataclass
@@ -133,11 +142,13 @@ class Slots:
     top: jax.Array  # [S] bool: the slot's request wants its top alternatives
 
 
-def _state(cache: kv.KVCache, counts, slots: Slots, mask) -> core.DecodeState:
-    """The decode core's state from a call's arguments (inside a program)."""
+def _state(cache: kv.KVCache, counts, slots: Slots, mask, hooks=None) -> core.DecodeState:
+    """The decode core's state from a call's arguments (inside a program); `hooks`: the slots'
+    steering (`steering.idle_hooks`'s form), or None."""
     rows = slots.rows.replace(keys=jax.random.wrap_key_data(slots.rows.keys), mask=mask)
     return core.DecodeState(cache=cache.with_rows(slots.page_table, slots.lengths), tokens=slots.tokens, rows=rows,
-                            counts=pen.TokenCounts(counts=counts[0], in_prompt=counts[1], generated=slots.generated))
+                            counts=pen.TokenCounts(counts=counts[0], in_prompt=counts[1], generated=slots.generated),
+                            hooks=hooks)
 
 
 def _slots(state: core.DecodeState, top) -> Slots:
@@ -160,12 +171,13 @@ def _pack_emitted(em: core.Emitted, steps: int, n_top: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "packing"), donate_argnums=(1, 2))
-def mixed_program(params, cache, counts, ints, floats, mask, chunks: core.Chunks, *, cfg, n_top: int,
+def mixed_program(params, cache, counts, ints, floats, mask, chunks: core.Chunks, hooks=None, *, cfg, n_top: int,
                   packing: Packing):
     """`core.mixed_step` over packed slots: (cache, counts, ints, floats, the decode rows'
-    Emitted [1, S] packed, the chunks' first tokens [1, R] packed)."""
+    Emitted [1, S] packed, the chunks' first tokens [1, R] packed). `hooks`: the slots' steering."""
     slots = packing.unpack(ints, floats)
-    state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask), chunks, cfg, n_top, slots.top)
+    state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask, hooks), chunks, cfg, n_top,
+                                       slots.top)
     ints, floats = packing.pack(_slots(state, slots.top))
     em, first = jax.tree.map(lambda a: a[None], (em, first))
     return (state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats,
@@ -173,16 +185,17 @@ def mixed_program(params, cache, counts, ints, floats, mask, chunks: core.Chunks
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_top", "packing"), donate_argnums=(1, 2))
-def decode_program(params, cache, counts, ints, floats, mask, table, cap, limit, *, cfg, n_steps: int, n_top: int,
-                   packing: Packing):
+def decode_program(params, cache, counts, ints, floats, mask, table, cap, limit, hooks=None, *, cfg, n_steps: int,
+                   n_top: int, packing: Packing):
     """`core.decode` (until a row ends) over packed slots: (cache, counts, ints, floats, Emitted
     [n_steps, S] packed). The slots' page tables are `table` [S, W] and their budgets
     min(cap, limit - steps) [S] (at least 0): so the slots of the last call, still on the device,
-    decode on with new pages (`Runner.chain`) without the host knowing their last tokens."""
+    decode on with new pages (`Runner.chain`) without the host knowing their last tokens.
+    `hooks`: the slots' steering."""
     slots = packing.unpack(ints, floats)
     budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
     slots = slots.replace(page_table=table, rows=slots.rows.replace(budget=budget))
-    state, em = core.decode(params, _state(cache, counts, slots, mask), cfg, n_steps, n_top, top=slots.top,
+    state, em = core.decode(params, _state(cache, counts, slots, mask, hooks), cfg, n_steps, n_top, top=slots.top,
                             until_a_row_ends=jnp.asarray(True))
     ints, floats = packing.pack(_slots(state, slots.top))
     return state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats, _pack_emitted(em, n_steps, n_top)
@@ -200,7 +213,8 @@ def _abstract(tree):
 
 class Runner:
     def __init__(self, model: Model, *, n_pages: int, page_size: int, max_slots: int, max_len: int,
-                 prefill_chunk: int, decode_steps: int, eos_ids: tuple[int, ...], call_rows: Optional[int] = None):
+                 prefill_chunk: int, decode_steps: int, eos_ids: tuple[int, ...], call_rows: Optional[int] = None,
+                 steering: steer.Steering = steer.Steering(), hidden_sites: tuple[str, ...] = ()):
         self.model, self.cfg = model, model.config
         self.n_pages, self.page_size, self.max_slots, self.decode_steps = n_pages, page_size, max_slots, decode_steps
         self.eos_ids = eos_ids
@@ -243,6 +257,13 @@ class Runner:
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
         self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
         self._carry = None  # the last call's slots on the device (ints, floats, mask), for `chain`
+        # The slots' steering (`steering.py`): host hooks written per slot, sent when they change.
+        self.steering = steering
+        self._steer = steer.idle_hooks(steering, self.cfg, max_slots)
+        self._steer_device = None  # the last sent copy of _steer (None: to send)
+        # Sites a scoring request may read (hidden states): its scoring calls capture them at every
+        # layer (programs of their own, "hidden"); the host keeps the layers it asked for.
+        self.hidden_sites = tuple(hidden_sites)
 
     def new_pool(self) -> kv.KVCache:
         """An empty pool (on the model's mesh, kv heads split like wk/wv, when the model is sharded)."""
@@ -315,18 +336,42 @@ class Runner:
     def _mixed(self, *args):
         R, C = args[-1].tokens.shape
         return self._program(("mixed", R, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
-                                                                  packing=self.packing), self.model.params, *args)
+                                                                  packing=self.packing), self.model.params, *args,
+                             self._steer_hooks())
 
     def _decode(self, *args):
         return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
                                                               n_top=MAX_TOP_LOGPROBS, packing=self.packing),
-                             self.model.params, *args)
+                             self.model.params, *args, self._steer_hooks())
 
-    def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens):
+    def _steer_hooks(self):
+        """The slots' steering hooks on the device (None without steering slots), sent again
+        only after a slot's request changed."""
+        if self._steer is None:
+            return None
+        if self._steer_device is None:
+            self._steer_device = jax.device_put(jax.tree.map(np.copy, self._steer))  # never the live host rows
+        return self._steer_device
+
+    def _scoring_hooks(self, lives: list, hidden: bool):
+        """Host hooks of a scoring call's rows: their steering, and (`hidden`) the hidden sites
+        captured at every layer. None when there is neither."""
+        hooks = steer.idle_hooks(self.steering, self.cfg, len(lives))
+        if hooks is not None:
+            for i, lv in enumerate(lives):
+                steer.write_row(hooks, i, None if lv is None else lv.steering, self.steering)
+        if hidden:
+            hooks = (hooks or sites.Hooks()).replace(capture=self.hidden_sites,
+                                                     capture_layers=tuple(range(self.cfg.n_layers)))
+        return hooks
+
+    def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, hooks=None, hidden=False):
         R, C = tokens.shape
         cache = self.cache.with_rows(table, starts)
-        cache, _, out = self._program(("prefill", R, C), scoring_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS),
-                                      self.model.params, cache, tokens, starts, n_real, last, rows, counts, next_tokens)
+        cache, _, out = self._program(("hidden" if hidden else "prefill", R, C), scoring_program,
+                                      dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden),
+                                      self.model.params, cache, tokens, starts, n_real, last, rows, counts, next_tokens,
+                                      hooks)
         # The pool as the slots' programs take it: [S, W] rows (theirs come in the packed tables).
         S = self.max_slots
         self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
@@ -366,6 +411,9 @@ class Runner:
             if self._occupant[s] != rid:
                 ti[s], tf[s] = self._row(lv)
                 self._occupant[s] = rid
+                if self._steer is not None:
+                    steer.write_row(self._steer, s, None if lv is None else lv.steering, self.steering)
+                    self._steer_device = None
         ints = ti.copy()  # the call may read its arguments after this returns: never the live table
         c = self._cols
         ints[:, c["tokens"]], ints[:, c["lengths"]] = tokens[:, None], lengths[:, None]
@@ -415,12 +463,15 @@ class Runner:
         padded = lives + [None] * (R - len(lives))
         rows, counts = batch_rows(padded, np.ones((R,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
                                   raw_keys=True)
-        out = self._prefill(rows, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table, next_tokens)
+        hidden = any(lv is not None and lv.hidden is not None for lv in lives)
+        out = self._prefill(rows, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table, next_tokens,
+                            self._scoring_hooks(padded, hidden), hidden)
         first = out.first
         return PrefillOut(first=shd.to_host(first.tokens)[:, 0], first_logprob=shd.to_host(first.logprobs)[:, 0],
                           first_top=(shd.to_host(first.top_ids)[:, 0], shd.to_host(first.top_logprobs)[:, 0]),
                           prompt_logprobs=shd.to_host(out.prompt_logprobs),
-                          prompt_top=(shd.to_host(out.prompt_top_ids), shd.to_host(out.prompt_top_logprobs)))
+                          prompt_top=(shd.to_host(out.prompt_top_ids), shd.to_host(out.prompt_top_logprobs)),
+                          hidden={k: shd.to_host(v) for k, v in out.captured.items()} if hidden else None)
 
     def step(self, chunks: list[Chunk], chunk_lives: list[Live], join_budgets: list[int], seqs: list[Seq],
              lives: list[Live], steps: int, on_scan: Callable[[], None] = lambda: None) -> StepOut:
@@ -536,14 +587,15 @@ class Runner:
         counts = (z((S, self.cfg.vocab_size), np.int32), z((S, self.cfg.vocab_size), bool))
         mask = core.no_mask(S, self.cfg.vocab_size)
         base = _abstract((self.model.params, self.cache, counts, ints, floats, mask))
+        hooks = _abstract(self._steer)
         out = []
         if decode:
             static = dict(cfg=self.cfg, n_steps=self.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
-            args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32)))
+            args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32))) + (hooks,)
             out.append((("decode",), functools.partial(_compile, decode_program, args, static)))
         for R, C in shapes:
             static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
-            args = base + (_abstract(self._chunk_arrays([], (R, C))),)
+            args = base + (_abstract(self._chunk_arrays([], (R, C))), hooks)
             out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static)))
             if scoring and R == 1:  # scoring calls take one chunk (`pick`)
                 rows, pcounts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
@@ -551,14 +603,18 @@ class Runner:
                 cache = self.cache.with_rows(z((R, self.width), np.int32), z((R,), np.int32))
                 args = _abstract((self.model.params, cache, z((R, C), np.int32), z((R,), np.int32),
                                   z((R,), np.int32), z((R,), bool), rows, pcounts, z((R, C), np.int32)))
-                static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS)
-                out.append((("prefill", R, C), functools.partial(_compile, scoring_program, args, static)))
+                for hidden in (False, True) if self.hidden_sites else (False,):
+                    static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden)
+                    a = args + (_abstract(self._scoring_hooks([None] * R, hidden)),)
+                    out.append((("hidden" if hidden else "prefill", R, C),
+                                functools.partial(_compile, scoring_program, a, static)))
         return out
 
     def minimal(self, scoring: bool) -> list[tuple]:
         """The programs every request can be served with: the scan and the smallest chunk call."""
         C = self.chunks[0]
-        return [("decode",), ("mixed", 1, C)] + ([("prefill", 1, C)] if scoring else [])
+        return ([("decode",), ("mixed", 1, C)] + ([("prefill", 1, C)] if scoring else [])
+                + ([("hidden", 1, C)] if scoring and self.hidden_sites else []))
 
     def warmup(self, *, scoring: bool, workers: Optional[int] = None, background: bool = False,
                lock=None) -> int:
@@ -683,9 +739,11 @@ def _compile(jitted, args, static):
     return jitted.lower(*args, **static).compile()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_top"), donate_argnums=(1,))
-def scoring_program(params, cache, tokens, starts, n_real, last, rows: core.Rows, counts, next_tokens, *, cfg,
-                    n_top: int):
-    """`core.prefill` with prompt logprobs, its rows' keys as raw key data."""
+@functools.partial(jax.jit, static_argnames=("cfg", "n_top", "capture"), donate_argnums=(1,))
+def scoring_program(params, cache, tokens, starts, n_real, last, rows: core.Rows, counts, next_tokens, hooks=None, *,
+                    cfg, n_top: int, capture: bool = False):
+    """`core.prefill` with prompt logprobs, its rows' keys as raw key data; `hooks`: the rows'
+    steering and (`capture`) the sites captured at every chunk position."""
     rows = rows.replace(keys=jax.random.wrap_key_data(rows.keys))
-    return core.prefill(params, cache, tokens, starts, n_real, last, rows, counts, next_tokens, cfg, n_top, True)
+    return core.prefill(params, cache, tokens, starts, n_real, last, rows, counts, next_tokens, cfg, n_top, True,
+                        hooks=hooks, capture_prompt=capture)

@@ -51,6 +51,7 @@ class Seq:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     recompute_from: Optional[int] = None  # prompt logprobs wanted from this position: no cache hits after it
+    cache_salt: bytes = b""  # prefix-cache keys start from this (steered requests: their steering's key)
 
     @property
     def remaining(self) -> int:
@@ -151,7 +152,7 @@ class Scheduler:
             cached, hashes = [], []
             if self.prefix_cache:  # full pages only, and never the last token (its logits are needed)
                 usable = len(ctx) - 1 if seq.recompute_from is None else max(0, seq.recompute_from - 1)
-                hashes = prefix_hashes(ctx, self.page_size, usable // self.page_size)
+                hashes = prefix_hashes(ctx, self.page_size, usable // self.page_size, seq.cache_salt)
                 cached = self.pool.match(hashes)
                 if len(cached) < len(hashes) and hashes[len(cached)] in coming:
                     # its next prefix page is being computed by a request admitted earlier: wait
@@ -183,7 +184,7 @@ class Scheduler:
                 n = (len(seq.prompt) - 1) // self.page_size
                 done = seq.computed // self.page_size
                 if done < n:
-                    out.update(prefix_hashes(seq.prompt, self.page_size, n)[done:])
+                    out.update(prefix_hashes(seq.prompt, self.page_size, n, seq.cache_salt)[done:])
         return out
 
     def _chunks(self) -> list[Chunk]:
@@ -218,7 +219,7 @@ class Scheduler:
         if self.prefix_cache:
             # Only prompt pages: their keys/values came from a prefill, as a later request's would.
             full = min(seq.computed, len(seq.prompt)) // self.page_size
-            for i, h in enumerate(prefix_hashes(seq.prompt, self.page_size, full)):
+            for i, h in enumerate(prefix_hashes(seq.prompt, self.page_size, full, seq.cache_salt)):
                 self.pool.register(h, seq.pages[i])
 
     def sampled(self, seq: Seq, token: int) -> None:

@@ -1,0 +1,190 @@
+"""Steering in the serving engine: a fixed number of `add` slots per row, filled by each request.
+
+    engine = Engine(model, steering_slots=4)                  # 4 adds per request, at resid_post
+    engine.submit(prompt, interventions=[interventions.add("resid_post", 12, v, 4.0)])
+
+The engine's programs are built once (`Engine.warmup`) for fixed shapes, so a request cannot
+bring a function, a site or a params shape of its own (`jaxinfer.interventions` would make each
+of those a new program). What it can bring is data: the engine keeps, for every decode slot,
+K = `steering_slots` `add` slots at each of `Steering.sites` (default resid_post only):
+
+    vectors [S, K, D] float32, scales [S, K] float32, gates [S, K, L] bool  (per site)
+
+These are the `sites.Slot`s of `jaxinfer.interventions.add` (the same function, so the same
+program as `generate(interventions=[add(...)])` traces), with the rows stacked over the slots.
+A request's adds are written into its slot's rows when it takes the slot; a row without
+steering has every gate off, and `sites.apply`'s `where` keeps its values bit for bit. New
+vectors, scales or layers are new data: nothing compiles. steering_slots=0 (the default) gives
+the programs of an engine without steering (no hooks at all).
+
+What does not fit the fixed form is refused by `check` before the request is admitted, naming
+what is wrong: anything but `add` (ablate, patch, project_out, a custom function), a site the
+engine has no slots at, more adds at a site than its K slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxinfer.model import interventions as iv
+from jaxinfer.model import sites as sites_lib
+from jaxinfer.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Steering:
+    """The engine's steering capacity: `slots` adds per request at each of `sites`."""
+
+    slots: int = 0
+    sites: tuple[str, ...] = ("resid_post",)
+
+    def __post_init__(self):
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 0:
+            raise ValueError(f"steering_slots must be an int >= 0 (0 = no steering), got {self.slots!r}")
+        sites = (self.sites,) if isinstance(self.sites, str) else tuple(self.sites)
+        if not sites or len(set(sites)) != len(sites):
+            raise ValueError(f"steering_sites must name one or more distinct sites, got {self.sites!r}")
+        for s in sites:
+            sites_lib.check_site(s)
+            if s == "attn_heads":
+                raise ValueError("steering_sites: attn_heads is [N, H] per token; steering adds a [D] vector at "
+                                 "resid_pre, attn_out, resid_mid, mlp_out or resid_post")
+        object.__setattr__(self, "sites", sites)
+
+    @property
+    def on(self) -> bool:
+        return self.slots > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """One request's steering as the engine's slot rows (per site, in `Steering.sites` order)."""
+
+    vectors: np.ndarray  # [n_sites, K, D] float32
+    scales: np.ndarray  # [n_sites, K] float32
+    gates: np.ndarray  # [n_sites, K, L] bool
+
+    def salt(self) -> bytes:
+        """A key of this steering for the prefix cache: steered keys/values are shared only
+        with requests steered the same way, never with plain ones."""
+        h = hashlib.sha256()
+        for a in (self.vectors, self.scales, self.gates):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.digest()
+
+
+def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfig) -> Optional[Rows]:
+    """A request's interventions as its slot rows, or None when it has none.
+
+    Args:
+      interventions: a list of `jaxinfer.interventions` (only `add` fits the engine), or None.
+      steering: the engine's capacity.
+      cfg: the model's config (D, L).
+    Returns:
+      Rows, or None for no interventions.
+    Raises:
+      TypeError / ValueError naming what does not fit, before anything runs.
+    """
+    if interventions is None:
+        return None
+    if isinstance(interventions, iv.Intervention):
+        raise TypeError("interventions must be a list of jaxinfer.interventions.add(...) (one request's)")
+    items = list(interventions)
+    if not items:
+        return None
+    if not steering.on:
+        raise ValueError("this engine has no steering slots: build it with Engine(steering_slots=K) "
+                         "(jaxinfer serve --steering-slots K) to steer requests")
+    K, D, L = steering.slots, cfg.d_model, cfg.n_layers
+    n = len(steering.sites)
+    rows = Rows(vectors=np.zeros((n, K, D), np.float32), scales=np.zeros((n, K), np.float32),
+                gates=np.zeros((n, K, L), bool))
+    used = [0] * n
+    for i, x in enumerate(items):
+        if not isinstance(x, iv.Intervention):
+            raise TypeError(f"interventions[{i}] is a {type(x).__name__}, not an Intervention")
+        if x.fn is not iv._add:
+            raise ValueError(f"interventions[{i}] is {x!r}: the engine applies only add(...) (steering vectors) in "
+                             "its fixed programs; ablate, patch, project_out and custom functions run in "
+                             "jaxinfer.generate(..., interventions=...)")
+        if x.site not in steering.sites:
+            raise ValueError(f"interventions[{i}] adds at {x.site!r}; this engine steers at "
+                             f"{', '.join(steering.sites)} (Engine(steering_sites=...))")
+        layers = sites_lib.check_layers(x.layers, cfg, f"interventions[{i}] layers")
+        v = np.asarray(x.params["vector"], np.float32)
+        if v.shape != (D,):
+            raise ValueError(f"interventions[{i}]: the vector has shape {v.shape}; the model's width is [{D}]")
+        s = steering.sites.index(x.site)
+        if used[s] == K:
+            raise ValueError(f"{sum(it.site == x.site for it in items if isinstance(it, iv.Intervention))} adds at "
+                             f"{x.site}: this engine has {K} steering slots per request at each site")
+        k = used[s]
+        used[s] += 1
+        rows.vectors[s, k], rows.scales[s, k] = v, np.float32(x.params["scale"])
+        rows.gates[s, k, list(layers)] = True
+    return rows
+
+
+def idle_hooks(steering: Steering, cfg: ModelConfig, n_rows: int) -> Optional[sites_lib.Hooks]:
+    """Host hooks for n_rows rows with every gate off (None when steering is off): the
+    template of the engine's per-slot hooks."""
+    if not steering.on:
+        return None
+    D, L = cfg.d_model, cfg.n_layers
+    slots = tuple(sites_lib.Slot(params={"scale": np.zeros((n_rows,), np.float32),
+                                         "vector": np.zeros((n_rows, D), np.float32)},
+                                 gate=np.zeros((n_rows, L), bool), site=site, fn=iv._add)
+                  for site in steering.sites for _ in range(steering.slots))
+    return sites_lib.Hooks(slots=slots)
+
+
+def write_row(hooks: sites_lib.Hooks, row: int, rows: Optional[Rows], steering: Steering) -> None:
+    """Write one request's rows (None: gates off) into row `row` of host `hooks` (in place)."""
+    K = steering.slots
+    for j, slot in enumerate(hooks.slots):
+        s, k = divmod(j, K)
+        if rows is None:
+            slot.gate[row] = False
+            slot.params["vector"][row] = 0
+            slot.params["scale"][row] = 0
+        else:
+            slot.gate[row] = rows.gates[s, k]
+            slot.params["vector"][row] = rows.vectors[s, k]
+            slot.params["scale"][row] = rows.scales[s, k]
+
+
+def load_vectors(path: str, d_model: int) -> dict[str, np.ndarray]:
+    """Named steering vectors from a file: name -> [D] float32 (`jaxinfer serve --steering-vectors`).
+
+    Args:
+      path: a .npz (numpy.savez: one array per name) or a .safetensors file (one tensor per name).
+      d_model: the model's width D; every vector must be [D], finite.
+    Returns:
+      {name: vector}. Raises ValueError naming the file and the bad entry.
+    """
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as f:
+            raw = {k: f[k] for k in f.files}
+    elif path.endswith(".safetensors"):
+        from safetensors.numpy import load_file
+
+        raw = load_file(path)
+    else:
+        raise ValueError(f"steering vectors file {path!r}: expected a .npz or .safetensors file of name -> [D] vectors")
+    if not raw:
+        raise ValueError(f"steering vectors file {path!r} holds no vectors")
+    out = {}
+    for name, a in raw.items():
+        a = np.asarray(a)
+        if a.shape != (d_model,) or a.dtype.name not in ("float16", "bfloat16", "float32", "float64"):
+            raise ValueError(f"steering vectors file {path!r}: {name!r} has shape {a.shape} ({a.dtype}); every vector "
+                             f"must be [D] = [{d_model}] floats (the model's width)")
+        a = a.astype(np.float32)
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"steering vectors file {path!r}: {name!r} holds NaN or inf")
+        out[name] = a
+    return out

@@ -1,0 +1,274 @@
+"""Steering and hidden states in the Engine and the server (issue 46, item 6).
+
+One steered engine (2 add slots at resid_post, hidden states of resid_post) over a tiny random
+model with SmolLM2's tokenizer, warmed up once: its requests equal `jaxinfer.generate` with the
+same interventions (greedy and seeded), a plain request beside steered ones equals an engine
+without steering bit for bit, new vectors, scales and layers compile nothing, and over HTTP the
+`steering` field equals generate, every fault is a 400 naming the field, and the scoring call's
+`hidden_states` equal `jaxinfer.activations`.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+
+import jaxinfer
+from jaxinfer import interventions as I
+from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.decode.sampling import GREEDY, SamplingParams
+from jaxinfer.model import config as mconfig, params as mparams
+from jaxinfer.model.model import Model
+from jaxinfer.serve import Engine
+from jaxinfer.serve import protocol as proto
+from jaxinfer.serve import steering
+from tests.tolerances import assert_close
+
+# call_rows and admission_wait fixed: no measured time decides how requests are grouped into calls,
+# so two engines run the same requests through the same calls (bit-for-bit comparisons)
+ENGINE = dict(max_slots=4, page_size=8, max_len=64, prefill_chunk=16, call_rows=32, admission_wait=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95)
+P1, P2, P3 = [5, 17, 33, 2, 250, 96, 41, 7, 123], [8, 1, 2, 64, 9], [300, 12, 77, 5, 6, 1000, 42]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    """A tiny random model with SmolLM2's vocabulary and tokenizer (the server renders its pieces)."""
+    cfg = mconfig.tiny(vocab_size=smollm2.config.vocab_size, bos_token_id=smollm2.config.bos_token_id,
+                       eos_token_id=smollm2.config.eos_token_id)
+    return Model(cfg, mparams.init_params(cfg, jax.random.key(0)), smollm2.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    e = Engine(model, steering_slots=2, hidden_sites=("resid_post",), **ENGINE)
+    e.warmup(scoring=True)
+    return e
+
+
+@pytest.fixture(scope="module")
+def plain_engine(model):
+    """An engine without steering slots (not warmed up: its few programs are built on first use)."""
+    return Engine(model, **ENGINE)
+
+
+def _vec(d, seed):
+    return np.random.default_rng(seed).standard_normal(d).astype(np.float32)
+
+
+def _generate(model, prompt, sampling, seed, ivs, n=10):
+    return jaxinfer.generate(model, [prompt], max_new_tokens=n, sampling=sampling, seed=seed, stop_at_eos=False,
+                             interventions=ivs or None).completions[0]
+
+
+def _run(engine, specs, n=10):
+    """Submit every (prompt, sampling, seed, interventions) before stepping: they share batches."""
+    reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=seed, stop_at_eos=False, interventions=ivs)
+            for p, s, seed, ivs in specs]
+    engine.run_until_idle()
+    return [r.result() for r in reqs]
+
+
+def _specs(D, seeds=(0, 1, 2), scales=(4.0, -3.0, 2.0), layers=(1, 0, (0, 1))):
+    return [(P1, GREEDY, 3, [I.add("resid_post", layers[0], _vec(D, seeds[0]), scales[0])]),
+            (P2, SEEDED, 4, []),
+            (P3, SEEDED, 5, [I.add("resid_post", layers[1], _vec(D, seeds[1]), scales[1]),
+                             I.add("resid_post", layers[2], _vec(D, seeds[2]), scales[2])]),
+            (P1, SEEDED, 6, [I.add("resid_post", layers[0], _vec(D, seeds[0]), scales[0])])]
+
+
+def test_steered_requests_equal_generate_and_plain_rows_equal_an_engine_without_steering(model, engine, plain_engine):
+    D = model.config.d_model
+    specs = _specs(D)
+    before = engine.compiles_while_serving
+    got = _run(engine, specs)
+    assert engine.compiles_while_serving == before, "a steered request compiled a program after warmup"
+    for i, (g, (p, s, seed, ivs)) in enumerate(zip(got, specs)):
+        want = _generate(model, p, s, seed, ivs)
+        assert g.token_ids == want.token_ids, (i, g.token_ids, want.token_ids)
+        assert_close(g.logprobs, want.logprobs, what=f"request {i} logprobs vs generate")
+        if ivs:  # the vectors act
+            assert g.token_ids != _generate(model, p, s, seed, []).token_ids, i
+    # the plain request beside steered ones: bit for bit what an engine without steering gives it
+    # in the same calls (the same batch, every request unsteered: a call's shape moves the last bit)
+    unsteered = _run(plain_engine, [(p, s, seed, []) for p, s, seed, _ in specs])
+    assert got[1].token_ids == unsteered[1].token_ids and got[1].logprobs == unsteered[1].logprobs
+
+
+def test_new_vectors_scales_and_layers_compile_nothing(model, engine):
+    D = model.config.d_model
+    first = _run(engine, _specs(D))
+    with CompileCounter() as compiles:
+        before = engine.compiles_while_serving
+        specs = _specs(D, seeds=(7, 8, 9), scales=(-2.0, 5.0, 1.5), layers=(0, (0, 1), 1))
+        second = _run(engine, specs)
+    assert compiles.count == 0 and engine.compiles_while_serving == before, f"{compiles.count} programs compiled"
+    assert first[0].token_ids != second[0].token_ids  # the new data acted
+    assert first[1].token_ids == second[1].token_ids  # the plain request did not move
+    for g, (p, s, seed, ivs) in zip(second, specs):
+        assert g.token_ids == _generate(model, p, s, seed, ivs).token_ids
+
+
+def test_the_prefix_cache_keeps_steered_and_plain_keys_apart(model, engine):
+    """Same 3-page prompt plain, steered, steered again: each equals generate (a steered request
+    neither takes the plain request's pages nor leaves its own to it)."""
+    prompt = list(range(40, 66))
+    steer = [I.add("resid_post", 0, _vec(model.config.d_model, 3), 6.0)]
+    for ivs in ([], steer, steer, []):
+        got = _run(engine, [(prompt, GREEDY, 0, ivs)], n=6)[0]
+        assert got.token_ids == _generate(model, prompt, GREEDY, 0, ivs, n=6).token_ids, bool(ivs)
+
+
+def test_what_the_fixed_form_cannot_express_is_refused_before_admission(model, engine, plain_engine):
+    D = model.config.d_model
+    v = _vec(D, 0)
+    for ivs, match in [([I.ablate("resid_post", 0)], "only add"),
+                       ([I.ablate("attn_heads", 0, heads=[1])], "only add"),
+                       ([I.patch("resid_post", 0, np.zeros((2, D)))], "only add"),
+                       ([I.project_out("resid_post", 0, v)], "only add"),
+                       ([I.add("mlp_out", 0, v)], "steers at resid_post"),
+                       ([I.add("resid_post", 0, v)] * 3, "2 steering slots"),
+                       ([I.add("resid_post", 0, np.ones(D + 1))], "width"),
+                       ([I.add("resid_post", 5, v)], r"layers must be layer indices in \[0, 2\)")]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(P1, max_new_tokens=2, interventions=ivs)
+    with pytest.raises(ValueError, match="no steering slots"):
+        plain_engine.submit(P1, max_new_tokens=2, interventions=[I.add("resid_post", 0, v)])
+    with pytest.raises(ValueError, match="steering_slots must be an int >= 0"):
+        Engine(model, steering_slots=-1, **ENGINE)
+    with pytest.raises(ValueError, match="hidden_states site 'mlp_out'"):
+        engine.submit(P1, max_new_tokens=0, prompt_logprobs=0, hidden_states=("mlp_out", [0]))
+    with pytest.raises(ValueError, match="pass prompt_logprobs"):
+        engine.submit(P1, max_new_tokens=2, hidden_states=("resid_post", [0]))
+    assert engine.scheduler.idle()
+
+
+def test_hidden_states_of_the_scoring_pass_equal_activations(model, engine):
+    steer = [I.add("resid_post", 0, _vec(model.config.d_model, 4), 3.0)]
+    for ivs in ([], steer):
+        req = engine.submit(P3 * 3, max_new_tokens=0, prompt_logprobs=0, hidden_states=("resid_post", [0, 1]),
+                            interventions=ivs)
+        engine.run_until_idle()
+        got = req.result().prompt_activations["resid_post"]
+        want = jaxinfer.activations(model, [P3 * 3], "resid_post", layers=[0, 1], interventions=ivs or None)[0]
+        assert got.shape == want["resid_post"].shape == (len(P3) * 3, 2, model.config.d_model)
+        assert_close(got, want["resid_post"], what="hidden states vs jaxinfer.activations")
+
+
+def test_steering_vectors_files(tmp_path):
+    v = {"happy": _vec(8, 0), "sad": _vec(8, 1)}
+    np.savez(tmp_path / "v.npz", **v)
+    from safetensors.numpy import save_file
+
+    save_file(v, str(tmp_path / "v.safetensors"))
+    for name in ("v.npz", "v.safetensors"):
+        got = steering.load_vectors(str(tmp_path / name), 8)
+        assert sorted(got) == ["happy", "sad"] and np.array_equal(got["sad"], v["sad"])
+    with pytest.raises(ValueError, match="'happy' has shape"):
+        steering.load_vectors(str(tmp_path / "v.npz"), 9)
+    np.savez(tmp_path / "nan.npz", bad=np.full(8, np.nan, np.float32))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        steering.load_vectors(str(tmp_path / "nan.npz"), 8)
+    with pytest.raises(ValueError, match=".npz or .safetensors"):
+        steering.load_vectors(str(tmp_path / "v.txt"), 8)
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+def _ext(engine, vectors=None):
+    return proto.Extensions(steering=engine.steering, vectors=vectors or {}, hidden_sites=engine.hidden_sites)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_steering_field_is_refused_naming_the_field(model, engine, chat):
+    D = model.config.d_model
+    ext = _ext(engine, {"happy": _vec(D, 0)})
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": P1}) | {"max_tokens": 2}
+    ok = [{"layer": 1, "vector": [0.5] * D, "scale": 2.0}, {"layer": [0, 1], "name": "happy"}]
+    job = proto.parse(base | {"steering": ok}, model, chat=chat, extensions=ext)
+    assert [(x.site, x.layers) for x in job.interventions] == [("resid_post", (1,)), ("resid_post", (0, 1))]
+    cases = [
+        ({"layer": 0, "vector": [1.0] * (D - 1)}, "steering[0].vector", f"list of {D} numbers"),
+        ({"layer": 0, "vector": [1.0] * (D - 1) + [1e39]}, "steering[0].vector", "not finite"),
+        ({"layer": 0, "vector": [1.0] * (D - 1) + ["x"]}, "steering[0].vector", "numbers only"),
+        ({"layer": 2, "vector": [1.0] * D}, "steering[0].layer", r"\[0, 2\)"),
+        ({"layer": "1", "vector": [1.0] * D}, "steering[0].layer", "layer index"),
+        ({"layer": 0, "site": "mlp_out", "vector": [1.0] * D}, "steering[0].site", "steers at resid_post"),
+        ({"layer": 0, "site": "resid_side", "vector": [1.0] * D}, "steering[0].site", "not a site"),
+        ({"layer": 0, "name": "angry"}, "steering[0].name", "'happy'"),
+        ({"layer": 0}, "steering[0]", "exactly one of 'vector'"),
+        ({"layer": 0, "name": "happy", "scale": float("inf")}, "steering[0].scale", "finite number"),
+        ({"layer": 0, "name": "happy", "gain": 2}, "steering[0].gain", "unknown field"),
+    ]
+    for entry, param, message in cases:
+        with pytest.raises(proto.ApiError, match=message) as e:
+            proto.parse(base | {"steering": [entry]}, model, chat=chat, extensions=ext)
+        assert (e.value.status, e.value.param) == (400, param), (entry, e.value.param)
+    with pytest.raises(proto.ApiError, match="at most 2 per site") as e:
+        proto.parse(base | {"steering": ok + ok[:1]}, model, chat=chat, extensions=ext)
+    assert e.value.param == "steering"
+    for ext_off in (proto.Extensions(), proto.Extensions(steering=steering.Steering(0))):
+        with pytest.raises(proto.ApiError, match="--steering-slots") as e:
+            proto.parse(base | {"steering": ok}, model, chat=chat, extensions=ext_off)
+        assert e.value.param == "steering"
+
+
+def test_the_hidden_states_field_is_refused_naming_the_field(model, engine):
+    ext = _ext(engine)
+    score = {"prompt": P1, "echo": True, "max_tokens": 0}
+    job = proto.parse(score | {"hidden_states": {"layers": [1, 0]}}, model, chat=False, extensions=ext)
+    assert job.hidden_states == ("resid_post", (0, 1))
+    for body, param, message in [
+        ({"prompt": P1, "max_tokens": 2, "hidden_states": {"layers": [0]}}, "hidden_states", "scoring call"),
+        (score | {"hidden_states": {"layers": [2]}}, "hidden_states.layers", r"\[0, 2\)"),
+        (score | {"hidden_states": {"layers": []}}, "hidden_states.layers", "non-empty"),
+        (score | {"hidden_states": {"layers": [0], "site": "mlp_out"}}, "hidden_states.site", "returns resid_post"),
+        (score | {"hidden_states": {"layers": [0], "dtype": "f16"}}, "hidden_states.dtype", "unknown field"),
+    ]:
+        with pytest.raises(proto.ApiError, match=message) as e:
+            proto.parse(body, model, chat=False, extensions=ext)
+        assert (e.value.status, e.value.param) == (400, param)
+    with pytest.raises(proto.ApiError, match="--hidden-states") as e:
+        proto.parse(score | {"hidden_states": {"layers": [0]}}, model, chat=False, extensions=proto.Extensions())
+
+
+@pytest.fixture(scope="module")
+def served(model, engine):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from jaxinfer.serve import http_api as srv
+
+    vectors = {"happy": _vec(model.config.d_model, 11)}
+    app = srv.create_app(engine, model, model_name="tiny", steering_vectors=vectors)
+    server, thread, url = srv.serve_in_thread(app)
+    yield (lambda path, body: httpx.post(url + path, json=body, timeout=120)), vectors
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+def test_the_server_steers_as_generate_does_and_returns_hidden_states(model, engine, served):
+    post, vectors = served
+    D = model.config.d_model
+    v = _vec(D, 12)
+    before = engine.compiles_while_serving
+    body = {"prompt": P1, "max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 5,
+            "steering": [{"layer": 1, "vector": v.tolist(), "scale": 3.0}, {"layer": 0, "name": "happy", "scale": -2}]}
+    r = post("/v1/completions", body)
+    assert r.status_code == 200, r.text[:300]
+    want = _generate(model, P1, SEEDED, 5, [I.add("resid_post", 1, v, 3.0), I.add("resid_post", 0, vectors["happy"],
+                                                                                    -2.0)], n=8)
+    assert r.json()["choices"][0]["text"] == want.text
+    plain = post("/v1/completions", {k: x for k, x in body.items() if k != "steering"}).json()
+    assert plain["choices"][0]["text"] == _generate(model, P1, SEEDED, 5, [], n=8).text != want.text
+    r = post("/v1/completions", {"prompt": [P2, P3], "echo": True, "max_tokens": 0, "logprobs": 0,
+                                 "hidden_states": {"layers": [1], "site": "resid_post"}})
+    assert r.status_code == 200, r.text[:300]
+    acts = jaxinfer.activations(model, [P2, P3], "resid_post", layers=[1])
+    for choice, a in zip(r.json()["choices"], acts):
+        hs = choice["hidden_states"]
+        assert (hs["site"], hs["layers"]) == ("resid_post", [1])
+        assert_close(np.asarray(hs["data"], np.float32), a["resid_post"], what="hidden_states vs activations")
+    r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                      "steering": [{"layer": 0, "vector": [1.0] * (D + 1)}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "steering[0].vector", r.text[:300]
+    assert engine.compiles_while_serving == before
