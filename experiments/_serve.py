@@ -19,7 +19,7 @@ import numpy as np
 
 import jaxinfer
 from experiments._common import cpu_seconds, rss_bytes
-from jaxinfer.decode.generate import MIN_KV_BUCKET
+from jaxinfer.decode.request import MIN_KV_BUCKET
 from jaxinfer.decode.inputs import bucket
 from jaxinfer.serve.scheduler import PREFILL
 

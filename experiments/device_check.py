@@ -38,7 +38,7 @@ from experiments import profile as prof
 from experiments._common import plt
 from jaxinfer import compile_cache
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.decode.generate import MIN_KV_BUCKET
+from jaxinfer.decode.request import MIN_KV_BUCKET
 from jaxinfer.decode.inputs import bucket
 from jaxinfer.inspect import roofline
 from jaxinfer.model import cache, params

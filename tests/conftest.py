@@ -80,15 +80,16 @@ def _memory_maps() -> int:
         return 0
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """Every XLA CPU executable keeps a few memory mappings for its code, and JAX keeps every
-    executable it compiled; a suite of ~700 tests compiles thousands of programs, and past Linux's
-    vm.max_map_count (65,530 by default) the next compile dies with a segfault or an abort. After a
-    test module that leaves many mappings behind, JAX's caches are cleared (programs that are needed
-    again are recompiled)."""
+    executable it compiled; a suite of ~950 tests compiles thousands of programs, and past Linux's
+    vm.max_map_count (65,530 by default) the next compile (or its write to the compile cache) dies
+    with a segfault or an abort. After any test that leaves many mappings behind, JAX's caches are
+    cleared: a program needed again is loaded from the run's compile cache. Checked after every
+    test, not every module: one module of many models (test_moe) passed the limit on its own."""
     yield
-    if _memory_maps() > 20_000:
+    if _memory_maps() > 25_000:
         import gc
 
         import jax

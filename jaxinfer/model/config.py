@@ -148,12 +148,12 @@ class MLAConfig:
 
     @property
     def qk_head_dim(self) -> int:
-        """A head's query/key width: Hn + Hr."""
+        """The width of a head's queries and keys (Hn + Hr)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def latent_dim(self) -> int:
-        """What the cache holds per token and layer: R + Hr."""
+        """The width the cache holds per token and layer (R + Hr)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
@@ -289,23 +289,23 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """The attention scores' scale: 1 / sqrt(query_pre_attn_scalar, else head_dim)."""
+        """The scale of the attention scores, 1 / sqrt(query_pre_attn_scalar, else head_dim)."""
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
     @property
     def rope_dim(self) -> int:
-        """The width RoPE rotates: head_dim, or Hr with latent attention."""
+        """The width RoPE rotates (head_dim, or Hr with latent attention)."""
         return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def v_head_dim(self) -> int:
-        """A head's value (attention output) width: head_dim, or Hv with latent attention."""
+        """The width of a head's values and attention output (head_dim, or Hv with latent attention)."""
         return self.head_dim if self.mla is None else self.mla.v_head_dim
 
     @property
     def kv_widths(self) -> tuple[int, int, int]:
-        """(kv heads, key width, value width) of one cached token per layer: (K, H, H), or with latent
-        attention (1, R + Hr, 0): one latent row whose first R values serve as the values."""
+        """The kv heads, key width and value width of one cached token per layer, (K, H, H), or with
+        latent attention (1, R + Hr, 0), one latent row whose first R values serve as the values."""
         if self.mla is not None:
             return 1, self.mla.latent_dim, 0
         return self.n_kv_heads, self.head_dim, self.head_dim
