@@ -200,7 +200,7 @@ def serve_once(args, cache_dir: Path) -> dict:
         if not seen.wait(max(1.0, deadline - time.perf_counter())):
             raise RuntimeError(f"the server did not finish its warmup in {args.timeout} s: {lines[-5:]}")
         out.update(warm_s=time.perf_counter() - t0, rss_warm=rss_bytes(proc.pid))
-        out.update(load=_load(url["base"], args.load_requests, args.load_concurrency), rss_after_load=rss_bytes(proc.pid))
+        out.update(load=_load(url["base"], args.model, args.load_requests, args.load_concurrency), rss_after_load=rss_bytes(proc.pid))
         r = httpx.get(url["base"] + "/metrics", timeout=10)
         out["serving_compiles"] = int(re.search(r"serving_compiles_total (\d+)", r.text).group(1)) \
             if "serving_compiles_total" in r.text else None
@@ -216,17 +216,19 @@ def serve_once(args, cache_dir: Path) -> dict:
     return out
 
 
-def _load(base: str, n: int, concurrency: int) -> dict:
-    """n streaming completions, `concurrency` at a time; seconds and tokens."""
+def _load(base: str, model: str, n: int, concurrency: int) -> dict:
+    """n streaming completions of the served `model`, `concurrency` at a time; seconds and tokens."""
     import concurrent.futures
 
     import httpx
 
     def one(i):
-        body = {"model": "m", "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
+        body = {"model": model, "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
                 "temperature": 0.7, "seed": i, "stream": True}
         n_tok = 0
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"the load test's request {i} got {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     n_tok += 1
