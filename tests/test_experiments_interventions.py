@@ -29,7 +29,11 @@ def test_steering_experiment(smollm2, tmp_path):
     assert all(len(row["samples"]) == 2 for row in r["rows"])
 
 
-@pytest.mark.slow  # compiles generate at two batch sizes, both arms, the capture and the writer (~1-2 min)
 def test_steering_speed_rows(smollm2, tmp_path):
-    r = _run(steering, "steering_speed", smollm2, tmp_path, "--speed")
+    """The speed rows' plumbing on a tiny random model with SmolLM2's tokenizer (their figures come
+    from the real model in experiments/figures; only the structure and the 0 compiles are checked)."""
+    from experiments._common import tiny_model
+
+    tiny = tiny_model(tokenizer=smollm2.tokenizer, eos_token_id=smollm2.config.eos_token_id)
+    r = _run(steering, "steering_speed", tiny, tmp_path, "--speed")
     assert len(r["rows"]) == 5 and r["rows"][-1]["ratio"] == 0  # no compile for new vectors and scales
