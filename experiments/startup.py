@@ -27,7 +27,6 @@ Writes <out>/startup.json. Timings belong to a quiet machine: run one benchmark 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
