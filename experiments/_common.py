@@ -134,6 +134,14 @@ def text_ids(tokenizer) -> list[int]:
     return tokenizer.encode(TEXT.read_text(encoding="utf-8"))
 
 
+def error_record(e: BaseException) -> dict:
+    """An exception kept as a result (one part failing must not hide the others): its type and
+    message and the end of its traceback."""
+    import traceback
+
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
+
+
 def run_json(cmd: list[str], *, tree=ROOT, timeout: float = 3600.0, **env: str) -> dict:
     """Run `cmd` in a fresh process importing jaxinfer from `tree` (its working folder, first on
     PYTHONPATH; `env` adds variables): the JSON object its stdout ends with (the last line that

@@ -27,7 +27,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 from experiments import _common
 from experiments._common import ROOT, TEXT
@@ -183,7 +182,7 @@ def parity(models, deadline: float = float("inf")) -> dict:
             try:
                 res[name] = check_model(name)
             except Exception as e:  # one model's failure must not hide the others'
-                res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
+                res[name] = _common.error_record(e)
             res[name]["seconds"] = time.perf_counter() - t0
             r = res[name]
             if "fp32" in r:
