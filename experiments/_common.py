@@ -9,11 +9,14 @@ llama.cpp peer's python, which has no jax, imports this module too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import resource
 import shutil
+import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -129,6 +132,47 @@ def tiny_model(tokenizer=None, **overrides):
 def text_ids(tokenizer) -> list[int]:
     """The held-out text under `tokenizer`: prompts of real text for every runner."""
     return tokenizer.encode(TEXT.read_text(encoding="utf-8"))
+
+
+def error_record(e: BaseException) -> dict:
+    """An exception kept as a result (one part failing must not hide the others): its type and
+    message and the end of its traceback."""
+    import traceback
+
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
+
+
+def run_json(cmd: list[str], *, tree=ROOT, timeout: float = 3600.0, **env: str) -> dict:
+    """Run `cmd` in a fresh process importing jaxinfer from `tree` (its working folder, first on
+    PYTHONPATH; `env` adds variables): the JSON object its stdout ends with (the last line that
+    starts with "{"). RuntimeError with the end of its stderr when it fails or times out."""
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    try:
+        r = subprocess.run(cmd, cwd=tree, env={**os.environ, **env, "PYTHONPATH": path}, capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {timeout:.0f} s") from None
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"rc {r.returncode}: {r.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])
+
+
+@contextlib.contextmanager
+def source_tree(ref: str):
+    """A source tree to import jaxinfer from: `ref` itself when it is a folder, else that git
+    commit checked out into a temporary worktree (removed on exit)."""
+    if os.path.isdir(ref):
+        yield Path(ref).resolve()
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="jaxinfer-ref-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(tmp / "tree"), ref], cwd=ROOT, check=True,
+                   capture_output=True)
+    try:
+        yield tmp / "tree"
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=ROOT, capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rss_bytes(pid: int | str = "self") -> int:

@@ -30,8 +30,9 @@ from jaxinfer.model import quantize as Q
 from jaxinfer.model.model import Model
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (compiles)
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median wall seconds of `repeats` calls of `fn`, after one that warms (compiles)."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -55,8 +56,8 @@ def bandwidth(n_bytes: int, repeats: int, dtype: str = "float32") -> dict:
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     copy = jax.jit(lambda a: a + jnp.asarray(1, dt))
     res = {"bytes": int(x.nbytes), "dtype": dt.name,
-           "read_Bps": x.nbytes / _median_seconds(lambda: read(x).block_until_ready(), repeats),
-           "copy_Bps": 2 * x.nbytes / _median_seconds(lambda: copy(x).block_until_ready(), repeats)}
+           "read_Bps": x.nbytes / median_seconds(lambda: read(x).block_until_ready(), repeats),
+           "copy_Bps": 2 * x.nbytes / median_seconds(lambda: copy(x).block_until_ready(), repeats)}
     res["roofline_Bps"] = max(res["read_Bps"], res["copy_Bps"])
     return res
 
@@ -66,7 +67,7 @@ def matmul_peak(n: int, repeats: int, dtype: str = "float32") -> float:
     ka, kb = jax.random.split(jax.random.key(1))
     a, b = jax.random.normal(ka, (n, n), dtype), jax.random.normal(kb, (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n ** 3 / _median_seconds(lambda: mm(a, b).block_until_ready(), repeats)
+    return 2 * n ** 3 / median_seconds(lambda: mm(a, b).block_until_ready(), repeats)
 
 
 def random_model(preset: str, dtype: str, layout: str = "per_layer"):
@@ -172,7 +173,7 @@ def measure_prefill(model, tokens: int, repeats: int, peak_flops: Optional[float
     """Prefill tokens/s of a `tokens`-token prompt at batch 1 (median of `repeats` after the call
     that compiles; `chunk` tokens per program call, default `generate`'s), with the % of the
     matmul peak when `peak_flops` is given."""
-    s = _median_seconds(prefill_call(model, prompts(model, 1, tokens, seed)[0], chunk), repeats)
+    s = median_seconds(prefill_call(model, prompts(model, 1, tokens, seed)[0], chunk), repeats)
     flops = prefill_flops(model, tokens)
     out = {"tokens": tokens, "batch": 1, "s": s, "tok_s": tokens / s, "flops": flops, "TFLOPs": flops / s / 1e12}
     if chunk is not None:
@@ -183,12 +184,23 @@ def measure_prefill(model, tokens: int, repeats: int, peak_flops: Optional[float
 
 
 def interleaved(calls: dict, repeats: int) -> dict:
-    """Each call once (compiles), then `repeats` rounds of every call in turn (A B C A B C ...), so
-    a noisy neighbour slows them all alike: {name: [results]}."""
+    """Each call once (compiles), then `repeats` rounds of every call in turn, the order reversed
+    every other round (A B C, C B A, ...), so a noisy neighbour or a drifting clock slows them all
+    alike: {name: [results]}."""
     for call in calls.values():
         call()
     out = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            out[name].append(call())
+    for r in range(repeats):
+        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+            out[name].append(calls[name]())
     return out
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """A call of `fn` (its results waited for) that returns its wall seconds."""
+    def run() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - t0
+
+    return run

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from experiments._common import ROOT, PeakRSS, max_rss_bytes, rss_bytes
+from experiments._common import PeakRSS, max_rss_bytes, rss_bytes, run_json
 
 PARTS = {"python": "JAXINFER_LLAMA_PYTHON", "server": "JAXINFER_LLAMA_SERVER", "gguf": "JAXINFER_LLAMA_GGUF"}
 N_BATCH = 512
@@ -77,17 +77,12 @@ def from_args(args) -> Peer:
 def run_worker(peer: Peer, ids_file: str, calls: int, threads: int, decode_tokens: int = 0,
                timeout: float = 3600.0) -> dict:
     """`worker` under the peer's python in a fresh process: its JSON, or {"error": why}."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [peer.python, "-m", "experiments._peer", "worker", "--llama-gguf", peer.gguf, "--ids-file", ids_file,
            "--calls", str(calls), "--llama-threads", str(threads), "--decode-tokens", str(decode_tokens)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or not lines:
-        return {"error": f"rc {r.returncode}: {r.stderr.strip()[-1500:]}"}
-    return json.loads(lines[-1])
+        return run_json(cmd, timeout=timeout)
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def worker(gguf: str, ids: list[int], calls: int, threads: int, decode_tokens: int) -> dict:

@@ -6,6 +6,7 @@ and without an early stop, so every system does the same work; clocks stop while
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 import jaxinfer
-from experiments._common import cpu_seconds, rss_bytes
+from experiments._common import PeakRSS, cpu_seconds
 from jaxinfer.decode.request import MIN_KV_BUCKET
 from jaxinfer.decode.inputs import bucket
 from jaxinfer.serve.scheduler import PREFILL
@@ -208,38 +209,28 @@ async def _one_request(client, url, body, disconnect: bool) -> dict:
 def drive(url: str, work: list[dict], concurrency: int, time_limit: float, request_timeout: float = 600.0,
           sample_pid: int | None = None) -> dict:
     """`concurrency` clients send the bodies of `work` to `url`, each its next when its last ends,
-    none started after `time_limit` s: {"results", "wall_s", "rss_peak"} (the RSS of `sample_pid`
-    sampled every 0.5 s, when given)."""
-    async def run():
-        queue: asyncio.Queue = asyncio.Queue()
-        for w in work:
-            queue.put_nowait(w)
-        results, peak, t0 = [], [0], time.perf_counter()
+    none started after `time_limit` s: {"results", "wall_s", "rss_peak"} (the peak RSS of
+    `sample_pid`, sampled every 0.5 s, when given; else 0)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for w in work:
+        queue.put_nowait(w)
+    results, t0 = [], time.perf_counter()
 
-        async def client_loop():
-            # a new connection per request: reusing a kept-alive one races the server closing it
-            async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout),
-                                         limits=httpx.Limits(max_keepalive_connections=0)) as client:
-                while not queue.empty() and time.perf_counter() - t0 < time_limit:
-                    w = queue.get_nowait()
-                    res = await _one_request(client, url, w["body"], w["disconnect"])
-                    results.append({**res, "id": w["id"], "t_end": res["t_end"] - t0})
+    async def client_loop():
+        # a new connection per request: reusing a kept-alive one races the server closing it
+        async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout),
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            while not queue.empty() and time.perf_counter() - t0 < time_limit:
+                w = queue.get_nowait()
+                res = await _one_request(client, url, w["body"], w["disconnect"])
+                results.append({**res, "id": w["id"], "t_end": res["t_end"] - t0})
 
-        async def sample():
-            while True:
-                try:
-                    peak[0] = max(peak[0], rss_bytes(sample_pid))
-                except OSError:
-                    pass
-                await asyncio.sleep(0.5)
-
-        sampler = asyncio.create_task(sample()) if sample_pid else None
+    async def clients():
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        if sampler:
-            sampler.cancel()
-        return {"results": results, "wall_s": time.perf_counter() - t0, "rss_peak": peak[0]}
 
-    return asyncio.run(run())
+    with PeakRSS(sample_pid, interval=0.5) if sample_pid else contextlib.nullcontext() as peak:
+        asyncio.run(clients())
+    return {"results": results, "wall_s": time.perf_counter() - t0, "rss_peak": peak.peak if peak else 0}
 
 
 def http_summary(run: dict) -> dict:
@@ -281,7 +272,7 @@ class Server:
                     return time.perf_counter() - t0
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
 
     def cpu_s(self) -> float:

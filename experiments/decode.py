@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from statistics import median
 
 import jax
@@ -190,48 +191,29 @@ for b in batches if "decode" in sections else ():
     out[f"decode_b{b}_tokens_per_s"] = timed([ids[i * 40:(i + 1) * 40] for i in range(b)], new).decode_tokens_per_s
 for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)) if "long" in sections else ():
     out[f"decode_b8_{name}_tokens_per_s"] = timed([ids[:n] for n in lengths], new).decode_tokens_per_s
-print("RESULT " + json.dumps(out))
+print(json.dumps(out))
 """
 
 
-def tree_of(where: str, stack) -> str:
-    """A source tree: `where` if it is a folder, else a temporary git worktree of that commit."""
-    if os.path.isdir(where):
-        return os.path.abspath(where)
-    tmp = tempfile.mkdtemp(prefix="jaxinfer-against-")
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", tmp, where], check=True,
-                   capture_output=True, text=True)
-    stack.callback(lambda: subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tmp],
-                                          capture_output=True))
-    return tmp
-
-
-def commit_of(tree: str):
+def commit_of(tree) -> str | None:
     """The commit checked out in `tree`, "-dirty" when tracked files differ (None outside git)."""
-    r = subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True,
+    r = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True,
                        text=True)
     return r.stdout.strip() or None
 
 
 def against(args) -> dict:
-    import contextlib
-
     sections = [s for s in args.sections.split(",") if s]
     if not sections or set(sections) - set(SECTIONS):
         raise SystemExit(f"--sections takes a comma-separated subset of {','.join(SECTIONS)}, got {args.sections!r}")
-    model = "tiny" if args.smoke else args.model
-    with contextlib.ExitStack() as stack:
-        trees = {"old": tree_of(args.against, stack), "new": os.path.abspath(args.new)}
+    cmd = [sys.executable, "-c", WORKER, "tiny" if args.smoke else args.model, str(_common.TEXT), str(args.new_tokens),
+           ",".join(sections), str(args.repeats)]
+    with _common.source_tree(args.against) as old:
+        trees = {"old": old, "new": Path(args.new).resolve()}
         runs = {"old": [], "new": []}
         for r in range(args.rounds):
             for side in ("old", "new"):  # alternating: drift on the machine hits both alike
-                res = subprocess.run([sys.executable, "-c", WORKER, model, str(_common.TEXT), str(args.new_tokens),
-                                      ",".join(sections), str(args.repeats)], cwd=trees[side], capture_output=True,
-                                     text=True, timeout=3600, env={**os.environ, "PYTHONPATH": trees[side]})
-                line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    raise RuntimeError(f"worker in {trees[side]} failed:\n{res.stderr[-3000:]}")
-                runs[side].append(json.loads(line[len("RESULT "):]))
+                runs[side].append(_common.run_json(cmd, tree=trees[side]))
                 print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[side][-1].items()), flush=True)
         commits = {side: commit_of(t) for side, t in trees.items()}
     table = {}
@@ -241,7 +223,7 @@ def against(args) -> dict:
         rr = median([n[k] / o[k] for n, o in zip(runs["new"], runs["old"])])
         table[k] = {"old": old, "new": new, "ratio": new / old, "round_ratio_median": rr}
         print(f"{k:32s} old {old:8.1f}  new {new:8.1f}  new/old {new / old:.2f}x (median of round ratios {rr:.2f}x)")
-    return {"old_tree": trees["old"], "new_tree": trees["new"], "old_commit": commits["old"],
+    return {"old_tree": str(trees["old"]), "new_tree": str(trees["new"]), "old_commit": commits["old"],
             "new_commit": commits["new"], "rounds": args.rounds, "sections": sections, "table": table, "runs": runs}
 
 

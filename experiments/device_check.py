@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -106,10 +105,6 @@ PRESETS = {
                     profile_batches=(), models=("tiny_hf/gemma3",), warmup=False, int8_kernels=("pallas",),
                     prefill_lengths=(32,), prefill_attentions=("paged", "xla"), prefill_chunk=16),
 }
-
-
-def _err(e: BaseException) -> dict:
-    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
 
 
 def _memory() -> dict | None:
@@ -212,7 +207,7 @@ def decode(args, preset, ctx, deadline) -> dict:
                 res["runs"].append({"label": label, **r, "memory_after": _memory(),
                                     "predicted_bytes": alive + extra + cache.cache_bytes(m.config, b, slots)})
         except Exception as e:  # an out-of-memory batch must not hide the others
-            res["runs"].append({"label": label, "batch": b, **_err(e)})
+            res["runs"].append({"label": label, "batch": b, **_common.error_record(e)})
         if last_use[label] == i and label not in (base, "stacked"):
             built.pop(label, None)
         last_s = time.perf_counter() - t0
@@ -282,7 +277,7 @@ def serving(args, preset, ctx, deadline) -> dict:
                                               **{k: v for k, v in static.items() if k != "ttft"}}
                 res[f"engine_vs_static_{n}"] = out["tokens_per_s"] / static["tokens_per_s"]
         except Exception as e:
-            res["runs"][str(n)] = _err(e)
+            res["runs"][str(n)] = _common.error_record(e)
         res["runs"][str(n)]["seconds"] = time.perf_counter() - t0
         engine = None  # its pool goes before the next engine's comes
         ctx["partial"]("serving", res)
@@ -316,7 +311,7 @@ def profile(args, preset, ctx, deadline) -> dict:
             r["trace_files"] = [_flatten_trace(out / "profile", folder / f"profile_{name}.trace.json.gz")]
             res["runs"][name] = r
         except Exception as e:
-            res["runs"][name] = _err(e)
+            res["runs"][name] = _common.error_record(e)
         last_s = res["runs"][name]["seconds"] = time.perf_counter() - t0
         ctx["partial"]("profile", res)
     return res
@@ -423,7 +418,7 @@ def main(argv=None) -> dict:
             try:
                 res = {"ok": True, **runners[name](args, preset, ctx, t0 + share)}
             except Exception as e:  # recorded; the other sections still run
-                res = {"ok": False, **_err(e)}
+                res = {"ok": False, **_common.error_record(e)}
         res["seconds"] = time.perf_counter() - t0
         ctx["compiles"][name] = {"count": clock.count, "seconds": clock.seconds}
         report["sections"][name] = res

@@ -27,33 +27,12 @@ Writes <out>/moe.json. Timings are for a quiet machine: run it alone.
 
 from __future__ import annotations
 
-import argparse
-import time
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import _common
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder for moe.json (default experiments/out)")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes: a seconds-long check that every section runs")
-    p.add_argument("--only", choices=("kernels", "decode", "prefill"), action="append",
-                   help="run only these sections (repeatable; default all)")
-    p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model (default %(default)s)")
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=32, help="decode tokens per row per run (default %(default)s)")
-    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row for decode (default %(default)s)")
-    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill run (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure, median (default %(default)s)")
-    p.add_argument("--dtype", default="float32", help="weight dtype (default %(default)s)")
-    return p
+import jaxinfer
+from experiments import _common, _measure
 
 
 def _configs(args):
@@ -77,25 +56,7 @@ def _models(moe_cfg, dense_cfg):
     moe_p = init_params(moe_cfg, jax.random.key(0))
     dense_p = init_params(dense_cfg.replace(vocab_size=1), jax.random.key(1))  # its own layers only
     dense_p = dict(dense_p, embed=moe_p["embed"], lm_head=moe_p["lm_head"])
-    return Model(config=moe_cfg, params=moe_p), Model(config=dense_cfg, params=dense_p)
-
-
-def _bandwidth(smoke: bool) -> float:
-    """Read bandwidth in bytes/s: a jitted sum over an array larger than the last-level cache."""
-    x = jnp.ones(((2**20 if smoke else 2**30) // 4,), jnp.float32)
-    read = jax.jit(lambda a: jnp.sum(a))
-    read(x).block_until_ready()
-    t = _median(lambda: read(x).block_until_ready(), 5)
-    return x.nbytes / t
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return {"moe": Model(config=moe_cfg, params=moe_p), "dense": Model(config=dense_cfg, params=dense_p)}
 
 
 # Kernels --------------------------------------------------------------------------------------
@@ -143,7 +104,7 @@ def kernels(cfg, bw: float, args) -> list[dict]:
             y = f(x, r, w_gu, w_d).block_until_ready()
             want = y if want is None else want
             reps = 1 if name.startswith("ragged") and not args.smoke else args.repeats
-            t = _median(lambda: f(x, r, w_gu, w_d).block_until_ready(), reps)
+            t = _measure.median_seconds(lambda: f(x, r, w_gu, w_d).block_until_ready(), reps)
             row = {"tokens": n, "slots": n * k, "distinct_experts": union, "kernel": name, "ms": t * 1e3,
                    "GBps_of_distinct_experts": union * expert_bytes / t / 1e9,
                    "fraction_of_bandwidth": union * expert_bytes / t / bw,
@@ -174,8 +135,6 @@ def _experts_fixed_block(x, routing, w_gu, w_d, block):
 
 def _union_per_layer(model, prompts, new_tokens: int) -> float:
     """Mean over decode steps and layers of how many distinct experts the batch's rows chose."""
-    import jaxinfer
-
     out = jaxinfer.generate(model, prompts, max_new_tokens=new_tokens, stop_at_eos=False, return_routing=True)
     P = len(prompts[0])
     ids = np.stack([c.routing.ids[P:] for c in out.completions])  # [B, steps, L, k]: decode inputs
@@ -193,25 +152,24 @@ def _step_bytes(cfg, union: float) -> float:
     return (cfg.n_active_params + cfg.n_layers * (union - m.top_k) * expert) * item
 
 
-def decode(moe_model, dense_model, bw: float, args) -> list[dict]:
+def _interleaved(models: dict, prompts, new_tokens: int, repeats: int, timing) -> dict:
+    """`timing` of `generate` per model, the models alternating (after one call each that compiles)."""
+    return _measure.interleaved({name: lambda m=m: timing(jaxinfer.generate(
+        m, prompts, max_new_tokens=new_tokens, stop_at_eos=False).timings) for name, m in models.items()}, repeats)
+
+
+def decode(models: dict, bw: float, args) -> list[dict]:
     """Decode tokens/s at each batch size, MoE and dense twin alternating, against the roofline."""
-    import jaxinfer
     from jaxinfer.model.cache import bytes_per_token
 
     rng = np.random.default_rng(0)
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        prompts = [rng.integers(3, min(1000, moe_model.config.vocab_size), args.prompt).tolist() for _ in range(B)]
-        union = _union_per_layer(moe_model, prompts, min(args.new_tokens, 8))
-        rates = {"moe": [], "dense": []}
-        for model in (moe_model, dense_model):  # compile
-            jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False)
-        for _ in range(args.repeats):
-            for name, model in (("moe", moe_model), ("dense", dense_model)):
-                out = jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False)
-                rates[name].append(out.timings.decode_tokens_per_s)
+        prompts = [rng.integers(3, min(1000, models["moe"].config.vocab_size), args.prompt).tolist() for _ in range(B)]
+        union = _union_per_layer(models["moe"], prompts, min(args.new_tokens, 8))
+        rates = _interleaved(models, prompts, args.new_tokens, args.repeats, lambda t: t.decode_tokens_per_s)
         context = args.prompt + args.new_tokens / 2  # mean positions a step's attention reads
-        for name, model in (("moe", moe_model), ("dense", dense_model)):
+        for name, model in models.items():
             cfg = model.config
             step = _step_bytes(cfg, union if name == "moe" else 0)
             kv = bytes_per_token(cfg) * context
@@ -227,19 +185,12 @@ def decode(moe_model, dense_model, bw: float, args) -> list[dict]:
     return rows
 
 
-def prefill(moe_model, dense_model, args) -> list[dict]:
+def prefill(models: dict, args) -> list[dict]:
     """One prompt of --prefill tokens (prefill and its first token), MoE and dense twin alternating."""
-    import jaxinfer
-
-    prompt = np.random.default_rng(1).integers(3, min(1000, moe_model.config.vocab_size), args.prefill).tolist()
-    times = {"moe": [], "dense": []}
-    for model in (moe_model, dense_model):
-        jaxinfer.generate(model, [prompt], max_new_tokens=1, stop_at_eos=False)  # compile
-    for _ in range(args.repeats):
-        for name, model in (("moe", moe_model), ("dense", dense_model)):
-            times[name].append(jaxinfer.generate(model, [prompt], max_new_tokens=1, stop_at_eos=False).timings.prefill_s)
+    prompt = np.random.default_rng(1).integers(3, min(1000, models["moe"].config.vocab_size), args.prefill).tolist()
+    times = _interleaved(models, [prompt], 1, args.repeats, lambda t: t.prefill_s)
     rows = []
-    for name, model in (("moe", moe_model), ("dense", dense_model)):
+    for name, model in models.items():
         t = float(np.median(times[name]))
         flops = 2 * model.config.n_active_params * len(prompt)
         rows.append({"model": model.config.name, "tokens": len(prompt), "seconds": t, "runs": times[name],
@@ -250,31 +201,38 @@ def prefill(moe_model, dense_model, args) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    args = _parser().parse_args(argv)
+    p = _common.parser(__doc__)
+    p.add_argument("--only", choices=("kernels", "decode", "prefill"), action="append",
+                   help="run only these sections (repeatable; default all)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model (default %(default)s)")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode tokens per row per run (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row for decode (default %(default)s)")
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill run (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure, median (default %(default)s)")
+    p.add_argument("--dtype", default="float32", help="weight dtype (default %(default)s)")
+    args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.new_tokens, args.prompt, args.prefill, args.repeats = "1,4", 6, 8, 16, 1
     sections = args.only or ["kernels", "decode", "prefill"]
     moe_cfg, dense_cfg = _configs(args)
-    bw = _bandwidth(args.smoke)
+    bw = _measure.bandwidth(2**20 if args.smoke else 2**30, 5)["read_Bps"]
     print(f"{moe_cfg.name}, {moe_cfg.n_layers} layers, {moe_cfg.dtype}: {moe_cfg.n_params / 1e9:.2f}B parameters, "
           f"{moe_cfg.n_active_params / 1e9:.3f}B active; twin {dense_cfg.n_params / 1e9:.3f}B; "
           f"read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
-    result = {"experiment": "moe", "config": moe_cfg.name, "layers": moe_cfg.n_layers, "dtype": moe_cfg.dtype,
-              "n_params": moe_cfg.n_params, "n_active_params": moe_cfg.n_active_params, "bandwidth_Bps": bw,
-              "smoke": args.smoke, "backend": jax.default_backend(), "argv": argv}
+    result = {"config": moe_cfg.name, "layers": moe_cfg.n_layers, "dtype": moe_cfg.dtype, "n_params": moe_cfg.n_params,
+              "n_active_params": moe_cfg.n_active_params, "bandwidth_Bps": bw}
     if "kernels" in sections:
         print("kernels: one layer's experts", flush=True)
         result["kernels"] = kernels(moe_cfg, bw, args)
-    if "decode" in sections or "prefill" in sections:
-        moe_model, dense_model = _models(moe_cfg, dense_cfg)
-        if "decode" in sections:
-            print("decode", flush=True)
-            result["decode"] = decode(moe_model, dense_model, bw, args)
-        if "prefill" in sections:
-            print("prefill", flush=True)
-            result["prefill"] = prefill(moe_model, dense_model, args)
-    path = _common.write_json(Path(args.out) / "moe.json", result)
-    print(f"wrote {path}")
+    models = _models(moe_cfg, dense_cfg) if "decode" in sections or "prefill" in sections else {}
+    if "decode" in sections:
+        print("decode", flush=True)
+        result["decode"] = decode(models, bw, args)
+    if "prefill" in sections:
+        print("prefill", flush=True)
+        result["prefill"] = prefill(models, args)
+    _common.save("moe", result, args)
     return result
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from statistics import median
 
 from experiments import _common, _peer
-from experiments._common import ROOT, PeakRSS
+from experiments._common import PeakRSS
 
 DEFAULT_LENGTHS = "2048,4096,8000"  # 8000, not 8192: the prompt and its one new token fit SmolLM2's 8192
 
@@ -58,13 +57,10 @@ def run_jaxinfer(ids_file: str, n: int, chunk: int, args, cache_dir: str = "") -
     cmd = [sys.executable, "-m", "experiments.prefill", "--worker", "--ids-file", ids_file, "--lengths", str(n),
            "--chunks", str(chunk), "--repeats", str(args.repeats), "--model", "tiny" if args.smoke else args.model,
            "--cache-dir", cache_dir]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": f"rc {r.returncode}: {r.stderr[-1500:]}"}
+        return _common.run_json(cmd, timeout=args.timeout)
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def summarize(res: dict) -> dict:

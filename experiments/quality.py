@@ -3,8 +3,6 @@
     python -m experiments.quality                      # int8 / int4 / int8 KV against float32
     python -m experiments.quality --eval               # lm-evaluation-harness three ways ($JAXINFER_HF_PYTHON)
     python -m experiments.quality --parity             # logits and tokens against transformers' golden files
-    python -m experiments.quality --tokenizer-vs-hf    # Gemma 3's tokenizer against transformers' (needs transformers)
-    python -m experiments.quality --vocab-tests DIR    # GGUF vocabularies against llama.cpp's test vectors
 
 quantization  --windows windows of --window tokens of the held-out text (nothing was tuned on it),
               one forward through the cache per mode: top-1 agreement with float32, mean
@@ -18,9 +16,7 @@ quantization  --windows windows of --window tokens of the held-out text (nothing
               greedy tokens identical; bf16 within BF16_TOL, argmax agreeing at >= BF16_MIN_ARGMAX;
               batched = each prompt alone (greedy and sampled); the same seed twice. Real models
               must be in the model cache; tiny_hf/<family> come from tests/golden.
---tokenizer-vs-hf, --vocab-tests: the strings whose ids differ from transformers' on the standard
-              library's sources and random strings of many scripts, and from llama.cpp's
-              `ggml-vocab-*.gguf.out` vectors. Writes quality.json (quality_<check>.json).
+Writes quality.json (quality_eval.json, quality_parity.json).
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 from experiments import _common
 from experiments._common import ROOT, TEXT
@@ -187,7 +182,7 @@ def parity(models, deadline: float = float("inf")) -> dict:
             try:
                 res[name] = check_model(name)
             except Exception as e:  # one model's failure must not hide the others'
-                res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
+                res[name] = _common.error_record(e)
             res[name]["seconds"] = time.perf_counter() - t0
             r = res[name]
             if "fp32" in r:
@@ -197,75 +192,6 @@ def parity(models, deadline: float = float("inf")) -> dict:
     return {"fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL, "models": res, "skipped_for_time": skipped,
             "all_pass": bool(checked) and all(r["fp32"]["pass"] and r["bf16"]["pass"] and r["same_seed"]["identical"]
                                               and r["batch_vs_alone"]["greedy_identical"] for r in checked)}
-
-
-# ---- tokenizers --------------------------------------------------------------------------------
-
-def tokenizer_vs_hf(chunks: int) -> dict:
-    import random
-    import sysconfig
-
-    from transformers import AutoTokenizer
-
-    from jaxinfer.text import spm
-    from jaxinfer.weights import gguf as gguf_io
-    from jaxinfer.weights import hub
-
-    path = hub.fetch("gemma3-270m")
-    ours = spm.from_gguf(gguf_io.read_tokenizer(gguf_io.open_gguf(str(path))))
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    rng, texts = random.Random(0), []
-    files = sorted(os.path.join(r, n) for r, _, ns in os.walk(sysconfig.get_paths()["stdlib"]) if "site-packages" not in r
-                   for n in ns if n.endswith((".py", ".txt", ".rst")))
-    rng.shuffle(files)
-    for f in files:
-        if len(texts) >= chunks:
-            break
-        try:
-            text = open(f, encoding="utf-8").read()
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts += [text[i:i + 1500] for i in range(0, min(len(text), 6000), 1500)]
-    texts += [r["text"] for r in json.load(open(GOLDEN / "gemma3_tokenizer.json", encoding="utf-8"))]
-    pools = ["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "0123456789", "  \t\n",
-             ".,;:!?'\"()[]{}<>-_=+*/\\|@#$%^&~`", "éèêëàâäôöûüçñßøåæœ", "你好世界中文字符测试", "日本語カタカナひらがな",
-             "한국어텍스트", "مرحبابالعالم", "שלוםעולם", "русскийтекст", "ελληνικά", "😀👍🍕🏳️‍🌈👨‍👩‍👧", "\u2581",
-             "\u0301\u200b\u00a0", "\U0010ffff\ue000\U0001d518"]
-    texts += ["".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 60))) for _ in range(chunks // 2)]
-    bad = [t for t in texts if ours.encode(t) != hf.encode(t, add_special_tokens=False)]
-    plain = [x for x in texts if "\u2581" not in x]
-    return {"strings": len(texts), "strings_differing": len(bad), "mismatch_rate": len(bad) / len(texts),
-            "roundtrip_ok": sum(ours.decode(ours.encode(x)) == x for x in plain), "roundtrip_total": len(plain),
-            "examples": [t[:200] for t in bad[:10]]}
-
-
-def vocab_tests(folder: str) -> dict:
-    import glob
-
-    import jaxinfer
-    from jaxinfer.text.tokenizer import TokenizerError
-
-    results = {}
-    for gguf in sorted(glob.glob(os.path.join(folder, "ggml-vocab-*.gguf"))):
-        if not os.path.exists(gguf + ".out"):
-            continue
-        name = os.path.basename(gguf)[len("ggml-vocab-"):-len(".gguf")]
-        texts = open(gguf + ".inp", encoding="utf-8").read().split("\n__ggml_vocab_test__\n")
-        want = [[int(x) for x in ln.split()] for ln in open(gguf + ".out", encoding="utf-8").read().split("\n")]
-        try:
-            tok = jaxinfer.load_tokenizer(gguf)
-        except TokenizerError as e:
-            results[name] = {"refused": str(e)}
-            print(f"{name:16s} refused: {str(e)[:110]}")
-            continue
-        plain = [tok.encode(t, allowed_special=set(), disallowed_special=()) for t in texts]
-        special = [tok.encode(t) for t in texts]
-        r = results[name] = {"strings": len(texts), "identical_as_prompt": sum(w == g for w, g in zip(want, plain)),
-                             "identical_special_allowed": sum(w == g for w, g in zip(want, special)),
-                             "first_mismatches": [t for t, w, g in zip(texts, want, plain) if w != g][:3]}
-        print(f"{name:16s} {r['identical_as_prompt']}/{r['strings']} identical as a prompt, "
-              f"{r['identical_special_allowed']}/{r['strings']} with special tokens allowed")
-    return results
 
 
 # ---- lm-evaluation-harness three ways ----------------------------------------------------------
@@ -428,14 +354,11 @@ def main(argv=None, model=None) -> dict:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--eval", action="store_true", help="lm-evaluation-harness: jaxinfer, its server, hf")
     what.add_argument("--parity", action="store_true", help="logits and tokens against transformers' golden files")
-    what.add_argument("--tokenizer-vs-hf", action="store_true", help="Gemma 3's tokenizer against transformers'")
-    what.add_argument("--vocab-tests", metavar="DIR", help="llama.cpp's models/ folder with ggml-vocab-*.gguf")
     what.add_argument("--eval-worker", help=argparse.SUPPRESS)
     p.add_argument("--windows", type=int, default=4, help="quantization: windows of held-out text")
     p.add_argument("--window", type=int, default=512, help="quantization: tokens per window")
     p.add_argument("--models", default="tiny_hf/gemma3,smollm2-135m,gemma3-270m,tiny_hf/llama,tiny_hf/mistral,tiny_hf/qwen2",
                    help="parity: real model names (in the model cache) and tiny_hf/<family>")
-    p.add_argument("--chunks", type=int, default=3000, help="tokenizer-vs-hf: corpus chunks")
     p.add_argument("--hf-python", default=os.environ.get("JAXINFER_HF_PYTHON"),
                    help="eval: python of a venv with torch, transformers and lm-eval ($JAXINFER_HF_PYTHON)")
     p.add_argument("--folder", default="~/.cache/jaxinfer/eval/smollm2-135m-hf", help="eval: the Hugging Face folder")
@@ -452,10 +375,6 @@ def main(argv=None, model=None) -> dict:
         name, result = "quality_eval", evaluation(args)
     elif args.parity:
         name, result = "quality_parity", parity(["tiny_hf/gemma3"] if args.smoke else args.models.split(","))
-    elif args.tokenizer_vs_hf:
-        name, result = "quality_tokenizer", tokenizer_vs_hf(30 if args.smoke else args.chunks)
-    elif args.vocab_tests:
-        name, result = "quality_vocab", vocab_tests(args.vocab_tests)
     else:
         if args.smoke:
             args.windows, args.window = 2, 32

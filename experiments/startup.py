@@ -26,22 +26,18 @@ Writes <out>/startup.json. Timings belong to a quiet machine: run one benchmark 
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
 import os
-import platform
-import re
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from statistics import median
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "experiments" / "out"
+import httpx
+
+from experiments import _common, _serve
+from experiments._common import ROOT, rss_bytes
 
 # The host-loop measurement, run with PYTHONPATH at one tree (so it may only use what every tree
 # has: Engine, submit, step; and, to time the device calls, the runner's programs where it has
@@ -100,33 +96,122 @@ def burst():
                 tokens_digest=hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:16])
 burst()
 out = dict(programs=programs, warmup_s=warm_s, rounds=[burst() for _ in range(rounds)])
-print("RESULT " + json.dumps(out))
-"""
-
-ENGINES_WORKER = r"""
-import json, sys, time
-import jaxinfer
-from jaxinfer.serve import Engine
-from jaxinfer.serve import memory
-model = jaxinfer.load(sys.argv[1])
-out = []
-for i in range(2):
-    t = time.perf_counter()
-    engine = Engine(model, max_slots=8)
-    engine.warmup()
-    r = engine.startup_report()
-    out.append(dict(seconds=time.perf_counter() - t, programs=r.programs, compiled=r.compiled, loaded=r.loaded,
-                    in_memory=r.in_memory, report=str(r), memory=str(memory.breakdown(engine))))
-print("RESULT " + json.dumps(out))
+print(json.dumps(out))
 """
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or path (default %(default)s)")
-    p.add_argument("--out", default=str(OUT), help="folder for startup.json (default experiments/out)")
-    p.add_argument("--smoke", action="store_true", help="tiny settings, seconds: what the test suite runs")
+def cache_env(cache_dir) -> dict:
+    return {"JAXINFER_COMPILE_CACHE": str(cache_dir)}
+
+
+def cold_and_warm(once, args) -> dict:
+    """`once(args, cache_dir, run)` with an empty compile cache ("cold"), then with the cache it filled ("warm")."""
+    with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
+        return {run: once(args, Path(d) / "xla", run) for run in ("cold", "warm")}
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+def serve_once(args, cache_dir: Path, run: str) -> dict:
+    """Start `jaxinfer serve`, time it to ready and to every program built, sample its memory, load it."""
+    port, log = _serve.free_port(), Path(args.out) / f"startup_serve_{run}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    server = _serve.Server("jaxinfer serve", [sys.executable, "-m", "jaxinfer", "serve", "--model", args.model,
+                                              "--port", str(port)], port, log,
+                           env={**os.environ, **cache_env(cache_dir), "PYTHONPATH": str(ROOT)})
+    out = dict(command=" ".join(server.cmd))
+    try:
+        out.update(ready_s=server.start(args.timeout), rss_ready=rss_bytes(server.proc.pid))
+        t0 = time.perf_counter() - out["ready_s"]
+        while not any("compile cache" in ln and "loaded from cache" in ln for ln in log.read_text().splitlines()):
+            if time.perf_counter() - t0 > args.timeout:
+                raise RuntimeError(f"the server did not finish its warmup in {args.timeout} s; see {log}")
+            time.sleep(0.1)
+        out.update(warm_s=time.perf_counter() - t0, rss_warm=rss_bytes(server.proc.pid))
+        bodies = [{"id": i, "disconnect": False, "body": {
+            "model": args.model, "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
+            "temperature": 0.7, "seed": i, "stream": True, "stream_options": {"include_usage": True}}}
+            for i in range(args.load_requests)]
+        load = _serve.http_summary(_serve.drive(server.url + "/v1/completions", bodies, args.load_concurrency,
+                                                args.timeout))
+        if load["errors"]:
+            raise RuntimeError(f"the load test's requests failed: {load['error_examples']}")
+        out.update(load=dict(requests=load["requests_sent"], seconds=load["wall_s"], **load),
+                   rss_after_load=rss_bytes(server.proc.pid))
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        out["serving_compiles"] = next((int(ln.split()[-1]) for ln in metrics.splitlines()
+                                        if ln.startswith("serving_compiles_total")), None)
+    finally:
+        server.stop()
+    out["log"] = log.read_text().splitlines()
+    return out
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+def generate_once(args, cache_dir: Path, run: str) -> dict:
+    t0 = time.perf_counter()
+    t = _common.run_json([sys.executable, "-m", "jaxinfer", "generate", "The capital of France is", "--model",
+                          args.model, "--max-new-tokens", "16", "--json", "--compile-cache", str(cache_dir)],
+                         timeout=args.timeout, **cache_env(cache_dir))["timings"]
+    return dict(process_s=time.perf_counter() - t0, load_s=t["load_s"], ttft_s=t["ttft_s"], compile_s=t["compile_s"],
+                programs=t["n_compilations"], loaded=t["n_cache_loads"])
+
+
+# ---- engines ----------------------------------------------------------------------------------
+
+def two_engines(model, **engine_kw) -> list[dict]:
+    """Two `Engine(model)` one after the other in this process: what each compiled, loaded and
+    found in memory (the second should compile nothing)."""
+    from jaxinfer.serve import Engine, memory
+
+    out = []
+    for _ in range(2):
+        t = time.perf_counter()
+        engine = Engine(model, **engine_kw)
+        engine.warmup()
+        r = engine.startup_report()
+        out.append(dict(seconds=time.perf_counter() - t, programs=r.programs, compiled=r.compiled, loaded=r.loaded,
+                        in_memory=r.in_memory, report=str(r), memory=str(memory.breakdown(engine))))
+    return out
+
+
+def part_engines(args, model=None) -> list:
+    if model is not None:  # --smoke: in this process, two programs each
+        return two_engines(model, max_slots=1, max_len=16)
+    code = ("import json, sys, jaxinfer; from experiments.startup import two_engines; "
+            "print(json.dumps({'engines': two_engines(jaxinfer.load(sys.argv[1]), max_slots=8)}))")
+    with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
+        return _common.run_json([sys.executable, "-c", code, args.model], timeout=args.timeout,
+                                **cache_env(Path(d) / "xla"))["engines"]
+
+
+# ---- host loop ----------------------------------------------------------------------------------
+
+def part_host(args) -> dict:
+    shape = (128, 16, 64, 64) if not args.smoke else (16, 4, 8, 8)  # max_len, prompt lengths, new tokens
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as d:
+        trees = {"this": ROOT}
+        if args.against:
+            trees = {"against": stack.enter_context(_common.source_tree(args.against)), "this": ROOT}
+        runs: dict = {name: [] for name in trees}
+        per_call = 1 if len(trees) > 1 else args.rounds  # two trees: alternate round by round
+        for _ in range(args.rounds // per_call):
+            for name, tree in trees.items():
+                cmd = [sys.executable, "-c", HOST_WORKER, str(args.slots), str(args.vocab), str(per_call), *map(str, shape)]
+                runs[name] += _common.run_json(cmd, tree=tree, timeout=args.timeout, **cache_env(Path(d) / name))["rounds"]
+    out = {name: dict(host_ms_p50=median(r["host_ms_p50"] for r in rs), wall_ms_p50=median(r["wall_ms_p50"] for r in rs),
+                      iterations=median(r["iterations"] for r in rs), rounds=rs) for name, rs in runs.items()}
+    out["same_tokens"] = len({r["tokens_digest"] for rs in runs.values() for r in rs}) == 1
+    if args.against:
+        out.update(host_ratio=out["this"]["host_ms_p50"] / out["against"]["host_ms_p50"], against_ref=args.against)
+    return out
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main(argv=None, model=None) -> dict:
+    p = _common.parser(__doc__)
     p.add_argument("--parts", default="serve,generate,engines,host", help="which parts (default all)")
     p.add_argument("--against", help="git ref (or a source tree) for the host part to compare with")
     p.add_argument("--slots", type=int, default=32, help="host part: engine slots (default 32)")
@@ -135,243 +220,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load-requests", type=int, default=32, help="serve part: requests of the load (default 32)")
     p.add_argument("--load-concurrency", type=int, default=8, help="serve part: at a time (default 8)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one server or process may take")
-    return p
-
-
-def rss_bytes(pid) -> int:
-    """Resident memory of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _env(cache_dir: Path, tree: Path = ROOT) -> dict:
-    return dict(os.environ, JAXINFER_COMPILE_CACHE=str(cache_dir), PYTHONPATH=str(tree))
-
-
-def _result(stdout: str) -> dict:
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"no RESULT line in the output: {stdout[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-# ---- serve ------------------------------------------------------------------------------------
-
-def serve_once(args, cache_dir: Path) -> dict:
-    """Start `jaxinfer serve`, time it to ready and to every program built, sample its memory, load it."""
-    import httpx
-
-    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", args.model, "--port", "0"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(cache_dir), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
-    lines, url = [], {}
-    seen = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            lines.append((time.perf_counter() - t0, line.rstrip()))
-            m = re.search(r"(http://\S+)/v1 \(model", line)
-            if m:
-                url["base"] = m.group(1)
-            if "compile cache" in line and "programs " in line and "loaded from cache" in line:
-                seen.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    out = dict(command=" ".join(cmd))
-    try:
-        deadline = t0 + args.timeout
-        while time.perf_counter() < deadline and proc.poll() is None:
-            if "base" in url:
-                try:
-                    r = httpx.get(url["base"] + "/health", timeout=5)
-                    if r.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"the server was not ready in {args.timeout} s: {lines[-5:]}")
-        out.update(ready_s=time.perf_counter() - t0, rss_ready=rss_bytes(proc.pid))
-        if not seen.wait(max(1.0, deadline - time.perf_counter())):
-            raise RuntimeError(f"the server did not finish its warmup in {args.timeout} s: {lines[-5:]}")
-        out.update(warm_s=time.perf_counter() - t0, rss_warm=rss_bytes(proc.pid))
-        out.update(load=_load(url["base"], args.model, args.load_requests, args.load_concurrency), rss_after_load=rss_bytes(proc.pid))
-        r = httpx.get(url["base"] + "/metrics", timeout=10)
-        out["serving_compiles"] = int(re.search(r"serving_compiles_total (\d+)", r.text).group(1)) \
-            if "serving_compiles_total" in r.text else None
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(5)
-    out["log"] = [f"{t:6.1f}s {line}" for t, line in lines]
-    return out
-
-
-def _load(base: str, model: str, n: int, concurrency: int) -> dict:
-    """n streaming completions of the served `model`, `concurrency` at a time; seconds and tokens."""
-    import concurrent.futures
-
-    import httpx
-
-    def one(i):
-        body = {"model": model, "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
-                "temperature": 0.7, "seed": i, "stream": True}
-        n_tok = 0
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"the load test's request {i} got {r.status_code}: {r.read()[:300]!r}")
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    n_tok += 1
-        return n_tok
-
-    t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        chunks = list(pool.map(one, range(n)))
-    return dict(requests=n, seconds=time.perf_counter() - t, stream_events=sum(chunks))
-
-
-def part_serve(args) -> dict:
-    with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-        cache = Path(d) / "xla"
-        return dict(cold=serve_once(args, cache), warm=serve_once(args, cache))
-
-
-# ---- generate ---------------------------------------------------------------------------------
-
-def generate_once(args, cache_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "jaxinfer", "generate", "The capital of France is", "--model", args.model,
-           "--max-new-tokens", "16", "--json", "--compile-cache", str(cache_dir)]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, env=_env(cache_dir), capture_output=True, text=True, timeout=args.timeout)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    t = json.loads(out.stdout.strip().splitlines()[-1])["timings"]
-    return dict(process_s=time.perf_counter() - t0, load_s=t["load_s"], ttft_s=t["ttft_s"], compile_s=t["compile_s"],
-                programs=t["n_compilations"], loaded=t["n_cache_loads"])
-
-
-def part_generate(args) -> dict:
-    with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-        cache = Path(d) / "xla"
-        return dict(cold=generate_once(args, cache), warm=generate_once(args, cache))
-
-
-# ---- engines ----------------------------------------------------------------------------------
-
-def part_engines(args, model=None) -> list:
-    if model is not None:  # --smoke: in this process
-        from jaxinfer.serve import Engine, memory
-
-        out = []
-        for _ in range(2):
-            t = time.perf_counter()
-            engine = Engine(model, max_slots=1, max_len=16)  # two programs
-            engine.warmup()
-            r = engine.startup_report()
-            out.append(dict(seconds=time.perf_counter() - t, programs=r.programs, compiled=r.compiled,
-                            loaded=r.loaded, in_memory=r.in_memory, report=str(r),
-                            memory=str(memory.breakdown(engine))))
-        return out
-    with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-        out = subprocess.run([sys.executable, "-c", ENGINES_WORKER, args.model], cwd=ROOT, env=_env(Path(d) / "xla"),
-                             capture_output=True, text=True, timeout=args.timeout)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return _result(out.stdout)
-
-
-# ---- host loop ----------------------------------------------------------------------------------
-
-def _tree(ref: str, stack: list) -> Path:
-    """A source tree for `ref`: a folder as it is, else a git ref checked out into a temporary worktree."""
-    if Path(ref).is_dir():
-        return Path(ref).resolve()
-    d = Path(tempfile.mkdtemp(prefix="jaxinfer-ref-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(d / "tree"), ref], cwd=ROOT, check=True,
-                   capture_output=True)
-    stack.append(d)
-    return d / "tree"
-
-
-def part_host(args) -> dict:
-    trees = {"this": ROOT}
-    made: list = []
-    try:
-        if args.against:
-            trees = {"against": _tree(args.against, made), "this": ROOT}
-        runs: dict = {name: [] for name in trees}
-        with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-            for r in range(args.rounds if len(trees) > 1 else 1):  # alternate trees round by round
-                for name, tree in trees.items():
-                    rounds = 1 if len(trees) > 1 else args.rounds
-                    shape = (128, 16, 64, 64) if not args.smoke else (16, 4, 8, 8)  # max_len, prompts, new
-                    out = subprocess.run([sys.executable, "-c", HOST_WORKER, str(args.slots), str(args.vocab),
-                                          str(rounds), *map(str, shape)], cwd=tree, env=_env(Path(d) / name, tree),
-                                         capture_output=True, text=True, timeout=args.timeout)
-                    if out.returncode != 0:
-                        raise RuntimeError(f"{name}: {out.stderr[-2000:]}")
-                    runs[name] += _result(out.stdout)["rounds"]
-    finally:
-        for d in made:
-            subprocess.run(["git", "worktree", "remove", "--force", str(d / "tree")], cwd=ROOT, capture_output=True)
-            shutil.rmtree(d, ignore_errors=True)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    out = {name: dict(host_ms_p50=med([r["host_ms_p50"] for r in rs]), wall_ms_p50=med([r["wall_ms_p50"] for r in rs]),
-                      iterations=med([r["iterations"] for r in rs]), rounds=rs) for name, rs in runs.items()}
-    digests = {r["tokens_digest"] for rs in runs.values() for r in rs}
-    out["same_tokens"] = len(digests) == 1
-    if "against" in out:
-        out["host_ratio"] = out["this"]["host_ms_p50"] / out["against"]["host_ms_p50"]
-        out["against_ref"] = args.against
-    return out
-
-
-# ---- main ---------------------------------------------------------------------------------------
-
-def _gb(b) -> str:
-    return f"{b / 1e9:.2f} GB"
-
-
-def main(argv=None, model=None) -> dict:
-    args = parser().parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"serve", "generate", "engines", "host"}
-    if unknown:
-        raise SystemExit(f"unknown --parts {sorted(unknown)}: choose from serve, generate, engines, host")
+    args = p.parse_args(argv)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if set(parts) - {"serve", "generate", "engines", "host"}:
+        p.error(f"unknown --parts {sorted(set(parts) - {'serve', 'generate', 'engines', 'host'})}: choose from "
+                f"serve, generate, engines, host")
     if args.smoke:  # a tiny model, two Engines of two programs in this process, one host round of 2 slots
-        parts = [p for p in parts if p in ("engines", "host")]
+        parts = [x for x in parts if x in ("engines", "host")]
         args.slots, args.rounds = 2, 1
-        if model is None:
-            import jax
-
-            from jaxinfer.model import config
-            from jaxinfer.model.model import Model
-            from jaxinfer.model.params import init_params
-
-            cfg = config.tiny(name="tiny-startup-smoke")
-            model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+        model = model or _common.tiny_model(name="tiny-startup-smoke")
     res: dict = {}
+    gb = 1e9  # bytes
     if "serve" in parts:
-        res["serve"] = part_serve(args)
-        for run in ("cold", "warm"):
-            s = res["serve"][run]
+        res["serve"] = cold_and_warm(serve_once, args)
+        for run, s in res["serve"].items():
             print(f"serve {run}: ready {s['ready_s']:.1f} s, all programs {s['warm_s']:.1f} s; resident "
-                  f"{_gb(s['rss_ready'])} ready, {_gb(s['rss_warm'])} warm, {_gb(s['rss_after_load'])} after "
-                  f"{s['load']['requests']} requests")
+                  f"{s['rss_ready'] / gb:.2f} GB ready, {s['rss_warm'] / gb:.2f} GB warm, {s['rss_after_load'] / gb:.2f} GB "
+                  f"after {s['load']['requests']} requests")
     if "generate" in parts:
-        res["generate"] = part_generate(args)
-        for run in ("cold", "warm"):
-            g = res["generate"][run]
+        res["generate"] = cold_and_warm(generate_once, args)
+        for run, g in res["generate"].items():
             print(f"generate {run}: load {g['load_s']:.1f} s, first token {g['ttft_s']:.2f} s after it "
                   f"({g['programs']} programs, {g['loaded']} from the cache)")
     if "engines" in parts:
@@ -380,24 +248,14 @@ def main(argv=None, model=None) -> dict:
             print(f"Engine {i + 1}: {e['seconds']:.1f} s, compiled {e['compiled']}, loaded {e['loaded']}, "
                   f"in memory {e['in_memory']} of {e['programs']} programs")
     if "host" in parts:
-        res["host"] = part_host(args)
+        res["host"] = h = part_host(args)
         for name in ("against", "this"):
-            if name in res["host"]:
-                h = res["host"][name]
-                print(f"host loop ({name}): {h['host_ms_p50']:.2f} ms host, {h['wall_ms_p50']:.2f} ms wall per "
-                      f"iteration ({h['iterations']} iterations)")
-        if "host_ratio" in res["host"]:
-            print(f"host time per iteration: {res['host']['host_ratio']:.2f}x of {args.against}; same tokens: "
-                  f"{res['host']['same_tokens']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "startup.json"
-    env = dict(python=platform.python_version(), machine=platform.machine(), cpu_count=os.cpu_count(),
-               load_average_1m=os.getloadavg()[0], utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(experiment="startup", args=vars(args), environment=env, **res), indent=1) + "\n")
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+            if name in h:
+                print(f"host loop ({name}): {h[name]['host_ms_p50']:.2f} ms host, {h[name]['wall_ms_p50']:.2f} ms "
+                      f"wall per iteration ({h[name]['iterations']} iterations)")
+        if "host_ratio" in h:
+            print(f"host time per iteration: {h['host_ratio']:.2f}x of {args.against}; same tokens: {h['same_tokens']}")
+    _common.save("startup", res, args)
     return res
 
 

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from experiments import _common as common
+from experiments._measure import interleaved, timed
 
 POSITIVE = ["I love this movie, it was wonderful and moving.", "What a fantastic day, everything went great.",
             "The food was delicious and the staff were lovely.", "I am so happy with how this turned out.",
@@ -116,16 +117,6 @@ def sweep(args, m) -> dict:
 
 # Speed ------------------------------------------------------------------------------------------
 
-def alternating(arms: dict, rounds: int) -> dict[str, list[float]]:
-    """Each arm's measurements over `rounds`, the arms' order reversed every other round (ABBA)."""
-    out = {k: [] for k in arms}
-    names = list(arms)
-    for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            out[k].append(arms[k]())
-    return out
-
-
 def speed(args, m) -> dict:
     import jax
     import jax.numpy as jnp
@@ -156,8 +147,7 @@ def speed(args, m) -> dict:
             return lambda: jaxinfer.generate(m, prompts, max_new_tokens=new, stop_at_eos=False,
                                              interventions=ivs).timings.decode_tokens_per_s
 
-        gen(None)(), gen(steer)()  # compile both
-        got = alternating({"plain": gen(None), "steered": gen(steer)}, rounds)
+        got = interleaved({"plain": gen(None), "steered": gen(steer)}, rounds)
         med = {k: float(np.median(x)) for k, x in got.items()}
         rows.append({"row": f"generate b{B}: steered / plain decode time", "ratio": med["plain"] / med["steered"],
                      "target": "<= 1.05", "plain_tokens_per_s": med["plain"], "steered_tokens_per_s": med["steered"],
@@ -171,18 +161,8 @@ def speed(args, m) -> dict:
     plain_pass = jax.jit(lambda p, t: mdl.forward(p, t, mdl.default_positions(*t.shape), None, cfg,
                                                   logit_index=last)[0])
 
-    def timed(fn):
-        def run():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            return time.perf_counter() - t0
-        return run
-
-    arms = {"plain": timed(lambda: plain_pass(m.params, tokens)),
-            "capture": timed(lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}
-    for a in arms.values():
-        a()
-    got = alternating(arms, rounds)
+    got = interleaved({"plain": timed(lambda: plain_pass(m.params, tokens)),
+                       "capture": timed(lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}, rounds)
     med = {k: float(np.median(x)) for k, x in got.items()}
     rows.append({"row": f"capture resid_post, all {cfg.n_layers} layers, {B} x {T} tokens / plain pass",
                  "ratio": med["capture"] / med["plain"], "target": "<= 1.3", "seconds": med, "runs": got})
@@ -205,8 +185,7 @@ def speed(args, m) -> dict:
             jaxinfer.generate(m, texts[i:i + batch], max_new_tokens=1, stop_at_eos=False)
         return n_tokens / (time.perf_counter() - t0)
 
-    writer(), prefill()
-    got = alternating({"prefill": prefill, "writer": writer}, rounds)
+    got = interleaved({"prefill": prefill, "writer": writer}, rounds)
     med = {k: float(np.median(x)) for k, x in got.items()}
     rows.append({"row": f"corpus writer (resid_post layer {layer}) / plain prefill, tokens/s",
                  "ratio": med["writer"] / med["prefill"], "target": ">= 0.8", "tokens_per_s": med, "runs": got})

@@ -35,24 +35,8 @@ from jaxinfer.serve.engine import Engine
 
 SCHEMAS = DATA / "schemas"
 TEMPERATURE = 0.8
-# One valid instance per schema, written as a model writes JSON (", " and ": " separators).
-INSTANCES = {
-    "nested_objects": {"name": "Ada Lovelace", "age": 36, "address": {"street": "12 St James's Square",
-                       "city": "London", "geo": {"lat": 51.5074, "lon": -0.1347}},
-                       "employer": {"company": "Analytical Engines Ltd", "since": 1952}},
-    "enums": {"status": "shipped", "priority": "high", "currency": "EUR", "channel": "web", "gift_wrap": False},
-    "arrays_bounded": {"title": "Pancakes", "ingredients": ["flour", "milk", "eggs", "butter"],
-                       "steps": ["Whisk everything together", "Fry in a hot pan"], "ratings": [5, 4]},
-    "numbers": {"temperature_c": 21.5, "humidity_pct": 48, "pressure_hpa": 1013.25, "wind_kmh": 12.8,
-                "readings": 240},
-    "nullable_fields": {"name": "Grace Hopper", "email": None, "phone": "+1 555 0100", "age": None,
-                        "notes": "Prefers e-mail in the morning"},
-    "string_patterns": {"tracking_code": "RA123456785DE", "postcode": "10115", "phone": "+4930123456",
-                        "ship_date": "2024-05-17", "sku": "ABC-1234"},
-    "closed_object": {"theme": "dark", "font_size": 14, "language": "en-GB",
-                      "notifications": {"email": True, "push": False}, "beta": False},
-    "anyof_union": {"label": "triangle", "shape": {"kind": "polygon", "points": [[0, 0], [4, 0], [2, 3.5]]}},
-}
+# One valid instance per schema, written as a model writes JSON (", " and ": " separators when dumped).
+INSTANCES = json.loads((DATA / "schema_instances.json").read_text(encoding="utf-8"))
 
 
 def _ms(xs) -> dict:

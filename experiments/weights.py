@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -116,11 +115,7 @@ def load_folder(args) -> dict:
         write_s = time.perf_counter() - t0
         folder_bytes = sum(f.stat().st_size for f in folder.iterdir())
         n_shards = len(list(folder.glob("model-*.safetensors")))
-        proc = subprocess.run([sys.executable, "-m", "experiments.weights", "--child", str(folder)], capture_output=True,
-                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        if proc.returncode:
-            raise RuntimeError(f"load process failed:\n{proc.stderr[-4000:]}")
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = _common.run_json([sys.executable, "-m", "experiments.weights", "--child", str(folder)])
     extra = r["peak_rss"] - r["rss_before"]
     res = {"folder_bytes": folder_bytes, "tensor_bytes": data_bytes, "n_shards": n_shards,
            "layers": cfg["num_hidden_layers"], "write_s": write_s, **r, "gb_per_s": folder_bytes / r["load_s"] / 1e9,
