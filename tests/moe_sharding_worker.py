@@ -5,11 +5,18 @@ The device count must be fixed before JAX starts (other test files start it in t
 process), so the test runs this script in a subprocess:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_sharding_worker.py OUT.json
+
+Then the tiny DeepSeek-V3 (latent attention, grouped routing, a dense first layer) and gpt-oss
+(attention sinks, sliding window, biased experts) folders of tests/golden/tiny_moe, loaded straight
+onto a (2, 4) mesh (`jaxinfer.load(..., mesh=)`): two of their golden prompts' greedy tokens and
+logits, for the test to compare with transformers' (tests/golden/make_tiny_moe.py), and seeded
+tokens here and on one device.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -18,6 +25,7 @@ MESHES = [(2, 4), (1, 8)]  # (data, model): 2 and 1 experts per device
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3] * 7, [100, 101]]
 SEEDS = [11, 12, 13, 14]
 NEW_TOKENS = 8
+FAMILIES = ("deepseek_v3", "gpt_oss")
 
 
 def main(out_path: str) -> None:
@@ -44,7 +52,7 @@ def main(out_path: str) -> None:
                 "sampled": [c.token_ids for c in sampled.completions],
                 "logits": np.asarray(jaxinfer.logits(model, PROMPTS[0])).tolist()}
 
-    out = {"single": run(Model(cfg, jax.tree.map(jnp.asarray, host))), "meshes": {}}
+    out = {"single": run(Model(cfg, jax.tree.map(jnp.asarray, host))), "meshes": {}, "families": {}}
     for data, model in MESHES:
         plan = shd.plan(cfg, shd.make_mesh(data, model))
         sharded = Model(shd.config_for(cfg, plan), shd.shard_params(host, cfg, plan))
@@ -52,6 +60,24 @@ def main(out_path: str) -> None:
         got.update(kernel=sharded.config.moe.kernel, rules=dict(plan.rules),
                    expert_shard=list(sharded.params["layers"]["we_gate_up"].addressable_shards[0].data.shape))
         out["meshes"][f"{data}x{model}"] = got
+    golden = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_moe")
+    for family in FAMILIES:
+        ref = np.load(os.path.join(golden, family, "reference.npz"))
+        prompts = [row[:n].tolist() for row, n in zip(ref["batch_ids"][:2], ref["batch_lengths"][:2])]
+
+        def tokens(model, **kw):
+            res = jaxinfer.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_at_eos=False, **kw)
+            return [c.token_ids for c in res.completions]
+
+        sampling = dict(seed=SEEDS[:2], sampling=SamplingParams(temperature=1.0, top_k=50))
+        one = jaxinfer.load(os.path.join(golden, family), layout="stacked")
+        sharded = jaxinfer.load(os.path.join(golden, family), mesh=shd.make_mesh(2, 4))
+        out["families"][family] = {
+            "greedy": tokens(sharded), "sampled": tokens(sharded, **sampling),
+            "single_sampled": tokens(one, **sampling),
+            "logits": shd.to_host(jaxinfer.logits(sharded, ref["ids"].tolist())).tolist(),
+            "kernel": sharded.config.moe.kernel,
+            "expert_shard": list(sharded.params["layers"]["we_gate_up"].addressable_shards[0].data.shape)}
     with open(out_path, "w") as f:
         json.dump(out, f)
 

@@ -7,10 +7,12 @@ in the pytest process, so the tests run this script in a subprocess:
       1 device vs meshes (8,1), (1,8), (2,4): greedy and seeded-sampling tokens, logits, for the
       tiny preset (random weights) and the real default model (see PLAN).
   python tests/sharding_worker.py dist OUT.json PROCESS_ID NUM_PROCESSES PORT
-      one process of a jax.distributed run (4 CPU devices each), generating greedily on a
-      (2, 4) mesh that spans both processes.
+      one process of a jax.distributed run (4 CPU devices each): the tiny preset generating
+      greedily on a (2, 4) mesh that spans both processes, then a tiny mixture-of-experts model
+      with its 8 experts split over a (1, 8) mesh (4 experts on each process): greedy and seeded
+      tokens and the logits of one prompt.
   python tests/sharding_worker.py single OUT.json
-      the single-process, single-device reference for the dist run.
+      the single-process, single-device reference for the dist run (both models).
 """
 
 from __future__ import annotations
@@ -38,6 +40,28 @@ def _tiny():
     cfg = config.tiny()
     host = jax.tree.map(np.asarray, prm.init_params(cfg, jax.random.key(0)))
     return cfg, host, None, TINY_PROMPTS
+
+
+def _tiny_moe():
+    """A tiny random mixture-of-experts model: 8 experts, 2 per token, a gated shared expert."""
+    import jax
+
+    from jaxinfer.model import config
+    from jaxinfer.model import params as prm
+
+    cfg = config.tiny_moe(moe=config.MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=32, norm_top_k=True,
+                                               shared_ffn_dim=48, shared_gate=True))
+    host = jax.tree.map(np.asarray, prm.init_params(cfg, jax.random.key(0)))
+    return cfg, host, TINY_PROMPTS[:4]
+
+
+def _moe_run(model, prompts):
+    """Greedy and seeded tokens and the first prompt's logits [T, V] (gathered from every process)."""
+    import jaxinfer
+    from jaxinfer import sharding as shd
+
+    return {"greedy": _greedy(model, prompts), "sampled": _sampled(model, prompts, SEEDS[: len(prompts)]),
+            "logits": shd.to_host(jaxinfer.logits(model, prompts[0])).tolist()}
 
 
 def _real():
@@ -181,6 +205,8 @@ def single(out_path: str) -> None:
     cfg, host, _, prompts = _tiny()
     model = Model(cfg, jax.tree.map(jnp.asarray, host))
     got = {"greedy": _greedy(model, prompts)}
+    cfg, host, prompts = _tiny_moe()
+    got["moe"] = _moe_run(Model(cfg, jax.tree.map(jnp.asarray, host)), prompts)
     with open(out_path, "w") as f:
         json.dump(got, f)
 
@@ -202,6 +228,16 @@ def dist(out_path: str, process_id: int, num_processes: int, port: int) -> None:
     got = {"greedy": _greedy(model, prompts)}
     got.update(process_index=jax.process_index(), devices=len(jax.devices()),
                local_devices=len(jax.local_devices()), params_span_processes=spans)
+    # The MoE model on (1, 8): the model axis, and so the experts, span both processes, so the
+    # routed experts' all-reduce runs over gloo between the processes.
+    cfg, host, prompts = _tiny_moe()
+    plan = shd.plan(cfg, shd.make_mesh(1, 8))
+    moe_model = Model(shd.config_for(cfg, plan), shd.shard_params(host, cfg, plan))
+    experts = moe_model.params["layers"]["we_gate_up"]  # [L, X, 2Fe, D]
+    local = sorted({s.index[1].start for s in experts.addressable_shards})
+    got["moe"] = _moe_run(moe_model, prompts)
+    got["moe"].update(rules=dict(plan.rules), kernel=moe_model.config.moe.kernel, local_experts=local,
+                      expert_shard=list(experts.addressable_shards[0].data.shape))
     with open(out_path, "w") as f:
         json.dump(got, f)
     jax.distributed.shutdown()

@@ -15,27 +15,29 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from jaxinfer.model import cache as kv
 from jaxinfer.model import config
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
-from tests.tolerances import check, tolerance
+from tests.tolerances import assert_close, check, tolerance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharding_worker.py")
 MESHES = ["8x1", "1x8", "2x4"]
 
 
-def _env(n_devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
+def _env(n_devices: int, xla_flags: str = "") -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices} {xla_flags}".strip())
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     return env
 
 
-def _run_worker(args: list[str], n_devices: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WORKER, *args], env=_env(n_devices), stdout=subprocess.PIPE,
+def _run_worker(args: list[str], n_devices: int, xla_flags: str = "") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, *args], env=_env(n_devices, xla_flags), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -137,9 +139,17 @@ def _free_port() -> int:
 
 
 def test_two_processes_agree_with_single_process(tmp_path):
+    """Two processes (4 CPU devices each, gloo collectives between them) equal one device: the
+    tiny preset on a (2, 4) mesh (greedy tokens), then, in the same two processes, a tiny
+    mixture-of-experts model with its 8 experts split over a (1, 8) mesh, 4 on each process
+    (greedy and seeded tokens, logits within float error)."""
     port = _free_port()
-    procs = [_run_worker(["dist", str(tmp_path / f"p{i}.json"), str(i), "2", str(port)], 4) for i in range(2)]
-    single = _run_worker(["single", str(tmp_path / "single.json")], 1)
+    # What is checked here is the collectives between processes, not XLA's CPU code generation:
+    # LLVM's lowest optimisation level compiles these small programs far faster, and the
+    # one-device reference runs under the same flag as the two processes.
+    flags = "--xla_backend_optimization_level=0"
+    procs = [_run_worker(["dist", str(tmp_path / f"p{i}.json"), str(i), "2", str(port)], 4, flags) for i in range(2)]
+    single = _run_worker(["single", str(tmp_path / "single.json")], 1, flags)
     for p in procs + [single]:
         _wait(p, timeout=900)
     outs = [json.load(open(tmp_path / f"p{i}.json")) for i in range(2)]
@@ -148,6 +158,13 @@ def test_two_processes_agree_with_single_process(tmp_path):
         assert o["process_index"] == i and o["devices"] == 8 and o["local_devices"] == 4
         assert o["params_span_processes"]  # a weight has shards on the other process
         assert o["greedy"] == ref["greedy"]
+        moe, one = o["moe"], ref["moe"]
+        assert moe["rules"]["experts"] == "model" and moe["kernel"] == "ragged"
+        assert moe["expert_shard"] == [2, 1, 64, 64]  # [L, X / 8, 2Fe, D]: one expert per device
+        assert moe["local_experts"] == list(range(4 * i, 4 * i + 4))  # this process holds 4 of the 8
+        assert moe["greedy"] == one["greedy"] and moe["sampled"] == one["sampled"]
+        assert_close(np.asarray(moe["logits"]), np.asarray(one["logits"]), what=f"MoE process {i} vs one device")
+    assert ref["moe"]["sampled"] != ref["moe"]["greedy"]  # else the seeded check proves nothing
 
 
 # In-process checks: no devices needed -------------------------------------------------------
