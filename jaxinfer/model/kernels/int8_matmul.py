@@ -19,7 +19,9 @@ embedding) or input-major [I, O] ("IO", an untied LM head). Off a GPU the same k
 Pallas's interpret mode, which is how the tests check it against the XLA path on a CPU.
 
 `use_kernel` decides where it runs by default: a GPU, bf16/fp16 activations, at most
-`MAX_ROWS` rows and block sizes that divide the shape; `ModelConfig.int8_matmul` overrides it.
+`MAX_ROWS` rows and block sizes that divide the shape; `ModelConfig.int8_matmul` overrides it
+("pallas" forces it for every product of at most `MAX_ROWS` rows: the kernel holds all rows in
+one tile, so longer prefill chunks stay on XLA's GEMM).
 Shape letters: M rows, I inputs, O outputs.
 """
 
@@ -98,9 +100,10 @@ def use_kernel(kernel: Optional[str], rows: int, dtype, I: int, O: int, w_layout
     """Whether an int8 product of `rows` rows in `dtype` with an [I, O] weight runs the Pallas kernel.
 
     Args:
-      kernel: `ModelConfig.int8_matmul`: "pallas" (always; a shape no tiling divides is an error
-        in `int8_matmul`), "xla" (never), or None: by backend, the kernel on a GPU for bf16/fp16
-        activations, at most MAX_ROWS rows and a shape `default_blocks` tiles.
+      kernel: `ModelConfig.int8_matmul`: "pallas" (wherever it applies: at most MAX_ROWS rows, since
+        the kernel does not tile rows and a prefill chunk is XLA's GEMM's job; a shape no tiling
+        divides is an error in `int8_matmul`), "xla" (never), or None: by backend, the kernel on a
+        GPU for bf16/fp16 activations, at most MAX_ROWS rows and a shape `default_blocks` tiles.
       rows: M, the product's rows (batch x new tokens).
       dtype: the activations' dtype.
       I, O: the weight's inputs and outputs; w_layout: "OI" or "IO".
@@ -109,7 +112,7 @@ def use_kernel(kernel: Optional[str], rows: int, dtype, I: int, O: int, w_layout
     if kernel is not None:
         if kernel not in KERNELS:
             raise ValueError(f"int8 matmul kernel must be one of {KERNELS} or None, got {kernel!r}")
-        return kernel == "pallas"
+        return kernel == "pallas" and rows <= MAX_ROWS
     return ((backend or jax.default_backend()) == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and rows <= MAX_ROWS and default_blocks(rows, I, O, w_layout) is not None)
 
