@@ -235,6 +235,22 @@ def test_corpus_writer_resumes_after_an_interruption(tiny, tmp_path):
         jaxinfer.write_activations(m, texts, run, layers=[0], progress=False)
 
 
+def test_corpus_writer_never_deletes_files_it_did_not_write(tiny, tmp_path):
+    """A folder without a manifest (a lost one, or a user's folder) is refused before anything is written."""
+    m = tiny["llama", "per_layer"]
+    for names in (["shard-00000.npy"], ["shard-00003.safetensors.tmp", "notes.txt"], ["notes.txt"]):
+        folder = tmp_path / f"f{len(names)}{names[0][:5]}"
+        folder.mkdir()
+        for n in names:
+            (folder / n).write_bytes(b"mine")
+        with pytest.raises(ValueError, match=f"has no manifest.json but holds {sorted(names)[0]!r}"):
+            jaxinfer.write_activations(m, _texts(4), folder, layers=[0], progress=False)
+        assert sorted(p.name for p in folder.iterdir()) == sorted(names)  # untouched, no manifest written
+        assert all((folder / n).read_bytes() == b"mine" for n in names)
+    man = jaxinfer.write_activations(m, _texts(4), tmp_path / "empty", layers=[0], progress=False)
+    assert man["texts_done"] == 4
+
+
 def test_corpus_writer_resumes_after_sigkill(tmp_path):
     """A writer killed (SIGKILL) mid-run resumes: every row once, as an uninterrupted run writes them."""
     script = textwrap.dedent(f"""

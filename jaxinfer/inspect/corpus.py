@@ -102,26 +102,42 @@ def _settings(model: Model, capture, fmt: str, dtype: str, max_tokens: int) -> d
 
 
 def _open_store(folder: Path, settings: dict) -> dict:
-    """The manifest to continue from (a fresh one for a new store), with stray shard files removed."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The manifest to continue from, with stray shard files removed; for a new store, a fresh one.
+
+    Files are only ever removed from a store that has a manifest (the resume case: shards written
+    after its last update). A folder without one must be new or empty, so no file this writer did
+    not write is deleted; the fresh manifest is written at once, so a kill from here on resumes.
+    """
     manifest = load_manifest(folder)
     if manifest is None:
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{folder} is a file, not a folder; pass an empty or new folder")
+        present = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+        if present and present != [MANIFEST + ".tmp"]:  # only the cut first write of a manifest is ours
+            raise ValueError(f"{folder} has no {MANIFEST} but holds {', '.join(map(repr, present[:5]))}"
+                             + (f" and {len(present) - 5} more" if len(present) > 5 else "")
+                             + "; pass an empty or new folder (or a store written by write_activations)")
+        folder.mkdir(parents=True, exist_ok=True)
         manifest = {**settings, "shards": [], "texts_done": 0, "rows": 0}
-    else:
-        differ = {k: (manifest.get(k), v) for k, v in settings.items() if manifest.get(k) != v}
-        if differ:
-            raise ValueError(f"{folder} holds activations written with other settings: "
-                             + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items())
-                             + "; use another folder or the same settings")
+        _atomic_write(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
+        return manifest
+    differ = {k: (manifest.get(k), v) for k, v in settings.items() if manifest.get(k) != v}
+    if differ:
+        raise ValueError(f"{folder} holds activations written with other settings: "
+                         + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items())
+                         + "; use another folder or the same settings")
     listed = {f for s in manifest["shards"] for f in s["files"]}
+    strays = []
     for p in folder.iterdir():
         if p.name in listed or p.name == MANIFEST:
             continue
         if p.name.startswith("shard-") or p.name.endswith(".tmp"):
-            p.unlink()  # written after the manifest's last update (or half written): redone below
+            strays.append(p)  # written after the manifest's last update (or half written): redone below
         else:
             raise ValueError(f"{folder} holds {p.name!r}, which is not part of an activation store; "
                              "pass an empty or new folder")
+    for p in strays:
+        p.unlink()
     return manifest
 
 
@@ -136,7 +152,8 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
       model: a loaded Model.
       texts: an iterable of strings (encoded as `generate` encodes a prompt) or token-id lists;
         resuming needs the same texts in the same order.
-      folder: the store (created if missing; continued if it holds a manifest of the same settings).
+      folder: the store: created if missing, continued if it holds a manifest of the same settings;
+        a folder without a manifest must be empty (nothing in it is ever deleted).
       sites, layers: what to capture (site names; layer indices or None for every layer).
       batch_tokens: the most padded tokens (rows x padded length) of one pass: bounds device memory.
       max_tokens: texts are cut to this many tokens (default min(MAX_TOKENS, the context length);
