@@ -175,7 +175,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       on_prefill: optional callback(done, total) after each prefill chunk (prompt tokens read).
       logits_processor: a pure JAX function (logits [B, V], `core.ProcessorInput`) -> logits [B, V]
         applied after the sampling controls and before the sampler, traced into the same prefill
-        and decode programs (a new function object means new programs: define it once).
+        and decode programs as a static argument: an equal processor shares them, a new function
+        object means new programs (define it once, or make it a frozen dataclass as
+        `jaxinfer.decode.processors` does).
       interventions: `jaxinfer.interventions` applied in the prefill and every decode step: one
         list for every row, or one list per prompt ([] for a plain row). Changing their arrays
         (a vector, a scale) compiles nothing; see `jaxinfer.interventions` for what does.
