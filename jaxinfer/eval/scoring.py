@@ -196,7 +196,7 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
     if interventions is not None:
         if isinstance(model, Engine):
             raise ValueError("score with interventions runs uncached closed batches: pass the Model, not an Engine")
-        return _score_closed(model, pairs, interventions, max_length, max_slots)
+        return _score_closed(model, pair_ids, interventions, max_length, max_slots)
 
     engine = model if isinstance(model, Engine) else Engine(
         model, max_slots=max_slots, kv_memory=kv_memory, max_len=max_length)
@@ -290,17 +290,14 @@ def _token_logprobs(params, tokens, hooks, cfg):
 _token_logprobs_jit = jax.jit(_token_logprobs, static_argnames=("cfg",))
 
 
-def _score_closed(model: Model, pairs, interventions, max_length: Optional[int], rows_per_batch: int) -> list[Score]:
-    """Every pair scored by an uncached pass with its interventions, rows_per_batch pairs a pass."""
+def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], interventions,
+                  max_length: Optional[int], rows_per_batch: int) -> list[Score]:
+    """Every pair (encoded by `score`) scored by an uncached pass with its interventions,
+    rows_per_batch pairs a pass."""
     cfg = model.config
     limit = cfg.max_seq_len if max_length is None else max_length  # checked and clamped by `score`
     check_int("max_slots", rows_per_batch, 1)
-    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
-        raise TypeError(f"pairs must be a sequence of (context, continuation) pairs, got {type(pairs).__name__}")
-    jobs = []
-    for i, pair in enumerate(pairs):
-        ctx, cont = _pair_ids(model, pair, i)
-        jobs.append((_truncate(ctx, cont, limit, i), cont))
+    jobs = [(_truncate(ctx, cont, limit, i), cont) for i, (ctx, cont) in enumerate(pair_ids)]
     rows = iv.per_row(interventions, len(jobs))
     iv.hooks_for(rows, cfg, len(jobs))  # checked before anything compiles
     order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][0]) + len(jobs[i][1]))
