@@ -99,6 +99,8 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
             group_scores = grouped.max(-1)
         best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [N, top_k_groups]
         keep = jnp.zeros((N, m.n_groups), bool).at[jnp.arange(N)[:, None], best].set(True)
+        # -inf, as transformers' DeepseekV3TopkRouter masks (5.x; 4.x filled 0.0, which let an expert of
+        # a dropped group beat a kept one whose bias-corrected score is negative)
         choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, m.top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
