@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -144,7 +144,8 @@ def _open_store(folder: Path, settings: dict) -> dict:
 def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], folder: Union[str, os.PathLike], *,
                       sites: Sites = ("resid_post",), layers=None, batch_tokens: int = 8192,
                       max_tokens: Optional[int] = None, shard_rows: int = 65536, format: str = "safetensors",
-                      dtype: str = "float32", progress: bool = True, total: Optional[int] = None,
+                      dtype: str = "float32", progress: Optional[Callable[[int, Optional[int]], None]] = None,
+                      total: Optional[int] = None,
                       allow_special: bool = False) -> dict:
     """Capture sites over a corpus and write them to `folder` in shards (module docstring).
 
@@ -162,8 +163,9 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
       shard_rows: a shard is written once it holds this many rows (whole texts, so a little more).
       format: "safetensors" (one file per shard) or "npy" (one file per array per shard).
       dtype: "float32" or "float16" (rows as stored).
-      progress: show a tqdm progress bar over the texts.
-      total: the number of texts, for the progress bar (default len(texts) where it has one).
+      progress: optional callback(done, total): texts done so far (those a resumed store already
+        covers included), called once at the start and as texts are read; total as below.
+      total: the number of texts, passed to `progress` (default len(texts) where it has one, else None).
       allow_special: as in `generate`.
     Returns:
       The manifest (also in folder/manifest.json): settings, shards (files, rows, first_text,
@@ -178,6 +180,8 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
     max_tokens = (min(MAX_TOKENS, cfg.max_seq_len) if max_tokens is None
                   else check_int("max_tokens", max_tokens, 1, cfg.max_seq_len))
     check_int("batch_tokens", batch_tokens, 1)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be None or a callable(done, total), got {progress!r}")
     capture = as_capture(sites, layers, cfg)
     folder = Path(folder)
     manifest = _open_store(folder, _settings(model, capture, format, dtype, max_tokens))
@@ -185,12 +189,10 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
     if total is None and hasattr(texts, "__len__"):
         total = len(texts)
 
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, initial=min(start, total) if total is not None else start, unit="text",
-               disable=not progress, desc="activations")
+    report = progress or (lambda done, total: None)
     buffer: list[tuple[int, dict]] = []  # (text index, {site: [T, n, ...]}) of processed texts
-    state = {"rows": 0, "covered": start}  # rows buffered; texts processed (the shard's end_text)
+    state = {"rows": 0, "covered": start, "done": start}  # rows buffered; texts processed (the shard's
+    #                                                     end_text); texts read or skipped, for `progress`
 
     def flush(end_text: int) -> None:
         rows = sum(len(r["text_index"]) for _, r in buffer)
@@ -205,6 +207,10 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
         buffer.clear()
         state["rows"] = 0
 
+    def advance(n: int) -> None:
+        state["done"] += n
+        report(state["done"], total)
+
     def collect(batch: list[tuple[int, list[int]]], cap) -> None:
         host = {k: np.asarray(v) for k, v in cap.items()}  # waits for this batch only
         for j, (t, ids) in enumerate(batch):
@@ -215,7 +221,7 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
             buffer.append((t, row))
             state["rows"] += n
         state["covered"] = batch[-1][0] + 1
-        bar.update(len(batch))
+        advance(len(batch))
         if state["rows"] >= shard_rows:
             flush(state["covered"])
 
@@ -230,27 +236,25 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
             collect(*in_flight)
         in_flight, pending = (pending, cap), []
 
-    try:
-        for t, text in enumerate(texts):
-            seen = t + 1
-            if t < start:
-                continue
-            ids = _ids(model, text, t, allow_special)[:max_tokens]
-            if not ids:
-                bar.update(1)
-                continue
-            longest = max([len(ids)] + [len(p) for _, p in pending])
-            if pending and bucket(len(pending) + 1, 1) * bucket(longest) > batch_tokens:
-                dispatch()
-            pending.append((t, ids))
-        if pending:
+    report(start, total)
+    for t, text in enumerate(texts):
+        seen = t + 1
+        if t < start:
+            continue
+        ids = _ids(model, text, t, allow_special)[:max_tokens]
+        if not ids:
+            advance(1)
+            continue
+        longest = max([len(ids)] + [len(p) for _, p in pending])
+        if pending and bucket(len(pending) + 1, 1) * bucket(longest) > batch_tokens:
             dispatch()
-        if in_flight is not None:
-            collect(*in_flight)
-            in_flight = None
-        flush(max(seen, state["covered"]))
-    finally:
-        bar.close()
+        pending.append((t, ids))
+    if pending:
+        dispatch()
+    if in_flight is not None:
+        collect(*in_flight)
+        in_flight = None
+    flush(max(seen, state["covered"]))
     return manifest
 
 
