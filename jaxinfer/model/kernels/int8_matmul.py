@@ -2,10 +2,9 @@
 
 A decode step multiplies a few rows by every weight matrix, so its time is the bytes it reads.
 XLA's GPU backend fuses the int8 -> bf16 conversion into its Triton GEMM (int8 is what is read),
-but that GEMM is tiled for matmuls, not for [B <= 64, I] x [I, O] products: on an H200 it read
-int8 weights at 57% of the bandwidth roofline where bf16 reached 86% (`docs/notes/gpu_runs.md`),
-and a row-reduction form XLA also fuses stopped at the same ~60%. This is one Pallas kernel
-(`pallas.triton` on GPUs) tiled for that shape:
+but that GEMM is tiled for matmuls, not for [B <= 64, I] x [I, O] products, and reads int8 well
+below the bandwidth bf16 reaches (as does a row-reduction form XLA also fuses; measured in
+`docs/notes/gpu_runs.md`). This is one Pallas kernel (`pallas.triton` on GPUs) tiled for that shape:
 
   grid (O / block_o, split_k): program (o, s) owns block_o output channels and the s-th of
   split_k equal ranges of the I inputs; it walks its range block_k inputs at a time, loads the
