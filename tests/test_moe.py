@@ -387,14 +387,22 @@ def test_latent_attention_cache_holds_the_latent(models):
     assert kv.bytes_per_token(cfg.replace(kv_dtype="int8")) == 3 * (40 + 4)
 
 
-def test_int8_covers_deepseek_experts_and_dense_layers(models):
-    """quant="int8" on DeepSeek V3: the experts, the shared expert, the dense first layer's MLP and
-    wo are int8 (the latent projections stay float); the model computes what its dequantized
-    weights compute."""
-    q = jaxinfer.load(_folder("deepseek_v3"), quant="int8", layout="stacked")
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_int8_covers_deepseek_experts_and_dense_layers(models, layout):
+    """quant="int8" on DeepSeek V3: the experts, the shared expert, the dense first layer's MLP, wo
+    and the latent projections wq_a, wq_b and wkv_a are int8 (wk_b and wv_b stay float); the model
+    computes what its dequantized weights compute."""
+    q = jaxinfer.load(_folder("deepseek_v3"), quant="int8", layout=layout)
     layers = q.params["layers"]
-    for name in ("we_gate_up", "we_down", "ws_gate", "w_gate", "wo"):
+    if layout == "per_layer":
+        layers = layers[-1]  # an MoE layer
+    for name in ("we_gate_up", "we_down", "ws_gate" if layout == "stacked" else "ws_gate_up",
+                 "wo" if layout == "stacked" else "wo_t", "wq_a", "wq_b", "wkv_a"):
         assert isinstance(layers[name], quantize.Int8Weight), name
+    for name in ("wk_b", "wv_b", "router"):
+        assert not isinstance(layers[name], quantize.QuantizedWeight), name
+    if layout == "stacked":
+        assert isinstance(layers["w_gate"], quantize.Int8Weight)
     ids = _ref("deepseek_v3")["ids"].tolist()
     deq = dataclasses.replace(q, params=quantize.dequantize(q.params))
     assert_close(np.asarray(jaxinfer.logits(q, ids)), np.asarray(jaxinfer.logits(deq, ids)), what="int8 vs dequantized")
