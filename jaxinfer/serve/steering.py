@@ -107,7 +107,7 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
     for i, x in enumerate(items):
         if not isinstance(x, iv.Intervention):
             raise TypeError(f"interventions[{i}] is a {type(x).__name__}, not an Intervention")
-        if x.fn is not iv._add:
+        if x.fn is not iv.add_vector:
             raise ValueError(f"interventions[{i}] is {x!r}: the engine applies only add(...) (steering vectors) in "
                              "its fixed programs; ablate, patch, project_out and custom functions run in "
                              "jaxinfer.generate(..., interventions=...)")
@@ -137,7 +137,7 @@ def idle_hooks(steering: Steering, cfg: ModelConfig, n_rows: int) -> Optional[si
     D, L = cfg.d_model, cfg.n_layers
     slots = tuple(sites_lib.Slot(params={"scale": np.zeros((n_rows,), np.float32),
                                          "vector": np.zeros((n_rows, D), np.float32)},
-                                 gate=np.zeros((n_rows, L), bool), site=site, fn=iv._add)
+                                 gate=np.zeros((n_rows, L), bool), site=site, fn=iv.add_vector)
                   for site in steering.sites for _ in range(steering.slots))
     return sites_lib.Hooks(slots=slots)
 
