@@ -236,6 +236,15 @@ def test_corpus_writer_resumes_after_an_interruption(tiny, tmp_path):
         jaxinfer.write_activations(m, texts, run, layers=[0])
 
 
+def test_activations_and_logit_lens_refuse_prompts_beyond_the_context(tiny):
+    m = tiny["llama", "per_layer"]
+    long = [3] * (m.config.max_seq_len + 1)
+    with pytest.raises(ValueError, match="prompt 1 has .* beyond the context length"):
+        jaxinfer.activations(m, [[3, 4], long])
+    with pytest.raises(ValueError, match="prompt 0 has .* beyond the context length"):
+        jaxinfer.logit_lens(m, long)
+
+
 def test_corpus_writer_prints_nothing_and_checks_progress(tiny, tmp_path, capfd):
     """Library code prints nothing: progress is a callback, None by default."""
     m = tiny["llama", "per_layer"]
