@@ -75,7 +75,7 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
       prompt's T tokens, layers in ascending order.
     """
     cfg = model.config
-    capture = as_capture(sites, layers, cfg)
+    capture = capture_of(sites, layers, cfg)
     check_int("batch_size", batch_size, 1)
     ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, 0, 0, cfg)
@@ -92,8 +92,9 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
     return out
 
 
-def as_capture(names: Sites, layers, cfg: ModelConfig) -> sites_lib.Capture:
-    """A Capture of these site names and layers, checked against cfg."""
+def capture_of(names: Sites, layers, cfg: ModelConfig) -> sites_lib.Capture:
+    """A Capture of these site names and layers, checked against cfg (unlike `sites.as_capture`,
+    which normalises what `generate`'s `capture` argument may be)."""
     return sites_lib.Capture(sites=names, layers=sites_lib.check_layers(layers, cfg))
 
 
@@ -155,7 +156,7 @@ def logit_lens(model: Model, prompt, layers=None, top_k: int = 5, *,
         raise TypeError(f"logit_lens takes one prompt (a string or a list of token ids), got {len(batch)}")
     ids = batch[0]
     check_context([ids], 0, 0, cfg)
-    capture = as_capture("resid_post", layers, cfg)
+    capture = capture_of("resid_post", layers, cfg)
     hooks = iv.hooks_for(iv.per_row(interventions, 1), cfg, 1, capture)
     tokens, _ = pack_prompts([ids])
     probs, top = _lens_jit(model.params, jnp.asarray(tokens), hooks, cfg, top_k)

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from jaxinfer.decode.inputs import bucket, check_int, check_token_ids
-from jaxinfer.inspect.activations import Sites, as_capture, capture_batch
+from jaxinfer.inspect.activations import Sites, capture_batch, capture_of
 from jaxinfer.model.model import Model
 
 MANIFEST = "manifest.json"
@@ -182,7 +182,7 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
     check_int("batch_tokens", batch_tokens, 1)
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be None or a callable(done, total), got {progress!r}")
-    capture = as_capture(sites, layers, cfg)
+    capture = capture_of(sites, layers, cfg)
     folder = Path(folder)
     manifest = _open_store(folder, _settings(model, capture, format, dtype, max_tokens))
     start = manifest["texts_done"]
