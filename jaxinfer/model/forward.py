@@ -37,7 +37,7 @@ from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block, update_latent
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernels import int8_matmul, prefill_attention
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import EXPERT_WEIGHTS, Params
 from jaxinfer.model.quantize import Int8Weight
 
 
@@ -198,7 +198,7 @@ def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax
 
     def routed(x):
         i = layer - Ld
-        own = {k: (v if k in moe.EXPERT_WEIGHTS else moe.take_layer(v, i)) for k, v in lp.items()
+        own = {k: (v if k in EXPERT_WEIGHTS else moe.take_layer(v, i)) for k, v in lp.items()
                if k not in ("w_gate", "w_up", "w_down")}
         return _moe_layer(x, own, cfg, i)
 

@@ -49,12 +49,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig, MoEConfig
-from jaxinfer.model.params import Params, param_axes
+from jaxinfer.model.params import EXPERT_WEIGHTS, Params, param_axes
 from jaxinfer.model.quantize import Int8Weight
 
 MAX_BLOCK = 32  # rows per block of the "blocks" kernel, at most (`block_rows`)
 _SWIGLU = MoEConfig(n_experts=1, top_k=1, expert_ffn_dim=1)  # the plain SwiGLU's settings
-EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in]
 
 
 @struct.dataclass

@@ -124,6 +124,7 @@ def param_specs(cfg: ModelConfig) -> Params:
 FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked-layout weights that the "per_layer" layout fuses
 SHARED = ("ws_gate", "ws_up", "ws_down")  # the shared expert's, fused as w_gate, w_up, w_down are
 MLP = ("w_gate", "w_up", "w_down")  # a dense layer's MLP
+EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in] (`jaxinfer.model.moe`)
 LAYER_AXES = ("layers", "dense_layers", "moe_layers")  # a stacked weight's leading axis: which layers it holds
 
 

@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params, require_layout
+from jaxinfer.model.params import EXPERT_WEIGHTS, Params, require_layout
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -56,10 +56,9 @@ DEFAULT_GROUP_SIZE = 32
 # layer; a per-(head, output) scale would factor out, so it could join if it ever mattered).
 _N_INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1,
                  "ws_gate": 1, "ws_up": 1, "ws_down": 1, "wq_a": 1, "wq_b": 1, "wkv_a": 1}
-# Routed experts [L, X, O, I] (`jaxinfer.model.moe`) are output-major: their input axis is the last,
+# Routed experts [L, X, O, I] (`params.EXPERT_WEIGHTS`) are output-major: their input axis is the last,
 # so int8 gives each expert one scale per output row. The router stays float: its scores decide
 # which experts run, and it is a small part of the bytes (X x D per layer).
-_EXPERT_WEIGHTS = ("we_gate_up", "we_down")
 
 
 def _split_eq(eq: str):
@@ -233,7 +232,7 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
                          "along input-major axes; the experts are stored output-major): use int8")
 
     def layer_weight(name, w):
-        if name in _EXPERT_WEIGHTS:
+        if name in EXPERT_WEIGHTS:
             return quantize_int8(w, (-1,))
         if name not in _N_INPUT_AXES:
             return w
