@@ -278,12 +278,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     Returns:
       (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
     """
-    _check_inputs(tokens, positions, cache, logit_index, n_new)
-    seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
-                  page_table=None if cache is None else cache.page_table,
-                  lengths=None if cache is None else cache.lengths)
-    (logits,), views, _, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
-    return logits, (None if cache is None else views[0])
+    return forward_full(params, tokens, positions, cache, cfg, logit_index=logit_index, n_new=n_new)[:2]
 
 
 def forward_with_hooks(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
@@ -323,7 +318,8 @@ def forward_full(params: Params, tokens: jax.Array, positions: jax.Array, cache:
                  cfg: ModelConfig, hooks: Optional[sites_lib.Hooks] = None, *, routing: bool = False,
                  logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None):
     """`forward` with hooks (`forward_with_hooks`) and, with `routing` (static), the router's choices
-    (`forward_routed`): the one entry the decode core calls.
+    (`forward_routed`): the one entry the decode core calls, and the one place that builds the
+    single `Segment` of a plain pass (`forward`, `forward_with_hooks` and `forward_routed` call it).
 
     Returns:
       (logits, cache or None, captured {site: [B, T, n, ...]} ({} without captures), Routing
