@@ -258,17 +258,18 @@ def _row_routing(prompt_routes: list, b: int, steps: list, n_prompt: int, n_new:
 
 
 def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Optional[_Constrained],
-            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor, routing: bool = False):
+            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor,
+            with_routing: bool = False):
     """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
     constraint: one step per scan, each row's mask computed on the host from its grammar.
     Returns (tokens per row, logprobs per row, captured per row: {site: list of [n, ...] per token},
-    and with `routing` the router's choices: per row a list of numpy (ids, weights) [L, k], one per
+    and with `with_routing` the router's choices: per row a list of numpy (ids, weights) [L, k], one per
     decode step in which the row emitted, else None)."""
     B = len(batch.ids)
     out_tokens = [[int(t)] for t in first]
     out_lps = [[float(x)] for x in first_lp]
     out_cap: list[dict] = [{} for _ in range(B)]
-    out_routes = [[] for _ in range(B)] if routing else None
+    out_routes = [[] for _ in range(B)] if with_routing else None
     remaining = np.full((B,), batch.max_new_tokens - 1, np.int32)
     finished = np.isin(first, batch.stop_ids)
     complete = constrained.complete if constrained is not None else np.zeros((B,), bool)
@@ -278,13 +279,14 @@ def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Op
             state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
                                                           budget=np.minimum(remaining, 1)))
         steps = 1 if constrained is not None else chunk_size
-        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor, routing=routing)
+        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor,
+                                    routing=with_routing)
         toks, step_count = shd.to_host(em.tokens), shd.to_host(em.count)  # [n, B, 1], [n, B]
         new, new_lps = read_emitted(toks, shd.to_host(em.logprobs), step_count)
         count = step_count.T  # [B, n]: 1 where the row emitted at that step
         _check_drawable(np.where(count > 0, toks[:, :, 0].T, 0), np.array([len(t) for t in out_tokens]))
         cap = {k: np.asarray(shd.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
-        if routing:  # [n, B, 1, L, k]: the choices at each step's input token
+        if with_routing:  # [n, B, 1, L, k]: the choices at each step's input token
             r_ids, r_w = shd.to_host(em.routing.ids)[:, :, 0], shd.to_host(em.routing.weights)[:, :, 0]
             for b in range(B):
                 out_routes[b] += [(r_ids[j, b], r_w[j, b]) for j in np.flatnonzero(count[b])]
