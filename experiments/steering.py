@@ -176,7 +176,7 @@ def speed(args, m) -> dict:
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             jaxinfer.write_activations(m, texts, d, sites=["resid_post"], layers=[layer], batch_tokens=batch * T,
-                                       progress=False)
+                                       progress=None)
             return n_tokens / (time.perf_counter() - t0)
 
     def prefill():

@@ -129,6 +129,17 @@ def test_long_pairs_lose_context_from_the_left(model):
         jaxinfer.score(engine, [([1], [2])], max_length=100)
 
 
+def test_max_length_beyond_the_context_is_clamped_with_or_without_interventions(model):
+    """A Model's score clamps max_length to the context length on the engine path and on the
+    interventions path alike (the latter used to refuse it)."""
+    n = model.config.max_seq_len
+    ctx, cont = [(7 * i) % 200 + 10 for i in range(n + 40)], [5, 6, 7]
+    (s,) = jaxinfer.score(model, [(ctx, cont)], max_length=n + 1000, interventions=[], max_slots=1)
+    assert s.context_ids == ctx[-(n - len(cont)):] and s.continuation_ids == cont
+    want, _, tol = reference(model, s.context_ids, cont)
+    np.testing.assert_allclose(s.token_logprobs, want, atol=tol)
+
+
 def test_bad_pairs_are_refused(model):
     with pytest.raises(TypeError, match="mixes text and token ids"):
         jaxinfer.score(model, [("text", [1, 2])], max_slots=1, max_length=32)

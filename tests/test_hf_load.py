@@ -97,6 +97,19 @@ def test_missing_shard_refused_before_reading(tmp_path, no_reads):
         jaxinfer.load(str(d))
 
 
+def test_config_lost_after_read_config_is_refused_not_guessed(tmp_path, no_reads):
+    """The tensors' naming (experts, DeepSeek's RoPE rows) follows config.json: a folder whose
+    config.json went missing or broke after read_config is refused, not read as if it had none."""
+    d = _copy("llama", tmp_path)
+    cfg = hf_io.read_config(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(hf_io.HFError, match="config.json is not valid JSON"):
+        hf_io.read_params(d, cfg)
+    (d / "config.json").unlink()
+    with pytest.raises(hf_io.HFError, match="has no config.json"):
+        hf_io.load_params(d, cfg)
+
+
 def test_truncated_shard_refused_before_reading(tmp_path, no_reads):
     d = _copy("qwen2", tmp_path)
     last = d / "model-00012-of-00012.safetensors"

@@ -57,7 +57,10 @@ def test_int8_kernel_choice_by_backend_dtype_and_shape():
     assert not km.use_kernel(None, 65, jnp.bfloat16, 4096, 4096, backend="gpu")  # a prefill chunk: XLA's GEMM
     assert not km.use_kernel(None, 1, jnp.float32, 4096, 4096, backend="gpu")
     assert not km.use_kernel(None, 1, jnp.bfloat16, 4096, 100, backend="gpu")  # no Triton tile divides 100
-    assert km.use_kernel("pallas", 512, jnp.float32, 64, 64, backend="cpu")  # the config forces it
+    assert km.use_kernel("pallas", km.MAX_ROWS, jnp.float32, 64, 64, backend="cpu")  # the config forces it
+    # ... where it applies: the kernel holds every row in one tile, so a prefill chunk stays on XLA's GEMM
+    assert not km.use_kernel("pallas", km.MAX_ROWS + 1, jnp.bfloat16, 4096, 4096, backend="gpu")
+    assert not km.use_kernel("pallas", 512, jnp.float32, 64, 64, backend="cpu")
     assert not km.use_kernel("xla", 1, jnp.bfloat16, 4096, 4096, backend="gpu")
     with pytest.raises(ValueError, match="int8 matmul kernel must be one of"):
         km.use_kernel("triton", 1, jnp.bfloat16, 64, 64)

@@ -219,6 +219,31 @@ def test_deepseek_v3_router_equals_transformers():
     np.testing.assert_allclose(np.take_along_axis(np.asarray(r.weights), order, -1), ref["weights"], rtol=1e-5)
 
 
+def _np_v3_router_ids(logits, bias, n_groups, top_k_groups, top_k):
+    """transformers' DeepseekV3TopkRouter's choice in NumPy terms (transformers 5.25): the experts of
+    dropped groups are masked with -inf before the top-k, as a set per row."""
+    choice = 1 / (1 + np.exp(-logits)) + bias
+    N, X = choice.shape
+    grouped = choice.reshape(N, n_groups, X // n_groups)
+    group_scores = np.sort(grouped, -1)[..., -2:].sum(-1)
+    keep = np.zeros((N, n_groups), bool)
+    np.put_along_axis(keep, np.argsort(-group_scores, -1)[:, :top_k_groups], True, -1)
+    choice = np.where(np.repeat(keep, X // n_groups, 1), choice, -np.inf)
+    return [set(row) for row in np.argsort(-choice, -1)[:, :top_k]]
+
+
+def test_deepseek_v3_router_masks_dropped_groups_below_negative_scores():
+    """A kept expert whose bias-corrected score is negative still beats every expert of a dropped
+    group (masked with -inf, as transformers does; a 0.0 fill would pick expert 2 here)."""
+    m = C.MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=8, score="sigmoid", score_bias=True, n_groups=4,
+                    top_k_groups=1, norm_top_k=True, routed_scale=1.0)
+    logits = np.zeros((1, 8), np.float32)  # every score sigmoid(0) = 0.5
+    bias = np.array([0.4, -0.9, -0.3, -0.3, -0.3, -0.3, -0.3, -0.3], np.float32)  # group 0: 0.9 and -0.4
+    r = moe.route(jnp.asarray(logits), jnp.eye(8), jnp.asarray(bias), m)  # x = the logits: router = I
+    want = _np_v3_router_ids(logits, bias, 4, 1, 2)
+    assert want == [{0, 1}] and [set(np.asarray(r.ids)[0].tolist())] == want
+
+
 def test_fused_expert_tensors_load_the_same(tmp_path):
     """A folder whose experts are fused (experts.gate_up_proj [X, 2Fe, D], experts.down_proj
     [X, D, Fe], transformers 5's in-memory form) loads to the same params as per-expert tensors."""
@@ -362,14 +387,22 @@ def test_latent_attention_cache_holds_the_latent(models):
     assert kv.bytes_per_token(cfg.replace(kv_dtype="int8")) == 3 * (40 + 4)
 
 
-def test_int8_covers_deepseek_experts_and_dense_layers(models):
-    """quant="int8" on DeepSeek V3: the experts, the shared expert, the dense first layer's MLP and
-    wo are int8 (the latent projections stay float); the model computes what its dequantized
-    weights compute."""
-    q = jaxinfer.load(_folder("deepseek_v3"), quant="int8", layout="stacked")
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_int8_covers_deepseek_experts_and_dense_layers(models, layout):
+    """quant="int8" on DeepSeek V3: the experts, the shared expert, the dense first layer's MLP, wo
+    and the latent projections wq_a, wq_b and wkv_a are int8 (wk_b and wv_b stay float); the model
+    computes what its dequantized weights compute."""
+    q = jaxinfer.load(_folder("deepseek_v3"), quant="int8", layout=layout)
     layers = q.params["layers"]
-    for name in ("we_gate_up", "we_down", "ws_gate", "w_gate", "wo"):
+    if layout == "per_layer":
+        layers = layers[-1]  # an MoE layer
+    for name in ("we_gate_up", "we_down", "ws_gate" if layout == "stacked" else "ws_gate_up",
+                 "wo" if layout == "stacked" else "wo_t", "wq_a", "wq_b", "wkv_a"):
         assert isinstance(layers[name], quantize.Int8Weight), name
+    for name in ("wk_b", "wv_b", "router"):
+        assert not isinstance(layers[name], quantize.QuantizedWeight), name
+    if layout == "stacked":
+        assert isinstance(layers["w_gate"], quantize.Int8Weight)
     ids = _ref("deepseek_v3")["ids"].tolist()
     deq = dataclasses.replace(q, params=quantize.dequantize(q.params))
     assert_close(np.asarray(jaxinfer.logits(q, ids)), np.asarray(jaxinfer.logits(deq, ids)), what="int8 vs dequantized")

@@ -67,3 +67,40 @@ def test_no_repeat_ngram_inside_generate():
 def test_bad_n_is_refused():
     with pytest.raises(ValueError, match="n must be an int >= 2"):
         lp.no_repeat_ngram(1)
+    with pytest.raises(TypeError, match="n must be an int"):
+        lp.no_repeat_ngram(3.0)
+
+
+def test_bad_ban_ids_are_refused():
+    with pytest.raises(ValueError, match=r"token_ids\[1\] must be an int >= 0, got -1"):
+        lp.ban_after([2, -1], 0)  # -1 would wrap around to V - 1
+    with pytest.raises(TypeError, match="token_ids must be a sequence of ints"):
+        lp.ban_after(3, 0)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        lp.ban_after([2], -1)
+    inp = core.ProcessorInput(tokens=jnp.zeros((1, 4), jnp.int32), lengths=jnp.ones((1,), jnp.int32),
+                              steps=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"token id 7 is out of range for a vocabulary of 7 tokens"):
+        lp.ban_after([1, 7], 0)(jnp.zeros((1, 7)), inp)  # an id >= V would be dropped silently
+
+
+def test_equal_processors_share_programs():
+    """A processor built afresh with the same settings is equal (hash and ==): no new compile."""
+    import jaxinfer
+    from jaxinfer.compile_cache import CompileCounter
+    from jaxinfer.model import config, params
+    from jaxinfer.model.model import Model
+
+    assert lp.no_repeat_ngram(3) == lp.no_repeat_ngram(3) and hash(lp.ban_after([4, 2], 1)) == hash(
+        lp.ban_after((2, 4, 2), 1))
+    assert lp.no_repeat_ngram(3) != lp.no_repeat_ngram(4)
+    cfg = config.tiny(vocab_size=32)
+    model = Model(cfg, params.init_params(cfg, jax.random.key(3)))
+    for make in (lambda: lp.no_repeat_ngram(3), lambda: lp.ban_after([1, 2], 2)):
+        outs = []
+        for _ in range(2):
+            with CompileCounter() as compiles:
+                outs.append(jaxinfer.generate(model, [[5, 6, 7]], max_new_tokens=4, stop_at_eos=False,
+                                              logits_processor=make()).completions[0].token_ids)
+        assert compiles.count == 0, f"the second generate with an equal processor compiled {compiles.count}"
+        assert outs[0] == outs[1]

@@ -193,7 +193,7 @@ def test_corpus_writer_equals_activations(tiny, tmp_path, fmt):
     m = tiny["llama", "per_layer"]
     texts = _texts()
     man = jaxinfer.write_activations(m, texts, tmp_path / "a", sites=["resid_post", "attn_out"], layers=[1],
-                                     batch_tokens=96, shard_rows=64, format=fmt, progress=False)
+                                     batch_tokens=96, shard_rows=64, format=fmt)
     n_rows = sum(len(t) for t in texts)
     assert man["rows"] == n_rows and man["texts_done"] == len(texts) and len(man["shards"]) > 2
     got = _read(tmp_path / "a")
@@ -216,23 +216,59 @@ def test_corpus_writer_resumes_after_an_interruption(tiny, tmp_path):
             yield t
 
     with pytest.raises(KeyboardInterrupt):
-        jaxinfer.write_activations(m, dies_at(25), run, layers=[0], batch_tokens=96, shard_rows=64,
-                                   progress=False)
+        jaxinfer.write_activations(m, dies_at(25), run, layers=[0], batch_tokens=96, shard_rows=64)
     done = corpus.load_manifest(run)["texts_done"]
     assert 0 < done < 25
     (run / "shard-00042.safetensors.tmp").write_bytes(b"half")  # as a kill mid-write leaves
-    jaxinfer.write_activations(m, texts, run, layers=[0], batch_tokens=96, shard_rows=64, progress=False)
-    whole = jaxinfer.write_activations(m, texts, tmp_path / "whole", layers=[0], batch_tokens=96, shard_rows=64,
-                                       progress=False)
+    calls = []
+    jaxinfer.write_activations(m, texts, run, layers=[0], batch_tokens=96, shard_rows=64,
+                               progress=lambda done, total: calls.append((done, total)))
+    assert calls[0] == (done, 40) and calls[-1] == (40, 40) and calls == sorted(calls)  # resumed where it was
+    whole = jaxinfer.write_activations(m, texts, tmp_path / "whole", layers=[0], batch_tokens=96, shard_rows=64)
     got, want = _read(run), _read(tmp_path / "whole")
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
     assert not list(run.glob("*.tmp")) and whole["rows"] == sum(len(t) for t in texts)
     with pytest.raises(ValueError, match="other settings"):
-        jaxinfer.write_activations(m, texts, run, layers=[1], progress=False)
+        jaxinfer.write_activations(m, texts, run, layers=[1])
     (run / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="notes.txt"):
-        jaxinfer.write_activations(m, texts, run, layers=[0], progress=False)
+        jaxinfer.write_activations(m, texts, run, layers=[0])
+
+
+def test_activations_and_logit_lens_refuse_prompts_beyond_the_context(tiny):
+    m = tiny["llama", "per_layer"]
+    long = [3] * (m.config.max_seq_len + 1)
+    with pytest.raises(ValueError, match="prompt 1 has .* beyond the context length"):
+        jaxinfer.activations(m, [[3, 4], long])
+    with pytest.raises(ValueError, match="prompt 0 has .* beyond the context length"):
+        jaxinfer.logit_lens(m, long)
+
+
+def test_corpus_writer_prints_nothing_and_checks_progress(tiny, tmp_path, capfd):
+    """Library code prints nothing: progress is a callback, None by default."""
+    m = tiny["llama", "per_layer"]
+    jaxinfer.write_activations(m, _texts(4), tmp_path / "quiet", layers=[0])
+    assert capfd.readouterr() == ("", "")
+    with pytest.raises(TypeError, match="progress must be None or a callable"):
+        jaxinfer.write_activations(m, _texts(4), tmp_path / "bar", layers=[0], progress=True)
+    assert not (tmp_path / "bar").exists()
+
+
+def test_corpus_writer_never_deletes_files_it_did_not_write(tiny, tmp_path):
+    """A folder without a manifest (a lost one, or a user's folder) is refused before anything is written."""
+    m = tiny["llama", "per_layer"]
+    for names in (["shard-00000.npy"], ["shard-00003.safetensors.tmp", "notes.txt"], ["notes.txt"]):
+        folder = tmp_path / f"f{len(names)}{names[0][:5]}"
+        folder.mkdir()
+        for n in names:
+            (folder / n).write_bytes(b"mine")
+        with pytest.raises(ValueError, match=f"has no manifest.json but holds {sorted(names)[0]!r}"):
+            jaxinfer.write_activations(m, _texts(4), folder, layers=[0])
+        assert sorted(p.name for p in folder.iterdir()) == sorted(names)  # untouched, no manifest written
+        assert all((folder / n).read_bytes() == b"mine" for n in names)
+    man = jaxinfer.write_activations(m, _texts(4), tmp_path / "empty", layers=[0])
+    assert man["texts_done"] == 4
 
 
 def test_corpus_writer_resumes_after_sigkill(tmp_path):
@@ -248,8 +284,7 @@ def test_corpus_writer_resumes_after_sigkill(tmp_path):
                 if os.environ.get("SLOW"):
                     time.sleep(0.01)
                 yield t
-        jaxinfer.write_activations(m, slow(), sys.argv[1], layers=[1], batch_tokens=64, shard_rows=50,
-                                   progress=False)
+        jaxinfer.write_activations(m, slow(), sys.argv[1], layers=[1], batch_tokens=64, shard_rows=50)
     """)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "SLOW": "1"}
     run = tmp_path / "run"

@@ -188,23 +188,27 @@ def test_the_steering_field_is_refused_naming_the_field(model, engine, chat):
     job = proto.parse(base | {"steering": ok}, model, chat=chat, extensions=ext)
     assert [(x.site, x.layers) for x in job.interventions] == [("resid_post", (1,)), ("resid_post", (0, 1))]
     cases = [
-        ({"layer": 0, "vector": [1.0] * (D - 1)}, "steering[0].vector", f"list of {D} numbers"),
-        ({"layer": 0, "vector": [1.0] * (D - 1) + [1e39]}, "steering[0].vector", "not finite"),
+        ({"layer": 0, "vector": [1.0] * (D - 1)}, "steering[0].vector", f"must be {D} numbers"),
+        ({"layer": 0, "vector": [1.0] * (D - 1) + [1e39]}, "steering[0].vector", "NaN or inf"),
         ({"layer": 0, "vector": [1.0] * (D - 1) + ["x"]}, "steering[0].vector", "numbers only"),
         ({"layer": 2, "vector": [1.0] * D}, "steering[0].layer", r"\[0, 2\)"),
         ({"layer": "1", "vector": [1.0] * D}, "steering[0].layer", "layer index"),
         ({"layer": 0, "site": "mlp_out", "vector": [1.0] * D}, "steering[0].site", "steers at resid_post"),
-        ({"layer": 0, "site": "resid_side", "vector": [1.0] * D}, "steering[0].site", "not a site"),
+        ({"layer": 0, "site": "resid_side", "vector": [1.0] * D}, "steering[0].site", "unknown site"),
         ({"layer": 0, "name": "angry"}, "steering[0].name", "'happy'"),
         ({"layer": 0}, "steering[0]", "exactly one of 'vector'"),
-        ({"layer": 0, "name": "happy", "scale": float("inf")}, "steering[0].scale", "finite number"),
+        ({"layer": 0, "name": "happy", "scale": float("inf")}, "steering[0].scale", "NaN or inf"),
         ({"layer": 0, "name": "happy", "gain": 2}, "steering[0].gain", "unknown field"),
+        ({"layer": 0, "name": "happy", "scale": "2"}, "steering[0].scale", "finite number"),
+        ({"layer": 0, "vector": [1.0] * (D - 1) + [10 ** 400]}, "steering[0].vector", "NaN or inf"),
+        ({"layer": [], "vector": [1.0] * D}, "steering[0].layer", "non-empty list"),
+        ({"layer": 0, "site": "attn_heads", "vector": [1.0] * D}, "steering[0].site", "width D"),
     ]
     for entry, param, message in cases:
         with pytest.raises(proto.ApiError, match=message) as e:
             proto.parse(base | {"steering": [entry]}, model, chat=chat, extensions=ext)
         assert (e.value.status, e.value.param) == (400, param), (entry, e.value.param)
-    with pytest.raises(proto.ApiError, match="at most 2 per site") as e:
+    with pytest.raises(proto.ApiError, match="2 steering slots per request") as e:
         proto.parse(base | {"steering": ok + ok[:1]}, model, chat=chat, extensions=ext)
     assert e.value.param == "steering"
     for ext_off in (proto.Extensions(), proto.Extensions(steering=steering.Steering(0))):

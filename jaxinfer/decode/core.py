@@ -423,9 +423,11 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, cfg: ModelCon
                             page_table=chunks.page_table, lengths=chunks.starts, logit_index=lastpos,
                             n_new=chunks.n_real))
     hooks = None
-    if state.hooks is not None:  # the chunk rows take their slots' interventions
-        at_slot = jnp.minimum(chunks.slots, B - 1)
-        hooks = (state.hooks, jax.tree.map(lambda a: a[at_slot], state.hooks))
+    if state.hooks is not None:  # the chunk rows take their slots' interventions; padding rows (slot B) none,
+        at_slot = jnp.minimum(chunks.slots, B - 1)  # so no row computes with a neighbour's settings
+        real = chunks.slots < B  # [R]
+        taken = jax.tree.map(lambda a: a[at_slot], state.hooks)
+        hooks = (state.hooks, taken.replace(slots=tuple(s.replace(gate=s.gate & real[:, None]) for s in taken.slots)))
     with jax.named_scope("mixed"):
         (dec_logits, pre_logits), (dec_cache, _) = mdl.forward_segments(params, segments, cache, cfg, hooks)
     state, em = _advance(state, dec_cache.with_rows(cache.page_table, dec_cache.lengths), dec_logits[:, 0], live,

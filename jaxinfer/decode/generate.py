@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -55,27 +55,41 @@ def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
     return shd.init_cache(model.config, mesh, batch, max_len)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """What `prefill_prompts` leaves: the filled cache and each row's first token."""
+
+    cache: kv.KVCache  # every prompt written
+    counts: Any  # `penalties.TokenCounts` [B, V]: what the penalties read, after the first tokens
+    first: np.ndarray  # [B] int32 each row's first generated token
+    first_lp: np.ndarray  # [B] float32 its logprob
+    captured: dict  # {site: [B, Tb, n, ...]} over every position (capture_prompt), else {site: [B, n, ...]}
+    #                 at each row's last prompt token; {} without captures
+
+
 def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
                     counts, cfg: ModelConfig, chunk: int, progress: Optional[Callable[[int, int], None]] = None,
                     processor: Optional[core.LogitsProcessor] = None, history=None,
-                    routes: Optional[list] = None):
+                    hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False,
+                    routes: Optional[list] = None) -> Prefilled:
     """Read right-padded prompts tokens [B, Tb] into the cache, `chunk` positions per program call.
 
-    Row b's first token is sampled in the chunk that holds its last prompt token. progress(done,
-    total) is called after each chunk with prompt positions read. With a list `routes`, each
-    chunk's router choices (numpy `Routing` [B, C, L, k], MoE models) are appended to it.
-    Returns (cache, counts, first tokens [B] and their logprobs [B] as numpy).
+    Row b's first token is sampled in the chunk that holds its last prompt token.
+
+    Args:
+      params, cache, cfg: the model's params, an empty cache with room for the prompts, its config.
+      tokens, lengths: the prompts [B, Tb] (right-padded) and their lengths [B].
+      rows, counts: the rows' sampling state (`core.Rows`) and penalty counts.
+      chunk: prompt positions per program call.
+      progress: optional callback(done, total) after each chunk, in prompt positions read.
+      processor, history: a logits processor and the rows' tokens by position, as `generate`'s.
+      hooks, capture_prompt: interventions and captures (`sites.Hooks`); with capture_prompt the
+        captured sites cover every prompt position.
+      routes: a list to which each chunk's router choices (numpy `Routing` [B, C, L, k], MoE
+        models) are appended, or None.
+    Returns:
+      Prefilled (numpy first tokens, logprobs and captures).
     """
-    return _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress, processor, history,
-                           routes=routes)[:4]
-
-
-def _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, progress=None, processor=None,
-                    history=None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False,
-                    routes: Optional[list] = None):
-    """`prefill_prompts` with hooks; also returns the captured sites as numpy: {site: [B, Tb, n, ...]}
-    over every prompt position (capture_prompt), else {site: [B, n, ...]} at each row's last
-    prompt token; {} without captures."""
     B, Tb = tokens.shape
     total = int(lengths.max())
     first = np.zeros((B,), np.int32)
@@ -104,7 +118,7 @@ def _prefill_chunks(params, cache, tokens, lengths, rows, counts, cfg, chunk, pr
                 captured[site] = np.where(keep, v[:, 0], captured.get(site, np.zeros_like(v[:, 0])))
         if progress:
             progress(min(lo + chunk, total), total)
-    return cache, counts, first, first_lp, captured
+    return Prefilled(cache=cache, counts=counts, first=first, first_lp=first_lp, captured=captured)
 
 
 def _history(batch: Batch, first: np.ndarray) -> np.ndarray:
@@ -175,7 +189,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       on_prefill: optional callback(done, total) after each prefill chunk (prompt tokens read).
       logits_processor: a pure JAX function (logits [B, V], `core.ProcessorInput`) -> logits [B, V]
         applied after the sampling controls and before the sampler, traced into the same prefill
-        and decode programs (a new function object means new programs: define it once).
+        and decode programs as a static argument: an equal processor shares them, a new function
+        object means new programs (define it once, or make it a frozen dataclass as
+        `jaxinfer.decode.processors` does).
       interventions: `jaxinfer.interventions` applied in the prefill and every decode step: one
         list for every row, or one list per prompt ([] for a plain row). Changing their arrays
         (a vector, a scale) compiles nothing; see `jaxinfer.interventions` for what does.
@@ -208,9 +224,10 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
             rows = rows.replace(mask=constrained.masks(np.ones((B,), bool)))
         history = _history(batch, np.zeros((B,), np.int32)) if logits_processor is not None else None
         routes = [] if return_routing else None
-        cache, counts, first, first_lp, prompt_cap = _prefill_chunks(
-            model.params, new_cache(model, B, batch.max_len), batch.tokens, batch.lengths, rows, batch.counts, cfg,
-            batch.chunk, on_prefill, logits_processor, history, hooks, capture_prompt, routes)
+        pre = prefill_prompts(model.params, new_cache(model, B, batch.max_len), batch.tokens, batch.lengths, rows,
+                              batch.counts, cfg, batch.chunk, on_prefill, logits_processor, history, hooks,
+                              capture_prompt, routes)
+        cache, counts, first, first_lp, prompt_cap = pre.cache, pre.counts, pre.first, pre.first_lp, pre.captured
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
         _check_drawable(first[:, None], 0)
@@ -256,17 +273,18 @@ def _row_routing(prompt_routes: list, b: int, steps: list, n_prompt: int, n_new:
 
 
 def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Optional[_Constrained],
-            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor, routing: bool = False):
+            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor,
+            with_routing: bool = False):
     """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
     constraint: one step per scan, each row's mask computed on the host from its grammar.
     Returns (tokens per row, logprobs per row, captured per row: {site: list of [n, ...] per token},
-    and with `routing` the router's choices: per row a list of numpy (ids, weights) [L, k], one per
+    and with `with_routing` the router's choices: per row a list of numpy (ids, weights) [L, k], one per
     decode step in which the row emitted, else None)."""
     B = len(batch.ids)
     out_tokens = [[int(t)] for t in first]
     out_lps = [[float(x)] for x in first_lp]
     out_cap: list[dict] = [{} for _ in range(B)]
-    out_routes = [[] for _ in range(B)] if routing else None
+    out_routes = [[] for _ in range(B)] if with_routing else None
     remaining = np.full((B,), batch.max_new_tokens - 1, np.int32)
     finished = np.isin(first, batch.stop_ids)
     complete = constrained.complete if constrained is not None else np.zeros((B,), bool)
@@ -276,13 +294,14 @@ def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Op
             state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
                                                           budget=np.minimum(remaining, 1)))
         steps = 1 if constrained is not None else chunk_size
-        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor, routing=routing)
+        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor,
+                                    routing=with_routing)
         toks, step_count = shd.to_host(em.tokens), shd.to_host(em.count)  # [n, B, 1], [n, B]
         new, new_lps = read_emitted(toks, shd.to_host(em.logprobs), step_count)
         count = step_count.T  # [B, n]: 1 where the row emitted at that step
         _check_drawable(np.where(count > 0, toks[:, :, 0].T, 0), np.array([len(t) for t in out_tokens]))
         cap = {k: np.asarray(shd.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
-        if routing:  # [n, B, 1, L, k]: the choices at each step's input token
+        if with_routing:  # [n, B, 1, L, k]: the choices at each step's input token
             r_ids, r_w = shd.to_host(em.routing.ids)[:, :, 0], shd.to_host(em.routing.weights)[:, :, 0]
             for b in range(B):
                 out_routes[b] += [(r_ids[j, b], r_w[j, b]) for j in np.flatnonzero(count[b])]

@@ -350,12 +350,12 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
                                                     batch.rows, batch.counts)
     B, S, chunk = len(ids), batch.max_len, batch.chunk
     with CompileCounter() as compiles:
-        cache, _, first, first_lp = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows,
-                                                    counts, cfg, chunk)
+        pre = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows, counts, cfg, chunk)
+        cache, first, first_lp = pre.cache, pre.first, pre.first_lp
         draft_cache = None
         if method == "draft":
-            draft_cache, _, _, _ = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), tokens,
-                                                   lengths, rows, counts, draft.config, chunk)
+            draft_cache = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), tokens, lengths, rows,
+                                          counts, draft.config, chunk).cache
         hist = np.zeros((B, S), np.int32)
         hist[:, :tokens.shape[1]] = tokens
         hist[np.arange(B), lengths] = first

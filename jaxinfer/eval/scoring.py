@@ -171,7 +171,8 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
       pairs: (context, continuation) as two strings (tokenized by the harness's rule) or two
         token-id lists.
       max_length: the most tokens of one pair; longer ones lose context from the left. Default
-        and upper bound: the engine's max_len.
+        and upper bound: the engine's max_len (a larger value is an error), or for a Model the
+        context length (a larger value is clamped to it, with or without interventions).
       max_slots, kv_memory: the Engine's, when one is made here.
       max_in_flight: most pairs submitted to the engine and not finished (bounds its queue);
         default 4 x the engine's slots.
@@ -188,16 +189,17 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
         raise TypeError(f"pairs must be a sequence of (context, continuation) pairs, got {type(pairs).__name__}")
     if max_length is not None:
         check_int("max_length", max_length, 2)
+        if not isinstance(model, Engine):  # the same on both paths (an Engine's max_len is checked below)
+            max_length = min(max_length, model.config.max_seq_len)
     # Every pair is checked and encoded before an Engine is made (its KV pool is a compiled program).
     pair_ids = [_pair_ids(model.model if isinstance(model, Engine) else model, pair, i) for i, pair in enumerate(pairs)]
     if interventions is not None:
         if isinstance(model, Engine):
             raise ValueError("score with interventions runs uncached closed batches: pass the Model, not an Engine")
-        return _score_closed(model, pairs, interventions, max_length, max_slots)
+        return _score_closed(model, pair_ids, interventions, max_length, max_slots)
 
     engine = model if isinstance(model, Engine) else Engine(
-        model, max_slots=max_slots, kv_memory=kv_memory,
-        max_len=None if max_length is None else min(max_length, model.config.max_seq_len))
+        model, max_slots=max_slots, kv_memory=kv_memory, max_len=max_length)
     limit = engine.max_len if max_length is None else max_length
     if limit > engine.max_len:
         raise ValueError(f"max_length={limit} is beyond the engine's max_len {engine.max_len}")
@@ -288,17 +290,14 @@ def _token_logprobs(params, tokens, hooks, cfg):
 _token_logprobs_jit = jax.jit(_token_logprobs, static_argnames=("cfg",))
 
 
-def _score_closed(model: Model, pairs, interventions, max_length: Optional[int], rows_per_batch: int) -> list[Score]:
-    """Every pair scored by an uncached pass with its interventions, rows_per_batch pairs a pass."""
+def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], interventions,
+                  max_length: Optional[int], rows_per_batch: int) -> list[Score]:
+    """Every pair (encoded by `score`) scored by an uncached pass with its interventions,
+    rows_per_batch pairs a pass."""
     cfg = model.config
-    limit = cfg.max_seq_len if max_length is None else check_int("max_length", max_length, 2, cfg.max_seq_len)
+    limit = cfg.max_seq_len if max_length is None else max_length  # checked and clamped by `score`
     check_int("max_slots", rows_per_batch, 1)
-    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
-        raise TypeError(f"pairs must be a sequence of (context, continuation) pairs, got {type(pairs).__name__}")
-    jobs = []
-    for i, pair in enumerate(pairs):
-        ctx, cont = _pair_ids(model, pair, i)
-        jobs.append((_truncate(ctx, cont, limit, i), cont))
+    jobs = [(_truncate(ctx, cont, limit, i), cont) for i, (ctx, cont) in enumerate(pair_ids)]
     rows = iv.per_row(interventions, len(jobs))
     iv.hooks_for(rows, cfg, len(jobs))  # checked before anything compiles
     order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][0]) + len(jobs[i][1]))

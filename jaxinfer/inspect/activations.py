@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.decode.inputs import Prompts, bucket, check_int, pack_prompts, prompt_ids
+from jaxinfer.decode.inputs import Prompts, bucket, check_context, check_int, pack_prompts, prompt_ids
 from jaxinfer.model import forward as mdl
 from jaxinfer.model import interventions as iv
 from jaxinfer.model import sites as sites_lib
@@ -39,12 +39,6 @@ def _capture(params: Params, tokens: jax.Array, hooks: sites_lib.Hooks, cfg: Mod
 
 
 capture_jit = jax.jit(_capture, static_argnames=("cfg",))
-
-
-def check_context_length(ids: list[list[int]], cfg: ModelConfig) -> None:
-    for i, p in enumerate(ids):
-        if len(p) > cfg.max_seq_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens, beyond the context length {cfg.max_seq_len}")
 
 
 def capture_batch(model: Model, ids: list[list[int]], capture: sites_lib.Capture,
@@ -81,10 +75,10 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
       prompt's T tokens, layers in ascending order.
     """
     cfg = model.config
-    capture = as_capture(sites, layers, cfg)
+    capture = capture_of(sites, layers, cfg)
     check_int("batch_size", batch_size, 1)
     ids = prompt_ids(model, prompts, allow_special)
-    check_context_length(ids, cfg)
+    check_context(ids, 0, 0, cfg)
     rows = iv.per_row(interventions, len(ids))
     iv.hooks_for(rows, cfg, len(ids), capture)  # every argument checked before anything compiles
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a pass
@@ -98,8 +92,9 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
     return out
 
 
-def as_capture(names: Sites, layers, cfg: ModelConfig) -> sites_lib.Capture:
-    """A Capture of these site names and layers, checked against cfg."""
+def capture_of(names: Sites, layers, cfg: ModelConfig) -> sites_lib.Capture:
+    """A Capture of these site names and layers, checked against cfg (unlike `sites.as_capture`,
+    which normalises what `generate`'s `capture` argument may be)."""
     return sites_lib.Capture(sites=names, layers=sites_lib.check_layers(layers, cfg))
 
 
@@ -160,8 +155,8 @@ def logit_lens(model: Model, prompt, layers=None, top_k: int = 5, *,
     if len(batch) != 1:
         raise TypeError(f"logit_lens takes one prompt (a string or a list of token ids), got {len(batch)}")
     ids = batch[0]
-    check_context_length([ids], cfg)
-    capture = as_capture("resid_post", layers, cfg)
+    check_context([ids], 0, 0, cfg)
+    capture = capture_of("resid_post", layers, cfg)
     hooks = iv.hooks_for(iv.per_row(interventions, 1), cfg, 1, capture)
     tokens, _ = pack_prompts([ids])
     probs, top = _lens_jit(model.params, jnp.asarray(tokens), hooks, cfg, top_k)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from jaxinfer.decode.inputs import bucket, check_int, check_token_ids
-from jaxinfer.inspect.activations import Sites, as_capture, capture_batch
+from jaxinfer.inspect.activations import Sites, capture_batch, capture_of
 from jaxinfer.model.model import Model
 
 MANIFEST = "manifest.json"
@@ -102,33 +102,50 @@ def _settings(model: Model, capture, fmt: str, dtype: str, max_tokens: int) -> d
 
 
 def _open_store(folder: Path, settings: dict) -> dict:
-    """The manifest to continue from (a fresh one for a new store), with stray shard files removed."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The manifest to continue from, with stray shard files removed; for a new store, a fresh one.
+
+    Files are only ever removed from a store that has a manifest (the resume case: shards written
+    after its last update). A folder without one must be new or empty, so no file this writer did
+    not write is deleted; the fresh manifest is written at once, so a kill from here on resumes.
+    """
     manifest = load_manifest(folder)
     if manifest is None:
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{folder} is a file, not a folder; pass an empty or new folder")
+        present = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+        if present and present != [MANIFEST + ".tmp"]:  # only the cut first write of a manifest is ours
+            raise ValueError(f"{folder} has no {MANIFEST} but holds {', '.join(map(repr, present[:5]))}"
+                             + (f" and {len(present) - 5} more" if len(present) > 5 else "")
+                             + "; pass an empty or new folder (or a store written by write_activations)")
+        folder.mkdir(parents=True, exist_ok=True)
         manifest = {**settings, "shards": [], "texts_done": 0, "rows": 0}
-    else:
-        differ = {k: (manifest.get(k), v) for k, v in settings.items() if manifest.get(k) != v}
-        if differ:
-            raise ValueError(f"{folder} holds activations written with other settings: "
-                             + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items())
-                             + "; use another folder or the same settings")
+        _atomic_write(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
+        return manifest
+    differ = {k: (manifest.get(k), v) for k, v in settings.items() if manifest.get(k) != v}
+    if differ:
+        raise ValueError(f"{folder} holds activations written with other settings: "
+                         + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items())
+                         + "; use another folder or the same settings")
     listed = {f for s in manifest["shards"] for f in s["files"]}
+    strays = []
     for p in folder.iterdir():
         if p.name in listed or p.name == MANIFEST:
             continue
         if p.name.startswith("shard-") or p.name.endswith(".tmp"):
-            p.unlink()  # written after the manifest's last update (or half written): redone below
+            strays.append(p)  # written after the manifest's last update (or half written): redone below
         else:
             raise ValueError(f"{folder} holds {p.name!r}, which is not part of an activation store; "
                              "pass an empty or new folder")
+    for p in strays:
+        p.unlink()
     return manifest
 
 
 def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], folder: Union[str, os.PathLike], *,
                       sites: Sites = ("resid_post",), layers=None, batch_tokens: int = 8192,
                       max_tokens: Optional[int] = None, shard_rows: int = 65536, format: str = "safetensors",
-                      dtype: str = "float32", progress: bool = True, total: Optional[int] = None,
+                      dtype: str = "float32", progress: Optional[Callable[[int, Optional[int]], None]] = None,
+                      total: Optional[int] = None,
                       allow_special: bool = False) -> dict:
     """Capture sites over a corpus and write them to `folder` in shards (module docstring).
 
@@ -136,7 +153,8 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
       model: a loaded Model.
       texts: an iterable of strings (encoded as `generate` encodes a prompt) or token-id lists;
         resuming needs the same texts in the same order.
-      folder: the store (created if missing; continued if it holds a manifest of the same settings).
+      folder: the store: created if missing, continued if it holds a manifest of the same settings;
+        a folder without a manifest must be empty (nothing in it is ever deleted).
       sites, layers: what to capture (site names; layer indices or None for every layer).
       batch_tokens: the most padded tokens (rows x padded length) of one pass: bounds device memory.
       max_tokens: texts are cut to this many tokens (default min(MAX_TOKENS, the context length);
@@ -145,8 +163,9 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
       shard_rows: a shard is written once it holds this many rows (whole texts, so a little more).
       format: "safetensors" (one file per shard) or "npy" (one file per array per shard).
       dtype: "float32" or "float16" (rows as stored).
-      progress: show a tqdm progress bar over the texts.
-      total: the number of texts, for the progress bar (default len(texts) where it has one).
+      progress: optional callback(done, total): texts done so far (those a resumed store already
+        covers included), called once at the start and as texts are read; total as below.
+      total: the number of texts, passed to `progress` (default len(texts) where it has one, else None).
       allow_special: as in `generate`.
     Returns:
       The manifest (also in folder/manifest.json): settings, shards (files, rows, first_text,
@@ -161,19 +180,19 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
     max_tokens = (min(MAX_TOKENS, cfg.max_seq_len) if max_tokens is None
                   else check_int("max_tokens", max_tokens, 1, cfg.max_seq_len))
     check_int("batch_tokens", batch_tokens, 1)
-    capture = as_capture(sites, layers, cfg)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be None or a callable(done, total), got {progress!r}")
+    capture = capture_of(sites, layers, cfg)
     folder = Path(folder)
     manifest = _open_store(folder, _settings(model, capture, format, dtype, max_tokens))
     start = manifest["texts_done"]
     if total is None and hasattr(texts, "__len__"):
         total = len(texts)
 
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, initial=min(start, total) if total is not None else start, unit="text",
-               disable=not progress, desc="activations")
+    report = progress or (lambda done, total: None)
     buffer: list[tuple[int, dict]] = []  # (text index, {site: [T, n, ...]}) of processed texts
-    state = {"rows": 0, "covered": start}  # rows buffered; texts processed (the shard's end_text)
+    state = {"rows": 0, "covered": start, "done": start}  # rows buffered; texts processed (the shard's
+    #                                                     end_text); texts read or skipped, for `progress`
 
     def flush(end_text: int) -> None:
         rows = sum(len(r["text_index"]) for _, r in buffer)
@@ -188,6 +207,10 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
         buffer.clear()
         state["rows"] = 0
 
+    def advance(n: int) -> None:
+        state["done"] += n
+        report(state["done"], total)
+
     def collect(batch: list[tuple[int, list[int]]], cap) -> None:
         host = {k: np.asarray(v) for k, v in cap.items()}  # waits for this batch only
         for j, (t, ids) in enumerate(batch):
@@ -198,7 +221,7 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
             buffer.append((t, row))
             state["rows"] += n
         state["covered"] = batch[-1][0] + 1
-        bar.update(len(batch))
+        advance(len(batch))
         if state["rows"] >= shard_rows:
             flush(state["covered"])
 
@@ -213,27 +236,25 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
             collect(*in_flight)
         in_flight, pending = (pending, cap), []
 
-    try:
-        for t, text in enumerate(texts):
-            seen = t + 1
-            if t < start:
-                continue
-            ids = _ids(model, text, t, allow_special)[:max_tokens]
-            if not ids:
-                bar.update(1)
-                continue
-            longest = max([len(ids)] + [len(p) for _, p in pending])
-            if pending and bucket(len(pending) + 1, 1) * bucket(longest) > batch_tokens:
-                dispatch()
-            pending.append((t, ids))
-        if pending:
+    report(start, total)
+    for t, text in enumerate(texts):
+        seen = t + 1
+        if t < start:
+            continue
+        ids = _ids(model, text, t, allow_special)[:max_tokens]
+        if not ids:
+            advance(1)
+            continue
+        longest = max([len(ids)] + [len(p) for _, p in pending])
+        if pending and bucket(len(pending) + 1, 1) * bucket(longest) > batch_tokens:
             dispatch()
-        if in_flight is not None:
-            collect(*in_flight)
-            in_flight = None
-        flush(max(seen, state["covered"]))
-    finally:
-        bar.close()
+        pending.append((t, ids))
+    if pending:
+        dispatch()
+    if in_flight is not None:
+        collect(*in_flight)
+        in_flight = None
+    flush(max(seen, state["covered"]))
     return manifest
 
 

@@ -213,8 +213,10 @@ class ModelConfig:
     #                                          through jax.nn.dot_product_attention's "cudnn" or "xla"; None = by
     #                                          backend, dtype and shape (`kernels.prefill_attention.kernel_for`)
     context_block: int = 2048  # fused prefill attention reads a row's earlier positions in blocks of this many
-    int8_matmul: Optional[str] = None  # int8 weights times few rows: "xla" or "pallas" (`kernels.int8_matmul`);
-    #                                    None = the Pallas kernel on a GPU where it tiles the shape, else XLA
+    int8_matmul: Optional[str] = None  # int8 weights times few rows: "xla" or "pallas" (`kernels.int8_matmul`;
+    #                                    "pallas" still leaves products of more than its MAX_ROWS rows, i.e.
+    #                                    prefill chunks, to XLA's GEMM); None = the Pallas kernel on a GPU
+    #                                    where it tiles the shape, else XLA
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")

@@ -37,7 +37,7 @@ from jaxinfer.model.attention import attend, causal_mask, paged_attention
 from jaxinfer.model.cache import KVCache, read_block, update_latent
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kernels import int8_matmul, prefill_attention
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import EXPERT_WEIGHTS, MLP, Params
 from jaxinfer.model.quantize import Int8Weight
 
 
@@ -171,21 +171,24 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"], cfg.int8_matmul)
 
 
-def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None
-                 ) -> tuple[jax.Array, Optional[moe.Routing]]:
+def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None,
+                 held: Optional[Params] = None) -> tuple[jax.Array, Optional[moe.Routing]]:
     """The layer's MLP: x [B, T, D] -> ([B, T, D], the router's choices [B, T, k] or None).
 
     The dense gated MLP, or (cfg.moe) the mixture-of-experts block, whose shared expert is a
-    dense MLP of its own. `layer`: the layer's index when lp holds every layer's experts
-    (`moe.unscanned`). With dense first layers (`cfg.moe.first_dense`), those run the dense MLP
-    and report the routing ids -1 with weight 0: per layer in the per_layer layout (a dense layer's
-    dict has no router), by a `lax.cond` on the layer index in the stacked scan, where lp holds the
-    dense layers' MLPs [Ld, ...] and the MoE layers' weights [Lm, ...] whole.
+    dense MLP of its own. `lp` holds this layer's weights only (the scan's slice in the stacked
+    layout). `held`: the stacked weights the scan does not slice (`moe.unscanned`), with `layer`
+    the layer's index: the experts [L, X, ...] (read in place at `layer`), and with dense first
+    layers (`cfg.moe.first_dense`) the dense layers' MLPs [Ld, ...] and every MoE weight [Lm, ...].
+    Those first layers run the dense MLP and report the routing ids -1 with weight 0: per layer
+    in the per_layer layout (a dense layer's dict has no router), by a `lax.cond` on the layer
+    index in the stacked scan, which takes each held weight's own row (`lp` is this layer's already).
     """
+    held = held or {}
     if cfg.moe is None:
         return mlp(x, lp, cfg), None
     if not cfg.moe.first_dense:
-        return _moe_layer(x, lp, cfg, layer)
+        return _moe_layer(x, {**lp, **held}, cfg, layer)
     B, T, _ = x.shape
     no_routing = moe.Routing(ids=jnp.full((B, T, cfg.moe.top_k), -1, jnp.int32),
                              weights=jnp.zeros((B, T, cfg.moe.top_k), jnp.float32))
@@ -194,13 +197,12 @@ def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax
     Ld = cfg.moe.first_dense
 
     def dense(x):
-        return mlp(x, {k: moe.take_layer(lp[k], layer) for k in ("w_gate", "w_up", "w_down")}, cfg), no_routing
+        return mlp(x, {k: moe.take_layer(held[k], layer) for k in MLP}, cfg), no_routing
 
     def routed(x):
-        i = layer - Ld
-        own = {k: (v if k in moe.EXPERT_WEIGHTS else moe.take_layer(v, i)) for k, v in lp.items()
-               if k not in ("w_gate", "w_up", "w_down")}
-        return _moe_layer(x, own, cfg, i)
+        i = layer - Ld  # the MoE layers' own index: held MoE weights lead with Lm rows
+        own = {k: (v if k in EXPERT_WEIGHTS else moe.take_layer(v, i)) for k, v in held.items() if k not in MLP}
+        return _moe_layer(x, {**lp, **own}, cfg, i)
 
     return jax.lax.cond(layer < Ld, dense, routed, x)
 
@@ -278,12 +280,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
     Returns:
       (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
     """
-    _check_inputs(tokens, positions, cache, logit_index, n_new)
-    seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
-                  page_table=None if cache is None else cache.page_table,
-                  lengths=None if cache is None else cache.lengths)
-    (logits,), views, _, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=False)
-    return logits, (None if cache is None else views[0])
+    return forward_full(params, tokens, positions, cache, cfg, logit_index=logit_index, n_new=n_new)[:2]
 
 
 def forward_with_hooks(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
@@ -323,7 +320,8 @@ def forward_full(params: Params, tokens: jax.Array, positions: jax.Array, cache:
                  cfg: ModelConfig, hooks: Optional[sites_lib.Hooks] = None, *, routing: bool = False,
                  logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None):
     """`forward` with hooks (`forward_with_hooks`) and, with `routing` (static), the router's choices
-    (`forward_routed`): the one entry the decode core calls.
+    (`forward_routed`): the one entry the decode core calls, and the one place that builds the
+    single `Segment` of a plain pass (`forward`, `forward_with_hooks` and `forward_routed` call it).
 
     Returns:
       (logits, cache or None, captured {site: [B, T, n, ...]} ({} without captures), Routing
@@ -588,8 +586,8 @@ def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None, collect
             attn, buf = at_site("attn_out", attn, idx, buf)
             x, buf = at_site("resid_mid", x + attn, idx, buf)
         with jax.named_scope("mlp"):
-            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), {**lp, **experts}, cfg,
-                                      idx if experts else None)
+            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg,
+                                      idx if experts else None, held=experts)
             if cfg.post_norms:
                 h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
             h, buf = at_site("mlp_out", h, idx, buf)

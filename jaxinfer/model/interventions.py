@@ -108,7 +108,9 @@ def _float_vector(x, what: str) -> np.ndarray:
 # The built-in functions: one row, x [T, *site shape]. Module-level, so every call of a builder
 # shares one function object (one slot, one program).
 
-def _add(x, p, positions):
+def add_vector(x, p, positions):
+    """The function of every `add(...)` intervention: x + p["scale"] * p["vector"] (public: the
+    engine's steering slots run this same object, so an `add` fits them)."""
     return x.astype(jnp.float32) + p["scale"] * p["vector"]
 
 
@@ -153,7 +155,7 @@ def add(site: str, layer: Layers, vector, scale=1.0) -> Intervention:
     s = _float_vector(scale, "add: scale")
     if s.ndim:
         raise ValueError(f"add: scale must be a number, got shape {s.shape}")
-    return Intervention(site=site, layers=layer, fn=_add, params={"vector": v, "scale": s},
+    return Intervention(site=site, layers=layer, fn=add_vector, params={"vector": v, "scale": s},
                         site_params=("vector",), name="add")
 
 

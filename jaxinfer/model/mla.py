@@ -30,6 +30,7 @@ a production engine switches to it; here one form serves every call.
 
 wk_b is contracted over its output axis (Hn) here, so int8 quantization leaves it in float
 (`jaxinfer.model.quantize`): per-output-channel scales would not factor out of that product.
+int8 covers wq (or wq_a and wq_b), wkv_a and wo; wv_b stays float too (`quantize._N_INPUT_AXES`).
 
 The projections themselves (wq or wq_a/wq_b, wkv_a, the norms, RoPE, wv_b) run in
 `forward._latent_attention_inputs` and `forward._latent_heads` with the forward's own matmul

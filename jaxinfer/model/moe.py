@@ -32,9 +32,9 @@ The expert matmuls (`grouped_matmul`) run over the slots sorted by expert, in on
   ragged  `jax.lax.ragged_dot_general`, one grouped matmul over all groups: a native kernel on
           GPU and TPU; XLA's CPU backend lowers it to a dense product with every expert (X times
           the work), so the CPU never picks it.
-`experiments/moe.py --only kernels` measures both beside a gather of the chosen experts' weights
-(XLA's CPU gather copies them first: 2.7x the blocks' time at one token of Qwen3-30B-A3B, 2.9x at
-eight; ragged_dot 135x at one token).
+A gather of the chosen experts' weights and a batched matmul is not a third kernel: XLA's CPU
+gather copies the weights first. `experiments/moe.py --only kernels` measures all three
+(`docs/moe.md`, "The grouped matmul on each backend").
 
 Shape letters as in `jaxinfer.model.config`: N tokens (B*T), X experts, k per token, Q = N*k
 slots, Fe / Fs the routed / shared experts' widths.
@@ -49,12 +49,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig, MoEConfig
-from jaxinfer.model.params import Params, param_axes
+from jaxinfer.model.params import EXPERT_WEIGHTS, Params, param_axes
 from jaxinfer.model.quantize import Int8Weight
 
 MAX_BLOCK = 32  # rows per block of the "blocks" kernel, at most (`block_rows`)
 _SWIGLU = MoEConfig(n_experts=1, top_k=1, expert_ffn_dim=1)  # the plain SwiGLU's settings
-EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in]
 
 
 @struct.dataclass
@@ -99,6 +98,8 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
             group_scores = grouped.max(-1)
         best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [N, top_k_groups]
         keep = jnp.zeros((N, m.n_groups), bool).at[jnp.arange(N)[:, None], best].set(True)
+        # -inf, as transformers' DeepseekV3TopkRouter masks (5.x; 4.x filled 0.0, which let an expert of
+        # a dropped group beat a kept one whose bias-corrected score is negative)
         choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, m.top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
@@ -110,8 +111,8 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
 def block_rows(n_slots: int, n_experts: int) -> int:
     """Rows per block of the "blocks" kernel: about 4x the slots an expert gets on average, a power
     of two in [1, MAX_BLOCK]. A block reads its expert's weights whole whatever its row count, so
-    fewer, fuller blocks read less, but padding rows cost compute; one row at decode time
-    (8 slots over 128 experts), 32 for a prompt (`experiments/moe.py --only kernels`)."""
+    fewer, fuller blocks read less, but padding rows cost compute (the factor and MAX_BLOCK follow
+    `experiments/moe.py --only kernels`, `docs/moe.md`)."""
     want = max(1, 4 * n_slots // n_experts)
     return min(MAX_BLOCK, 1 << (want - 1).bit_length())
 

@@ -124,6 +124,7 @@ def param_specs(cfg: ModelConfig) -> Params:
 FUSED = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked-layout weights that the "per_layer" layout fuses
 SHARED = ("ws_gate", "ws_up", "ws_down")  # the shared expert's, fused as w_gate, w_up, w_down are
 MLP = ("w_gate", "w_up", "w_down")  # a dense layer's MLP
+EXPERT_WEIGHTS = ("we_gate_up", "we_down")  # the routed experts' weights [(L,) X, out, in] (`jaxinfer.model.moe`)
 LAYER_AXES = ("layers", "dense_layers", "moe_layers")  # a stacked weight's leading axis: which layers it holds
 
 
@@ -172,7 +173,7 @@ def _moe_specs(cfg: ModelConfig) -> Params:
     """One layer's MoE weights (`jaxinfer.model.moe`). The routed experts' matrices are stored
     output-major ([out, in] per expert, as Hugging Face and GGUF store them) and gate/up fused, in
     both layouts: one grouped matmul reads an expert's gate and up rows together, and XLA's CPU
-    dot of a few rows runs faster against [out, in] (`experiments/moe.py --only kernels`)."""
+    dot of a few rows runs faster against [out, in] (`docs/moe.md`)."""
     m, D = cfg.moe, cfg.d_model
     out = {"router": ParamSpec((m.n_experts, D), ("experts", "embed"), fan_in_last=True),
            "we_gate_up": ParamSpec((m.n_experts, 2 * m.expert_ffn_dim, D), ("experts", "expert_gate_up", "embed"),

@@ -2,7 +2,8 @@
 
 `quantize(params, cfg, mode)` is a pure transform of the params pytree. Matmul weights become
 small pytree dataclasses that `model.forward.linear` dispatches to through their `.einsum(eq, x)`;
-norms and biases stay in the compute dtype. Stacked layer weights keep L as their leading axis
+norms and biases stay in the compute dtype, and so do the MoE router and latent attention's
+wk_b and wv_b (the reasons are beside `_N_INPUT_AXES`). Stacked layer weights keep L as their leading axis
 in every leaf, so the layer `lax.scan` slices them like plain arrays.
 
   int8  Int8Weight: q int8 with the weight's own shape, one scale per output channel
@@ -41,19 +42,23 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params, require_layout
+from jaxinfer.model.params import EXPERT_WEIGHTS, Params, require_layout
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
 
 # Per matmul weight: how many axes after L are input (contracted) axes. The embedding table is
 # special: its input axis D is the last one (see `_quantize_embedding`).
+# Latent attention (`jaxinfer.model.mla`): wq_a [D, Rq], wq_b [Rq, N, Hn + Hr] and wkv_a [D, R + Hr]
+# are plain projections of one input axis. Two stay float: wk_b [R, N, Hn], which the absorbed
+# attention contracts over its output axis Hn (a per-output scale would not factor out), and
+# wv_b [R, N, Hv], a product batched over heads and a small share of the bytes (R x N x Hv per
+# layer; a per-(head, output) scale would factor out, so it could join if it ever mattered).
 _N_INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1,
-                 "ws_gate": 1, "ws_up": 1, "ws_down": 1}
-# Routed experts [L, X, O, I] (`jaxinfer.model.moe`) are output-major: their input axis is the last,
+                 "ws_gate": 1, "ws_up": 1, "ws_down": 1, "wq_a": 1, "wq_b": 1, "wkv_a": 1}
+# Routed experts [L, X, O, I] (`params.EXPERT_WEIGHTS`) are output-major: their input axis is the last,
 # so int8 gives each expert one scale per output row. The router stays float: its scores decide
 # which experts run, and it is a small part of the bytes (X x D per layer).
-_EXPERT_WEIGHTS = ("we_gate_up", "we_down")
 
 
 def _split_eq(eq: str):
@@ -227,7 +232,7 @@ def quantize(params: Params, cfg: ModelConfig, mode: str, *, group_size: int = D
                          "along input-major axes; the experts are stored output-major): use int8")
 
     def layer_weight(name, w):
-        if name in _EXPERT_WEIGHTS:
+        if name in EXPERT_WEIGHTS:
             return quantize_int8(w, (-1,))
         if name not in _N_INPUT_AXES:
             return w

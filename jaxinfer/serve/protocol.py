@@ -403,9 +403,11 @@ _STEER_KEYS = {"layer", "site", "vector", "name", "scale"}
 def _steering(body: dict, model, ext: Extensions) -> tuple:
     """The `steering` extension: [{"layer", "site", "vector" | "name", "scale"}] -> add interventions.
 
+    Here only the JSON's shape is checked (objects, known fields, `vector` xor `name`, numbers);
+    the values are checked by `interventions.add` and `steering.check`, the engine's own checks.
     Every fault is a 400 naming the entry's field (steering[i].vector, ...), before admission."""
     from jaxinfer.model import interventions as iv
-    from jaxinfer.model.sites import SITES
+    from jaxinfer.serve import steering as steer
 
     v = body.get("steering")
     if v is None:
@@ -418,7 +420,7 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
         raise bad("steering", "'steering' must be a list of {layer, site, vector or name, scale} objects",
                   "invalid_type")
     cfg = model.config
-    out, per_site = [], {}
+    out = []
     for i, e in enumerate(v):
         at = f"steering[{i}]"
         if not isinstance(e, dict):
@@ -427,17 +429,11 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
         if unknown:
             raise bad(f"{at}.{unknown[0]}", f"{at} has an unknown field {unknown[0]!r}; its fields are layer, site, "
                       "vector or name, scale", "unknown_parameter")
-        site = e.get("site", "resid_post")
-        if site not in st.sites:
-            known = "a site" if site in SITES else "not a site"
-            raise bad(f"{at}.site", f"{at}.site {_show(site)} is {known} this server steers at; it steers at "
-                      f"{', '.join(st.sites)}")
         layers = e.get("layer")
         flat = layers if isinstance(layers, list) else [layers]
-        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in flat)
-        if layers is None or not flat or not ints or any(not 0 <= x < cfg.n_layers for x in flat):
-            raise bad(f"{at}.layer", f"{at}.layer must be a layer index in [0, {cfg.n_layers}) (or a list of them), "
-                      f"got {_show(layers)}")
+        if not flat or not all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+            raise bad(f"{at}.layer", f"{at}.layer must be a layer index (an int) or a non-empty list of them, "
+                      f"got {_show(layers)}", "invalid_type")
         if ("vector" in e) == ("name" in e):
             raise bad(at, f"{at} needs exactly one of 'vector' (a list of {cfg.d_model} numbers) and 'name' "
                       "(a vector loaded with --steering-vectors)", "missing_required_parameter")
@@ -451,28 +447,32 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
             vec = ext.vectors[name]
         else:
             raw = e["vector"]
-            if not isinstance(raw, list) or len(raw) != cfg.d_model:
-                got = f"{len(raw)} numbers" if isinstance(raw, list) else type(raw).__name__
-                raise bad(f"{at}.vector", f"{at}.vector must be a list of {cfg.d_model} numbers (the model's "
-                          f"width), got {got}")
-            if not all(_is_number(x) for x in raw):
-                raise bad(f"{at}.vector", f"{at}.vector must hold numbers only", "invalid_type")
-            try:
-                vec = np.asarray(raw, np.float64)
-            except OverflowError:
-                vec = np.full(1, np.inf)
-            if not np.all(np.isfinite(vec)) or np.any(np.abs(vec) > np.finfo(np.float32).max):
-                raise bad(f"{at}.vector", f"{at}.vector holds a number that is not finite in float32 "
-                          "(NaN, inf or beyond 3.4e38)")
+            if not isinstance(raw, list) or not all(_is_number(x) for x in raw):
+                raise bad(f"{at}.vector", f"{at}.vector must be a list of numbers only", "invalid_type")
+            vec = np.asarray([_as_float(x) for x in raw], np.float64)
         scale = e.get("scale", 1.0)
-        if not _is_number(scale) or not abs(scale) <= np.finfo(np.float32).max:
-            raise bad(f"{at}.scale", f"{at}.scale must be a finite number, got {_show(scale)}")
-        per_site[site] = per_site.get(site, 0) + 1
-        if per_site[site] > st.slots:
-            raise bad("steering", f"'steering' has more than {st.slots} entries at {site}; this server takes at most "
-                      f"{st.slots} per site (--steering-slots)")
-        out.append(iv.add(site, sorted(set(flat)), np.asarray(vec, np.float32), float(scale)))
+        if not _is_number(scale):
+            raise bad(f"{at}.scale", f"{at}.scale must be a finite number, got {_show(scale)}", "invalid_type")
+        try:
+            with np.errstate(over="ignore"):  # beyond float32: inf, which add refuses by name
+                out.append(iv.add(e.get("site", "resid_post"), sorted(set(flat)), vec, _as_float(scale)))
+        except ValueError as err:  # add's own checks: the site, then the vector, then the scale
+            field = next((f for f in ("vector", "scale") if str(err).startswith(f"add: {f}")), "site")
+            raise bad(f"{at}.{field}", f"{at}.{field}: {err}") from None
+    try:
+        steer.check(out, st, cfg, what="steering")
+    except steer.SteeringError as err:
+        param = "steering" if err.index is None else f"steering[{err.index}]" + (f".{err.field}" if err.field else "")
+        raise bad(param, str(err)) from None
     return tuple(out)
+
+
+def _as_float(x) -> float:
+    """A JSON number as a float: an int too large for one is inf (refused as not finite)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return float("inf")
 
 
 def _hidden_states(body: dict, model, ext: Extensions, chat: bool, echo: bool, max_tokens_asked) -> Optional[tuple]:

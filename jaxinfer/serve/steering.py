@@ -77,17 +77,29 @@ class Rows:
         return h.digest()
 
 
-def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfig) -> Optional[Rows]:
+class SteeringError(ValueError):
+    """A request's steering that does not fit the engine: `index` is the intervention at fault
+    (None: the list as a whole) and `field` the part of it ("site", "layer", "vector"; None: the
+    whole intervention), so the HTTP server can name the request's field."""
+
+    def __init__(self, message: str, index: Optional[int] = None, field: Optional[str] = None):
+        super().__init__(message)
+        self.index, self.field = index, field
+
+
+def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfig,
+          what: str = "interventions") -> Optional[Rows]:
     """A request's interventions as its slot rows, or None when it has none.
 
     Args:
       interventions: a list of `jaxinfer.interventions` (only `add` fits the engine), or None.
       steering: the engine's capacity.
       cfg: the model's config (D, L).
+      what: the list's name in error messages (the HTTP server's is "steering").
     Returns:
       Rows, or None for no interventions.
     Raises:
-      TypeError / ValueError naming what does not fit, before anything runs.
+      TypeError / SteeringError (a ValueError) naming what does not fit, before anything runs.
     """
     if interventions is None:
         return None
@@ -105,23 +117,28 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
                 gates=np.zeros((n, K, L), bool))
     used = [0] * n
     for i, x in enumerate(items):
+        at = f"{what}[{i}]"
         if not isinstance(x, iv.Intervention):
-            raise TypeError(f"interventions[{i}] is a {type(x).__name__}, not an Intervention")
-        if x.fn is not iv._add:
-            raise ValueError(f"interventions[{i}] is {x!r}: the engine applies only add(...) (steering vectors) in "
-                             "its fixed programs; ablate, patch, project_out and custom functions run in "
-                             "jaxinfer.generate(..., interventions=...)")
+            raise TypeError(f"{at} is a {type(x).__name__}, not an Intervention")
+        if x.fn is not iv.add_vector:
+            raise SteeringError(f"{at} is {x!r}: the engine applies only add(...) (steering vectors) in "
+                                "its fixed programs; ablate, patch, project_out and custom functions run in "
+                                "jaxinfer.generate(..., interventions=...)", i)
         if x.site not in steering.sites:
-            raise ValueError(f"interventions[{i}] adds at {x.site!r}; this engine steers at "
-                             f"{', '.join(steering.sites)} (Engine(steering_sites=...))")
-        layers = sites_lib.check_layers(x.layers, cfg, f"interventions[{i}] layers")
+            raise SteeringError(f"{at} adds at {x.site!r}; this engine steers at {', '.join(steering.sites)} "
+                                "(Engine(steering_sites=...))", i, "site")
+        try:
+            layers = sites_lib.check_layers(x.layers, cfg, f"{at} layers")
+        except ValueError as e:
+            raise SteeringError(str(e), i, "layer") from None
         v = np.asarray(x.params["vector"], np.float32)
         if v.shape != (D,):
-            raise ValueError(f"interventions[{i}]: the vector has shape {v.shape}; the model's width is [{D}]")
+            raise SteeringError(f"{at}: the vector must be {D} numbers (the model's width), got shape {v.shape}",
+                                i, "vector")
         s = steering.sites.index(x.site)
         if used[s] == K:
-            raise ValueError(f"{sum(it.site == x.site for it in items if isinstance(it, iv.Intervention))} adds at "
-                             f"{x.site}: this engine has {K} steering slots per request at each site")
+            raise SteeringError(f"{sum(it.site == x.site for it in items if isinstance(it, iv.Intervention))} adds "
+                                f"at {x.site}: this engine has {K} steering slots per request at each site")
         k = used[s]
         used[s] += 1
         rows.vectors[s, k], rows.scales[s, k] = v, np.float32(x.params["scale"])
@@ -137,7 +154,7 @@ def idle_hooks(steering: Steering, cfg: ModelConfig, n_rows: int) -> Optional[si
     D, L = cfg.d_model, cfg.n_layers
     slots = tuple(sites_lib.Slot(params={"scale": np.zeros((n_rows,), np.float32),
                                          "vector": np.zeros((n_rows, D), np.float32)},
-                                 gate=np.zeros((n_rows, L), bool), site=site, fn=iv._add)
+                                 gate=np.zeros((n_rows, L), bool), site=site, fn=iv.add_vector)
                   for site in steering.sites for _ in range(steering.slots))
     return sites_lib.Hooks(slots=slots)
 

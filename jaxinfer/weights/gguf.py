@@ -236,11 +236,9 @@ def read_params(reader, cfg: ModelConfig, arch: str,
             progress(done, total)
         return arr
 
-    get.has = lambda name: name in tensors
-
     layers: dict[str, list[np.ndarray]] = {}
     for i in range(cfg.n_layers):
-        for key, arr in _layer_params(get, cfg, f"blk.{i}.", permute=arch == "llama").items():
+        for key, arr in _layer_params(get, tensors.__contains__, cfg, f"blk.{i}.", permute=arch == "llama").items():
             layers.setdefault(key, []).append(arr)
     V, D = cfg.vocab_size, cfg.d_model
     params = {
@@ -253,9 +251,11 @@ def read_params(reader, cfg: ModelConfig, arch: str,
     return params
 
 
-def _layer_params(get: Callable, cfg: ModelConfig, p: str, permute: bool) -> dict[str, np.ndarray]:
+def _layer_params(get: Callable, has: Callable[[str], bool], cfg: ModelConfig, p: str,
+                  permute: bool) -> dict[str, np.ndarray]:
     """One layer's weights, named and shaped as jaxinfer's (`p` is the GGUF prefix "blk.{i}.").
 
+    get(name, shape) reads and checks a tensor; has(name) says whether the file holds one.
     permute: undo llama.cpp's Q/K row permutation (it permutes only for the llama architecture).
     """
     D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
@@ -271,7 +271,7 @@ def _layer_params(get: Callable, cfg: ModelConfig, p: str, permute: bool) -> dic
         out.update(w_gate=get(p + "ffn_gate.weight", (F, D)).T, w_up=get(p + "ffn_up.weight", (F, D)).T,
                    w_down=get(p + "ffn_down.weight", (D, F)).T)
     else:
-        out.update(_expert_params(get, cfg, p))
+        out.update(_expert_params(get, has, cfg, p))
     if cfg.qkv_bias:
         out.update(bq=get(p + "attn_q.bias").reshape(N, H), bk=get(p + "attn_k.bias").reshape(K, H),
                    bv=get(p + "attn_v.bias").reshape(K, H))
@@ -285,13 +285,13 @@ def _layer_params(get: Callable, cfg: ModelConfig, p: str, permute: bool) -> dic
     return out
 
 
-def _expert_params(get: Callable, cfg: ModelConfig, p: str) -> dict[str, np.ndarray]:
+def _expert_params(get: Callable, has: Callable[[str], bool], cfg: ModelConfig, p: str) -> dict[str, np.ndarray]:
     """One layer's router, experts and shared expert in jaxinfer's layout (`params._moe_specs`: the
     experts stay output-major, as GGUF stores them)."""
     m, D = cfg.moe, cfg.d_model
     X, Fe = m.n_experts, m.expert_ffn_dim
     out = {"router": get(p + "ffn_gate_inp.weight", (X, D))}
-    if get.has(p + "ffn_gate_up_exps.weight"):  # convert_hf_to_gguf.py --fuse-gate-up-exps
+    if has(p + "ffn_gate_up_exps.weight"):  # convert_hf_to_gguf.py --fuse-gate-up-exps
         out["we_gate_up"] = get(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, D))
     else:
         out["we_gate_up"] = np.concatenate([get(p + "ffn_gate_exps.weight", (X, Fe, D)),

@@ -173,12 +173,7 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
     """
     folder = Path(folder)
     path = folder / CONFIG_FILE
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HFError(f"{folder} has no {CONFIG_FILE}") from None
-    except ValueError as e:
-        raise HFError(f"{path} is not valid JSON: {e}") from e
+    raw = _raw_config(folder)
     mt = raw.get("model_type")
     _refuse_unsupported(raw, mt, path)
     cfg = _common_fields(raw, path, name or hf_cache.snapshot_repo_id(folder) or folder.name)
@@ -187,6 +182,17 @@ def read_config(folder: os.PathLike, name: Optional[str] = None) -> ModelConfig:
         return ModelConfig(**cfg)
     except ValueError as e:
         raise HFError(f"{path}: {e}") from e
+
+
+def _raw_config(folder: Path) -> dict:
+    """config.json as a dict, or an HFError naming what is wrong with it."""
+    path = folder / CONFIG_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HFError(f"{folder} has no {CONFIG_FILE}") from None
+    except ValueError as e:
+        raise HFError(f"{path} is not valid JSON: {e}") from e
 
 
 def _refuse_unsupported(raw: dict, mt: Optional[str], path: Path) -> None:
@@ -621,12 +627,8 @@ def _checked_sources(folder: Path, cfg: ModelConfig) -> list[tuple[_Source, st.T
         idx = st.index(folder)
     except st.SafetensorsError as e:
         raise HFError(str(e)) from e
-    try:
-        raw = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raw = {}
-    out = []
-    for src in _sources(cfg, _expert_names(idx, raw)):
+    out = []  # the experts' naming and DeepSeek's RoPE row order follow config.json: read, never guessed
+    for src in _sources(cfg, _expert_names(idx, _raw_config(folder))):
         info = idx.get(src.hf_name)
         if info is None:
             raise HFError(f"{folder}: tensor {src.hf_name!r} is missing")

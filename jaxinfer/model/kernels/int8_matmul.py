@@ -2,10 +2,9 @@
 
 A decode step multiplies a few rows by every weight matrix, so its time is the bytes it reads.
 XLA's GPU backend fuses the int8 -> bf16 conversion into its Triton GEMM (int8 is what is read),
-but that GEMM is tiled for matmuls, not for [B <= 64, I] x [I, O] products: on an H200 it read
-int8 weights at 57% of the bandwidth roofline where bf16 reached 86% (`docs/notes/gpu_runs.md`),
-and a row-reduction form XLA also fuses stopped at the same ~60%. This is one Pallas kernel
-(`pallas.triton` on GPUs) tiled for that shape:
+but that GEMM is tiled for matmuls, not for [B <= 64, I] x [I, O] products, and reads int8 well
+below the bandwidth bf16 reaches (as does a row-reduction form XLA also fuses; measured in
+`docs/notes/gpu_runs.md`). This is one Pallas kernel (`pallas.triton` on GPUs) tiled for that shape:
 
   grid (O / block_o, split_k): program (o, s) owns block_o output channels and the s-th of
   split_k equal ranges of the I inputs; it walks its range block_k inputs at a time, loads the
@@ -19,7 +18,9 @@ embedding) or input-major [I, O] ("IO", an untied LM head). Off a GPU the same k
 Pallas's interpret mode, which is how the tests check it against the XLA path on a CPU.
 
 `use_kernel` decides where it runs by default: a GPU, bf16/fp16 activations, at most
-`MAX_ROWS` rows and block sizes that divide the shape; `ModelConfig.int8_matmul` overrides it.
+`MAX_ROWS` rows and block sizes that divide the shape; `ModelConfig.int8_matmul` overrides it
+("pallas" forces it for every product of at most `MAX_ROWS` rows: the kernel holds all rows in
+one tile, so longer prefill chunks stay on XLA's GEMM).
 Shape letters: M rows, I inputs, O outputs.
 """
 
@@ -98,9 +99,10 @@ def use_kernel(kernel: Optional[str], rows: int, dtype, I: int, O: int, w_layout
     """Whether an int8 product of `rows` rows in `dtype` with an [I, O] weight runs the Pallas kernel.
 
     Args:
-      kernel: `ModelConfig.int8_matmul`: "pallas" (always; a shape no tiling divides is an error
-        in `int8_matmul`), "xla" (never), or None: by backend, the kernel on a GPU for bf16/fp16
-        activations, at most MAX_ROWS rows and a shape `default_blocks` tiles.
+      kernel: `ModelConfig.int8_matmul`: "pallas" (wherever it applies: at most MAX_ROWS rows, since
+        the kernel does not tile rows and a prefill chunk is XLA's GEMM's job; a shape no tiling
+        divides is an error in `int8_matmul`), "xla" (never), or None: by backend, the kernel on a
+        GPU for bf16/fp16 activations, at most MAX_ROWS rows and a shape `default_blocks` tiles.
       rows: M, the product's rows (batch x new tokens).
       dtype: the activations' dtype.
       I, O: the weight's inputs and outputs; w_layout: "OI" or "IO".
@@ -109,7 +111,7 @@ def use_kernel(kernel: Optional[str], rows: int, dtype, I: int, O: int, w_layout
     if kernel is not None:
         if kernel not in KERNELS:
             raise ValueError(f"int8 matmul kernel must be one of {KERNELS} or None, got {kernel!r}")
-        return kernel == "pallas"
+        return kernel == "pallas" and rows <= MAX_ROWS
     return ((backend or jax.default_backend()) == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and rows <= MAX_ROWS and default_blocks(rows, I, O, w_layout) is not None)
 

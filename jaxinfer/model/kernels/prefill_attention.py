@@ -4,7 +4,7 @@ rows' earlier context read from the KV pages in large blocks, merged by log-sum-
 `jaxinfer.model.attention.paged_attention` is the portable form: it reads a row's context in
 blocks of `cache.block` positions (256) and runs an online softmax of einsums, one small matmul
 pair per block. For a long prompt chunk on a GPU that leaves most of the matmul peak unused
-(Llama-3.1-8B, 2,048 tokens on an H200: 30% of the measured peak, `docs/notes/gpu_runs.md`).
+(`docs/notes/gpu_runs.md`).
 Here the chunk's T x T causal block is one call of `jax.nn.dot_product_attention` (cuDNN's
 flash attention on a GPU: it skips the masked half and never writes the scores out), and the
 context before the chunk is read `context_block` positions at a time (`ModelConfig.context_block`),
