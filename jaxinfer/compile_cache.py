@@ -29,8 +29,14 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Tracing and lowering a jitted function, before the backend compile (jax._src.dispatch).
 _COMPILE_STAGE_EVENTS = (BACKEND_COMPILE_EVENT, "/jax/core/compile/jaxpr_trace_duration",
                          "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
 # Recorded when the persistent cache supplies an executable (jax._src.compiler).
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# Tracing a function to a jaxpr (jax._src.dispatch.JAXPR_TRACE_EVENT): once per jit traced.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+# Recorded (with the seconds it took) when `program_store` loads a whole compiled program: an
+# executable loaded from the cache, with no tracing or lowering before it.
+STORE_LOAD_EVENT = "/jaxinfer/program_store/load_duration"
 
 
 class CompileCounter:
@@ -39,7 +45,7 @@ class CompileCounter:
 
         with CompileCounter() as compiles:
             ...
-        compiles.count, compiles.cache_hits, compiles.compiled, compiles.seconds
+        compiles.count, compiles.cache_hits, compiles.compiled, compiles.seconds, compiles.traces
 
     Only the thread that entered the block counts. JAX traces and compiles on the thread that
     dispatches the call, and its monitoring listeners are process-wide, so without this filter an
@@ -49,7 +55,8 @@ class CompileCounter:
 
     def __init__(self) -> None:
         self.count = 0  # executables built: compiled + loaded from the persistent cache
-        self.cache_hits = 0  # of those, loaded from the persistent cache
+        self.cache_hits = 0  # of those, loaded from the persistent cache (JAX's, or `program_store`)
+        self.traces = 0  # functions traced to a jaxpr (a program loaded from `program_store` needs none)
         self.seconds = 0.0  # tracing + lowering + backend compile (or cache load) time
         self._thread: Optional[int] = None  # ident of the thread that entered; None when inactive
 
@@ -63,7 +70,12 @@ class CompileCounter:
             return
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
-        if event in _COMPILE_STAGE_EVENTS:
+        elif event == STORE_LOAD_EVENT:
+            self.count += 1
+            self.cache_hits += 1
+        elif event == TRACE_EVENT:
+            self.traces += 1
+        if event in _COMPILE_STAGE_EVENTS or event == STORE_LOAD_EVENT:
             self.seconds += duration_s
 
     def _listen_event(self, event: str, **kwargs) -> None:

@@ -2,16 +2,22 @@
 compiles nothing, a second process loads them from the persistent cache), the start-up report,
 a background warmup that serves as soon as its first programs are built, /health "warming"."""
 
+import functools
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from jaxinfer import program_store
 from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.model import config
 from jaxinfer.model import cache as kv
 from jaxinfer.model.params import nbytes
 from jaxinfer.serve import Engine
@@ -79,21 +85,31 @@ def test_a_second_engine_compiles_nothing_and_the_report_says_so(model):
 
 _PROCESS = """
 import json, jax
+from jaxinfer.compile_cache import TRACE_EVENT
+from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import config
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
+traced = []  # every function traced in this process, on any thread
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, fun_name=None, **k: event == TRACE_EVENT and traced.append(fun_name))
 cfg = config.tiny(name="tiny-startup-cache")
 engine = Engine(Model(config=cfg, params=init_params(cfg, jax.random.key(0))), **json.loads({small!r}))
 engine.warmup()
 r = engine.startup_report()
-print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded, cache=r.compile_cache)))
+out = engine.submit([5, 6, 7, 8], max_new_tokens=6, sampling=SamplingParams(temperature=0.8), seed=3).result(300)
+print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded, cache=r.compile_cache,
+                      tokens=list(out.token_ids), traced=traced)))
 """
+
+PROGRAM_NAMES = ("mixed_program", "decode_program", "scoring_program")
 
 
 def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path):
     """Two processes with the same settings and a fresh cache folder: the first compiles every
-    program, the second compiles none (it loads them all from the cache)."""
+    program and stores it; the second compiles none and traces none of them (it loads each whole
+    from the program store), and samples the first one's tokens."""
     env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
     runs = []
     for _ in range(2):
@@ -104,7 +120,71 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     first, second = runs
     assert first["cache"] == second["cache"] == str(tmp_path / "xla")
     assert first["compiled"] >= first["programs"] > 0 and first["loaded"] == 0, runs
-    assert second["compiled"] == 0 and second["loaded"] >= second["programs"], runs
+    assert {n for n in first["traced"] if n in PROGRAM_NAMES} == {"mixed_program", "decode_program"}, first["traced"]
+    stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
+    assert len(stored) == first["programs"] and set(stored) == {"mixed_program", "decode_program"}, stored
+    assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
+    assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg"))
+def _affine(x, y, *, scale, cfg=None):
+    return x * scale + y
+
+
+def _affine_args(n=4):
+    return (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32))
+
+
+def test_a_stored_program_loads_without_tracing_and_only_under_its_own_key(tmp_path, monkeypatch):
+    """The store: a program compiled once loads whole in a fresh process (the in-process table
+    cleared), with no tracing and counted as loaded from the cache; other static arguments,
+    shapes, another model config or other source files make another key, which compiles."""
+    store = program_store.ProgramStore(tmp_path)
+    x, y = jnp.arange(4.0), jnp.ones(4)
+    with CompileCounter() as c:
+        first = store.compile(_affine, _affine_args(), dict(scale=2.0))
+    assert (c.compiled, c.cache_hits) == (1, 0) and c.traces >= 1
+    program_store._LIVE.clear()  # as a new process finds it
+    with CompileCounter() as c:
+        again = program_store.ProgramStore(tmp_path).compile(_affine, _affine_args(), dict(scale=2.0))
+    assert (c.count, c.cache_hits, c.traces) == (1, 1, 0) and c.seconds > 0
+    np.testing.assert_array_equal(again(x, y), first(x, y))
+    with CompileCounter() as c:
+        assert store.compile(_affine, _affine_args(), dict(scale=2.0)) is again  # held: not loaded twice
+    assert c.count == 0
+
+    with CompileCounter() as c:
+        other = store.compile(_affine, _affine_args(), dict(scale=3.0))
+        store.compile(_affine, _affine_args(8), dict(scale=2.0))
+    assert (c.compiled, c.cache_hits) == (2, 0)
+    np.testing.assert_array_equal(other(x, y), x * 3.0 + y)
+    assert len(list(tmp_path.glob("*" + program_store.SUFFIX))) == 3
+
+    key = lambda s, cfg: s.key(_affine, _affine_args(), dict(scale=2.0, cfg=cfg))  # noqa: E731
+    assert key(store, config.tiny()) == key(store, config.tiny()) != key(store, config.tiny(n_layers=3))
+    monkeypatch.setattr(program_store, "source_hash", lambda package=None: "changed")  # a code change
+    assert key(program_store.ProgramStore(tmp_path), config.tiny()) != key(store, config.tiny())
+
+
+def test_a_corrupt_stored_program_is_rebuilt_with_a_warning(tmp_path, caplog):
+    """A truncated entry (a crash mid-write elsewhere, a full disk) is a logged warning, the
+    program compiles again and is stored over it; no temporary file is left behind."""
+    store = program_store.ProgramStore(tmp_path)
+    store.compile(_affine, _affine_args(), dict(scale=5.0))
+    (path,) = tmp_path.glob("*" + program_store.SUFFIX)
+    path.write_bytes(path.read_bytes()[:100])
+    program_store._LIVE.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.program_store"), CompileCounter() as c:
+        program = store.compile(_affine, _affine_args(), dict(scale=5.0))
+    assert c.cache_hits == 0 and "unreadable" in caplog.text and path.name in caplog.text, caplog.text
+    np.testing.assert_array_equal(program(jnp.ones(4), jnp.ones(4)), jnp.full(4, 6.0))
+    program_store._LIVE.clear()
+    with CompileCounter() as c:
+        store.compile(_affine, _affine_args(), dict(scale=5.0))
+    assert (c.count, c.cache_hits, c.traces) == (1, 1, 0)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_a_background_warmup_serves_at_once_with_the_shapes_it_has(model, monkeypatch):

@@ -122,7 +122,8 @@ def _output_major(ws: list, n_in: int):
     if isinstance(ws[0], Int8Weight):
         return Int8Weight(q=jnp.concatenate([as_matrix(w.q) for w in ws], axis=-1).T,
                           scale=jnp.concatenate([w.scale.reshape(-1) for w in ws])[:, None], input_axes=(-1,))
-    return jnp.concatenate([as_matrix(w) for w in ws], axis=-1).T
+    xp = np if isinstance(ws[0], np.ndarray) else jnp  # host weights (a GGUF being loaded) stay on the host
+    return xp.concatenate([as_matrix(w) for w in ws], axis=-1).T
 
 
 def _input_major(w, shapes: list[tuple[int, ...]], n_in: int) -> list:

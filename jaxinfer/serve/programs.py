@@ -7,13 +7,13 @@
 Each program is `jit(f).lower(args).compile()`: XLA's compile releases the GIL, so programs built
 on a thread pool compile in parallel (tracing and lowering, in Python, take turns), and a call
 goes straight to the executable, past jit's dispatch (no static-argument hashing or cache lookup).
-JAX keeps what it lowered and compiled, so a second Engine of the same shapes finds every
-program built (in this process), and the persistent cache (`jaxinfer.compile_cache`) serves
-later processes.
+A second Engine of the same shapes finds every program built (in this process); later processes
+load them whole from the program store (`jaxinfer.program_store`, in the compile cache's folder:
+no tracing; over a mesh, from JAX's persistent cache, `jaxinfer.compile_cache`).
 
-`report()` says what the programs cost: how many, compiled afresh or loaded from the persistent
-cache, and the seconds their builds took (summed over threads, and the wall time of the last
-`wait`).
+`report()` says what the programs cost: how many, compiled afresh or loaded from the compile
+cache's folder (the program store or JAX's cache), and the seconds their builds took (summed over
+threads, and the wall time of the last `wait`).
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from jaxinfer.decode import penalties as pen
 from jaxinfer.model import cache as kv
 from jaxinfer.model import sites
 from jaxinfer.model.model import Model
+from jaxinfer.program_store import ProgramStore
 from jaxinfer.serve.live import Live, batch_rows, slot_rows
 from jaxinfer.serve.packed import Packing
 from jaxinfer.serve.programs import Programs
@@ -240,6 +241,9 @@ class Runner:
         # dispatch places arguments on the shardings each program was built for.
         self.programs = Programs()
         self.direct = shd.params_mesh(model.params) is None
+        # Compiled programs kept whole in the compile cache's folder: a warm start loads them
+        # without tracing the model (None while the compile cache is off).
+        self.store = ProgramStore.default() if self.direct else None
         self.warming = False  # a background warmup is under way: calls use the shapes built so far
         self.warm_done = threading.Event()  # set when no warmup is under way
         self.warm_done.set()
@@ -331,7 +335,7 @@ class Runner:
         here if no warmup has (over a mesh: through jit)."""
         if not self.direct:
             return jitted(*args, **static)
-        return self.programs.get(key, lambda: jitted.lower(*_abstract(args), **static).compile())(*args)
+        return self.programs.get(key, lambda: _compile(jitted, _abstract(args), static, self.store))(*args)
 
     def _mixed(self, *args):
         R, C = args[-1].tokens.shape
@@ -592,11 +596,11 @@ class Runner:
         if decode:
             static = dict(cfg=self.cfg, n_steps=self.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
             args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32))) + (hooks,)
-            out.append((("decode",), functools.partial(_compile, decode_program, args, static)))
+            out.append((("decode",), functools.partial(_compile, decode_program, args, static, self.store)))
         for R, C in shapes:
             static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
             args = base + (_abstract(self._chunk_arrays([], (R, C))), hooks)
-            out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static)))
+            out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static, self.store)))
             if scoring and R == 1:  # scoring calls take one chunk (`pick`)
                 rows, pcounts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
                                            self.key_size, raw_keys=True)
@@ -607,7 +611,7 @@ class Runner:
                     static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden)
                     a = args + (_abstract(self._scoring_hooks([None] * R, hidden)),)
                     out.append((("hidden" if hidden else "prefill", R, C),
-                                functools.partial(_compile, scoring_program, a, static)))
+                                functools.partial(_compile, scoring_program, a, static, self.store)))
         return out
 
     def minimal(self, scoring: bool) -> list[tuple]:
@@ -734,9 +738,11 @@ class Runner:
                                 tokens=z((S,), np.int32), rows=rows, counts=counts)
 
 
-def _compile(jitted, args, static):
-    """jitted lowered for `args` (abstract) and compiled."""
-    return jitted.lower(*args, **static).compile()
+def _compile(jitted, args, static, store: Optional[ProgramStore] = None):
+    """jitted lowered for `args` (abstract) and compiled, or loaded from `store`."""
+    if store is None:
+        return jitted.lower(*args, **static).compile()
+    return store.compile(jitted, args, static)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "capture"), donate_argnums=(1,))

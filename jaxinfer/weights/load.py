@@ -64,17 +64,22 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
     _check_options(dtype, quant, kv_cache, mesh, layout)
     compile_cache.use_default_cache()  # programs of this model compile once per machine, not per process
     src = checkpoint.require_model(classify(name_or_path, cache=cache), name_or_path)
-    model = _READERS[src.kind](src, dtype, progress, mesh)
+    if layout == "auto":
+        layout = auto_layout(quant, mesh, jax.default_backend())
+    if src.kind == "gguf" and layout == "per_layer" and quant is None:
+        # Fused and unstacked on the host, before the weights go to the device: the same
+        # conversion as device arrays takes hundreds of small device calls.
+        model = _read_gguf(src, dtype, progress, mesh, layout)
+    else:
+        model = _READERS[src.kind](src, dtype, progress, mesh)
     if mesh is not None:  # e.g. experts split over the mesh run the kernel the partitioner splits
         model = dataclasses.replace(model, config=sharding.config_for(model.config, mesh))
     if kv_cache is not None:
         model = dataclasses.replace(model, config=model.config.replace(kv_dtype=kv_cache))
     if quant is not None:
         model = dataclasses.replace(model, params=quantize.quantize(model.params, model.config, quant))
-    if layout == "auto":
-        layout = auto_layout(quant, mesh, jax.default_backend())
     if layout == "per_layer":
-        model = layouts.to_layout(model, "per_layer")
+        model = layouts.to_layout(model, "per_layer")  # (nothing to do when the reader made it)
     return model
 
 
@@ -123,12 +128,15 @@ def _read_huggingface(src: Source, dtype: Optional[str], progress, mesh) -> Mode
     return Model(config=cfg, params=hf_io.load_params(src.path, cfg, shardings, progress), tokenizer=tokenizer)
 
 
-def _read_gguf(src: Source, dtype: Optional[str], progress, mesh) -> Model:
+def _read_gguf(src: Source, dtype: Optional[str], progress, mesh, layout: str = "stacked") -> Model:
     g = gguf_io.read_gguf(src.path, name=src.name, progress=progress)
     dtype = dtype or "float32"
     cfg = g.config.replace(dtype=dtype)
-    params = (to_device(g.params, dtype) if mesh is None
-              else sharding.shard_params(g.params, cfg, sharding.plan(cfg, mesh), dtype))
+    host = g.params
+    if layout != cfg.layout and mesh is None:
+        host, cfg = layouts.convert(host, cfg, layout), cfg.replace(layout=layout)
+    params = (to_device(host, dtype) if mesh is None
+              else sharding.shard_params(host, cfg, sharding.plan(cfg, mesh), dtype))
     return Model(config=cfg, params=params, tokenizer=gguf_tokenizer(g.tokenizer, src.name))
 
 
