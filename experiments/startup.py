@@ -165,10 +165,11 @@ def two_engines(model, **engine_kw) -> list[dict]:
     found in memory (the second should compile nothing)."""
     from jaxinfer.serve import Engine, memory
 
-    out = []
+    out, engines = [], []  # the first stays alive: the second finds its programs in memory
     for _ in range(2):
         t = time.perf_counter()
         engine = Engine(model, **engine_kw)
+        engines.append(engine)
         engine.warmup()
         r = engine.startup_report()
         out.append(dict(seconds=time.perf_counter() - t, programs=r.programs, compiled=r.compiled, loaded=r.loaded,

@@ -36,6 +36,7 @@ import platform
 import tempfile
 import threading
 import time
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -56,10 +57,11 @@ _CONFIG_SKIP = ("compilation_cache", "persistent_cache", "log_compiles", "explai
                 "debug_log_modules", "dump_ir", "include_debug_info_in_dumps", "pprint_use_color",
                 "traceback_filtering", "tracer_error_num_traceback_frames", "captured_constants")
 
-# The programs this process has built or loaded, by key: a later Engine of the same shapes gets
-# the same executable, not a second copy read from disk. Kept for the life of the process, as
-# jit's own in-memory caches keep what they compile.
-_LIVE: dict[str, Any] = {}
+# The programs this process holds, by key: a later Engine of the same shapes, built while an
+# earlier one still holds its programs, gets the same executables rather than a second copy read
+# from disk. Weak values: a program no Engine holds any more is freed (an executable keeps memory
+# mappings for its code), and the next Engine loads it from the store.
+_LIVE: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -219,4 +221,8 @@ class ProgramStore:
             program = jitted.lower(*args, **static).compile()
             self.save(key, program, name)
         with _LIVE_LOCK:
-            return _LIVE.setdefault(key, program)
+            held = _LIVE.get(key)  # another thread may have built it meanwhile
+            if held is not None:
+                return held
+            _LIVE[key] = program
+            return program
