@@ -65,6 +65,8 @@ class Live:
         constraint engine gave up (its mask then allowed only the stop ids, so the token sampled
         under it is no answer), or the sampler had no token to draw (`core.INVALID_TOKEN`).
         """
+        if self.matcher is None and self.stop is None:
+            return self._accept_plain(tokens, logprobs, tops)
         kept, reason = [], None
         done = len(self.seq.generated)
         for t in tokens:
@@ -101,6 +103,37 @@ class Live:
                 break
         self.logprobs += logprobs[:len(kept)]
         self.top += tops[:len(kept)]
+        return kept, reason
+
+    def _accept_plain(self, tokens: list[int], logprobs: list[float], tops: list) -> tuple[list[int], Optional[str]]:
+        """`accept` for a request without a constraint or stop strings: where it ends is found
+        first, then the tokens it keeps are counted and detokenized together (same result)."""
+        done, reason, end = len(self.seq.generated), None, len(tokens)
+        left, stops = self.seq.max_new_tokens - done, self.stop_ids
+        for i, t in enumerate(tokens):
+            if t < 0:
+                self.error = f"no token could be sampled after {done + i} tokens: the logits were all -inf or NaN"
+                reason, end = "error", i
+                break
+            if t in stops:
+                reason, end = "stop", i + 1
+                break
+            if i + 1 >= left:
+                reason, end = "length", i + 1
+                break
+        kept = tokens[:end]
+        if self.counts is not None:
+            for t in kept:
+                self.counts[t] += 1
+        if self.detok is not None and kept:  # a stop token's own text is not part of the output
+            for t in kept:
+                if t not in stops:
+                    self.text += self.detok.add([t])
+            if reason is not None and reason != "error":
+                self.text += self.detok.flush()
+        self.logprobs += logprobs[:end]
+        if self.n_top:
+            self.top += tops[:end]
         return kept, reason
 
     def _constraint_failed(self, n: int) -> None:

@@ -273,6 +273,8 @@ class Runner:
         self._idle_row = self.pack_row(None)
         self._table = (np.tile(self._idle_row[0], (max_slots, 1)), np.tile(self._idle_row[1], (max_slots, 1)))
         self._occupant: list[Optional[int]] = [None] * max_slots  # request id whose row each slot holds
+        self._pages = np.zeros((max_slots, self.width), np.int32)  # the last call's page table (`page_table`)
+        self._pages_held: list[tuple] = [(None, 0)] * max_slots  # (page list, length) each row of it holds
         self._cols = {name: self.packing.columns(name)[1] for name in
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
         self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
@@ -447,6 +449,33 @@ class Runner:
         ints[:, c["rows.steps"]] = ints[:, c["generated"]] = steps[:, None]
         return ints, tf.copy()
 
+    def page_table(self, rows) -> np.ndarray:
+        """The slots' page table [S, W] for a call: (slot, pages) for each slot that has pages,
+        zeros (the trash page) elsewhere. Rewritten where a slot's pages changed since the last
+        call: a request's page list only grows in place, or is replaced (admission, release).
+
+        Args:
+          rows: (slot, pages) pairs, pages a request's list of page ids.
+        Returns:
+          A fresh [S, W] int32 array (the call may read it after this returns)."""
+        table, held = self._pages, self._pages_held
+        seen = set()
+        for slot, pages in rows:
+            seen.add(slot)
+            src, n = held[slot]
+            if src is pages and n == len(pages):
+                continue
+            if src is pages and n < len(pages):
+                table[slot, n:len(pages)] = pages[n:]
+            else:
+                table[slot] = 0
+                table[slot, :len(pages)] = pages
+            held[slot] = (pages, len(pages))
+        for slot in range(self.max_slots):
+            if slot not in seen and held[slot][1]:
+                table[slot], held[slot] = 0, (None, 0)
+        return table.copy()
+
     def _mask(self, lives: list) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
         (one device array, reused, while no row is constrained)."""
@@ -512,20 +541,20 @@ class Runner:
         is called just before the scan (the engine's fault bookkeeping). Returns at once: the
         results are copied to the host meanwhile (`collect` waits for them)."""
         S = self.max_slots
-        tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
-        table = np.zeros((S, self.width), np.int32)
-        by_slot, budgets = [None] * S, np.zeros((S,), np.int32)
+        by_slot, tokens, lengths, budgets, pages = [None] * S, [0] * S, [0] * S, [0] * S, []
         for s, lv in zip(seqs, lives):
-            by_slot[s.slot] = lv
-            tokens[s.slot], lengths[s.slot] = s.generated[-1], s.computed
-            table[s.slot, :len(s.pages)] = s.pages
-            budgets[s.slot] = min(steps, s.remaining)
+            slot = s.slot
+            by_slot[slot], tokens[slot], lengths[slot], budgets[slot] = lv, s.generated[-1], s.computed, min(
+                steps, s.remaining)
+            pages.append((slot, s.pages))
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
-            by_slot[ch.seq.slot] = lv
-            lengths[ch.seq.slot] = ch.start
+            slot = ch.seq.slot
+            by_slot[slot], lengths[slot] = lv, ch.start
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
-                table[ch.seq.slot, :len(ch.seq.pages)] = ch.seq.pages
-                budgets[ch.seq.slot] = n
+                pages.append((slot, ch.seq.pages))
+                budgets[slot] = n
+        table = self.page_table(pages)
+        tokens, lengths, budgets = (np.array(x, np.int32) for x in (tokens, lengths, budgets))
         steps_so_far = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
         ints, floats = self._tables(by_slot, tokens, lengths, table, budgets, steps_so_far)
         counts, mask = self._counts(by_slot), self._mask(by_slot)
