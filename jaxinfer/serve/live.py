@@ -20,7 +20,7 @@ from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import outputs
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
-from jaxinfer.serve.request import ConstraintFailed, Delta, EngineError, Request
+from jaxinfer.serve.request import ConstraintFailed, EngineError, Request
 from jaxinfer.serve.scheduler import Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
@@ -140,14 +140,15 @@ class Live:
         self.error = f"the constraint engine (llguidance) gave up after {n} tokens: {self.matcher.error}"
         self.error_type = ConstraintFailed
 
-    def delta(self, tokens: list[int], logprobs: list[float], tops: list, finish_reason: Optional[str] = None) -> Delta:
-        """The Delta for these tokens: the text that is final now (held back while it may still
-        turn into a stop string, unless the request is finishing)."""
+    def delta(self, tokens: list[int], logprobs: list[float], tops: list, finish_reason: Optional[str] = None
+              ) -> tuple:
+        """The Delta for these tokens, as the tuple of its fields (`Request.push` makes the
+        Delta when a caller reads it, off the engine's loop): the text that is final now (held
+        back while it may still turn into a stop string, unless the request is finishing)."""
         hold = self.stop.hold if self.stop is not None and finish_reason is None else 0
         out = self.text[self.sent:len(self.text) - hold]
         self.sent += len(out)
-        return Delta(token_ids=list(tokens), text=out, logprobs=list(logprobs), finish_reason=finish_reason,
-                     top_logprobs=list(tops) if self.n_top else [])
+        return list(tokens), out, list(logprobs), finish_reason, list(tops) if self.n_top else []
 
     def completion(self, reason: str) -> outputs.Completion:
         """The request's Completion, once it has ended for `reason`."""
