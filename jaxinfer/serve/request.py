@@ -66,6 +66,7 @@ class Request:
         self._error: Optional[str] = None
         self._error_type: type = EngineError
         self._wakers: list[Callable[[], None]] = []
+        self._readers = 0  # threads waiting on _cond for a Delta (`push` wakes them)
         self.first_token_at: Optional[float] = None
 
     # ---- the caller's side ------------------------------------------------------------------
@@ -118,7 +119,11 @@ class Request:
                     left = None if deadline is None else deadline - time.perf_counter()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"request {self.id} did not finish within the timeout")
-                    self._cond.wait(timeout=0.1 if left is None else min(0.1, left))
+                    self._readers += 1
+                    try:
+                        self._cond.wait(timeout=0.1 if left is None else min(0.1, left))
+                    finally:
+                        self._readers -= 1
                     continue
             i += len(new)
             yield from map(_delta, new)
@@ -179,8 +184,9 @@ class Request:
             self._deltas.append(delta)
             if completion is not None:
                 self._completion = completion
-            self._cond.notify_all()
-            wakers = list(self._wakers)
+            if self._readers:
+                self._cond.notify_all()
+            wakers = list(self._wakers) if self._wakers else ()
         for w in wakers:
             w()
 
