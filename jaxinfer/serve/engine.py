@@ -327,6 +327,7 @@ class Engine:
             live.counts = np.zeros((self.cfg.vocab_size,), np.int32)
             live.in_prompt = np.zeros((self.cfg.vocab_size,), bool)
             live.in_prompt[np.asarray(ids, np.int64)] = True
+        self.runner.pack_row(live)  # its slot row, packed here rather than in the loop
         with self._inbox_lock:
             self._inbox.append(("submit", live))
         with self._wake:
@@ -484,13 +485,13 @@ class Engine:
         if not grow or sum(g[4] for g in grow) > self.pool.available():
             return None
         S = self.max_slots
-        table, caps, limits = np.zeros((S, self.runner.width), np.int32), np.zeros((S,), np.int32), np.zeros(
-            (S,), np.int32)
+        caps, limits = [0] * S, [0] * S
         for slot, seq, lv, n, short in grow:
             if short:
                 seq.pages += self.pool.allocate(short)
-            table[slot, :len(seq.pages)] = seq.pages
             caps[slot], limits[slot] = n, seq.max_new_tokens
+        table = self.runner.page_table((slot, seq.pages) for slot, seq, _, _, _ in grow)
+        caps, limits = np.array(caps, np.int32), np.array(limits, np.int32)
         self._chain_touched = {seq.rid for _, seq, _, _, _ in grow}
         t0 = time.perf_counter()
         pending = self.runner.chain(table, caps, limits, any(lv.n_top > 0 for _, _, lv, _, _ in grow))
@@ -677,12 +678,18 @@ class Engine:
             per_step = (now - max(fl.t0, self._last_collect)) / ran
             self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
         self._last_collect = now
+        # Every slot's column as Python lists, made once per flight; a slot's tokens are the
+        # steps where it emitted (count 1).
+        counts, tokens, logprobs = dec.count.T.tolist(), dec.tokens.T.tolist(), dec.logprobs.T.tolist()
 
         def decoded(lv: Live, slot: int):
-            at = np.flatnonzero(dec.count[:, slot])
-            tops = ([list(zip(dec.top[0][t, slot, :lv.n_top].tolist(), dec.top[1][t, slot, :lv.n_top].tolist()))
-                     for t in at] if lv.n_top else [[] for _ in at])
-            return dec.tokens[at, slot].tolist(), dec.logprobs[at, slot].tolist(), tops
+            c = counts[slot]
+            toks, lps = list(itertools.compress(tokens[slot], c)), list(itertools.compress(logprobs[slot], c))
+            if not lv.n_top:  # (its alternatives are never read: one shared empty tuple per token)
+                return toks, lps, [()] * len(toks)
+            at = [t for t, x in enumerate(c) if x]
+            ids, top_lps = dec.top[0][at, slot, :lv.n_top].tolist(), dec.top[1][at, slot, :lv.n_top].tolist()
+            return toks, lps, [list(zip(i, p)) for i, p in zip(ids, top_lps)]
 
         for i, (ch, lv) in enumerate(zip(fl.chunks, fl.chunk_lives)):
             if lv.req.done or ch.seq.state == DONE:
@@ -766,8 +773,7 @@ class Engine:
         """Hand a request its new tokens; end it on a stop token, its length, its grammar or a stop
         string (tokens the scan produced after the end are dropped)."""
         kept, reason = lv.accept(tokens, logprobs, tops)
-        for t in kept:
-            self.scheduler.sampled(lv.seq, t)
+        self.scheduler.sampled_many(lv.seq, kept)
         self.tokens_generated += len(kept)
         n = len(kept)
         if reason == "error":  # never a finished answer: the tokens so far, then the error

@@ -20,7 +20,7 @@ from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import outputs
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
-from jaxinfer.serve.request import ConstraintFailed, Delta, EngineError, Request
+from jaxinfer.serve.request import ConstraintFailed, EngineError, Request
 from jaxinfer.serve.scheduler import Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
 
@@ -52,7 +52,7 @@ class Live:
     sent: int = 0  # characters of text already handed out
     error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
     error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
-    packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner._row`)
+    packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner.pack_row`)
     steering: Optional[Any] = None  # its steering as slot rows (`steering.Rows`), or None
     hidden: Optional[tuple] = None  # (site, layers): hidden states to return per prompt token (scoring only)
     hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
@@ -65,6 +65,8 @@ class Live:
         constraint engine gave up (its mask then allowed only the stop ids, so the token sampled
         under it is no answer), or the sampler had no token to draw (`core.INVALID_TOKEN`).
         """
+        if self.matcher is None and self.stop is None:
+            return self._accept_plain(tokens, logprobs, tops)
         kept, reason = [], None
         done = len(self.seq.generated)
         for t in tokens:
@@ -103,18 +105,50 @@ class Live:
         self.top += tops[:len(kept)]
         return kept, reason
 
+    def _accept_plain(self, tokens: list[int], logprobs: list[float], tops: list) -> tuple[list[int], Optional[str]]:
+        """`accept` for a request without a constraint or stop strings: where it ends is found
+        first, then the tokens it keeps are counted and detokenized together (same result)."""
+        done, reason, end = len(self.seq.generated), None, len(tokens)
+        left, stops = self.seq.max_new_tokens - done, self.stop_ids
+        for i, t in enumerate(tokens):
+            if t < 0:
+                self.error = f"no token could be sampled after {done + i} tokens: the logits were all -inf or NaN"
+                reason, end = "error", i
+                break
+            if t in stops:
+                reason, end = "stop", i + 1
+                break
+            if i + 1 >= left:
+                reason, end = "length", i + 1
+                break
+        kept = tokens[:end]
+        if self.counts is not None:
+            for t in kept:
+                self.counts[t] += 1
+        if self.detok is not None and kept:  # a stop token's own text is not part of the output
+            for t in kept:
+                if t not in stops:
+                    self.text += self.detok.add([t])
+            if reason is not None and reason != "error":
+                self.text += self.detok.flush()
+        self.logprobs += logprobs[:end]
+        if self.n_top:
+            self.top += tops[:end]
+        return kept, reason
+
     def _constraint_failed(self, n: int) -> None:
         self.error = f"the constraint engine (llguidance) gave up after {n} tokens: {self.matcher.error}"
         self.error_type = ConstraintFailed
 
-    def delta(self, tokens: list[int], logprobs: list[float], tops: list, finish_reason: Optional[str] = None) -> Delta:
-        """The Delta for these tokens: the text that is final now (held back while it may still
-        turn into a stop string, unless the request is finishing)."""
+    def delta(self, tokens: list[int], logprobs: list[float], tops: list, finish_reason: Optional[str] = None
+              ) -> tuple:
+        """The Delta for these tokens, as the tuple of its fields (`Request.push` makes the
+        Delta when a caller reads it, off the engine's loop): the text that is final now (held
+        back while it may still turn into a stop string, unless the request is finishing)."""
         hold = self.stop.hold if self.stop is not None and finish_reason is None else 0
         out = self.text[self.sent:len(self.text) - hold]
         self.sent += len(out)
-        return Delta(token_ids=list(tokens), text=out, logprobs=list(logprobs), finish_reason=finish_reason,
-                     top_logprobs=list(tops) if self.n_top else [])
+        return list(tokens), out, list(logprobs), finish_reason, list(tops) if self.n_top else []
 
     def completion(self, reason: str) -> outputs.Completion:
         """The request's Completion, once it has ended for `reason`."""

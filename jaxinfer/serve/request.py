@@ -46,6 +46,11 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
+def _delta(d) -> Delta:
+    """A pushed Delta, or the tuple of its fields, as a Delta."""
+    return Delta(*d) if type(d) is tuple else d
+
+
 class Request:
     """Handle of one submitted request (made by `Engine.submit`; thread-safe)."""
 
@@ -61,6 +66,7 @@ class Request:
         self._error: Optional[str] = None
         self._error_type: type = EngineError
         self._wakers: list[Callable[[], None]] = []
+        self._readers = 0  # threads waiting on _cond for a Delta (`push` wakes them)
         self.first_token_at: Optional[float] = None
 
     # ---- the caller's side ------------------------------------------------------------------
@@ -76,7 +82,7 @@ class Request:
     def n_tokens(self) -> int:
         """Tokens handed out so far."""
         with self._cond:
-            return sum(len(d.token_ids) for d in self._deltas)
+            return sum(len(d[0] if type(d) is tuple else d.token_ids) for d in self._deltas)
 
     def cancel(self) -> None:
         """Stop this request: it ends with finish_reason "cancelled" at the engine's next step
@@ -113,10 +119,14 @@ class Request:
                     left = None if deadline is None else deadline - time.perf_counter()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"request {self.id} did not finish within the timeout")
-                    self._cond.wait(timeout=0.1 if left is None else min(0.1, left))
+                    self._readers += 1
+                    try:
+                        self._cond.wait(timeout=0.1 if left is None else min(0.1, left))
+                    finally:
+                        self._readers -= 1
                     continue
             i += len(new)
-            yield from new
+            yield from map(_delta, new)
             if done:
                 if self._error is not None:
                     self._raise()
@@ -145,7 +155,7 @@ class Request:
                     new, done = self._deltas[i:], self.done
                 i += len(new)
                 for d in new:
-                    yield d
+                    yield _delta(d)
                 if done:
                     if self._error is not None:
                         self._raise()
@@ -163,16 +173,20 @@ class Request:
         return self._aiter()
 
     # ---- the engine's side ------------------------------------------------------------------
-    def push(self, delta: Delta, completion: Optional[Completion] = None) -> None:
-        """Add a Delta (and, with the last one, the Completion)."""
-        if delta.token_ids and self.first_token_at is None:
+    def push(self, delta, completion: Optional[Completion] = None) -> None:
+        """Add a Delta, or the tuple of its fields (token_ids, text, logprobs, finish_reason,
+        top_logprobs), made into a Delta when read (the engine's loop hands tuples: a frozen
+        dataclass costs it microseconds per request and iteration); with the last one, the
+        Completion."""
+        if (delta[0] if type(delta) is tuple else delta.token_ids) and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         with self._cond:
             self._deltas.append(delta)
             if completion is not None:
                 self._completion = completion
-            self._cond.notify_all()
-            wakers = list(self._wakers)
+            if self._readers:
+                self._cond.notify_all()
+            wakers = list(self._wakers) if self._wakers else ()
         for w in wakers:
             w()
 

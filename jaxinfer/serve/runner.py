@@ -113,10 +113,15 @@ class Pending:
     first: Optional[tuple] = None  # the chunk rows' first tokens (packed), when it had chunks
     rows: int = 0  # chunk rows of its mixed call
 
-    def start_copies(self) -> "Pending":
-        """Start every copy to the host now (they run while the host does other work)."""
-        for a in jax.tree.leaves([self.results, self.first]):
-            if isinstance(a, jax.Array):
+    def start_copies(self, on_host: bool = False) -> "Pending":
+        """Start every copy to the host now (they run while the host does other work); none
+        when the device's memory is the host's (`on_host`: a CPU), where such a copy is only
+        a second one."""
+        if not on_host:
+            for _, em in self.results:
+                for a in em:
+                    a.copy_to_host_async()
+            for a in self.first or ():
                 a.copy_to_host_async()
         return self
 
@@ -165,6 +170,19 @@ def _emitted_packing(steps: int, rows: int, n_top: int) -> Packing:
     z = lambda *shape, dtype=np.int32: np.zeros((steps, rows) + shape, dtype)  # noqa: E731
     return Packing.of(core.Emitted(tokens=z(1), logprobs=z(1, dtype=np.float32), count=z(),
                                    top_ids=z(1, n_top), top_logprobs=z(1, n_top, dtype=np.float32)), lead=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _emitted_columns(n_top: int) -> dict:
+    """Where core.Emitted's fields sit in its packed arrays' last axis (the first of E slots):
+    an int column for tokens and count, a float one for logprobs, [n_top] slices for the top."""
+    p, out = _emitted_packing(1, 1, n_top), {}
+    for name in ("tokens", "logprobs", "count"):
+        out[name] = p.columns(name)[1].start
+    for name in ("top_ids", "top_logprobs"):
+        start = p.columns(name)[1].start
+        out[name] = slice(start, start + n_top)  # E = 1: the first slot's alternatives
+    return out
 
 
 def _pack_emitted(em: core.Emitted, steps: int, n_top: int):
@@ -244,6 +262,8 @@ class Runner:
         # Compiled programs kept whole in the compile cache's folder: a warm start loads them
         # without tracing the model (None while the compile cache is off).
         self.store = ProgramStore.default() if self.direct else None
+        # Results live in host memory already (a CPU): no early copies to start (`Pending`).
+        self.on_host = all(d.platform == "cpu" for d in jax.devices())
         self.warming = False  # a background warmup is under way: calls use the shapes built so far
         self.warm_done = threading.Event()  # set when no warmup is under way
         self.warm_done.set()
@@ -254,9 +274,11 @@ class Runner:
         self.scoring_shapes = False  # warmup builds the scoring prefills too
         # The per-slot tables (`Slots`, packed): each slot's row is written when a request takes it.
         self.packing = Packing.of(self._slots_template(max_slots))
-        self._idle_row = self._row(None)
+        self._idle_row = self.pack_row(None)
         self._table = (np.tile(self._idle_row[0], (max_slots, 1)), np.tile(self._idle_row[1], (max_slots, 1)))
         self._occupant: list[Optional[int]] = [None] * max_slots  # request id whose row each slot holds
+        self._pages = np.zeros((max_slots, self.width), np.int32)  # the last call's page table (`page_table`)
+        self._pages_held: list[tuple] = [(None, 0)] * max_slots  # (page list, length) each row of it holds
         self._cols = {name: self.packing.columns(name)[1] for name in
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
         self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
@@ -390,9 +412,15 @@ class Runner:
         return Slots(tokens=z, lengths=z, page_table=np.zeros((S, self.width), np.int32),
                      rows=rows.replace(mask=np.zeros((S, 0), np.int32)), generated=z, top=np.zeros((S,), bool))
 
-    def _row(self, lv: Optional[Live]) -> tuple[np.ndarray, np.ndarray]:
+    def pack_row(self, lv: Optional[Live]) -> tuple[np.ndarray, np.ndarray]:
         """One slot's packed row for request `lv` (None: an idle slot): its settings, with the
-        columns that move left at 0. Packed once per request and kept on it."""
+        columns that move left at 0. Packed once per request and kept on it (`Engine.submit`
+        packs it, on the caller's thread, so the loop only copies it into a slot).
+
+        Args:
+          lv: the request, or None for an idle slot.
+        Returns:
+          (ints [n_i] int32, floats [n_f] float32): the slot's row of the two tables."""
         if lv is not None and lv.packed_row is not None:
             return lv.packed_row
         rows = slot_rows([lv], np.zeros((1,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
@@ -413,7 +441,7 @@ class Runner:
         for s, lv in enumerate(by_slot):
             rid = None if lv is None else lv.seq.rid
             if self._occupant[s] != rid:
-                ti[s], tf[s] = self._row(lv)
+                ti[s], tf[s] = self.pack_row(lv)
                 self._occupant[s] = rid
                 if self._steer is not None:
                     steer.write_row(self._steer, s, None if lv is None else lv.steering, self.steering)
@@ -424,6 +452,33 @@ class Runner:
         ints[:, c["page_table"]], ints[:, c["rows.budget"]] = table, budgets[:, None]
         ints[:, c["rows.steps"]] = ints[:, c["generated"]] = steps[:, None]
         return ints, tf.copy()
+
+    def page_table(self, rows) -> np.ndarray:
+        """The slots' page table [S, W] for a call: (slot, pages) for each slot that has pages,
+        zeros (the trash page) elsewhere. Rewritten where a slot's pages changed since the last
+        call: a request's page list only grows in place, or is replaced (admission, release).
+
+        Args:
+          rows: (slot, pages) pairs, pages a request's list of page ids.
+        Returns:
+          A fresh [S, W] int32 array (the call may read it after this returns)."""
+        table, held = self._pages, self._pages_held
+        seen = set()
+        for slot, pages in rows:
+            seen.add(slot)
+            src, n = held[slot]
+            if src is pages and n == len(pages):
+                continue
+            if src is pages and n < len(pages):
+                table[slot, n:len(pages)] = pages[n:]
+            else:
+                table[slot] = 0
+                table[slot, :len(pages)] = pages
+            held[slot] = (pages, len(pages))
+        for slot in range(self.max_slots):
+            if slot not in seen and held[slot][1]:
+                table[slot], held[slot] = 0, (None, 0)
+        return table.copy()
 
     def _mask(self, lives: list) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
@@ -490,20 +545,20 @@ class Runner:
         is called just before the scan (the engine's fault bookkeeping). Returns at once: the
         results are copied to the host meanwhile (`collect` waits for them)."""
         S = self.max_slots
-        tokens, lengths = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
-        table = np.zeros((S, self.width), np.int32)
-        by_slot, budgets = [None] * S, np.zeros((S,), np.int32)
+        by_slot, tokens, lengths, budgets, pages = [None] * S, [0] * S, [0] * S, [0] * S, []
         for s, lv in zip(seqs, lives):
-            by_slot[s.slot] = lv
-            tokens[s.slot], lengths[s.slot] = s.generated[-1], s.computed
-            table[s.slot, :len(s.pages)] = s.pages
-            budgets[s.slot] = min(steps, s.remaining)
+            slot = s.slot
+            by_slot[slot], tokens[slot], lengths[slot], budgets[slot] = lv, s.generated[-1], s.computed, min(
+                steps, s.remaining)
+            pages.append((slot, s.pages))
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
-            by_slot[ch.seq.slot] = lv
-            lengths[ch.seq.slot] = ch.start
+            slot = ch.seq.slot
+            by_slot[slot], lengths[slot] = lv, ch.start
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
-                table[ch.seq.slot, :len(ch.seq.pages)] = ch.seq.pages
-                budgets[ch.seq.slot] = n
+                pages.append((slot, ch.seq.pages))
+                budgets[slot] = n
+        table = self.page_table(pages)
+        tokens, lengths, budgets = (np.array(x, np.int32) for x in (tokens, lengths, budgets))
         steps_so_far = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
         ints, floats = self._tables(by_slot, tokens, lengths, table, budgets, steps_so_far)
         counts, mask = self._counts(by_slot), self._mask(by_slot)
@@ -524,7 +579,7 @@ class Runner:
             pending.results.append((self.decode_steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = (ints, floats, mask)
-        return pending.start_copies()
+        return pending.start_copies(self.on_host)
 
     def forget_slots(self) -> None:
         """After a fault: no `chain` from the device's slots (the next call rebuilds them)."""
@@ -546,22 +601,24 @@ class Runner:
         self.spare_counts, self._carry = counts, (ints, floats, mask)
         pending = Pending(want_top=want_top)
         pending.results.append((self.decode_steps, em))
-        return pending.start_copies()
+        return pending.start_copies(self.on_host)
 
     def collect(self, pending: "Pending") -> StepOut:
         """Wait for a dispatched iteration's results; host arrays (`StepOut`)."""
-        S = self.max_slots
-        host = [_emitted_packing(n, S, MAX_TOP_LOGPROBS).unpack(*map(shd.to_host, em)) for n, em in pending.results]
-        cat = lambda f: np.concatenate([f(h) for h in host], axis=0)  # noqa: E731
-        dec = DecodeOut(tokens=cat(lambda h: h.tokens[:, :, 0]), logprobs=cat(lambda h: h.logprobs[:, :, 0]),
-                        count=cat(lambda h: h.count),
-                        top=(cat(lambda h: h.top_ids[:, :, 0]), cat(lambda h: h.top_logprobs[:, :, 0]))
+        cols = _emitted_columns(MAX_TOP_LOGPROBS)
+        ints = [shd.to_host(em[0]) for _, em in pending.results]  # [steps, S, n_i] per call
+        floats = [shd.to_host(em[1]) for _, em in pending.results]
+        ints = ints[0] if len(ints) == 1 else np.concatenate(ints, axis=0)
+        floats = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=0)
+        dec = DecodeOut(tokens=ints[:, :, cols["tokens"]], logprobs=floats[:, :, cols["logprobs"]],
+                        count=ints[:, :, cols["count"]],
+                        top=(ints[:, :, cols["top_ids"]], floats[:, :, cols["top_logprobs"]])
                         if pending.want_top else None)
         pre = None
         if pending.first is not None:
-            f = _emitted_packing(1, pending.rows, MAX_TOP_LOGPROBS).unpack(*map(shd.to_host, pending.first))
-            pre = PrefillOut(first=f.tokens[0, :, 0], first_logprob=f.logprobs[0, :, 0],
-                             first_top=(f.top_ids[0, :, 0], f.top_logprobs[0, :, 0]), prompt_logprobs=None,
+            fi, ff = (shd.to_host(a)[0] for a in pending.first)  # [R, n]
+            pre = PrefillOut(first=fi[:, cols["tokens"]], first_logprob=ff[:, cols["logprobs"]],
+                             first_top=(fi[:, cols["top_ids"]], ff[:, cols["top_logprobs"]]), prompt_logprobs=None,
                              prompt_top=None)
         return StepOut(first=pre, decode=dec)
 

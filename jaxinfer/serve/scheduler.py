@@ -145,6 +145,8 @@ class Scheduler:
 
     def _admit(self) -> list[Seq]:
         admitted, deferred = [], []
+        if not (self.waiting and self._free_slots):
+            return admitted
         coming = self._pages_coming() if self.prefix_cache else set()
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
@@ -228,6 +230,13 @@ class Scheduler:
             seq.computed += 1  # the previous token's keys/values were written by the decode step
         seq.generated.append(token)
         seq.state = DECODE
+
+    def sampled_many(self, seq: Seq, tokens: list[int]) -> None:
+        """`sampled` for each of these tokens, in order."""
+        if tokens:
+            seq.computed += len(tokens) - (seq.state != DECODE)
+            seq.generated += tokens
+            seq.state = DECODE
 
     def finish(self, seq: Seq) -> None:
         """seq is done (stopped, at its length, or cancelled): free its slot and pages at once."""
