@@ -489,10 +489,8 @@ def test_experts_split_over_8_devices_equal_one_device(tmp_path):
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    # XLA's lowest backend optimisation level: these small programs compile far faster, and every
-    # program here (one device and the meshes) runs under it.
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    env = dict(os.environ, JAX_PLATFORMS="cpu",  # the suite's XLA flags (conftest), with 8 devices
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip(),
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "moe_meshes.json"
     proc = subprocess.run([sys.executable, os.path.join(here, "moe_sharding_worker.py"), str(out)], env=env,
