@@ -283,3 +283,26 @@ def test_startup_benchmark_smoke(tmp_path):
     assert host["iterations"] > 0 and 0 < host["host_ms_p50"] <= host["wall_ms_p50"]
     saved = json.loads((tmp_path / "startup.json").read_text())
     assert saved["experiment"] == "startup" and set(saved) >= {"engines", "host", "environment", "args"}
+
+
+def test_a_call_waiting_on_a_cancelled_build_builds_the_program_itself():
+    """`cancel_warmup` cancels the builds not yet started; a call already waiting for one of them
+    (the engine thread during a background warm-up) builds it on its own thread rather than
+    failing its requests with CancelledError."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from jaxinfer.serve.programs import Programs
+
+    programs, gate, got = Programs(), threading.Event(), []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        programs.build("busy", lambda: gate.wait(30) and "busy", pool)  # holds the pool's one worker
+        programs.build("k", lambda: "from the pool", pool)  # queued behind it
+        waiter = threading.Thread(target=lambda: got.append(programs.get("k", lambda: "built here")))
+        waiter.start()
+        time.sleep(0.2)  # the waiter sits in the queued build's result()
+        assert programs.cancel() == ["k"]
+        waiter.join(30)
+        gate.set()
+    assert got == ["built here"] and programs.get("k") == "built here"

@@ -102,13 +102,23 @@ class Programs:
 
     def get(self, key: Hashable, compile_fn: Optional[Callable[[], Callable]] = None) -> Callable:
         """The program under `key`: waits while a worker builds it; builds it here (with
-        `compile_fn`) when nobody has. Raises what its build raised."""
-        future = self._futures.get(key)
-        if future is None:
-            if compile_fn is None:
-                raise KeyError(f"no program {key!r}")
-            future = self.build(key, compile_fn)
-        return future.result()
+        `compile_fn`) when nobody has, or when its queued build was cancelled (a warm-up stopped
+        while this call waited). Raises what its build raised."""
+        while True:
+            with self._lock:
+                future = self._futures.get(key)
+            if future is None:
+                if compile_fn is None:
+                    raise KeyError(f"no program {key!r}")
+                future = self.build(key, compile_fn)
+            try:
+                return future.result()
+            except concurrent.futures.CancelledError:
+                with self._lock:
+                    if self._futures.get(key) is future:
+                        del self._futures[key]
+                if compile_fn is None:
+                    raise
 
     def __contains__(self, key: Hashable) -> bool:
         """True when the program under `key` is built (not merely being built)."""
