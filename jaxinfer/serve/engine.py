@@ -708,29 +708,23 @@ class Engine:
     # ---- faults -------------------------------------------------------------------------------
     def _recover(self, touched: set[int], error: Exception, fail: bool = True) -> None:
         """A step raised: fail the requests of the call that failed (with `fail`), then make the
-        engine usable again. A flight still under way is read first, if it can be."""
+        engine usable again. `step` has taken the flight it read (none is under way here)."""
         message = f"{type(error).__name__}: {error}"
         self.runner.forget_slots()  # the device's slots may be gone with the call: the host rebuilds them
         for rid in list(touched):
             lv = self._live.get(rid)
             if lv is not None and fail:
                 self._fail(lv, message)
-        if self._flight is not None:
-            flight, self._flight = self._flight, None
-            try:
-                self._collect(flight)
-            except Exception:  # noqa: BLE001 - its results are lost with the pool: recomputed below
-                for seq in list(self.scheduler.running):
-                    if seq.rid in flight.touched:
-                        self.scheduler.preempt(seq)
+        assert self._flight is None, "step hands _recover no flight under way"
         try:
             if not fail:  # requests whose results were lost: recomputed from their prompt and tokens so far
                 for seq in list(self.scheduler.running):
                     if seq.rid in touched:
                         self.scheduler.preempt(seq)
-            if any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.runner.cache)):
-                # The pool was donated to the call that failed: rebuild it. Its contents are gone, so
-                # every running request is recomputed from its prompt and tokens so far.
+            if _unusable(self.runner.cache):
+                # The pool was donated to the call that failed, or is that call's (or a chained call's)
+                # output, which holds the fault: rebuild it. Its contents are gone, so every running
+                # request is recomputed from its prompt and tokens so far.
                 self.runner.cache = self.runner.new_pool()
                 self.pool.forget()
                 for seq in list(self.scheduler.running):
@@ -879,3 +873,13 @@ class StartupReport:
 def _key_data(key, seed, sampling: SamplingParams) -> np.ndarray:
     """The request's PRNG key data [k], derived exactly as `generate` derives row 0's key."""
     return np.asarray(jax.random.key_data(inputs.request_keys(1, key, seed, sampling)[0]))
+
+
+def _unusable(tree) -> bool:
+    """True when a device array in `tree` cannot be read: donated to a call, or the output of a call
+    that failed on the device (asynchronous dispatch reports such a fault only when it is read)."""
+    try:
+        jax.block_until_ready(tree)
+        return False
+    except Exception:  # noqa: BLE001 - any error reading it back means the pool is lost
+        return True

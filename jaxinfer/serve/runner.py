@@ -582,8 +582,10 @@ class Runner:
         return pending.start_copies(self.on_host)
 
     def forget_slots(self) -> None:
-        """After a fault: no `chain` from the device's slots (the next call rebuilds them)."""
+        """After a fault: no `chain` from the device's slots and no reuse of the last call's counts
+        (the next call rebuilds both from the host)."""
         self._carry = None
+        self.spare_counts = None
 
     def can_chain(self) -> bool:
         """A last call's slots are on the device for `chain` (no scoring call or fault since)."""
