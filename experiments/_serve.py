@@ -275,6 +275,21 @@ class Server:
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
 
+    def wait_warm(self, timeout: float) -> float:
+        """After `start`: wait until the server builds no more programs in the background (`jaxinfer
+        serve` says "ok" once its first programs are built, with "warming" while the rest build;
+        other servers have nothing to build). Returns the seconds waited."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            try:
+                r = httpx.get(self.url + "/health", timeout=5)
+                if r.status_code == 200 and not r.json().get("warming"):
+                    return time.perf_counter() - t0
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} still warming up after {timeout:.0f} s; see {self.log_path}")
+
     def cpu_s(self) -> float:
         return cpu_seconds(self.proc.pid) if self.proc.poll() is None else float("nan")
 

@@ -231,8 +231,11 @@ def peer_run(args) -> dict:
         for name, server in servers.items():
             try:
                 start_s = server.start(args.start_timeout)
+                # the rounds time serving, not start-up (`experiments.startup` times that): every
+                # program is built before the first round, as llama-server has nothing to build
+                warm_s = server.wait_warm(args.start_timeout)
                 _serve.drive(server.url + "/v1/completions", warm, 2, 600)
-                started[name] = {"command": shlex.join(server.cmd), "start_s": start_s}
+                started[name] = {"command": shlex.join(server.cmd), "start_s": start_s, "warm_s": warm_s}
             except RuntimeError as e:
                 result[name] = {"error": str(e)}
         for r in range(args.rounds):
