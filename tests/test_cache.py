@@ -69,6 +69,7 @@ class CachedDecodeTest(chex.TestCase):
             assert_close(cached, full, what="tiny: cached vs uncached")
 
 
+@pytest.mark.usefixtures("optimized")
 def test_cached_equals_uncached_real_model(smollm2):
     ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     full, cached = _cached_vs_uncached(smollm2.params, smollm2.config, ids, jax.jit)

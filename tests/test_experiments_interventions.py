@@ -15,12 +15,14 @@ def _run(module, name, smollm2, tmp_path, *argv):
     return result
 
 
+@pytest.mark.usefixtures("optimized")
 def test_logit_lens_experiment(smollm2, tmp_path):
     r = _run(logit_lens, "logit_lens", smollm2, tmp_path)
     assert r["final_token"] == " Paris" and r["tokens"][-1] == " is"
     assert len(r["layers"]) == 30 and 0 <= r["top_from_layer"] <= 29
 
 
+@pytest.mark.usefixtures("optimized")
 def test_steering_experiment(smollm2, tmp_path):
     r = _run(steering, "steering", smollm2, tmp_path)
     scores = [row["score"] for row in r["rows"]]

@@ -48,6 +48,7 @@ def test_config_values(gemma):
     assert [i for i in range(18) if not c.is_local_layer(i)] == [5, 11, 17]
 
 
+@pytest.mark.usefixtures("optimized")
 def test_logits_match_transformers(gemma, golden):
     ref, n = golden
     err = golden_fp32_error(ref)  # the model's float32 error: the largest over its golden prompts
@@ -63,6 +64,7 @@ def test_logits_match_transformers(gemma, golden):
                      what=f"gemma3-270m prompt {i} logsumexp")
 
 
+@pytest.mark.usefixtures("optimized")
 def test_greedy_continuations_match_transformers(gemma, golden):
     """Prompt 0 goes in as text: the tokenizer + the <bos> that generate prepends give HF's ids."""
     ref, n = golden
@@ -145,6 +147,7 @@ def test_tokenizer_roundtrip_fuzz(gemma):
     roundtrip()
 
 
+@pytest.mark.usefixtures("optimized")
 def test_resid_post_and_steering_match_transformers(gemma):
     """Every layer's resid_post (after Gemma's post-norms) and a steering vector added at layer 6's
     output, vs transformers (tests/golden/gemma3_sites.npz, make_gemma_reference.py --sites-only)."""

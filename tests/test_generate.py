@@ -53,6 +53,7 @@ def test_bucket():
     assert [inputs.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
 
 
+@pytest.mark.usefixtures("optimized")
 def test_batch_of_mixed_lengths_equals_alone(smollm2):
     """Greedy: each prompt's tokens are identical alone and inside a batch of 8."""
     batch = jaxinfer.generate(smollm2, MIXED, max_new_tokens=12, stop_at_eos=False)
@@ -70,6 +71,7 @@ def test_batch_of_mixed_lengths_equals_alone(smollm2):
 SP = SamplingParams(temperature=0.9, top_k=50)  # one setting for all sampled tests: fewer compiles
 
 
+@pytest.mark.usefixtures("optimized")
 def test_scatter_writes_generate_the_same(smollm2):
     """The GPU's cache writes (one scatter) give CPU's slice writes' tokens and logprobs exactly:
     sampled rows of mixed prompt lengths, prefill chunks past the unrolled writes included."""
@@ -84,6 +86,7 @@ def test_scatter_writes_generate_the_same(smollm2):
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
+@pytest.mark.usefixtures("optimized")
 def test_sampled_row_same_alone_and_in_batch(smollm2):
     sp = SP
     seeds = [11, 22, 33]
@@ -94,6 +97,7 @@ def test_sampled_row_same_alone_and_in_batch(smollm2):
         assert alone.completions[0].token_ids == batch.completions[i].token_ids
 
 
+@pytest.mark.usefixtures("optimized")
 def test_published_seeds_reproduce(smollm2):
     """The tokens generate drew for fixed seeds before the decode core was unified (golden file,
     recorded by tests/golden/make_seed_golden.py at the commit it names) are drawn again today."""
@@ -121,6 +125,7 @@ def test_same_seed_same_tokens_across_processes(smollm2):
     assert other != here  # a different seed gives a different sample
 
 
+@pytest.mark.usefixtures("optimized")
 def test_key_argument_is_reproducible(smollm2):
     sp = SP
     a = jaxinfer.generate(smollm2, MIXED[:3], key=jax.random.key(5), max_new_tokens=10, sampling=sp)
@@ -128,6 +133,7 @@ def test_key_argument_is_reproducible(smollm2):
     assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
 
 
+@pytest.mark.usefixtures("optimized")
 def test_stops_at_eos_per_row(smollm2):
     tok = smollm2.tokenizer
     chat = chat_ids(tok, [{"role": "user", "content": "Say hello."}])

@@ -96,6 +96,7 @@ def test_patching_another_runs_resid_post_reproduces_its_logits(models, lay):
     assert np.abs(patched - np.asarray(jaxinfer.logits(m, IDS))).max() > 0.1
 
 
+@pytest.mark.usefixtures("optimized")
 def test_patching_smollm2_from_layer_12_on(smollm2):
     a = smollm2.tokenizer.encode_prompt("The capital of France is Paris, and the capital of Italy is")
     b = smollm2.tokenizer.encode_prompt("The capital of Spain is Madrid, and the capital of Japan is")
@@ -233,6 +234,7 @@ def test_bad_interventions_are_refused_before_compiling(models):
         jaxinfer.score(Engine(m, max_slots=1, kv_memory=1 << 20), [([1, 2], [3])], interventions=[])
 
 
+@pytest.mark.usefixtures("optimized")
 def test_score_with_interventions(smollm2):
     pairs = [("The capital of France is", " Paris"), ("The capital of France is", " London"),
              ("Two plus two is", " four")]

@@ -120,6 +120,7 @@ def _agreement_and_kl(ref, got):
 
 
 @pytest.mark.parametrize("mode,min_top1,max_kl", [("int8", 0.93, 0.02), ("int4", 0.93, 0.02)])
+@pytest.mark.usefixtures("optimized")
 def test_quantized_real_model_agrees_with_float32(smollm2, heldout_ids, mode, min_top1, max_kl):
     ref = np.asarray(jaxinfer.logits(smollm2, heldout_ids))
     qm = dataclasses.replace(smollm2, params=Q.quantize(smollm2.params, smollm2.config, mode))
@@ -132,6 +133,7 @@ def test_quantized_real_model_agrees_with_float32(smollm2, heldout_ids, mode, mi
     assert ratio < (0.27 if mode == "int8" else 0.22)
 
 
+@pytest.mark.usefixtures("optimized")
 def test_int8_kv_cache_logits_close_on_real_model(smollm2, heldout_ids):
     cfg = smollm2.config
     ids = jnp.asarray(heldout_ids[:40])[None]
@@ -161,6 +163,7 @@ def test_int8_kv_cache_bytes_formula_matches_arrays():
     assert kv.bytes_per_token(cfg, "float32") / kv.bytes_per_token(cfg) == pytest.approx(256 / 68)
 
 
+@pytest.mark.usefixtures("optimized")
 def test_load_with_quant_and_int8_kv_cache_generates(smollm2):
     m = dataclasses.replace(smollm2, config=smollm2.config.replace(kv_dtype="int8"),
                             params=Q.quantize(smollm2.params, smollm2.config, "int8"))

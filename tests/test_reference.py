@@ -25,6 +25,7 @@ def _n_prompts(data):
     return len([k for k in data.files if k.startswith("ids_")])
 
 
+@pytest.mark.usefixtures("optimized")
 def test_logits_match_transformers(smollm2, golden):
     data, _ = golden
     err = golden_fp32_error(data)  # the model's float32 error: the largest over its golden prompts
@@ -40,6 +41,7 @@ def test_logits_match_transformers(smollm2, golden):
         np.testing.assert_array_equal(ours.argmax(-1), data[f"argmax_{i}"], err_msg=f"prompt {i} argmax")
 
 
+@pytest.mark.usefixtures("optimized")
 def test_greedy_continuation_matches_transformers(smollm2, golden):
     data, meta = golden
     prompts = [data[f"ids_{i}"].tolist() for i in range(_n_prompts(data))]

@@ -82,6 +82,7 @@ def test_steering_matches_transformers_tiny(tiny, family, lay):
     check_steering(tiny[family, lay], _sites(os.path.join(GOLDEN, "tiny_hf", family)), f"{family} {lay}")
 
 
+@pytest.mark.usefixtures("optimized")
 def test_resid_post_and_steering_match_transformers_smollm2(smollm2):
     ref = _sites(os.path.join(GOLDEN, "hf_smollm2"))
     check_resid_post(smollm2, ref, "smollm2")
@@ -170,6 +171,7 @@ def test_logit_lens_last_layer_is_the_models_distribution(lay):
     np.testing.assert_array_equal(only.top_ids[0], lens.top_ids[1, :, :2])
 
 
+@pytest.mark.usefixtures("optimized")
 def test_logit_lens_paris(smollm2):
     lens = jaxinfer.logit_lens(smollm2, "The capital of France is", top_k=3)
     assert lens.top_tokens[-1][-1][0] == " Paris"

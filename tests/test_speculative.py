@@ -14,6 +14,7 @@ from jaxinfer.model import quantize as Q
 from jaxinfer.decode import speculative as spec
 from jaxinfer.model.params import init_params
 from jaxinfer.decode.sampling import SamplingParams
+from tests.compiling import optimized
 from tests.tolerances import assert_close, smollm2_fp32_error
 
 # 0.1% critical values of chi-squared (scipy.stats.chi2.ppf(0.999, df)); the tests are seeded,
@@ -137,11 +138,13 @@ def test_sampled_tokens_follow_the_target_distribution_on_a_small_model(method):
 def plain(smollm2):
     prompts = {"code": smollm2.tokenizer.encode(CODE_PROMPT),  # ids: its ChatML tokens are real control tokens
                "open": "The history of the printing press began"}
-    return prompts, {name: jaxinfer.generate(smollm2, p, max_new_tokens=40).completions[0]
-                     for name, p in prompts.items()}
+    with optimized():
+        return prompts, {name: jaxinfer.generate(smollm2, p, max_new_tokens=40).completions[0]
+                         for name, p in prompts.items()}
 
 
 @pytest.mark.parametrize("method", ["lookup", "draft"])
+@pytest.mark.usefixtures("optimized")
 def test_greedy_speculative_equals_plain_greedy(smollm2, plain, method):
     prompts, ref = plain
     draft = spec.truncated_draft(smollm2, 2) if method == "draft" else None
@@ -157,6 +160,7 @@ def test_greedy_speculative_equals_plain_greedy(smollm2, plain, method):
         assert s.tokens_per_call > 1.0
 
 
+@pytest.mark.usefixtures("optimized")
 def test_batched_mixed_lengths_lookup_equals_plain(smollm2, plain):
     prompts, ref = plain
     out = spec.generate(smollm2, [prompts["open"], prompts["code"]], method="lookup", k=3, max_new_tokens=40)
@@ -164,6 +168,7 @@ def test_batched_mixed_lengths_lookup_equals_plain(smollm2, plain):
     assert out.completions[1].token_ids == ref["code"].token_ids
 
 
+@pytest.mark.usefixtures("optimized")
 def test_int4_target_as_draft_for_float_target(smollm2, plain):
     prompts, ref = plain
     draft = spec.Draft(config=smollm2.config, params=Q.quantize(smollm2.params, smollm2.config, "int4"))
