@@ -15,6 +15,13 @@ program without tracing it:
     store = ProgramStore.default()                    # None while the compile cache is off
     program = store.compile(jitted, abstract_args, static)
 
+    out = program_store.call(jitted, args, static)    # run it: what `generate` does
+
+`call` runs a jitted function through the store and keeps the programs it built or loaded: a loop
+of calls loads each program once, and finds it in memory after that with no more work per call
+than a look-up of its arguments' shapes (a fraction of a millisecond for a model's few hundred
+arrays).
+
 It lives in the folder `programs/` inside the compile cache's folder (`--compile-cache`,
 $JAXINFER_COMPILE_CACHE), on and off with it. An entry is written to a temporary file and renamed,
 so a reader finds a whole entry or none; one that cannot be read (truncated, written by another
@@ -33,6 +40,7 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import tempfile
 import threading
 import time
@@ -45,7 +53,7 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from jaxinfer.compile_cache import STORE_LOAD_EVENT
+from jaxinfer.compile_cache import STORE_LOAD_EVENT, CompileCounter
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,13 @@ _CONFIG_SKIP = ("compilation_cache", "persistent_cache", "log_compiles", "explai
 # mappings for its code), and the next Engine loads it from the store.
 _LIVE: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _LIVE_LOCK = threading.Lock()
+# The programs `call` ran, by the function and its arguments' types, held for the life of the
+# process as jit's own cache holds what it compiles: _LIVE keeps only what something else holds,
+# so without this a loop of `generate` calls would load every program from disk on every call.
+# Not held by the model: a compiled program refers to its static arguments (the config), which
+# would keep a table weakly keyed on the config alive for ever, and a new `Model` around the same
+# params would load every program again.
+_HELD: dict[tuple, Any] = {}
 
 
 def source_hash(package: Optional[Path] = None) -> str:
@@ -131,13 +146,14 @@ class ProgramStore:
         cache = jax.config.jax_compilation_cache_dir
         return cls(Path(cache) / FOLDER) if cache else None
 
-    def key(self, jitted: Callable, args: tuple, static: dict) -> Optional[str]:
-        """The key of `jitted` lowered for `args` (abstract) with `static`: a sha256 hex digest;
-        None when something in them has no stable description (an object's address), so the
-        program is neither loaded nor stored."""
+    def key(self, jitted: Callable, args: tuple, static: dict, kwargs: Optional[dict] = None) -> Optional[str]:
+        """The key of `jitted` lowered for `args` and `kwargs` (abstract) with `static`: a sha256 hex
+        digest; None when something in them has no stable description (an object's address), so
+        the program is neither loaded nor stored."""
         name = f"{getattr(jitted, '__module__', '')}.{getattr(jitted, '__qualname__', repr(jitted))}"
-        parts = [self._context, name, repr(sorted(static.items())), str(jax.tree.structure(args))]
-        parts += [_describe(leaf) for leaf in jax.tree.leaves(args)]
+        tree = (args, kwargs) if kwargs else args
+        parts = [self._context, name, repr(sorted(static.items())), str(jax.tree.structure(tree))]
+        parts += [_describe(leaf) for leaf in jax.tree.leaves(tree)]
         text = "\n".join(parts)
         if " at 0x" in text:
             return None
@@ -193,22 +209,24 @@ class ProgramStore:
                 Path(tmp).unlink(missing_ok=True)
             return False
 
-    def compile(self, jitted, args: tuple, static: dict, name: Optional[str] = None):
-        """`jitted.lower(*args, **static).compile()`, or the same program held by this process or
-        loaded from the store (no tracing); a program compiled here is stored.
+    def compile(self, jitted, args: tuple, static: dict, name: Optional[str] = None, kwargs: Optional[dict] = None):
+        """`jitted.lower(*args, **kwargs, **static).compile()`, or the same program held by this
+        process or loaded from the store (no tracing); a program compiled here is stored.
 
         Args:
           jitted: a `jax.jit` function.
           args: its positional arguments, abstract (ShapeDtypeStructs, shardings included).
           static: its static keyword arguments.
           name: the entry's file name prefix (default: the function's name).
+          kwargs: its other (traced) keyword arguments, abstract.
         Returns:
-          The compiled program (`jax.stages.Compiled`).
+          The compiled program (`jax.stages.Compiled`), called as program(*args, **kwargs).
         """
         name = name or getattr(jitted, "__name__", "program")
-        key = self.key(jitted, args, static)
+        kwargs = kwargs or {}
+        key = self.key(jitted, args, static, kwargs)
         if key is None:
-            return jitted.lower(*args, **static).compile()
+            return jitted.lower(*args, **kwargs, **static).compile()
         with _LIVE_LOCK:
             program = _LIVE.get(key)
         if program is not None:
@@ -218,7 +236,7 @@ class ProgramStore:
         if program is not None:
             jax.monitoring.record_event_duration_secs(STORE_LOAD_EVENT, time.perf_counter() - t0)
         else:
-            program = jitted.lower(*args, **static).compile()
+            program = _compiled_here(jitted.lower(*args, **kwargs, **static))
             self.save(key, program, name)
         with _LIVE_LOCK:
             held = _LIVE.get(key)  # another thread may have built it meanwhile
@@ -226,3 +244,67 @@ class ProgramStore:
                 return held
             _LIVE[key] = program
             return program
+
+
+def _compiled_here(lowered):
+    """`lowered.compile()`, compiled in this process rather than loaded from JAX's cache.
+
+    XLA:CPU cannot serialize an executable it loaded (the copy lacks the code: "Function ... not
+    found" when another process runs it), so a program JAX's cache supplied (one plain jit built
+    before, or built before a change to jaxinfer's source gave it a new key here) is compiled
+    again under a JAX cache key no entry has: a debug option that only sets how many buffers a
+    buffer-assignment report lists carries a random number.
+    """
+    with CompileCounter() as c:
+        program = lowered.compile()
+    if not c.cache_hits:
+        return program
+    return lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": secrets.randbits(32)})
+
+
+def _leaf_type(x):
+    """What a program is built for from one argument leaf (shape, dtype, weak type, and the
+    sharding of a committed array), hashable; None for an array spread over several devices."""
+    if isinstance(x, jax.Array):
+        sharding = x.sharding if x.committed else None
+        if sharding is not None and len(sharding.device_set) > 1:
+            return None
+        return x.shape, x.dtype, getattr(x, "weak_type", False), sharding  # typed PRNG keys have none
+    t = jax.typeof(x)  # numpy arrays and Python scalars, as jit sees them
+    return t.shape, t.dtype, t.weak_type, None
+
+
+def call(jitted, args: tuple, static: dict, kwargs: Optional[dict] = None):
+    """`jitted(*args, **kwargs, **static)`, through the program store while the compile cache is on.
+
+    The program is the one this process ran before for arguments of the same shapes, else one
+    loaded whole from the store (no tracing, no lowering), else compiled and stored; donation is
+    the jitted function's own. With the compile cache off, for arguments sharded over several
+    devices (jit's dispatch places them on the shardings its program was built for, as in the
+    Engine), or for a `jitted` that is not a `jax.jit` (a test's wrapper), it is the plain call.
+
+    Args:
+      jitted: a `jax.jit` function.
+      args: its positional (traced) arguments.
+      static: its static arguments, by name (hashable).
+      kwargs: its traced keyword arguments.
+    Returns:
+      What `jitted` returns.
+    """
+    kwargs = kwargs or {}
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or not hasattr(jitted, "lower"):
+        return jitted(*args, **kwargs, **static)
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    types = tuple(_leaf_type(x) for x in leaves)
+    if None in types:
+        return jitted(*args, **kwargs, **static)
+    signature = (jitted, directory, tuple(sorted(static.items())), tree, types)
+    program = _HELD.get(signature)
+    if program is None:
+        store = ProgramStore(Path(directory) / FOLDER)
+        abstract = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=sharding)
+                    for shape, dtype, weak, sharding in types]
+        a_args, a_kwargs = jax.tree.unflatten(tree, abstract)
+        program = _HELD[signature] = store.compile(jitted, a_args, static, kwargs=a_kwargs)
+    return program(*args, **kwargs)

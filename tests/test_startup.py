@@ -19,7 +19,8 @@ from jaxinfer import program_store
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.model import config
 from jaxinfer.model import cache as kv
-from jaxinfer.model.params import nbytes
+from jaxinfer.model.model import Model
+from jaxinfer.model.params import init_params, nbytes
 from jaxinfer.serve import Engine
 from jaxinfer.serve import engine as engine_mod
 from jaxinfer.serve import runner as runner_mod
@@ -128,6 +129,81 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
 
 
+_GENERATE = """
+import json, jax
+from jaxinfer import generate
+from jaxinfer.compile_cache import TRACE_EVENT, CompileCounter, use_default_cache
+from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.model import config
+from jaxinfer.model.model import Model
+from jaxinfer.model.params import init_params
+use_default_cache()
+traced = []  # every function traced in this process
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, fun_name=None, **k: event == TRACE_EVENT and traced.append(fun_name))
+cfg = config.tiny(name="tiny-startup-generate")
+model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+calls = []
+for prompts in ([[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15, 16, 17]]):  # other lengths, the same buckets
+    with CompileCounter() as c:
+        out = generate(model, prompts, max_new_tokens=6, chunk_size=4, sampling=SamplingParams(temperature=0.8),
+                       seed=[3, 4])
+    calls.append(dict(tokens=[list(x.token_ids) for x in out.completions], compiled=c.compiled, loaded=c.cache_hits))
+print(json.dumps(dict(calls=calls, traced=traced)))
+"""
+
+GENERATE_PROGRAMS = ("init_cache", "prefill", "decode")
+
+
+def test_a_second_process_runs_generate_without_tracing_its_programs(tmp_path):
+    """`generate` in two processes with the same fresh compile cache: the first compiles its
+    programs (the cache's constructor, the prefill, the decode scan) and stores them, its second
+    call (other prompt lengths, the same buckets) builds nothing; the second process traces none
+    of them, loads each whole from the program store, and samples the first one's tokens."""
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _GENERATE], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert set(GENERATE_PROGRAMS) <= set(first["traced"]), first["traced"]
+    assert first["calls"][0]["compiled"] >= 3 and first["calls"][1]["compiled"] == first["calls"][1]["loaded"] == 0
+    stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
+    assert stored == sorted(GENERATE_PROGRAMS), stored
+    assert not [n for n in second["traced"] if n in GENERATE_PROGRAMS], second["traced"]
+    assert second["calls"][0]["compiled"] == 0 and second["calls"][0]["loaded"] >= 3, second["calls"]
+    assert second["calls"][1]["compiled"] == second["calls"][1]["loaded"] == 0, second["calls"]
+    assert [c["tokens"] for c in second["calls"]] == [c["tokens"] for c in first["calls"]], runs
+    assert all(len(t) == 6 for c in first["calls"] for t in c["tokens"]), first["calls"]
+
+
+def test_generate_loads_its_programs_once_per_process():
+    """In one process: `generate`'s programs, once built or loaded, are held (though the store's
+    own table keeps only what something else holds), so later calls, with another `Model` around
+    the same config or other prompt lengths in the same buckets, build and load nothing; with
+    the held programs dropped (a new process) they load from the store without tracing."""
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("the compile cache (and with it the program store) is off")
+    from jaxinfer import generate
+
+    cfg = config.tiny(name="tiny-startup-held")
+    model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)))
+    kw = dict(max_new_tokens=4, chunk_size=2, stop_at_eos=False)
+    want = generate(model, [[5, 6, 7]], **kw).completions[0].token_ids
+    program_store._LIVE.clear()
+    with CompileCounter() as c:
+        for prompt in ([8, 9], [10, 11, 12, 13]):
+            generate(Model(config=config.tiny(name="tiny-startup-held"), params=model.params), [prompt], **kw)
+    assert c.count == 0
+    program_store._HELD.clear()  # as a new process finds them: on disk only
+    program_store._LIVE.clear()
+    with CompileCounter() as c:
+        got = generate(model, [[5, 6, 7]], **kw).completions[0].token_ids
+    assert (c.count, c.cache_hits, c.traces) == (3, 3, 0) and got == want, (c.count, c.cache_hits, c.traces)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "cfg"))
 def _affine(x, y, *, scale, cfg=None):
     return x * scale + y
@@ -166,6 +242,44 @@ def test_a_stored_program_loads_without_tracing_and_only_under_its_own_key(tmp_p
     assert key(store, config.tiny()) == key(store, config.tiny()) != key(store, config.tiny(n_layers=3))
     monkeypatch.setattr(program_store, "source_hash", lambda package=None: "changed")  # a code change
     assert key(program_store.ProgramStore(tmp_path), config.tiny()) != key(store, config.tiny())
+
+
+_FROM_JAX_CACHE = """
+import json, sys, jax, jax.numpy as jnp
+from jaxinfer import program_store
+from jaxinfer.compile_cache import CompileCounter, use_default_cache
+use_default_cache()
+
+@jax.jit
+def sine_plus(x):
+    return jnp.sin(jnp.arange(8.0) + x) + x
+
+x = jnp.ones(8)
+if sys.argv[2] == "plain jit first":
+    sine_plus(x)  # compiled and written to JAX's cache
+    jax.clear_caches()  # so that the store's compile below finds it there
+with CompileCounter() as c:
+    program = program_store.ProgramStore(sys.argv[1]).compile(sine_plus, (jax.ShapeDtypeStruct((8,), jnp.float32),), {})
+print(json.dumps(dict(out=program(x).tolist(), compiled=c.compiled, loaded=c.cache_hits)))
+"""
+
+
+def test_a_program_from_jax_s_cache_is_compiled_again_before_it_is_stored(tmp_path):
+    """A program JAX's persistent cache holds already (compiled by a plain jit) is compiled again
+    in this process before the store keeps it: XLA:CPU serializes an executable it loaded without
+    its code, which another process could load but not run ("Function ... not found")."""
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    runs = []
+    for mode in ("plain jit first", "load"):
+        out = subprocess.run([sys.executable, "-c", _FROM_JAX_CACHE, str(tmp_path / "programs"), mode], env=env,
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert (first["loaded"], first["compiled"]) == (1, 1), first  # JAX's copy, then its own
+    assert (second["loaded"], second["compiled"]) == (1, 0), second  # from the store, and it runs
+    np.testing.assert_allclose(second["out"], np.sin(np.arange(8.0) + 1) + 1, rtol=1e-6)
+    assert second["out"] == first["out"]
 
 
 def test_a_corrupt_stored_program_is_rebuilt_with_a_warning(tmp_path, caplog):

@@ -10,7 +10,8 @@ inside a call goes back to the host.
 Prompt lengths are padded to power-of-two buckets and the cache length is bucketed too, so a
 new prompt length (inside a bucket) or a new max_new_tokens does not mean a new compile; the
 decode program does not depend on the context length at all (attention reads only the filled
-blocks of the cache).
+blocks of the cache). With the compile cache on, the programs go through `program_store`: a
+second process loads them whole, without tracing the model.
 
 Interventions (`jaxinfer.interventions`) and captures (`sites.Capture`) become the rows'
 `sites.Hooks`: an argument of every prefill call and a field of the decode scan's state, so they
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import program_store
 from jaxinfer import sharding as shd
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode import constraints, core
@@ -51,7 +53,7 @@ def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
     """An empty closed-batch cache for `model`, on the model's mesh when its params are sharded."""
     mesh = shd.params_mesh(model.params)
     if mesh is None:
-        return kv.init_cache_jit(model.config, batch, max_len)
+        return program_store.call(kv.init_cache_jit, (), dict(cfg=model.config, batch_size=batch, max_len=max_len))
     return shd.init_cache(model.config, mesh, batch, max_len)
 
 
@@ -102,9 +104,10 @@ def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengt
         n_real = np.clip(lengths - lo, 0, chunk).astype(np.int32)
         starts = np.minimum(lengths, lo).astype(np.int32)
         ends_here = (lengths > lo) & (lengths <= lo + chunk)
-        cache, counts, out = core.prefill_jit(params, cache, tokens[:, lo:lo + chunk], starts, n_real, ends_here, rows,
-                                              counts, zeros, cfg, processor=processor, history=history, hooks=hooks,
-                                              capture_prompt=capture_prompt, routing=routes is not None)
+        cache, counts, out = program_store.call(
+            core.prefill_jit, (params, cache, tokens[:, lo:lo + chunk], starts, n_real, ends_here, rows, counts, zeros),
+            dict(cfg=cfg, processor=processor, capture_prompt=capture_prompt, routing=routes is not None),
+            dict(history=history, hooks=hooks))
         if routes is not None:
             routes.append(jax.tree.map(shd.to_host, out.routing))
         first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
@@ -294,8 +297,8 @@ def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Op
             state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
                                                           budget=np.minimum(remaining, 1)))
         steps = 1 if constrained is not None else chunk_size
-        state, em = core.decode_jit(model.params, state, model.config, steps, processor=processor,
-                                    routing=with_routing)
+        state, em = program_store.call(core.decode_jit, (model.params, state), dict(
+            cfg=model.config, n_steps=steps, processor=processor, routing=with_routing))
         toks, step_count = shd.to_host(em.tokens), shd.to_host(em.count)  # [n, B, 1], [n, B]
         new, new_lps = read_emitted(toks, shd.to_host(em.logprobs), step_count)
         count = step_count.T  # [B, n]: 1 where the row emitted at that step
