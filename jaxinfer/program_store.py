@@ -274,6 +274,12 @@ def _leaf_type(x):
     return t.shape, t.dtype, t.weak_type, None
 
 
+def clear_held() -> None:
+    """Forget the programs `call` holds, as `jax.clear_caches` makes jit forget its own: a later
+    call finds them in the store (or compiles them) again."""
+    _HELD.clear()
+
+
 def call(jitted, args: tuple, static: dict, kwargs: Optional[dict] = None):
     """`jitted(*args, **kwargs, **static)`, through the program store while the compile cache is on.
 

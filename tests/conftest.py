@@ -118,5 +118,8 @@ def _release_compiled_programs():
 
         import jax
 
+        from jaxinfer import program_store
+
         jax.clear_caches()
+        program_store.clear_held()
         gc.collect()

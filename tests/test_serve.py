@@ -334,7 +334,6 @@ def test_background_thread_and_async_stream(model, specs_and_ref):
         assert_close(lps, w.logprobs, what="streamed logprobs vs generate")
 
 
-@pytest.mark.slow
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 REAL_SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40)]
 
@@ -347,6 +346,7 @@ def real_alone(smollm2):
                                   max_new_tokens=12).completions[0] for i, p in enumerate(REAL_PROMPTS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lay", ["stacked", "per_layer"])
 def test_identity_real_smollm2(smollm2, real_alone, lay, request):
     """The real model in either layout: greedy and sampled requests arriving at different steps
