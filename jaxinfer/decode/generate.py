@@ -210,18 +210,18 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
     """
     t0 = time.perf_counter()
     cfg = model.config
-    check_int("chunk_size", chunk_size, 1)
-    batch = prepare(model, prompts, key=key, seed=seed, max_new_tokens=max_new_tokens, sampling=sampling,
-                    stop_at_eos=stop_at_eos, stop_tokens=stop_tokens, allow_special=allow_special,
-                    prefill_chunk_size=prefill_chunk_size)
-    B = len(batch.ids)
-    if return_routing and cfg.moe is None:
-        raise ValueError(f"return_routing needs a mixture-of-experts model; {cfg.name} has dense MLPs only")
-    capture = sites.as_capture(capture)
-    hooks = iv.hooks_for(iv.per_row(interventions, B), cfg, B, capture)
-    capture_prompt = capture is not None and capture.prompt
-    constrained = _Constrained(model, batch, sampling.constraint) if sampling.constraint is not None else None
-    with CompileCounter() as compiles:
+    with CompileCounter() as compiles:  # from the first: making the rows' keys compiles too
+        check_int("chunk_size", chunk_size, 1)
+        batch = prepare(model, prompts, key=key, seed=seed, max_new_tokens=max_new_tokens, sampling=sampling,
+                        stop_at_eos=stop_at_eos, stop_tokens=stop_tokens, allow_special=allow_special,
+                        prefill_chunk_size=prefill_chunk_size)
+        B = len(batch.ids)
+        if return_routing and cfg.moe is None:
+            raise ValueError(f"return_routing needs a mixture-of-experts model; {cfg.name} has dense MLPs only")
+        capture = sites.as_capture(capture)
+        hooks = iv.hooks_for(iv.per_row(interventions, B), cfg, B, capture)
+        capture_prompt = capture is not None and capture.prompt
+        constrained = _Constrained(model, batch, sampling.constraint) if sampling.constraint is not None else None
         rows = batch.rows
         if constrained is not None:
             rows = rows.replace(mask=constrained.masks(np.ones((B,), bool)))
