@@ -232,6 +232,7 @@ class Engine:
         self.hidden_sites = hidden_sites
         self._ids = itertools.count()
         self._live: dict[int, Live] = {}
+        self._constrained: set[int] = set()  # ids of the live requests with a constraint
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
@@ -317,16 +318,16 @@ class Engine:
         recompute_from = score_from if prompt_logprobs is not None else None
         if hidden is not None:  # every prompt position is computed (none taken from the prefix cache)
             recompute_from = 1
+        counts = in_prompt = None
+        if sampling.penalized:
+            counts, in_prompt = np.zeros((self.cfg.vocab_size,), np.int32), np.zeros((self.cfg.vocab_size,), bool)
+            in_prompt[np.asarray(ids, np.int64)] = True
         live = Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens, recompute_from=recompute_from,
                              cache_salt=b"" if steering is None else steering.salt()),
                      req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
                      detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
                      prompt_logprobs=prompt_logprobs, score_from=score_from, extra_stops=extra, matcher=matcher,
-                     steering=steering, hidden=hidden)
-        if sampling.penalized:
-            live.counts = np.zeros((self.cfg.vocab_size,), np.int32)
-            live.in_prompt = np.zeros((self.cfg.vocab_size,), bool)
-            live.in_prompt[np.asarray(ids, np.int64)] = True
+                     counts=counts, in_prompt=in_prompt, steering=steering, hidden=hidden)
         self.runner.pack_row(live)  # its slot row, packed here rather than in the loop
         with self._inbox_lock:
             self._inbox.append(("submit", live))
@@ -455,49 +456,55 @@ class Engine:
 
     def _chain(self) -> Optional["_Flight"]:
         """The next decode scan, dispatched before the flight under way is read, when nothing but
-        decoding is to be done: no request waits or prefills, no row is constrained (its next
-        mask needs its last token), and the pool has the pages both scans may fill. It goes on
-        from the flight's slots on the device; a row that the flight ends (stop token, length)
-        is not live there, and a row the host ends on reading the flight (a stop string, a
-        cancel) decodes tokens that are dropped. None when not."""
-        fl = self._flight
+        decoding is to be done: no request prefills or is constrained (its next mask needs its
+        last token), the pool has the pages both scans may fill, and no request waits for a slot
+        that the flight may free: while requests wait, every slot must be taken and no row of the
+        flight may reach its max_new_tokens in it. (A row the flight ends early, by a stop token,
+        a stop string or a cancel, gives its slot to the oldest waiting request one scan later;
+        while requests wait, scans are `busy_decode_steps` long.)
+
+        The scan goes on from the flight's slots on the device; a row that the flight ends (stop
+        token, length) is not live there, and a row the host ends on reading the flight (a stop
+        string, a cancel) decodes tokens that are dropped. None when not."""
+        fl, scheduler = self._flight, self.scheduler
         self._chain_touched: set[int] = set()
-        if (fl is None or self.dead is not None or not self.runner.can_chain() or self.scheduler.waiting
-                or any(not ch.last for ch in fl.chunks)):
+        waiting = bool(scheduler.waiting)
+        if (fl is None or self.dead is not None or not self.runner.can_chain() or self._constrained
+                or any(not ch.last for ch in fl.chunks) or waiting and len(scheduler.running) < self.max_slots):
             return None
         flying = {id(seq) for _, seq, _, _ in fl.rows}
-        if any(s.state == PREFILL and id(s) not in flying for s in self.scheduler.running):
+        if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
             return None
-        if any(lv.matcher is not None or lv.prompt_logprobs is not None and lv.seq.state == PREFILL
-               for _, _, lv, _ in fl.rows):
-            return None
-        steps = self._steps_wanted()
-        grow, page = [], self.page_size
+        steps, page = self._steps_wanted(), self.page_size
+        grow, short = [], 0  # (slot, seq, live, tokens it may sample, pages it lacks); pages lacking in all
         for slot, seq, lv, cap in fl.rows:
             if lv.req.done or seq.state == DONE:
                 continue  # its slot decodes nothing (trash pages, no budget)
             left = seq.max_new_tokens - len(seq.generated) - cap  # at least this many after the flight
             if left <= 0:
+                if waiting:
+                    return None  # the flight may free its slot: the next iteration admits to it
                 continue
             n = min(steps, left)
             end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
-            grow.append((slot, seq, lv, n, max(0, kv.pages_for(end, page) - len(seq.pages))))
-        if not grow or sum(g[4] for g in grow) > self.pool.available():
+            lacks = max(0, kv.pages_for(end, page) - len(seq.pages))
+            grow.append((slot, seq, lv, n, lacks))
+            short += lacks
+        if not grow or short > self.pool.available():
             return None
-        S = self.max_slots
-        caps, limits = [0] * S, [0] * S
-        for slot, seq, lv, n, short in grow:
-            if short:
-                seq.pages += self.pool.allocate(short)
+        caps, limits, rows, want_top = [0] * self.max_slots, [0] * self.max_slots, [], False
+        for slot, seq, lv, n, lacks in grow:
+            if lacks:
+                seq.pages += self.pool.allocate(lacks)
             caps[slot], limits[slot] = n, seq.max_new_tokens
-        table = self.runner.page_table((slot, seq.pages) for slot, seq, _, _, _ in grow)
-        caps, limits = np.array(caps, np.int32), np.array(limits, np.int32)
-        self._chain_touched = {seq.rid for _, seq, _, _, _ in grow}
+            rows.append((slot, seq, lv, n))
+            self._chain_touched.add(seq.rid)
+            want_top = want_top or lv.n_top > 0
+        table = self.runner.page_table((slot, seq.pages) for slot, seq, _, _ in rows)
         t0 = time.perf_counter()
-        pending = self.runner.chain(table, caps, limits, any(lv.n_top > 0 for _, _, lv, _, _ in grow))
+        pending = self.runner.chain(table, np.array(caps, np.int32), np.array(limits, np.int32), want_top, steps)
         self.scans += 1
-        return _Flight(pending=pending, chunks=[], chunk_lives=[], rows=[(slot, seq, lv, n) for slot, seq, lv, n, _ in grow],
-                       touched=set(self._chain_touched), t0=t0)
+        return _Flight(pending=pending, chunks=[], chunk_lives=[], rows=rows, touched=set(self._chain_touched), t0=t0)
 
     def _drop(self, flight: "_Flight") -> None:
         """A dispatched flight whose results are lost (the one before it failed): its requests are
@@ -518,14 +525,14 @@ class Engine:
         its last token), fewer while requests wait for a slot, and while a slot is free only as
         many as last about `admission_wait` seconds (a request arriving then takes the slot after
         this scan; a client that sends its next request when its last one ends arrives just then)."""
-        if any(lv.matcher is not None for lv in self._live.values()):
+        if self._constrained:
             return 1
         if self.scheduler.waiting:
             return self.busy_decode_steps
         if len(self.scheduler.running) < self.max_slots:
             if self.step_seconds is None:
                 return min(self.busy_decode_steps, self.decode_steps)
-            return int(np.clip(self.admission_wait // self.step_seconds, 1, self.decode_steps))
+            return max(1, min(int(self.admission_wait // self.step_seconds), self.decode_steps))
         return self.decode_steps
 
     def run_until_idle(self) -> None:
@@ -671,39 +678,38 @@ class Engine:
     def _collect(self, fl: "_Flight") -> None:
         """Read a flight's results and hand each request its tokens."""
         out = self.runner.collect(fl.pending)
-        dec = out.decode
-        ran = int(np.any(dec.count > 0, axis=1).sum())  # steps that decoded (the mixed call's included)
-        now = time.perf_counter()
-        if ran:  # the device's time for it: from its dispatch, or from the last flight read if later
-            per_step = (now - max(fl.t0, self._last_collect)) / ran
-            self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
-        self._last_collect = now
-        # Every slot's column as Python lists, made once per flight; a slot's tokens are the
-        # steps where it emitted (count 1).
-        counts, tokens, logprobs = dec.count.T.tolist(), dec.tokens.T.tolist(), dec.logprobs.T.tolist()
-
-        def decoded(lv: Live, slot: int):
-            c = counts[slot]
-            toks, lps = list(itertools.compress(tokens[slot], c)), list(itertools.compress(logprobs[slot], c))
-            if not lv.n_top:  # (its alternatives are never read: one shared empty tuple per token)
-                return toks, lps, [()] * len(toks)
-            at = [t for t, x in enumerate(c) if x]
-            ids, top_lps = dec.top[0][at, slot, :lv.n_top].tolist(), dec.top[1][at, slot, :lv.n_top].tolist()
-            return toks, lps, [list(zip(i, p)) for i, p in zip(ids, top_lps)]
-
+        block = out.decode.by_slot()  # every slot's tokens as lists, made in one pass
+        self._time_steps(block, fl.t0)
         for i, (ch, lv) in enumerate(zip(fl.chunks, fl.chunk_lives)):
             if lv.req.done or ch.seq.state == DONE:
                 continue  # cancelled while its chunk was on the device
             self.scheduler.prefilled(ch)
             if ch.last:
-                f = out.first
+                f, slot = out.first, ch.seq.slot
                 first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
-                toks, lps, tops = decoded(lv, ch.seq.slot)
-                self._emit(lv, [int(f.first[i])] + toks, [float(f.first_logprob[i])] + lps, [first_top] + tops)
+                self._emit(lv, [int(f.first[i])] + block.tokens[slot], [float(f.first_logprob[i])] + block.logprobs[slot],
+                           [first_top] + block.tops(slot, lv.n_top))
         joined = {id(ch.seq) for ch in fl.chunks}
         for slot, seq, lv, _ in fl.rows:
-            if id(seq) not in joined and not lv.req.done:
-                self._emit(lv, *decoded(lv, slot))
+            if id(seq) in joined or lv.req.done:
+                continue
+            tokens, logprobs = block.tokens[slot], block.logprobs[slot]
+            if lv.continues_plainly(tokens):  # most rows: nothing ends, no per-token work
+                self.scheduler.sampled_many(seq, tokens)
+                self.tokens_generated += len(tokens)
+                lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
+            else:
+                self._emit(lv, tokens, logprobs, block.tops(slot, lv.n_top))
+
+    def _time_steps(self, block, t0: float) -> None:
+        """Update `step_seconds` from a flight's decode steps and the time since its dispatch (or
+        since the last flight was read, if later: the device ran that one first)."""
+        ran = sum(map(any, zip(*block.counts)))  # steps that decoded (the mixed call's included)
+        now = time.perf_counter()
+        if ran:
+            per_step = (now - max(t0, self._last_collect)) / ran
+            self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
+        self._last_collect = now
 
     # ---- faults -------------------------------------------------------------------------------
     def _recover(self, touched: set[int], error: Exception, fail: bool = True) -> None:
@@ -745,11 +751,16 @@ class Engine:
 
     def _fail(self, lv: Live, message: str, error_type: type = EngineError) -> None:
         self.scheduler.finish(lv.seq)
-        self._live.pop(lv.seq.rid, None)
+        self._forget(lv)
         self.requests_failed += 1
         lv.req.fail(message, error_type)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
+    def _forget(self, lv: Live) -> None:
+        """The request has ended: the engine no longer holds it."""
+        self._live.pop(lv.seq.rid, None)
+        self._constrained.discard(lv.seq.rid)
+
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
@@ -759,6 +770,8 @@ class Engine:
                     item.req.fail(f"the engine failed: {self.dead}")
                     continue
                 self._live[item.seq.rid] = item
+                if item.matcher is not None:
+                    self._constrained.add(item.seq.rid)
                 self.scheduler.add(item.seq)
             elif item in self._live:
                 self._finish(self._live[item], "cancelled")
@@ -783,7 +796,7 @@ class Engine:
         if lv.req.done:
             return
         self.scheduler.finish(lv.seq)
-        self._live.pop(lv.seq.rid, None)
+        self._forget(lv)
         self.requests_finished += 1
         completion = lv.completion(reason)
         lv.req.push(lv.delta(list(tokens), list(logprobs), list(tops), reason), completion)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import os
 import threading
 import time
@@ -103,13 +104,49 @@ class DecodeOut:
     count: np.ndarray  # 1 where the slot emitted at that step
     top: Optional[tuple[np.ndarray, np.ndarray]]  # ([n_steps, slots, n], ...) when asked
 
+    def by_slot(self) -> "SlotTokens":
+        """Every slot's emitted tokens as Python lists: the block is read once (`tolist`), and the
+        per-slot work is list slicing (a numpy call per slot would cost more than all of it)."""
+        counts, tokens, logprobs = self.count.T.tolist(), self.tokens.T.tolist(), self.logprobs.T.tolist()
+        for s, c in enumerate(counts):
+            n = len(c) - c.count(0)
+            if n == len(c):
+                continue  # it emitted at every step
+            if 0 not in c[:n]:  # at the first n steps (a slot that decoded from the start and ended)
+                tokens[s], logprobs[s] = tokens[s][:n], logprobs[s][:n]
+            else:  # at some steps (a slot that joined after the first)
+                tokens[s], logprobs[s] = list(itertools.compress(tokens[s], c)), list(itertools.compress(logprobs[s], c))
+        return SlotTokens(tokens=tokens, logprobs=logprobs, counts=counts, top=self.top)
+
+
+@dataclasses.dataclass
+class SlotTokens:
+    """An iteration's decode results per slot (`DecodeOut.by_slot`): slot s emitted tokens[s]
+    with logprobs[s], in step order."""
+
+    tokens: list[list[int]]  # [S][n_s]
+    logprobs: list[list[float]]  # [S][n_s]
+    counts: list[list[int]]  # [S][n_steps]: 1 where the slot emitted at that step
+    top: Optional[tuple[np.ndarray, np.ndarray]]  # DecodeOut.top
+
+    def tops(self, slot: int, n_top: int) -> list:
+        """The slot's tokens' top `n_top` alternatives, [(token id, logprob)] per token (one shared
+        empty tuple per token when n_top is 0: nobody reads them)."""
+        if not n_top:
+            return [()] * len(self.tokens[slot])
+        at = [t for t, x in enumerate(self.counts[slot]) if x]
+        ids, lps = self.top[0][at, slot, :n_top].tolist(), self.top[1][at, slot, :n_top].tolist()
+        return [list(zip(i, p)) for i, p in zip(ids, lps)]
+
 
 @dataclasses.dataclass
 class Pending:
     """A dispatched iteration: its results on the device, on their way to the host (`Runner.collect`)."""
 
     want_top: bool  # some slot's request wants its top alternatives
-    results: list = dataclasses.field(default_factory=list)  # (steps, packed Emitted) of its calls, in order
+    # (steps, packed Emitted [n_steps, S, ...]) of its calls, in order: only the first `steps`
+    # of a call's n_steps can hold tokens (its rows' budgets), so only those are read
+    results: list = dataclasses.field(default_factory=list)
     first: Optional[tuple] = None  # the chunk rows' first tokens (packed), when it had chunks
     rows: int = 0  # chunk rows of its mixed call
 
@@ -441,7 +478,7 @@ class Runner:
         for s, lv in enumerate(by_slot):
             rid = None if lv is None else lv.seq.rid
             if self._occupant[s] != rid:
-                ti[s], tf[s] = self.pack_row(lv)
+                ti[s], tf[s] = self._idle_row if lv is None else self.pack_row(lv)
                 self._occupant[s] = rid
                 if self._steer is not None:
                     steer.write_row(self._steer, s, None if lv is None else lv.steering, self.steering)
@@ -576,7 +613,7 @@ class Runner:
             self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
                                                                 np.full((S,), NO_LIMIT, np.int32),
                                                                 steps_so_far + budgets)
-            pending.results.append((self.decode_steps, em))
+            pending.results.append((steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = (ints, floats, mask)
         return pending.start_copies(self.on_host)
@@ -591,25 +628,27 @@ class Runner:
         """A last call's slots are on the device for `chain` (no scoring call or fault since)."""
         return self._carry is not None
 
-    def chain(self, table: np.ndarray, caps: np.ndarray, limits: np.ndarray, want_top: bool) -> "Pending":
+    def chain(self, table: np.ndarray, caps: np.ndarray, limits: np.ndarray, want_top: bool, steps: int
+              ) -> "Pending":
         """Start a decode scan that goes on from the last call's slots as they are on the device
         (their last tokens, lengths, keys, counters, settings), before the host has read that
         call's results: the host never makes the device wait. The slots' pages are `table`
         [S, W] (grown for the tokens both calls may sample); slot s samples at most caps[s]
-        tokens, and stops at limits[s] tokens in all (its request's max_new_tokens)."""
+        tokens, and stops at limits[s] tokens in all (its request's max_new_tokens); `steps`: the
+        largest cap."""
         ints, floats, mask = self._carry
         self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, ints, floats, mask,
                                                             table, caps, limits)
         self.spare_counts, self._carry = counts, (ints, floats, mask)
         pending = Pending(want_top=want_top)
-        pending.results.append((self.decode_steps, em))
+        pending.results.append((steps, em))
         return pending.start_copies(self.on_host)
 
     def collect(self, pending: "Pending") -> StepOut:
         """Wait for a dispatched iteration's results; host arrays (`StepOut`)."""
         cols = _emitted_columns(MAX_TOP_LOGPROBS)
-        ints = [shd.to_host(em[0]) for _, em in pending.results]  # [steps, S, n_i] per call
-        floats = [shd.to_host(em[1]) for _, em in pending.results]
+        ints = [shd.to_host(em[0])[:steps] for steps, em in pending.results]  # [steps, S, n_i] per call
+        floats = [shd.to_host(em[1])[:steps] for steps, em in pending.results]
         ints = ints[0] if len(ints) == 1 else np.concatenate(ints, axis=0)
         floats = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=0)
         dec = DecodeOut(tokens=ints[:, :, cols["tokens"]], logprobs=floats[:, :, cols["logprobs"]],
