@@ -318,6 +318,9 @@ class Runner:
         self._pages_held: list[tuple] = [(None, 0)] * max_slots  # (page list, length) each row of it holds
         self._cols = {name: self.packing.columns(name)[1] for name in
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
+        # The int columns `_tables` writes from a call's moving values (one column each).
+        self._moving_cols = [self._cols[name].start for name in
+                             ("tokens", "lengths", "rows.budget", "rows.steps", "generated")]
         self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
         self._carry = None  # the last call's slots on the device (ints, floats, mask), for `chain`
         # The slots' steering (`steering.py`): host hooks written per slot, sent when they change.
@@ -471,9 +474,10 @@ class Runner:
             lv.packed_row = row
         return row
 
-    def _tables(self, by_slot: list, tokens, lengths, table, budgets, steps) -> tuple[np.ndarray, np.ndarray]:
+    def _tables(self, by_slot: list, moving: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The two packed tables of this call: each slot's row (rewritten where its request
-        changed) with this call's tokens, lengths, page table, steps and budgets."""
+        changed) with this call's moving columns (`moving` [4, S]: tokens, lengths, budgets and
+        steps so far) and page table [S, W]."""
         ti, tf = self._table
         for s, lv in enumerate(by_slot):
             rid = None if lv is None else lv.seq.rid
@@ -484,10 +488,8 @@ class Runner:
                     steer.write_row(self._steer, s, None if lv is None else lv.steering, self.steering)
                     self._steer_device = None
         ints = ti.copy()  # the call may read its arguments after this returns: never the live table
-        c = self._cols
-        ints[:, c["tokens"]], ints[:, c["lengths"]] = tokens[:, None], lengths[:, None]
-        ints[:, c["page_table"]], ints[:, c["rows.budget"]] = table, budgets[:, None]
-        ints[:, c["rows.steps"]] = ints[:, c["generated"]] = steps[:, None]
+        ints[:, self._moving_cols] = moving[[0, 1, 2, 3, 3]].T  # steps so far is also TokenCounts.generated
+        ints[:, self._cols["page_table"]] = table
         return ints, tf.copy()
 
     def page_table(self, rows) -> np.ndarray:
@@ -582,22 +584,23 @@ class Runner:
         is called just before the scan (the engine's fault bookkeeping). Returns at once: the
         results are copied to the host meanwhile (`collect` waits for them)."""
         S = self.max_slots
-        by_slot, tokens, lengths, budgets, pages = [None] * S, [0] * S, [0] * S, [0] * S, []
+        by_slot, pages = [None] * S, []
+        # The columns that move, per slot: its last token, filled positions, budget, tokens so far.
+        tokens, lengths, budgets, sampled = [0] * S, [0] * S, [0] * S, [0] * S
         for s, lv in zip(seqs, lives):
-            slot = s.slot
-            by_slot[slot], tokens[slot], lengths[slot], budgets[slot] = lv, s.generated[-1], s.computed, min(
-                steps, s.remaining)
+            slot, n = s.slot, len(s.generated)
+            by_slot[slot], tokens[slot], lengths[slot] = lv, s.generated[-1], s.computed
+            budgets[slot], sampled[slot] = min(steps, s.max_new_tokens - n), n
             pages.append((slot, s.pages))
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
             slot = ch.seq.slot
-            by_slot[slot], lengths[slot] = lv, ch.start
+            by_slot[slot], lengths[slot], sampled[slot] = lv, ch.start, len(ch.seq.generated)
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 pages.append((slot, ch.seq.pages))
                 budgets[slot] = n
         table = self.page_table(pages)
-        tokens, lengths, budgets = (np.array(x, np.int32) for x in (tokens, lengths, budgets))
-        steps_so_far = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
-        ints, floats = self._tables(by_slot, tokens, lengths, table, budgets, steps_so_far)
+        moving = np.array([tokens, lengths, budgets, sampled], np.int32)  # [4, S]
+        ints, floats = self._tables(by_slot, moving, table)
         counts, mask = self._counts(by_slot), self._mask(by_slot)
         pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
@@ -612,7 +615,7 @@ class Runner:
             # call's slots, whose rows have sampled one token of their budget there already.
             self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
                                                                 np.full((S,), NO_LIMIT, np.int32),
-                                                                steps_so_far + budgets)
+                                                                moving[3] + moving[2])
             pending.results.append((steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = (ints, floats, mask)
@@ -816,7 +819,7 @@ class Runner:
             times = []
             for _ in range(2 if self.measure_call_rows else 1):
                 z = np.zeros((S,), np.int32)
-                ints, floats = self._tables(idle, z, z, np.zeros((S, self.width), np.int32), z, z)
+                ints, floats = self._tables(idle, np.zeros((4, S), np.int32), np.zeros((S, self.width), np.int32))
                 counts, mask = self._counts(idle), self._mask(idle)
                 t0 = time.perf_counter()
                 self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask,
