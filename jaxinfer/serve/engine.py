@@ -388,38 +388,41 @@ class Engine:
         never waits for the host; otherwise: admit, then one mixed call (new prompts' chunks
         beside a decode step of every slot) and a decode scan for the rest of the iteration,
         whose results the next step reads. False when idle."""
-        with self._step_lock, self._counting_compiles():
-            self._drain_inbox()
-            if self.dead is not None or (self._flight is None and self.scheduler.idle()):
-                return False
-            chained, error = None, None
+        with self._step_lock, CompileCounter() as compiles:  # (as `_counting_compiles`, less a generator)
             try:
-                chained = self._chain()
-            except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
-                error = e
-            if self._flight is not None:
-                flight, self._flight = self._flight, None
+                self._drain_inbox()
+                if self.dead is not None or (self._flight is None and self.scheduler.idle()):
+                    return False
+                chained, error = None, None
                 try:
-                    self._collect(flight)
-                except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
-                    if chained is not None:  # it went on from this flight's device state: lost too
-                        self._drop(chained)
-                        chained = None
-                    self._recover(flight.touched, e)
-            if error is not None:
-                self._recover(self._chain_touched, error)
-            if chained is not None:
-                self._flight = chained
-            elif error is None and self.dead is None:
-                self._touched: set[int] = set()  # requests of the device call under way
-                try:
-                    self._flight = self._dispatch()
-                except Exception as e:  # noqa: BLE001
-                    # Raised before any call was built (scheduling, picking chunks): the same plan
-                    # would raise again next step, so every request it could hold fails, loudly.
-                    self._recover(self._touched or set(self._live), e)
-            self.steps += 1
-            return True
+                    chained = self._chain()
+                except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
+                    error = e
+                if self._flight is not None:
+                    flight, self._flight = self._flight, None
+                    try:
+                        self._collect(flight)
+                    except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
+                        if chained is not None:  # it went on from this flight's device state: lost too
+                            self._drop(chained)
+                            chained = None
+                        self._recover(flight.touched, e)
+                if error is not None:
+                    self._recover(self._chain_touched, error)
+                if chained is not None:
+                    self._flight = chained
+                elif error is None and self.dead is None:
+                    self._touched: set[int] = set()  # requests of the device call under way
+                    try:
+                        self._flight = self._dispatch()
+                    except Exception as e:  # noqa: BLE001
+                        # Raised before any call was built (scheduling, picking chunks): the same plan
+                        # would raise again next step, so every request it could hold fails, loudly.
+                        self._recover(self._touched or set(self._live), e)
+                self.steps += 1
+                return True
+            finally:
+                self.compiles_while_serving += compiles.count
 
     def _dispatch(self) -> Optional["_Flight"]:
         """Schedule an iteration and start its calls (scoring calls run to the end here)."""
@@ -436,21 +439,25 @@ class Engine:
         if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
             steps = 1  # prompts still wait for their chunks: come back after one step
         budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
-        seqs = [s for s in plan.decode if s.state == DECODE]
+        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
+        # The flight's rows: (slot, seq, live, most tokens it may sample) of every slot it decodes.
+        seqs, lives, rows = [], [], []
+        for s in plan.decode:
+            if s.state == DECODE:
+                lv = self._live[s.rid]
+                seqs.append(s)
+                lives.append(lv)
+                rows.append((s.slot, s, lv, min(steps, s.max_new_tokens - len(s.generated))))
         if not (chunks or seqs):
             return None
-        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
-        lives = [self._live[s.rid] for s in seqs]
+        rows += [(ch.seq.slot, ch.seq, lv, n) for ch, lv, n in zip(chunks, chunk_lives, budgets) if ch.last]
         # A fault in the mixed call fails the requests whose chunks it read (the decode rows beside
         # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
         self._touched = {ch.seq.rid for ch in chunks}
-        scan = {s.rid for s in seqs} | {ch.seq.rid for ch in chunks if ch.last}
         t0 = time.perf_counter()
         pending = self.runner.dispatch(chunks, chunk_lives, budgets, seqs, lives, steps,
-                                       on_scan=lambda: self._touched.update(scan))
+                                       on_scan=lambda: self._touched.update(seq.rid for _, seq, _, _ in rows))
         self.scans += 1
-        rows = [(s.slot, s, lv, min(steps, s.remaining)) for s, lv in zip(seqs, lives)]
-        rows += [(ch.seq.slot, ch.seq, lv, n) for ch, lv, n in zip(chunks, chunk_lives, budgets) if ch.last]
         return _Flight(pending=pending, chunks=chunks, chunk_lives=chunk_lives, rows=rows,
                        touched=set(self._touched), t0=t0)
 
@@ -690,16 +697,18 @@ class Engine:
                 self._emit(lv, [int(f.first[i])] + block.tokens[slot], [float(f.first_logprob[i])] + block.logprobs[slot],
                            [first_top] + block.tops(slot, lv.n_top))
         joined = {id(ch.seq) for ch in fl.chunks}
+        sampled, plain_tokens = self.scheduler.sampled_many, 0
         for slot, seq, lv, _ in fl.rows:
-            if id(seq) in joined or lv.req.done:
-                continue
+            if seq.state == DONE or id(seq) in joined:
+                continue  # ended (or cancelled) since it was dispatched; or handed its tokens above
             tokens, logprobs = block.tokens[slot], block.logprobs[slot]
             if lv.continues_plainly(tokens):  # most rows: nothing ends, no per-token work
-                self.scheduler.sampled_many(seq, tokens)
-                self.tokens_generated += len(tokens)
+                sampled(seq, tokens)
+                plain_tokens += len(tokens)
                 lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
             else:
                 self._emit(lv, tokens, logprobs, block.tops(slot, lv.n_top))
+        self.tokens_generated += plain_tokens
 
     def _time_steps(self, block, t0: float) -> None:
         """Update `step_seconds` from a flight's decode steps and the time since its dispatch (or

@@ -314,6 +314,8 @@ class Runner:
         self._idle_row = self.pack_row(None)
         self._table = (np.tile(self._idle_row[0], (max_slots, 1)), np.tile(self._idle_row[1], (max_slots, 1)))
         self._occupant: list[Optional[int]] = [None] * max_slots  # request id whose row each slot holds
+        self._floats: Optional[np.ndarray] = None  # the float table as last sent (None: changed since)
+        self._no_limit = np.full((max_slots,), NO_LIMIT, np.int32)  # a scan's caps when its limits say it all
         self._pages = np.zeros((max_slots, self.width), np.int32)  # the last call's page table (`page_table`)
         self._pages_held: list[tuple] = [(None, 0)] * max_slots  # (page list, length) each row of it holds
         self._cols = {name: self.packing.columns(name)[1] for name in
@@ -484,13 +486,18 @@ class Runner:
             if self._occupant[s] != rid:
                 ti[s], tf[s] = self._idle_row if lv is None else self.pack_row(lv)
                 self._occupant[s] = rid
+                self._floats = None
                 if self._steer is not None:
                     steer.write_row(self._steer, s, None if lv is None else lv.steering, self.steering)
                     self._steer_device = None
-        ints = ti.copy()  # the call may read its arguments after this returns: never the live table
+        # The call may read its arguments after this returns: never the live tables. No float
+        # column moves, so the float table's copy is sent again until a slot's request changes.
+        ints = ti.copy()
         ints[:, self._moving_cols] = moving[[0, 1, 2, 3, 3]].T  # steps so far is also TokenCounts.generated
         ints[:, self._cols["page_table"]] = table
-        return ints, tf.copy()
+        if self._floats is None:
+            self._floats = tf.copy()
+        return ints, self._floats
 
     def page_table(self, rows) -> np.ndarray:
         """The slots' page table [S, W] for a call: (slot, pages) for each slot that has pages,
@@ -514,16 +521,17 @@ class Runner:
                 table[slot] = 0
                 table[slot, :len(pages)] = pages
             held[slot] = (pages, len(pages))
-        for slot in range(self.max_slots):
-            if slot not in seen and held[slot][1]:
-                table[slot], held[slot] = 0, (None, 0)
+        if len(seen) < self.max_slots:
+            for slot in range(self.max_slots):
+                if slot not in seen and held[slot][1]:
+                    table[slot], held[slot] = 0, (None, 0)
         return table.copy()
 
-    def _mask(self, lives: list) -> jax.Array:
+    def _mask(self, lives: list, plain: bool = False) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
-        (one device array, reused, while no row is constrained)."""
+        (one device array, reused, while no row is constrained; `plain`: no row is)."""
         R = len(lives)
-        if any(lv is not None and lv.matcher is not None for lv in lives):
+        if not plain and any(lv is not None and lv.matcher is not None for lv in lives):
             mask = core.no_mask(R, self.cfg.vocab_size)
             for i, lv in enumerate(lives):
                 if lv is not None and lv.matcher is not None:
@@ -533,13 +541,13 @@ class Runner:
             self._all_allowed = jax.device_put(core.no_mask(R, self.cfg.vocab_size))
         return self._all_allowed
 
-    def _counts(self, lives: list):
+    def _counts(self, lives: list, plain: bool = False):
         """(counts, in_prompt) [S, V] of this call: the penalized rows' own, or the last call's
-        (left on the device) while nobody is penalized: then nothing reads them
-        (`core._controlled` skips the penalties), and [S, V] arrays are not built and sent again
-        (20 MB a call for 32 rows of a 128k vocabulary)."""
+        (left on the device) while nobody is penalized (`plain`: no row is): then nothing reads
+        them (`core._controlled` skips the penalties), and [S, V] arrays are not built and sent
+        again (20 MB a call for 32 rows of a 128k vocabulary)."""
         spare, self.spare_counts = self.spare_counts, None  # donated by the call: only its result comes back
-        if spare is not None and all(lv is None or lv.counts is None for lv in lives):
+        if spare is not None and (plain or all(lv is None or lv.counts is None for lv in lives)):
             return spare
         S, V = len(lives), self.cfg.vocab_size
         counts, in_prompt = np.zeros((S, V), np.int32), np.zeros((S, V), bool)
@@ -587,22 +595,25 @@ class Runner:
         by_slot, pages = [None] * S, []
         # The columns that move, per slot: its last token, filled positions, budget, tokens so far.
         tokens, lengths, budgets, sampled = [0] * S, [0] * S, [0] * S, [0] * S
+        plain = True  # every row is plain: none is penalized, constrained or wants alternatives
         for s, lv in zip(seqs, lives):
             slot, n = s.slot, len(s.generated)
             by_slot[slot], tokens[slot], lengths[slot] = lv, s.generated[-1], s.computed
             budgets[slot], sampled[slot] = min(steps, s.max_new_tokens - n), n
             pages.append((slot, s.pages))
+            plain = plain and lv.plain
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
             slot = ch.seq.slot
             by_slot[slot], lengths[slot], sampled[slot] = lv, ch.start, len(ch.seq.generated)
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 pages.append((slot, ch.seq.pages))
                 budgets[slot] = n
+            plain = plain and lv.plain
         table = self.page_table(pages)
         moving = np.array([tokens, lengths, budgets, sampled], np.int32)  # [4, S]
         ints, floats = self._tables(by_slot, moving, table)
-        counts, mask = self._counts(by_slot), self._mask(by_slot)
-        pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
+        counts, mask = self._counts(by_slot, plain), self._mask(by_slot, plain)
+        pending = Pending(want_top=not plain and any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
             arr = self._chunk_arrays(chunks)
             self.cache, counts, ints, floats, em, pending.first = self._mixed(self.cache, counts, ints, floats, mask,
@@ -614,8 +625,7 @@ class Runner:
             # Budgets as limits on the tokens sampled in all: the scan goes on from the mixed
             # call's slots, whose rows have sampled one token of their budget there already.
             self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
-                                                                np.full((S,), NO_LIMIT, np.int32),
-                                                                moving[3] + moving[2])
+                                                                self._no_limit, moving[3] + moving[2])
             pending.results.append((steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = (ints, floats, mask)
@@ -674,14 +684,17 @@ class Runner:
                 ((R, C) for R, C in self.wide if R >= n and C >= longest and self._ready((R, C))),
                 key=lambda s: s[0] * s[1])
         R, C = shape
-        tokens, starts, n_real = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
-        last, slots = np.zeros((R,), bool), np.full((R,), self.max_slots, np.int32)
-        table = np.zeros((R, self.width), np.int32)
-        for i, ch in enumerate(chunks):
-            tokens[i, :ch.n] = ch.seq.context[ch.start:ch.start + ch.n]
-            starts[i], n_real[i], last[i], slots[i] = ch.start, ch.n, ch.last, ch.seq.slot
-            table[i, :len(ch.seq.pages)] = ch.seq.pages
-        return core.Chunks(tokens=tokens, starts=starts, n_real=n_real, last=last, slots=slots, page_table=table)
+        # Built as Python lists, one array per field (a numpy call per chunk and field costs more).
+        pad, W = R - len(chunks), self.width
+        tokens = [ch.seq.context[ch.start:ch.start + ch.n] for ch in chunks]
+        tokens = np.array([t + [0] * (C - len(t)) for t in tokens] + [[0] * C] * pad, np.int32)
+        table = np.array([ch.seq.pages + [0] * (W - len(ch.seq.pages)) for ch in chunks] + [[0] * W] * pad, np.int32)
+        # (padding rows: nothing real, at slot max_slots, one past the last)
+        rows = np.array([[ch.start for ch in chunks] + [0] * pad, [ch.n for ch in chunks] + [0] * pad,
+                         [ch.last for ch in chunks] + [False] * pad, [ch.seq.slot for ch in chunks] + [self.max_slots] * pad],
+                        np.int32)
+        return core.Chunks(tokens=tokens, starts=rows[0], n_real=rows[1], last=rows[2] != 0, slots=rows[3],
+                           page_table=table)
 
     # ---- warmup ---------------------------------------------------------------------------------
     def _builds(self, shapes: list[tuple[int, int]], scoring: bool, decode: bool) -> list[tuple[tuple, Callable]]:
