@@ -479,11 +479,12 @@ class Engine:
         if (fl is None or self.dead is not None or not self.runner.can_chain() or self._constrained
                 or any(not ch.last for ch in fl.chunks) or waiting and len(scheduler.running) < self.max_slots):
             return None
-        flying = {id(seq) for _, seq, _, _ in fl.rows}
-        if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
-            return None
-        steps, page = self._steps_wanted(), self.page_size
-        grow, short = [], 0  # (slot, seq, live, tokens it may sample, pages it lacks); pages lacking in all
+        if any(s.state == PREFILL for s in scheduler.running):  # (most iterations: none)
+            flying = {id(seq) for _, seq, _, _ in fl.rows}  # (joining in it: decoding after it)
+            if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
+                return None
+        steps, page, S = self._steps_wanted(), self.page_size, self.max_slots
+        caps, limits, rows, lacking, short = [0] * S, [0] * S, [], [], 0
         for slot, seq, lv, cap in fl.rows:
             if lv.req.done or seq.state == DONE:
                 continue  # its slot decodes nothing (trash pages, no budget)
@@ -493,23 +494,23 @@ class Engine:
                     return None  # the flight may free its slot: the next iteration admits to it
                 continue
             n = min(steps, left)
-            end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
-            lacks = max(0, kv.pages_for(end, page) - len(seq.pages))
-            grow.append((slot, seq, lv, n, lacks))
-            short += lacks
-        if not grow or short > self.pool.available():
-            return None
-        caps, limits, rows, want_top = [0] * self.max_slots, [0] * self.max_slots, [], False
-        for slot, seq, lv, n, lacks in grow:
-            if lacks:
-                seq.pages += self.pool.allocate(lacks)
             caps[slot], limits[slot] = n, seq.max_new_tokens
             rows.append((slot, seq, lv, n))
-            self._chain_touched.add(seq.rid)
-            want_top = want_top or lv.n_top > 0
+            end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
+            lacks = kv.pages_for(end, page) - len(seq.pages)
+            if lacks > 0:
+                lacking.append((seq, lacks))
+                short += lacks
+        if not rows or short > self.pool.available():
+            return None
+        for seq, lacks in lacking:
+            seq.pages += self.pool.allocate(lacks)
         table = self.runner.page_table((slot, seq.pages) for slot, seq, _, _ in rows)
+        self._chain_touched = {seq.rid for _, seq, _, _ in rows}
+        caps_limits = np.array([caps, limits], np.int32)
         t0 = time.perf_counter()
-        pending = self.runner.chain(table, np.array(caps, np.int32), np.array(limits, np.int32), want_top, steps)
+        pending = self.runner.chain(table, caps_limits[0], caps_limits[1], any(lv.n_top > 0 for _, _, lv, _ in rows),
+                                    steps)
         self.scans += 1
         return _Flight(pending=pending, chunks=[], chunk_lives=[], rows=rows, touched=set(self._chain_touched), t0=t0)
 
@@ -713,7 +714,7 @@ class Engine:
     def _time_steps(self, block, t0: float) -> None:
         """Update `step_seconds` from a flight's decode steps and the time since its dispatch (or
         since the last flight was read, if later: the device ran that one first)."""
-        ran = sum(map(any, zip(*block.counts)))  # steps that decoded (the mixed call's included)
+        ran = block.steps_run  # steps that decoded (the mixed call's included)
         now = time.perf_counter()
         if ran:
             per_step = (now - max(t0, self._last_collect)) / ran

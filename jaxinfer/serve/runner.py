@@ -116,7 +116,8 @@ class DecodeOut:
                 tokens[s], logprobs[s] = tokens[s][:n], logprobs[s][:n]
             else:  # at some steps (a slot that joined after the first)
                 tokens[s], logprobs[s] = list(itertools.compress(tokens[s], c)), list(itertools.compress(logprobs[s], c))
-        return SlotTokens(tokens=tokens, logprobs=logprobs, counts=counts, top=self.top)
+        return SlotTokens(tokens=tokens, logprobs=logprobs, counts=counts, top=self.top,
+                          steps_run=sum(map(any, self.count.tolist())))
 
 
 @dataclasses.dataclass
@@ -128,6 +129,7 @@ class SlotTokens:
     logprobs: list[list[float]]  # [S][n_s]
     counts: list[list[int]]  # [S][n_steps]: 1 where the slot emitted at that step
     top: Optional[tuple[np.ndarray, np.ndarray]]  # DecodeOut.top
+    steps_run: int  # steps at which some slot emitted
 
     def tops(self, slot: int, n_top: int) -> list:
         """The slot's tokens' top `n_top` alternatives, [(token id, logprob)] per token (one shared
