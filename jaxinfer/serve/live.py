@@ -27,7 +27,7 @@ from jaxinfer.text.stream import Detokenizer, StopStrings
 MAX_STOP_TOKENS = 64  # extra stop token ids one request may carry (`Engine.submit`'s stop_tokens)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Live:
     """Host-side state of one admitted request."""
 

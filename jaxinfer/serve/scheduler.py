@@ -36,7 +36,7 @@ from jaxinfer.serve.pages import PagePool, prefix_hashes
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Seq:
     """One request as the scheduler sees it."""
 
