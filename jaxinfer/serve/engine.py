@@ -505,7 +505,9 @@ class Engine:
             return None
         for seq, lacks in lacking:
             seq.pages += self.pool.allocate(lacks)
-        table = self.runner.page_table((slot, seq.pages) for slot, seq, _, _ in rows)
+        # (the flight's table as it was, when every row goes on with the pages it had)
+        table = self.runner.page_table(((slot, seq.pages) for slot, seq, _, _ in rows),
+                                       unchanged=not lacking and len(rows) == len(fl.rows))
         self._chain_touched = {seq.rid for _, seq, _, _ in rows}
         caps_limits = np.array([caps, limits], np.int32)
         t0 = time.perf_counter()
@@ -692,24 +694,24 @@ class Engine:
             if lv.req.done or ch.seq.state == DONE:
                 continue  # cancelled while its chunk was on the device
             self.scheduler.prefilled(ch)
-            if ch.last:
+            if ch.last:  # the token sampled after its chunk, then the scan's
                 f, slot = out.first, ch.seq.slot
-                first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
-                self._emit(lv, [int(f.first[i])] + block.tokens[slot], [float(f.first_logprob[i])] + block.logprobs[slot],
-                           [first_top] + block.tops(slot, lv.n_top))
+                tokens = [int(f.first[i])] + block.tokens[slot]
+                logprobs = [float(f.first_logprob[i])] + block.logprobs[slot]
+                if lv.continues_plainly(tokens):
+                    self._emit_plainly(lv, tokens, logprobs)
+                else:
+                    first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
+                    self._emit(lv, tokens, logprobs, [first_top] + block.tops(slot, lv.n_top))
         joined = {id(ch.seq) for ch in fl.chunks}
-        sampled, plain_tokens = self.scheduler.sampled_many, 0
         for slot, seq, lv, _ in fl.rows:
             if seq.state == DONE or id(seq) in joined:
                 continue  # ended (or cancelled) since it was dispatched; or handed its tokens above
             tokens, logprobs = block.tokens[slot], block.logprobs[slot]
             if lv.continues_plainly(tokens):  # most rows: nothing ends, no per-token work
-                sampled(seq, tokens)
-                plain_tokens += len(tokens)
-                lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
+                self._emit_plainly(lv, tokens, logprobs)
             else:
                 self._emit(lv, tokens, logprobs, block.tops(slot, lv.n_top))
-        self.tokens_generated += plain_tokens
 
     def _time_steps(self, block, t0: float) -> None:
         """Update `step_seconds` from a flight's decode steps and the time since its dispatch (or
@@ -801,6 +803,13 @@ class Engine:
             self._finish(lv, reason, kept, logprobs[:n], tops[:n])
         else:
             lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
+
+    def _emit_plainly(self, lv: Live, tokens: list[int], logprobs: list[float]) -> None:
+        """`_emit` for tokens that a plain request takes without ending (`Live.continues_plainly`):
+        no stop token, grammar, penalty counts, alternatives or stop strings to look at."""
+        self.scheduler.sampled_many(lv.seq, tokens)
+        self.tokens_generated += len(tokens)
+        lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
 
     def _finish(self, lv: Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
         if lv.req.done:

@@ -320,6 +320,7 @@ class Runner:
         self._no_limit = np.full((max_slots,), NO_LIMIT, np.int32)  # a scan's caps when its limits say it all
         self._pages = np.zeros((max_slots, self.width), np.int32)  # the last call's page table (`page_table`)
         self._pages_held: list[tuple] = [(None, 0)] * max_slots  # (page list, length) each row of it holds
+        self._sent_pages: Optional[np.ndarray] = None  # the copy of it the last call was given
         self._cols = {name: self.packing.columns(name)[1] for name in
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
         # The int columns `_tables` writes from a call's moving values (one column each).
@@ -501,15 +502,19 @@ class Runner:
             self._floats = tf.copy()
         return ints, self._floats
 
-    def page_table(self, rows) -> np.ndarray:
+    def page_table(self, rows, unchanged: bool = False) -> np.ndarray:
         """The slots' page table [S, W] for a call: (slot, pages) for each slot that has pages,
         zeros (the trash page) elsewhere. Rewritten where a slot's pages changed since the last
         call: a request's page list only grows in place, or is replaced (admission, release).
 
         Args:
           rows: (slot, pages) pairs, pages a request's list of page ids.
+          unchanged: the caller knows these are the last table's slots with the same pages: the
+            last table is returned as it is (no call changes its arguments).
         Returns:
-          A fresh [S, W] int32 array (the call may read it after this returns)."""
+          An [S, W] int32 array that nothing writes to (the call may read it after this returns)."""
+        if unchanged and self._sent_pages is not None:
+            return self._sent_pages
         table, held = self._pages, self._pages_held
         seen = set()
         for slot, pages in rows:
@@ -527,7 +532,8 @@ class Runner:
             for slot in range(self.max_slots):
                 if slot not in seen and held[slot][1]:
                     table[slot], held[slot] = 0, (None, 0)
-        return table.copy()
+        self._sent_pages = table.copy()
+        return self._sent_pages
 
     def _mask(self, lives: list, plain: bool = False) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere

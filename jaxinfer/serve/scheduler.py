@@ -105,10 +105,12 @@ class Scheduler:
     # ---- one iteration ------------------------------------------------------------------------
     def schedule(self, steps: int = 1) -> Plan:
         """Plan one iteration whose decode scan runs up to `steps` steps (fewer if pages run short)."""
-        steps, preempted = self._grow_decodes(steps)
-        admitted = self._admit()
-        return Plan(prefill=self._chunks(), decode=[s for s in self.running if s.state == DECODE],
-                    preempted=preempted, admitted=admitted, steps=steps)
+        decoding = [s for s in self.running if s.state == DECODE]
+        steps, preempted = self._grow_decodes(decoding, steps)
+        if preempted:
+            decoding = [s for s in decoding if s.state == DECODE]
+        admitted = self._admit()  # (admitted requests prefill first: none decodes yet)
+        return Plan(prefill=self._chunks(), decode=decoding, preempted=preempted, admitted=admitted, steps=steps)
 
     def _lacking(self, decoding: list[Seq], steps: int) -> list[int]:
         """Pages each decoding request lacks for a scan of `steps` steps."""
@@ -116,8 +118,9 @@ class Scheduler:
         return [max(0, pages_for(s.computed + min(steps, max(s.max_new_tokens - len(s.generated), 1)), ps)
                     - len(s.pages)) for s in decoding]
 
-    def _grow_decodes(self, steps: int) -> tuple[int, list[Seq]]:
-        decoding = [s for s in self.running if s.state == DECODE]
+    def _grow_decodes(self, decoding: list[Seq], steps: int) -> tuple[int, list[Seq]]:
+        """Pages for `steps` steps of the decoding requests (fewer steps if pages run short;
+        preempting the newest requests if even one step does not fit). Returns (steps, preempted)."""
         lacking = self._lacking(decoding, steps)
         while steps > 1 and sum(lacking) > self.pool.available():
             steps //= 2
