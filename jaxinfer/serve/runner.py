@@ -535,11 +535,11 @@ class Runner:
         self._sent_pages = table.copy()
         return self._sent_pages
 
-    def _mask(self, lives: list, plain: bool = False) -> jax.Array:
+    def _mask(self, lives: list) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
-        (one device array, reused, while no row is constrained; `plain`: no row is)."""
+        (one device array, reused, while no row is constrained)."""
         R = len(lives)
-        if not plain and any(lv is not None and lv.matcher is not None for lv in lives):
+        if any(lv is not None and lv.matcher is not None for lv in lives):
             mask = core.no_mask(R, self.cfg.vocab_size)
             for i, lv in enumerate(lives):
                 if lv is not None and lv.matcher is not None:
@@ -549,13 +549,13 @@ class Runner:
             self._all_allowed = jax.device_put(core.no_mask(R, self.cfg.vocab_size))
         return self._all_allowed
 
-    def _counts(self, lives: list, plain: bool = False):
+    def _counts(self, lives: list):
         """(counts, in_prompt) [S, V] of this call: the penalized rows' own, or the last call's
-        (left on the device) while nobody is penalized (`plain`: no row is): then nothing reads
-        them (`core._controlled` skips the penalties), and [S, V] arrays are not built and sent
-        again (20 MB a call for 32 rows of a 128k vocabulary)."""
+        (left on the device) while nobody is penalized: then nothing reads them
+        (`core._controlled` skips the penalties), and [S, V] arrays are not built and sent again
+        (20 MB a call for 32 rows of a 128k vocabulary)."""
         spare, self.spare_counts = self.spare_counts, None  # donated by the call: only its result comes back
-        if spare is not None and (plain or all(lv is None or lv.counts is None for lv in lives)):
+        if spare is not None and all(lv is None or lv.counts is None for lv in lives):
             return spare
         S, V = len(lives), self.cfg.vocab_size
         counts, in_prompt = np.zeros((S, V), np.int32), np.zeros((S, V), bool)
@@ -603,25 +603,22 @@ class Runner:
         by_slot, pages = [None] * S, []
         # The columns that move, per slot: its last token, filled positions, budget, tokens so far.
         tokens, lengths, budgets, sampled = [0] * S, [0] * S, [0] * S, [0] * S
-        plain = True  # every row is plain: none is penalized, constrained or wants alternatives
         for s, lv in zip(seqs, lives):
             slot, n = s.slot, len(s.generated)
             by_slot[slot], tokens[slot], lengths[slot] = lv, s.generated[-1], s.computed
             budgets[slot], sampled[slot] = min(steps, s.max_new_tokens - n), n
             pages.append((slot, s.pages))
-            plain = plain and lv.plain
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
             slot = ch.seq.slot
             by_slot[slot], lengths[slot], sampled[slot] = lv, ch.start, len(ch.seq.generated)
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 pages.append((slot, ch.seq.pages))
                 budgets[slot] = n
-            plain = plain and lv.plain
         table = self.page_table(pages)
         moving = np.array([tokens, lengths, budgets, sampled], np.int32)  # [4, S]
         ints, floats = self._tables(by_slot, moving, table)
-        counts, mask = self._counts(by_slot, plain), self._mask(by_slot, plain)
-        pending = Pending(want_top=not plain and any(lv is not None and lv.n_top > 0 for lv in by_slot))
+        counts, mask = self._counts(by_slot), self._mask(by_slot)
+        pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
             arr = self._chunk_arrays(chunks)
             self.cache, counts, ints, floats, em, pending.first = self._mixed(self.cache, counts, ints, floats, mask,
