@@ -134,6 +134,67 @@ def test_identity_with_preemption_in_a_tiny_pool(model, specs_and_ref):
     assert engine.stats().pages_in_use == 0
 
 
+def test_scans_chain_while_requests_wait_for_a_full_set_of_slots(model, specs_and_ref):
+    """18 requests at once for 4 slots: while requests wait and every slot is taken, the next
+    scan is chained (dispatched before the last one is read) unless a row may end by its length
+    in the scan under way; the tokens still equal generate alone."""
+    specs, want = specs_and_ref
+    engine = Engine(model, n_pages=40, **ENGINE)
+    chained, chain = [], engine.runner.chain
+
+    def counted(*args):
+        chained.append(len(engine.scheduler.waiting))
+        return chain(*args)
+
+    engine.runner.chain = counted
+    reqs = [submit(engine, s) for s in specs]
+    engine.run_until_idle()
+    assert_same([r.result() for r in reqs], want)
+    assert any(chained), chained  # some scans went on while requests waited
+
+
+def test_decode_results_by_slot():
+    """A flight's decode block [steps, S] as each slot's tokens: a slot that emitted at every
+    step, at the first steps (it ended), from a later step (it joined after the mixed call), or
+    not at all; the steps some slot emitted at; the alternatives of the tokens kept."""
+    from jaxinfer.serve.runner import DecodeOut
+
+    count = np.array([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 1, 0]], np.int32)  # [steps 3, slots 4]
+    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
+    logprobs = -tokens.astype(np.float32)
+    top_ids = np.stack([tokens * 10, tokens * 10 + 1], axis=-1)  # [3, 4, 2]
+    out = DecodeOut(tokens=tokens, logprobs=logprobs, count=count, top=(top_ids, -top_ids.astype(np.float32)))
+    block = out.by_slot()
+    assert block.tokens == [[0, 4, 8], [1, 5], [6, 10], []]
+    assert block.logprobs == [[-0.0, -4.0, -8.0], [-1.0, -5.0], [-6.0, -10.0], []]
+    assert block.steps_run == 3
+    assert block.tops(2, 1) == [[(60, -60.0)], [(100, -100.0)]] and block.tops(1, 0) == [(), ()]
+    assert DecodeOut(tokens=tokens, logprobs=logprobs, count=0 * count, top=None).by_slot().steps_run == 0
+
+
+def test_plain_deliveries_take_the_plain_path_only_when_nothing_ends():
+    """Live.continues_plainly: a request with no constraint, stop strings, penalties or
+    alternatives, whose tokens hold no stop id or invalid token and leave it below
+    max_new_tokens; `take` keeps them and returns their text (as `accept` and `delta` would)."""
+    from jaxinfer.serve.live import Live
+    from jaxinfer.text.stream import Detokenizer, StopStrings
+
+    def live(**kw):
+        seq = Seq(rid=0, prompt=[5, 6], max_new_tokens=6, generated=[7])
+        kw = dict(stop=None, n_top=0) | kw
+        return Live(seq=seq, req=None, key_data=np.zeros(2, np.uint32), sampling=SamplingParams(), stop_ids=(2,),
+                    detok=Detokenizer(CharTokenizer().decode), prompt_logprobs=None, score_from=1, **kw)
+
+    lv = live()
+    assert lv.plain and lv.continues_plainly([3, 4, 5]) and lv.continues_plainly([])
+    assert not lv.continues_plainly([3, 2, 5])  # a stop id
+    assert not lv.continues_plainly([3, -1])  # the sampler had nothing to draw
+    assert not lv.continues_plainly([3, 4, 5, 6, 8])  # its 6th token: max_new_tokens
+    assert lv.take([3, 4], [-0.5, -0.25]) == CharTokenizer().decode([3, 4]) and lv.logprobs == [-0.5, -0.25]
+    for kw in (dict(stop=StopStrings(["x"])), dict(n_top=2), dict(counts=np.zeros(8, np.int32))):
+        assert not live(**kw).plain and not live(**kw).continues_plainly([3])
+
+
 def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_and_ref):
     """A slot is free (one request on 4 slots): with admission_wait 0 every scan decodes one step
     (a request arriving then waits one step for its slot); with a long wait the scans run up to

@@ -31,6 +31,17 @@ def test_prefix_hashes_key_the_whole_prefix():
         prefix_hashes([1, 2, 3], 2, 2)
 
 
+def test_prompt_keys_are_prefix_hashes_computed_once_per_request():
+    """The scheduler keeps a request's prompt keys and extends them page by page (the chain goes
+    on from the last key): they equal prefix_hashes of the whole prompt, salt included."""
+    sched = Scheduler(PagePool(8, 4), n_slots=1, prefill_chunk=8)
+    for salt in (b"", b"steered"):
+        seq = Seq(rid=0, prompt=list(range(3, 40)), max_new_tokens=1, cache_salt=salt)
+        for n in (0, 2, 1, 5, 9, 3):
+            assert sched._prompt_keys(seq, n) == prefix_hashes(seq.prompt, 4, n, salt)
+        assert len(seq.prompt_keys) == 9
+
+
 def test_prefix_cache_share_refcount_and_lru_eviction():
     pool = PagePool(4, 2)
     h = prefix_hashes([1, 2, 3, 4, 5, 6], 2, 3)

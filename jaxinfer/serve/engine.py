@@ -232,6 +232,7 @@ class Engine:
         self.hidden_sites = hidden_sites
         self._ids = itertools.count()
         self._live: dict[int, Live] = {}
+        self._constrained: set[int] = set()  # ids of the live requests with a constraint
         self._inbox: list = []
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
@@ -317,16 +318,16 @@ class Engine:
         recompute_from = score_from if prompt_logprobs is not None else None
         if hidden is not None:  # every prompt position is computed (none taken from the prefix cache)
             recompute_from = 1
+        counts = in_prompt = None
+        if sampling.penalized:
+            counts, in_prompt = np.zeros((self.cfg.vocab_size,), np.int32), np.zeros((self.cfg.vocab_size,), bool)
+            in_prompt[np.asarray(ids, np.int64)] = True
         live = Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens, recompute_from=recompute_from,
                              cache_salt=b"" if steering is None else steering.salt()),
                      req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
                      detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
                      prompt_logprobs=prompt_logprobs, score_from=score_from, extra_stops=extra, matcher=matcher,
-                     steering=steering, hidden=hidden)
-        if sampling.penalized:
-            live.counts = np.zeros((self.cfg.vocab_size,), np.int32)
-            live.in_prompt = np.zeros((self.cfg.vocab_size,), bool)
-            live.in_prompt[np.asarray(ids, np.int64)] = True
+                     counts=counts, in_prompt=in_prompt, steering=steering, hidden=hidden)
         self.runner.pack_row(live)  # its slot row, packed here rather than in the loop
         with self._inbox_lock:
             self._inbox.append(("submit", live))
@@ -387,38 +388,41 @@ class Engine:
         never waits for the host; otherwise: admit, then one mixed call (new prompts' chunks
         beside a decode step of every slot) and a decode scan for the rest of the iteration,
         whose results the next step reads. False when idle."""
-        with self._step_lock, self._counting_compiles():
-            self._drain_inbox()
-            if self.dead is not None or (self._flight is None and self.scheduler.idle()):
-                return False
-            chained, error = None, None
+        with self._step_lock, CompileCounter() as compiles:  # (as `_counting_compiles`, less a generator)
             try:
-                chained = self._chain()
-            except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
-                error = e
-            if self._flight is not None:
-                flight, self._flight = self._flight, None
+                self._drain_inbox()
+                if self.dead is not None or (self._flight is None and self.scheduler.idle()):
+                    return False
+                chained, error = None, None
                 try:
-                    self._collect(flight)
-                except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
-                    if chained is not None:  # it went on from this flight's device state: lost too
-                        self._drop(chained)
-                        chained = None
-                    self._recover(flight.touched, e)
-            if error is not None:
-                self._recover(self._chain_touched, error)
-            if chained is not None:
-                self._flight = chained
-            elif error is None and self.dead is None:
-                self._touched: set[int] = set()  # requests of the device call under way
-                try:
-                    self._flight = self._dispatch()
-                except Exception as e:  # noqa: BLE001
-                    # Raised before any call was built (scheduling, picking chunks): the same plan
-                    # would raise again next step, so every request it could hold fails, loudly.
-                    self._recover(self._touched or set(self._live), e)
-            self.steps += 1
-            return True
+                    chained = self._chain()
+                except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
+                    error = e
+                if self._flight is not None:
+                    flight, self._flight = self._flight, None
+                    try:
+                        self._collect(flight)
+                    except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
+                        if chained is not None:  # it went on from this flight's device state: lost too
+                            self._drop(chained)
+                            chained = None
+                        self._recover(flight.touched, e)
+                if error is not None:
+                    self._recover(self._chain_touched, error)
+                if chained is not None:
+                    self._flight = chained
+                elif error is None and self.dead is None:
+                    self._touched: set[int] = set()  # requests of the device call under way
+                    try:
+                        self._flight = self._dispatch()
+                    except Exception as e:  # noqa: BLE001
+                        # Raised before any call was built (scheduling, picking chunks): the same plan
+                        # would raise again next step, so every request it could hold fails, loudly.
+                        self._recover(self._touched or set(self._live), e)
+                self.steps += 1
+                return True
+            finally:
+                self.compiles_while_serving += compiles.count
 
     def _dispatch(self) -> Optional["_Flight"]:
         """Schedule an iteration and start its calls (scoring calls run to the end here)."""
@@ -435,69 +439,82 @@ class Engine:
         if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
             steps = 1  # prompts still wait for their chunks: come back after one step
         budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
-        seqs = [s for s in plan.decode if s.state == DECODE]
+        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
+        # The flight's rows: (slot, seq, live, most tokens it may sample) of every slot it decodes.
+        seqs, lives, rows = [], [], []
+        for s in plan.decode:
+            if s.state == DECODE:
+                lv = self._live[s.rid]
+                seqs.append(s)
+                lives.append(lv)
+                rows.append((s.slot, s, lv, min(steps, s.max_new_tokens - len(s.generated))))
         if not (chunks or seqs):
             return None
-        chunk_lives = [self._live[ch.seq.rid] for ch in chunks]
-        lives = [self._live[s.rid] for s in seqs]
+        rows += [(ch.seq.slot, ch.seq, lv, n) for ch, lv, n in zip(chunks, chunk_lives, budgets) if ch.last]
         # A fault in the mixed call fails the requests whose chunks it read (the decode rows beside
         # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
         self._touched = {ch.seq.rid for ch in chunks}
-        scan = {s.rid for s in seqs} | {ch.seq.rid for ch in chunks if ch.last}
         t0 = time.perf_counter()
         pending = self.runner.dispatch(chunks, chunk_lives, budgets, seqs, lives, steps,
-                                       on_scan=lambda: self._touched.update(scan))
+                                       on_scan=lambda: self._touched.update(seq.rid for _, seq, _, _ in rows))
         self.scans += 1
-        rows = [(s.slot, s, lv, min(steps, s.remaining)) for s, lv in zip(seqs, lives)]
-        rows += [(ch.seq.slot, ch.seq, lv, n) for ch, lv, n in zip(chunks, chunk_lives, budgets) if ch.last]
         return _Flight(pending=pending, chunks=chunks, chunk_lives=chunk_lives, rows=rows,
                        touched=set(self._touched), t0=t0)
 
     def _chain(self) -> Optional["_Flight"]:
         """The next decode scan, dispatched before the flight under way is read, when nothing but
-        decoding is to be done: no request waits or prefills, no row is constrained (its next
-        mask needs its last token), and the pool has the pages both scans may fill. It goes on
-        from the flight's slots on the device; a row that the flight ends (stop token, length)
-        is not live there, and a row the host ends on reading the flight (a stop string, a
-        cancel) decodes tokens that are dropped. None when not."""
-        fl = self._flight
+        decoding is to be done: no request prefills or is constrained (its next mask needs its
+        last token), the pool has the pages both scans may fill, and no request waits for a slot
+        that the flight may free: while requests wait, every slot must be taken and no row of the
+        flight may reach its max_new_tokens in it. (A row the flight ends early, by a stop token,
+        a stop string or a cancel, gives its slot to the oldest waiting request one scan later;
+        while requests wait, scans are `busy_decode_steps` long.)
+
+        The scan goes on from the flight's slots on the device; a row that the flight ends (stop
+        token, length) is not live there, and a row the host ends on reading the flight (a stop
+        string, a cancel) decodes tokens that are dropped. None when not."""
+        fl, scheduler = self._flight, self.scheduler
         self._chain_touched: set[int] = set()
-        if (fl is None or self.dead is not None or not self.runner.can_chain() or self.scheduler.waiting
-                or any(not ch.last for ch in fl.chunks)):
+        waiting = bool(scheduler.waiting)
+        if (fl is None or self.dead is not None or not self.runner.can_chain() or self._constrained
+                or any(not ch.last for ch in fl.chunks) or waiting and len(scheduler.running) < self.max_slots):
             return None
-        flying = {id(seq) for _, seq, _, _ in fl.rows}
-        if any(s.state == PREFILL and id(s) not in flying for s in self.scheduler.running):
-            return None
-        if any(lv.matcher is not None or lv.prompt_logprobs is not None and lv.seq.state == PREFILL
-               for _, _, lv, _ in fl.rows):
-            return None
-        steps = self._steps_wanted()
-        grow, page = [], self.page_size
+        if any(s.state == PREFILL for s in scheduler.running):  # (most iterations: none)
+            flying = {id(seq) for _, seq, _, _ in fl.rows}  # (joining in it: decoding after it)
+            if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
+                return None
+        steps, page, S = self._steps_wanted(), self.page_size, self.max_slots
+        caps, limits, rows, lacking, short = [0] * S, [0] * S, [], [], 0
         for slot, seq, lv, cap in fl.rows:
             if lv.req.done or seq.state == DONE:
                 continue  # its slot decodes nothing (trash pages, no budget)
             left = seq.max_new_tokens - len(seq.generated) - cap  # at least this many after the flight
             if left <= 0:
+                if waiting:
+                    return None  # the flight may free its slot: the next iteration admits to it
                 continue
             n = min(steps, left)
-            end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
-            grow.append((slot, seq, lv, n, max(0, kv.pages_for(end, page) - len(seq.pages))))
-        if not grow or sum(g[4] for g in grow) > self.pool.available():
-            return None
-        S = self.max_slots
-        caps, limits = [0] * S, [0] * S
-        for slot, seq, lv, n, short in grow:
-            if short:
-                seq.pages += self.pool.allocate(short)
             caps[slot], limits[slot] = n, seq.max_new_tokens
-        table = self.runner.page_table((slot, seq.pages) for slot, seq, _, _, _ in grow)
-        caps, limits = np.array(caps, np.int32), np.array(limits, np.int32)
-        self._chain_touched = {seq.rid for _, seq, _, _, _ in grow}
+            rows.append((slot, seq, lv, n))
+            end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
+            lacks = kv.pages_for(end, page) - len(seq.pages)
+            if lacks > 0:
+                lacking.append((seq, lacks))
+                short += lacks
+        if not rows or short > self.pool.available():
+            return None
+        for seq, lacks in lacking:
+            seq.pages += self.pool.allocate(lacks)
+        # (the flight's table as it was, when every row goes on with the pages it had)
+        table = self.runner.page_table(((slot, seq.pages) for slot, seq, _, _ in rows),
+                                       unchanged=not lacking and len(rows) == len(fl.rows))
+        self._chain_touched = {seq.rid for _, seq, _, _ in rows}
+        caps_limits = np.array([caps, limits], np.int32)
         t0 = time.perf_counter()
-        pending = self.runner.chain(table, caps, limits, any(lv.n_top > 0 for _, _, lv, _, _ in grow))
+        pending = self.runner.chain(table, caps_limits[0], caps_limits[1], any(lv.n_top > 0 for _, _, lv, _ in rows),
+                                    steps)
         self.scans += 1
-        return _Flight(pending=pending, chunks=[], chunk_lives=[], rows=[(slot, seq, lv, n) for slot, seq, lv, n, _ in grow],
-                       touched=set(self._chain_touched), t0=t0)
+        return _Flight(pending=pending, chunks=[], chunk_lives=[], rows=rows, touched=set(self._chain_touched), t0=t0)
 
     def _drop(self, flight: "_Flight") -> None:
         """A dispatched flight whose results are lost (the one before it failed): its requests are
@@ -518,14 +535,14 @@ class Engine:
         its last token), fewer while requests wait for a slot, and while a slot is free only as
         many as last about `admission_wait` seconds (a request arriving then takes the slot after
         this scan; a client that sends its next request when its last one ends arrives just then)."""
-        if any(lv.matcher is not None for lv in self._live.values()):
+        if self._constrained:
             return 1
         if self.scheduler.waiting:
             return self.busy_decode_steps
         if len(self.scheduler.running) < self.max_slots:
             if self.step_seconds is None:
                 return min(self.busy_decode_steps, self.decode_steps)
-            return int(np.clip(self.admission_wait // self.step_seconds, 1, self.decode_steps))
+            return max(1, min(int(self.admission_wait // self.step_seconds), self.decode_steps))
         return self.decode_steps
 
     def run_until_idle(self) -> None:
@@ -671,39 +688,40 @@ class Engine:
     def _collect(self, fl: "_Flight") -> None:
         """Read a flight's results and hand each request its tokens."""
         out = self.runner.collect(fl.pending)
-        dec = out.decode
-        ran = int(np.any(dec.count > 0, axis=1).sum())  # steps that decoded (the mixed call's included)
-        now = time.perf_counter()
-        if ran:  # the device's time for it: from its dispatch, or from the last flight read if later
-            per_step = (now - max(fl.t0, self._last_collect)) / ran
-            self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
-        self._last_collect = now
-        # Every slot's column as Python lists, made once per flight; a slot's tokens are the
-        # steps where it emitted (count 1).
-        counts, tokens, logprobs = dec.count.T.tolist(), dec.tokens.T.tolist(), dec.logprobs.T.tolist()
-
-        def decoded(lv: Live, slot: int):
-            c = counts[slot]
-            toks, lps = list(itertools.compress(tokens[slot], c)), list(itertools.compress(logprobs[slot], c))
-            if not lv.n_top:  # (its alternatives are never read: one shared empty tuple per token)
-                return toks, lps, [()] * len(toks)
-            at = [t for t, x in enumerate(c) if x]
-            ids, top_lps = dec.top[0][at, slot, :lv.n_top].tolist(), dec.top[1][at, slot, :lv.n_top].tolist()
-            return toks, lps, [list(zip(i, p)) for i, p in zip(ids, top_lps)]
-
+        block = out.decode.by_slot()  # every slot's tokens as lists, made in one pass
+        self._time_steps(block, fl.t0)
         for i, (ch, lv) in enumerate(zip(fl.chunks, fl.chunk_lives)):
             if lv.req.done or ch.seq.state == DONE:
                 continue  # cancelled while its chunk was on the device
             self.scheduler.prefilled(ch)
-            if ch.last:
-                f = out.first
-                first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
-                toks, lps, tops = decoded(lv, ch.seq.slot)
-                self._emit(lv, [int(f.first[i])] + toks, [float(f.first_logprob[i])] + lps, [first_top] + tops)
+            if ch.last:  # the token sampled after its chunk, then the scan's
+                f, slot = out.first, ch.seq.slot
+                tokens = [int(f.first[i])] + block.tokens[slot]
+                logprobs = [float(f.first_logprob[i])] + block.logprobs[slot]
+                if lv.continues_plainly(tokens):
+                    self._emit_plainly(lv, tokens, logprobs)
+                else:
+                    first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
+                    self._emit(lv, tokens, logprobs, [first_top] + block.tops(slot, lv.n_top))
         joined = {id(ch.seq) for ch in fl.chunks}
         for slot, seq, lv, _ in fl.rows:
-            if id(seq) not in joined and not lv.req.done:
-                self._emit(lv, *decoded(lv, slot))
+            if seq.state == DONE or id(seq) in joined:
+                continue  # ended (or cancelled) since it was dispatched; or handed its tokens above
+            tokens, logprobs = block.tokens[slot], block.logprobs[slot]
+            if lv.continues_plainly(tokens):  # most rows: nothing ends, no per-token work
+                self._emit_plainly(lv, tokens, logprobs)
+            else:
+                self._emit(lv, tokens, logprobs, block.tops(slot, lv.n_top))
+
+    def _time_steps(self, block, t0: float) -> None:
+        """Update `step_seconds` from a flight's decode steps and the time since its dispatch (or
+        since the last flight was read, if later: the device ran that one first)."""
+        ran = block.steps_run  # steps that decoded (the mixed call's included)
+        now = time.perf_counter()
+        if ran:
+            per_step = (now - max(t0, self._last_collect)) / ran
+            self.step_seconds = per_step if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * per_step
+        self._last_collect = now
 
     # ---- faults -------------------------------------------------------------------------------
     def _recover(self, touched: set[int], error: Exception, fail: bool = True) -> None:
@@ -745,11 +763,16 @@ class Engine:
 
     def _fail(self, lv: Live, message: str, error_type: type = EngineError) -> None:
         self.scheduler.finish(lv.seq)
-        self._live.pop(lv.seq.rid, None)
+        self._forget(lv)
         self.requests_failed += 1
         lv.req.fail(message, error_type)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
+    def _forget(self, lv: Live) -> None:
+        """The request has ended: the engine no longer holds it."""
+        self._live.pop(lv.seq.rid, None)
+        self._constrained.discard(lv.seq.rid)
+
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
@@ -759,6 +782,8 @@ class Engine:
                     item.req.fail(f"the engine failed: {self.dead}")
                     continue
                 self._live[item.seq.rid] = item
+                if item.matcher is not None:
+                    self._constrained.add(item.seq.rid)
                 self.scheduler.add(item.seq)
             elif item in self._live:
                 self._finish(self._live[item], "cancelled")
@@ -779,11 +804,18 @@ class Engine:
         else:
             lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
 
+    def _emit_plainly(self, lv: Live, tokens: list[int], logprobs: list[float]) -> None:
+        """`_emit` for tokens that a plain request takes without ending (`Live.continues_plainly`):
+        no stop token, grammar, penalty counts, alternatives or stop strings to look at."""
+        self.scheduler.sampled_many(lv.seq, tokens)
+        self.tokens_generated += len(tokens)
+        lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
+
     def _finish(self, lv: Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
         if lv.req.done:
             return
         self.scheduler.finish(lv.seq)
-        self._live.pop(lv.seq.rid, None)
+        self._forget(lv)
         self.requests_finished += 1
         completion = lv.completion(reason)
         lv.req.push(lv.delta(list(tokens), list(logprobs), list(tops), reason), completion)

@@ -60,7 +60,11 @@ class Request:
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self._drive, self._running, self._on_cancel = drive, running, on_cancel
-        self._cond = threading.Condition()
+        # One lock guards the deltas and the end; readers wait on a condition of it. `push` (once
+        # per request and engine iteration) takes the lock itself, without the condition's
+        # Python-level wrapper.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._deltas: list[Delta] = []
         self._completion: Optional[Completion] = None
         self._error: Optional[str] = None
@@ -180,7 +184,7 @@ class Request:
         Completion."""
         if (delta[0] if type(delta) is tuple else delta.token_ids) and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        with self._cond:
+        with self._lock:
             self._deltas.append(delta)
             if completion is not None:
                 self._completion = completion

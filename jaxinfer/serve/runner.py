@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import os
 import threading
 import time
@@ -103,13 +104,51 @@ class DecodeOut:
     count: np.ndarray  # 1 where the slot emitted at that step
     top: Optional[tuple[np.ndarray, np.ndarray]]  # ([n_steps, slots, n], ...) when asked
 
+    def by_slot(self) -> "SlotTokens":
+        """Every slot's emitted tokens as Python lists: the block is read once (`tolist`), and the
+        per-slot work is list slicing (a numpy call per slot would cost more than all of it)."""
+        counts, tokens, logprobs = self.count.T.tolist(), self.tokens.T.tolist(), self.logprobs.T.tolist()
+        for s, c in enumerate(counts):
+            n = len(c) - c.count(0)
+            if n == len(c):
+                continue  # it emitted at every step
+            if 0 not in c[:n]:  # at the first n steps (a slot that decoded from the start and ended)
+                tokens[s], logprobs[s] = tokens[s][:n], logprobs[s][:n]
+            else:  # at some steps (a slot that joined after the first)
+                tokens[s], logprobs[s] = list(itertools.compress(tokens[s], c)), list(itertools.compress(logprobs[s], c))
+        return SlotTokens(tokens=tokens, logprobs=logprobs, counts=counts, top=self.top,
+                          steps_run=sum(map(any, self.count.tolist())))
+
+
+@dataclasses.dataclass
+class SlotTokens:
+    """An iteration's decode results per slot (`DecodeOut.by_slot`): slot s emitted tokens[s]
+    with logprobs[s], in step order."""
+
+    tokens: list[list[int]]  # [S][n_s]
+    logprobs: list[list[float]]  # [S][n_s]
+    counts: list[list[int]]  # [S][n_steps]: 1 where the slot emitted at that step
+    top: Optional[tuple[np.ndarray, np.ndarray]]  # DecodeOut.top
+    steps_run: int  # steps at which some slot emitted
+
+    def tops(self, slot: int, n_top: int) -> list:
+        """The slot's tokens' top `n_top` alternatives, [(token id, logprob)] per token (one shared
+        empty tuple per token when n_top is 0: nobody reads them)."""
+        if not n_top:
+            return [()] * len(self.tokens[slot])
+        at = [t for t, x in enumerate(self.counts[slot]) if x]
+        ids, lps = self.top[0][at, slot, :n_top].tolist(), self.top[1][at, slot, :n_top].tolist()
+        return [list(zip(i, p)) for i, p in zip(ids, lps)]
+
 
 @dataclasses.dataclass
 class Pending:
     """A dispatched iteration: its results on the device, on their way to the host (`Runner.collect`)."""
 
     want_top: bool  # some slot's request wants its top alternatives
-    results: list = dataclasses.field(default_factory=list)  # (steps, packed Emitted) of its calls, in order
+    # (steps, packed Emitted [n_steps, S, ...]) of its calls, in order: only the first `steps`
+    # of a call's n_steps can hold tokens (its rows' budgets), so only those are read
+    results: list = dataclasses.field(default_factory=list)
     first: Optional[tuple] = None  # the chunk rows' first tokens (packed), when it had chunks
     rows: int = 0  # chunk rows of its mixed call
 
@@ -277,10 +316,16 @@ class Runner:
         self._idle_row = self.pack_row(None)
         self._table = (np.tile(self._idle_row[0], (max_slots, 1)), np.tile(self._idle_row[1], (max_slots, 1)))
         self._occupant: list[Optional[int]] = [None] * max_slots  # request id whose row each slot holds
+        self._floats: Optional[np.ndarray] = None  # the float table as last sent (None: changed since)
+        self._no_limit = np.full((max_slots,), NO_LIMIT, np.int32)  # a scan's caps when its limits say it all
         self._pages = np.zeros((max_slots, self.width), np.int32)  # the last call's page table (`page_table`)
         self._pages_held: list[tuple] = [(None, 0)] * max_slots  # (page list, length) each row of it holds
+        self._sent_pages: Optional[np.ndarray] = None  # the copy of it the last call was given
         self._cols = {name: self.packing.columns(name)[1] for name in
                       ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
+        # The int columns `_tables` writes from a call's moving values (one column each).
+        self._moving_cols = [self._cols[name].start for name in
+                             ("tokens", "lengths", "rows.budget", "rows.steps", "generated")]
         self._all_allowed = None  # [S, U] mask allowing every token, on the device (made on first use)
         self._carry = None  # the last call's slots on the device (ints, floats, mask), for `chain`
         # The slots' steering (`steering.py`): host hooks written per slot, sent when they change.
@@ -434,34 +479,42 @@ class Runner:
             lv.packed_row = row
         return row
 
-    def _tables(self, by_slot: list, tokens, lengths, table, budgets, steps) -> tuple[np.ndarray, np.ndarray]:
+    def _tables(self, by_slot: list, moving: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The two packed tables of this call: each slot's row (rewritten where its request
-        changed) with this call's tokens, lengths, page table, steps and budgets."""
+        changed) with this call's moving columns (`moving` [4, S]: tokens, lengths, budgets and
+        steps so far) and page table [S, W]."""
         ti, tf = self._table
         for s, lv in enumerate(by_slot):
             rid = None if lv is None else lv.seq.rid
             if self._occupant[s] != rid:
-                ti[s], tf[s] = self.pack_row(lv)
+                ti[s], tf[s] = self._idle_row if lv is None else self.pack_row(lv)
                 self._occupant[s] = rid
+                self._floats = None
                 if self._steer is not None:
                     steer.write_row(self._steer, s, None if lv is None else lv.steering, self.steering)
                     self._steer_device = None
-        ints = ti.copy()  # the call may read its arguments after this returns: never the live table
-        c = self._cols
-        ints[:, c["tokens"]], ints[:, c["lengths"]] = tokens[:, None], lengths[:, None]
-        ints[:, c["page_table"]], ints[:, c["rows.budget"]] = table, budgets[:, None]
-        ints[:, c["rows.steps"]] = ints[:, c["generated"]] = steps[:, None]
-        return ints, tf.copy()
+        # The call may read its arguments after this returns: never the live tables. No float
+        # column moves, so the float table's copy is sent again until a slot's request changes.
+        ints = ti.copy()
+        ints[:, self._moving_cols] = moving[[0, 1, 2, 3, 3]].T  # steps so far is also TokenCounts.generated
+        ints[:, self._cols["page_table"]] = table
+        if self._floats is None:
+            self._floats = tf.copy()
+        return ints, self._floats
 
-    def page_table(self, rows) -> np.ndarray:
+    def page_table(self, rows, unchanged: bool = False) -> np.ndarray:
         """The slots' page table [S, W] for a call: (slot, pages) for each slot that has pages,
         zeros (the trash page) elsewhere. Rewritten where a slot's pages changed since the last
         call: a request's page list only grows in place, or is replaced (admission, release).
 
         Args:
           rows: (slot, pages) pairs, pages a request's list of page ids.
+          unchanged: the caller knows these are the last table's slots with the same pages: the
+            last table is returned as it is (no call changes its arguments).
         Returns:
-          A fresh [S, W] int32 array (the call may read it after this returns)."""
+          An [S, W] int32 array that nothing writes to (the call may read it after this returns)."""
+        if unchanged and self._sent_pages is not None:
+            return self._sent_pages
         table, held = self._pages, self._pages_held
         seen = set()
         for slot, pages in rows:
@@ -475,10 +528,12 @@ class Runner:
                 table[slot] = 0
                 table[slot, :len(pages)] = pages
             held[slot] = (pages, len(pages))
-        for slot in range(self.max_slots):
-            if slot not in seen and held[slot][1]:
-                table[slot], held[slot] = 0, (None, 0)
-        return table.copy()
+        if len(seen) < self.max_slots:
+            for slot in range(self.max_slots):
+                if slot not in seen and held[slot][1]:
+                    table[slot], held[slot] = 0, (None, 0)
+        self._sent_pages = table.copy()
+        return self._sent_pages
 
     def _mask(self, lives: list) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
@@ -545,22 +600,23 @@ class Runner:
         is called just before the scan (the engine's fault bookkeeping). Returns at once: the
         results are copied to the host meanwhile (`collect` waits for them)."""
         S = self.max_slots
-        by_slot, tokens, lengths, budgets, pages = [None] * S, [0] * S, [0] * S, [0] * S, []
+        by_slot, pages = [None] * S, []
+        # The columns that move, per slot: its last token, filled positions, budget, tokens so far.
+        tokens, lengths, budgets, sampled = [0] * S, [0] * S, [0] * S, [0] * S
         for s, lv in zip(seqs, lives):
-            slot = s.slot
-            by_slot[slot], tokens[slot], lengths[slot], budgets[slot] = lv, s.generated[-1], s.computed, min(
-                steps, s.remaining)
+            slot, n = s.slot, len(s.generated)
+            by_slot[slot], tokens[slot], lengths[slot] = lv, s.generated[-1], s.computed
+            budgets[slot], sampled[slot] = min(steps, s.max_new_tokens - n), n
             pages.append((slot, s.pages))
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
             slot = ch.seq.slot
-            by_slot[slot], lengths[slot] = lv, ch.start
+            by_slot[slot], lengths[slot], sampled[slot] = lv, ch.start, len(ch.seq.generated)
             if ch.last:  # it decodes on from here: its pages and budget in the decode rows
                 pages.append((slot, ch.seq.pages))
                 budgets[slot] = n
         table = self.page_table(pages)
-        tokens, lengths, budgets = (np.array(x, np.int32) for x in (tokens, lengths, budgets))
-        steps_so_far = np.array([0 if lv is None else len(lv.seq.generated) for lv in by_slot], np.int32)
-        ints, floats = self._tables(by_slot, tokens, lengths, table, budgets, steps_so_far)
+        moving = np.array([tokens, lengths, budgets, sampled], np.int32)  # [4, S]
+        ints, floats = self._tables(by_slot, moving, table)
         counts, mask = self._counts(by_slot), self._mask(by_slot)
         pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
@@ -574,9 +630,8 @@ class Runner:
             # Budgets as limits on the tokens sampled in all: the scan goes on from the mixed
             # call's slots, whose rows have sampled one token of their budget there already.
             self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
-                                                                np.full((S,), NO_LIMIT, np.int32),
-                                                                steps_so_far + budgets)
-            pending.results.append((self.decode_steps, em))
+                                                                self._no_limit, moving[3] + moving[2])
+            pending.results.append((steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = (ints, floats, mask)
         return pending.start_copies(self.on_host)
@@ -591,25 +646,27 @@ class Runner:
         """A last call's slots are on the device for `chain` (no scoring call or fault since)."""
         return self._carry is not None
 
-    def chain(self, table: np.ndarray, caps: np.ndarray, limits: np.ndarray, want_top: bool) -> "Pending":
+    def chain(self, table: np.ndarray, caps: np.ndarray, limits: np.ndarray, want_top: bool, steps: int
+              ) -> "Pending":
         """Start a decode scan that goes on from the last call's slots as they are on the device
         (their last tokens, lengths, keys, counters, settings), before the host has read that
         call's results: the host never makes the device wait. The slots' pages are `table`
         [S, W] (grown for the tokens both calls may sample); slot s samples at most caps[s]
-        tokens, and stops at limits[s] tokens in all (its request's max_new_tokens)."""
+        tokens, and stops at limits[s] tokens in all (its request's max_new_tokens); `steps`: the
+        largest cap."""
         ints, floats, mask = self._carry
         self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, ints, floats, mask,
                                                             table, caps, limits)
         self.spare_counts, self._carry = counts, (ints, floats, mask)
         pending = Pending(want_top=want_top)
-        pending.results.append((self.decode_steps, em))
+        pending.results.append((steps, em))
         return pending.start_copies(self.on_host)
 
     def collect(self, pending: "Pending") -> StepOut:
         """Wait for a dispatched iteration's results; host arrays (`StepOut`)."""
         cols = _emitted_columns(MAX_TOP_LOGPROBS)
-        ints = [shd.to_host(em[0]) for _, em in pending.results]  # [steps, S, n_i] per call
-        floats = [shd.to_host(em[1]) for _, em in pending.results]
+        ints = [shd.to_host(em[0])[:steps] for steps, em in pending.results]  # [steps, S, n_i] per call
+        floats = [shd.to_host(em[1])[:steps] for steps, em in pending.results]
         ints = ints[0] if len(ints) == 1 else np.concatenate(ints, axis=0)
         floats = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=0)
         dec = DecodeOut(tokens=ints[:, :, cols["tokens"]], logprobs=floats[:, :, cols["logprobs"]],
@@ -632,14 +689,17 @@ class Runner:
                 ((R, C) for R, C in self.wide if R >= n and C >= longest and self._ready((R, C))),
                 key=lambda s: s[0] * s[1])
         R, C = shape
-        tokens, starts, n_real = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), np.zeros((R,), np.int32)
-        last, slots = np.zeros((R,), bool), np.full((R,), self.max_slots, np.int32)
-        table = np.zeros((R, self.width), np.int32)
-        for i, ch in enumerate(chunks):
-            tokens[i, :ch.n] = ch.seq.context[ch.start:ch.start + ch.n]
-            starts[i], n_real[i], last[i], slots[i] = ch.start, ch.n, ch.last, ch.seq.slot
-            table[i, :len(ch.seq.pages)] = ch.seq.pages
-        return core.Chunks(tokens=tokens, starts=starts, n_real=n_real, last=last, slots=slots, page_table=table)
+        # Built as Python lists, one array per field (a numpy call per chunk and field costs more).
+        pad, W = R - len(chunks), self.width
+        tokens = [ch.seq.context[ch.start:ch.start + ch.n] for ch in chunks]
+        tokens = np.array([t + [0] * (C - len(t)) for t in tokens] + [[0] * C] * pad, np.int32)
+        table = np.array([ch.seq.pages + [0] * (W - len(ch.seq.pages)) for ch in chunks] + [[0] * W] * pad, np.int32)
+        # (padding rows: nothing real, at slot max_slots, one past the last)
+        rows = np.array([[ch.start for ch in chunks] + [0] * pad, [ch.n for ch in chunks] + [0] * pad,
+                         [ch.last for ch in chunks] + [False] * pad, [ch.seq.slot for ch in chunks] + [self.max_slots] * pad],
+                        np.int32)
+        return core.Chunks(tokens=tokens, starts=rows[0], n_real=rows[1], last=rows[2] != 0, slots=rows[3],
+                           page_table=table)
 
     # ---- warmup ---------------------------------------------------------------------------------
     def _builds(self, shapes: list[tuple[int, int]], scoring: bool, decode: bool) -> list[tuple[tuple, Callable]]:
@@ -777,7 +837,7 @@ class Runner:
             times = []
             for _ in range(2 if self.measure_call_rows else 1):
                 z = np.zeros((S,), np.int32)
-                ints, floats = self._tables(idle, z, z, np.zeros((S, self.width), np.int32), z, z)
+                ints, floats = self._tables(idle, np.zeros((4, S), np.int32), np.zeros((S, self.width), np.int32))
                 counts, mask = self._counts(idle), self._mask(idle)
                 t0 = time.perf_counter()
                 self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask,

@@ -36,7 +36,7 @@ from jaxinfer.serve.pages import PagePool, prefix_hashes
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Seq:
     """One request as the scheduler sees it."""
 
@@ -52,6 +52,7 @@ class Seq:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     recompute_from: Optional[int] = None  # prompt logprobs wanted from this position: no cache hits after it
     cache_salt: bytes = b""  # prefix-cache keys start from this (steered requests: their steering's key)
+    prompt_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full prompt pages (`_prompt_keys`)
 
     @property
     def remaining(self) -> int:
@@ -104,21 +105,33 @@ class Scheduler:
     # ---- one iteration ------------------------------------------------------------------------
     def schedule(self, steps: int = 1) -> Plan:
         """Plan one iteration whose decode scan runs up to `steps` steps (fewer if pages run short)."""
-        steps, preempted = self._grow_decodes(steps)
-        admitted = self._admit()
-        return Plan(prefill=self._chunks(), decode=[s for s in self.running if s.state == DECODE],
-                    preempted=preempted, admitted=admitted, steps=steps)
+        decoding = [s for s in self.running if s.state == DECODE]
+        steps, preempted = self._grow_decodes(decoding, steps)
+        if preempted:
+            decoding = [s for s in decoding if s.state == DECODE]
+        admitted = self._admit()  # (admitted requests prefill first: none decodes yet)
+        return Plan(prefill=self._chunks(), decode=decoding, preempted=preempted, admitted=admitted, steps=steps)
 
-    def _pages_short(self, steps: int) -> int:
-        """Pages the decoding requests lack for a scan of `steps` steps."""
-        return sum(max(0, pages_for(s.computed + min(steps, max(s.remaining, 1)), self.page_size) - len(s.pages))
-                   for s in self.running if s.state == DECODE)
+    def _lacking(self, decoding: list[Seq], steps: int) -> list[int]:
+        """Pages each decoding request lacks for a scan of `steps` steps."""
+        ps = self.page_size
+        return [max(0, pages_for(s.computed + min(steps, max(s.max_new_tokens - len(s.generated), 1)), ps)
+                    - len(s.pages)) for s in decoding]
 
-    def _grow_decodes(self, steps: int) -> tuple[int, list[Seq]]:
-        while steps > 1 and self._pages_short(steps) > self.pool.available():
+    def _grow_decodes(self, decoding: list[Seq], steps: int) -> tuple[int, list[Seq]]:
+        """Pages for `steps` steps of the decoding requests (fewer steps if pages run short;
+        preempting the newest requests if even one step does not fit). Returns (steps, preempted)."""
+        lacking = self._lacking(decoding, steps)
+        while steps > 1 and sum(lacking) > self.pool.available():
             steps //= 2
-        preempted = []
-        for seq in [s for s in self.running if s.state == DECODE]:
+            lacking = self._lacking(decoding, steps)
+        if sum(lacking) <= self.pool.available():  # (most iterations) every request gets its pages
+            for seq, n in zip(decoding, lacking):
+                if n:
+                    seq.pages += self.pool.allocate(n)
+            return steps, []
+        preempted = []  # the oldest requests first, the newest preempted for them
+        for seq in decoding:
             if seq.state != DECODE:  # preempted below while serving an older request
                 continue
             while pages_for(seq.computed + min(steps, max(seq.remaining, 1)), self.page_size) > len(seq.pages):
@@ -154,7 +167,9 @@ class Scheduler:
             cached, hashes = [], []
             if self.prefix_cache:  # full pages only, and never the last token (its logits are needed)
                 usable = len(ctx) - 1 if seq.recompute_from is None else max(0, seq.recompute_from - 1)
-                hashes = prefix_hashes(ctx, self.page_size, usable // self.page_size, seq.cache_salt)
+                n = usable // self.page_size
+                hashes = (self._prompt_keys(seq, n) if not seq.generated
+                          else prefix_hashes(ctx, self.page_size, n, seq.cache_salt))
                 cached = self.pool.match(hashes)
                 if len(cached) < len(hashes) and hashes[len(cached)] in coming:
                     # its next prefix page is being computed by a request admitted earlier: wait
@@ -186,7 +201,7 @@ class Scheduler:
                 n = (len(seq.prompt) - 1) // self.page_size
                 done = seq.computed // self.page_size
                 if done < n:
-                    out.update(prefix_hashes(seq.prompt, self.page_size, n, seq.cache_salt)[done:])
+                    out.update(self._prompt_keys(seq, n)[done:])
         return out
 
     def _chunks(self) -> list[Chunk]:
@@ -221,8 +236,18 @@ class Scheduler:
         if self.prefix_cache:
             # Only prompt pages: their keys/values came from a prefill, as a later request's would.
             full = min(seq.computed, len(seq.prompt)) // self.page_size
-            for i, h in enumerate(prefix_hashes(seq.prompt, self.page_size, full, seq.cache_salt)):
+            for i, h in enumerate(self._prompt_keys(seq, full)):
                 self.pool.register(h, seq.pages[i])
+
+    def _prompt_keys(self, seq: Seq, n: int) -> list[bytes]:
+        """The prefix-cache keys of seq's first n full prompt pages (`prefix_hashes`), each
+        computed once per request: the chain of keys goes on from the last one kept."""
+        have = len(seq.prompt_keys)
+        if have < n:
+            ps = self.page_size
+            seq.prompt_keys += prefix_hashes(seq.prompt[have * ps:], ps, n - have,
+                                             seq.prompt_keys[-1] if have else seq.cache_salt)
+        return seq.prompt_keys[:n]
 
     def sampled(self, seq: Seq, token: int) -> None:
         """A new token was sampled for seq (after its last prefill chunk or a decode step)."""
