@@ -254,10 +254,11 @@ def test_peak_rss_sees_an_allocation_inside_the_block():
 @pytest.fixture(scope="module")
 def device_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("device")
-    stage_s = []  # what JAX itself reports for tracing, lowering and compiling: an independent clock
+    stage_s = []  # what JAX reports for tracing, lowering and compiling, and the program store for
+    # loading a program whole: an independent clock
 
     def listen(event, duration_s, **kwargs):
-        if event in compile_cache._COMPILE_STAGE_EVENTS:
+        if event in compile_cache._COMPILE_STAGE_EVENTS or event == compile_cache.STORE_LOAD_EVENT:
             stage_s.append(duration_s)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
