@@ -388,41 +388,38 @@ class Engine:
         never waits for the host; otherwise: admit, then one mixed call (new prompts' chunks
         beside a decode step of every slot) and a decode scan for the rest of the iteration,
         whose results the next step reads. False when idle."""
-        with self._step_lock, CompileCounter() as compiles:  # (as `_counting_compiles`, less a generator)
+        with self._step_lock, self._counting_compiles():
+            self._drain_inbox()
+            if self.dead is not None or (self._flight is None and self.scheduler.idle()):
+                return False
+            chained, error = None, None
             try:
-                self._drain_inbox()
-                if self.dead is not None or (self._flight is None and self.scheduler.idle()):
-                    return False
-                chained, error = None, None
+                chained = self._chain()
+            except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
+                error = e
+            if self._flight is not None:
+                flight, self._flight = self._flight, None
                 try:
-                    chained = self._chain()
-                except Exception as e:  # noqa: BLE001 - failed after its flight is read (below)
-                    error = e
-                if self._flight is not None:
-                    flight, self._flight = self._flight, None
-                    try:
-                        self._collect(flight)
-                    except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
-                        if chained is not None:  # it went on from this flight's device state: lost too
-                            self._drop(chained)
-                            chained = None
-                        self._recover(flight.touched, e)
-                if error is not None:
-                    self._recover(self._chain_touched, error)
-                if chained is not None:
-                    self._flight = chained
-                elif error is None and self.dead is None:
-                    self._touched: set[int] = set()  # requests of the device call under way
-                    try:
-                        self._flight = self._dispatch()
-                    except Exception as e:  # noqa: BLE001
-                        # Raised before any call was built (scheduling, picking chunks): the same plan
-                        # would raise again next step, so every request it could hold fails, loudly.
-                        self._recover(self._touched or set(self._live), e)
-                self.steps += 1
-                return True
-            finally:
-                self.compiles_while_serving += compiles.count
+                    self._collect(flight)
+                except Exception as e:  # noqa: BLE001 - any fault inside a step: fail its requests, recover
+                    if chained is not None:  # it went on from this flight's device state: lost too
+                        self._drop(chained)
+                        chained = None
+                    self._recover(flight.touched, e)
+            if error is not None:
+                self._recover(self._chain_touched, error)
+            if chained is not None:
+                self._flight = chained
+            elif error is None and self.dead is None:
+                self._touched: set[int] = set()  # requests of the device call under way
+                try:
+                    self._flight = self._dispatch()
+                except Exception as e:  # noqa: BLE001
+                    # Raised before any call was built (scheduling, picking chunks): the same plan
+                    # would raise again next step, so every request it could hold fails, loudly.
+                    self._recover(self._touched or set(self._live), e)
+            self.steps += 1
+            return True
 
     def _dispatch(self) -> Optional["_Flight"]:
         """Schedule an iteration and start its calls (scoring calls run to the end here)."""
@@ -447,7 +444,7 @@ class Engine:
                 lv = self._live[s.rid]
                 seqs.append(s)
                 lives.append(lv)
-                rows.append((s.slot, s, lv, min(steps, s.max_new_tokens - len(s.generated))))
+                rows.append((s.slot, s, lv, min(steps, s.remaining)))
         if not (chunks or seqs):
             return None
         rows += [(ch.seq.slot, ch.seq, lv, n) for ch, lv, n in zip(chunks, chunk_lives, budgets) if ch.last]

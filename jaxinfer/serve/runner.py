@@ -117,7 +117,7 @@ class DecodeOut:
             else:  # at some steps (a slot that joined after the first)
                 tokens[s], logprobs[s] = list(itertools.compress(tokens[s], c)), list(itertools.compress(logprobs[s], c))
         return SlotTokens(tokens=tokens, logprobs=logprobs, counts=counts, top=self.top,
-                          steps_run=sum(map(any, self.count.tolist())))
+                          steps_run=sum(map(any, zip(*counts))))  # steps at which some slot emitted
 
 
 @dataclasses.dataclass
@@ -836,7 +836,6 @@ class Runner:
         for R, C in shapes:
             times = []
             for _ in range(2 if self.measure_call_rows else 1):
-                z = np.zeros((S,), np.int32)
                 ints, floats = self._tables(idle, np.zeros((4, S), np.int32), np.zeros((S, self.width), np.int32))
                 counts, mask = self._counts(idle), self._mask(idle)
                 t0 = time.perf_counter()

@@ -115,7 +115,7 @@ class Scheduler:
     def _lacking(self, decoding: list[Seq], steps: int) -> list[int]:
         """Pages each decoding request lacks for a scan of `steps` steps."""
         ps = self.page_size
-        return [max(0, pages_for(s.computed + min(steps, max(s.max_new_tokens - len(s.generated), 1)), ps)
+        return [max(0, pages_for(s.computed + min(steps, max(s.remaining, 1)), ps)
                     - len(s.pages)) for s in decoding]
 
     def _grow_decodes(self, decoding: list[Seq], steps: int) -> tuple[int, list[Seq]]:
