@@ -484,14 +484,16 @@ class Engine:
             if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
                 return None
         steps, page, S = self._steps_wanted(), self.page_size, self.max_slots
-        caps, limits, rows, lacking, short = [0] * S, [0] * S, [], [], 0
+        caps, limits, rows, lacking, short, gone = [0] * S, [0] * S, [], [], 0, []
         for slot, seq, lv, cap in fl.rows:
             if lv.req.done or seq.state == DONE:
-                continue  # its slot decodes nothing (trash pages, no budget)
+                gone.append(slot)  # its slot decodes nothing (trash pages, no budget)
+                continue
             left = seq.max_new_tokens - len(seq.generated) - cap  # at least this many after the flight
             if left <= 0:
                 if waiting:
                     return None  # the flight may free its slot: the next iteration admits to it
+                gone.append(slot)
                 continue
             n = min(steps, left)
             caps[slot], limits[slot] = n, seq.max_new_tokens
@@ -499,15 +501,15 @@ class Engine:
             end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
             lacks = kv.pages_for(end, page) - len(seq.pages)
             if lacks > 0:
-                lacking.append((seq, lacks))
+                lacking.append((slot, seq, lacks))
                 short += lacks
         if not rows or short > self.pool.available():
             return None
-        for seq, lacks in lacking:
+        for _, seq, lacks in lacking:
             seq.pages += self.pool.allocate(lacks)
-        # (the flight's table as it was, when every row goes on with the pages it had)
-        table = self.runner.page_table(((slot, seq.pages) for slot, seq, _, _ in rows),
-                                       unchanged=not lacking and len(rows) == len(fl.rows))
+        # The flight's page table, changed where rows grew or are gone.
+        table = self.runner.page_table_changed([(slot, seq.pages) for slot, seq, _ in lacking]
+                                               + [(slot, None) for slot in gone])
         self._chain_touched = {seq.rid for _, seq, _, _ in rows}
         caps_limits = np.array([caps, limits], np.int32)
         t0 = time.perf_counter()
