@@ -12,10 +12,13 @@ slot, in one forward (`core.mixed_step`: the weights are read once for both, as 
 llama.cpp batch them), and a multi-step decode scan (`core.decode`) over all `max_slots` slots
 for the rest of the iteration; a request whose prompt ends in the chunk decodes on in that scan.
 The host syncs once per iteration; between iterations it schedules, admits, detokenizes, checks
-stop strings and streams. While every running request just decodes, the next scan is dispatched
-from the slots as the last one left them on the device before that one's results are read, so
-the host's work overlaps the device's (`step`; tokens reach streams one scan later). The scan runs `decode_steps` steps while every slot is taken and
-nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
+stop strings and streams. While every running request just decodes, and no waiting request
+could take a slot that the scan under way may free, the next scan is dispatched from the slots
+as the last one left them on the device before that one's results are read, so the host's work
+overlaps the device's (`_chain`; tokens reach streams one scan later). Most requests need no
+per-token work on the host but detokenizing: their tokens take a plain path
+(`Live.continues_plainly`, `_emit_plainly`). The scan runs `decode_steps` steps while every
+slot is taken and nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
 replaced sooner), only about `admission_wait` seconds of steps while a slot is free (a client
 that sends its next request when its last one ends finds the slot taken by a scan otherwise:
 on the serving load test a whole 16-step scan, ~1.2 s on a CPU), and none while a prompt still

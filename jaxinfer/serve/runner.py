@@ -17,12 +17,15 @@ and replaced by its result.
 
 The host's share of an iteration is kept small (on an H200 the GPU sat idle 44% of a burst
 while the host prepared the next call): each slot's settings (sampling, key, stop ids, logit
-bias...) are packed once, when its request takes the slot, into a row of two host tables
-(`packed.Packing`: one int32 and one float32 array for ~25 per-row arrays); a call sends the
-two tables with the few columns that move (tokens, lengths, page table, steps, budgets), the
-mixed call hands its state on to the scan on the device, the results come back as two packed
-arrays whose copies start as soon as the calls are dispatched, and the programs are compiled
-ahead of time (`programs.Programs`, on worker threads at `warmup`) and called directly.
+bias...) are packed once per request, at `submit`, into a row of two tables (`packed.Packing`:
+one int32 and one float32 array for ~25 per-row arrays). The tables stay on the device from
+call to call: a call goes on from the last call's slots (`dispatch`, `chain`) and sends only
+the rows of the requests that take a slot (with their prompt chunks), every slot's page table
+and budget ([S, W] and [S]); the host builds whole tables only when the device's are gone (the
+first call, after a scoring call or a fault, with steering). The mixed call hands its state on
+to the scan on the device, the results come back as two packed arrays whose copies start as
+soon as the calls are dispatched, and the programs are compiled ahead of time
+(`programs.Programs`, on worker threads at `warmup`) and called directly.
 
 Steering (`steering.py`, an engine built with steering_slots > 0): the slots' add vectors,
 scales and layer gates are one more argument of the mixed and decode programs (`sites.Hooks`
