@@ -246,7 +246,8 @@ def mixed_program(params, cache, counts, ints, floats, mask, table, cap, limit, 
     floats = floats.at[chunks.slots].set(chunk_floats, mode="drop")
     slots = packing.unpack(ints, floats)
     budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
-    slots = slots.replace(page_table=table, rows=slots.rows.replace(budget=budget))
+    lengths = slots.lengths.at[chunks.slots].set(chunks.starts, mode="drop")  # a chunk row's: its chunk's start
+    slots = slots.replace(lengths=lengths, page_table=table, rows=slots.rows.replace(budget=budget))
     state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask, hooks), chunks, cfg, n_top,
                                        slots.top)
     ints, floats = packing.pack(_slots(state, slots.top))
@@ -524,10 +525,11 @@ class Runner:
           rows: (slot, pages) pairs, pages a request's list of page ids.
         Returns:
           An [S, W] int32 array that nothing writes to (the call may read it after this returns)."""
-        seen = set()
+        seen, held = set(), self._pages_held
         for slot, pages in rows:
             seen.add(slot)
-            self._table_row(slot, pages)
+            if held[slot][0] is not pages or held[slot][1] != len(pages):  # (most rows: unchanged)
+                self._table_row(slot, pages)
         if len(seen) < self.max_slots:
             for slot in range(self.max_slots):
                 if slot not in seen:
@@ -739,15 +741,16 @@ class Runner:
 
     def _chunk_rows(self, chunks: list[Chunk], lives: list[Live], R: int) -> tuple[np.ndarray, np.ndarray]:
         """The packed slot rows (ints [R, n_i], floats [R, n_f]) of the requests whose chunks a
-        mixed call of R rows runs (padding rows idle): each request's settings (`pack_row`) at
-        its chunk's start, with the tokens it has sampled so far (a recomputed request's)."""
+        mixed call of R rows runs (padding rows idle): each request's settings (`pack_row`),
+        with the tokens it has sampled so far (none, unless it is recomputed after preemption).
+        (The program sets their lengths: their chunks' starts.)"""
         pad = R - len(chunks)
         ints = np.stack([self.pack_row(lv)[0] for lv in lives] + [self._idle_row[0]] * pad)
         floats = np.stack([self.pack_row(lv)[1] for lv in lives] + [self._idle_row[1]] * pad)
-        c = self._cols
-        sampled = [len(ch.seq.generated) for ch in chunks] + [0] * pad
-        ints[:, c["lengths"].start] = [ch.start for ch in chunks] + [0] * pad
-        ints[:, c["rows.steps"].start] = ints[:, c["generated"].start] = sampled
+        if any(ch.seq.generated for ch in chunks):
+            c = self._cols
+            ints[:, c["rows.steps"].start] = ints[:, c["generated"].start] = (
+                [len(ch.seq.generated) for ch in chunks] + [0] * pad)
         return ints, floats
 
     # ---- warmup ---------------------------------------------------------------------------------
