@@ -17,7 +17,7 @@ could take a slot that the scan under way may free, the next scan is dispatched 
 as the last one left them on the device before that one's results are read, so the host's work
 overlaps the device's (`_chain`; tokens reach streams one scan later). Most requests need no
 per-token work on the host but detokenizing: their tokens take a plain path
-(`Live.continues_plainly`, `_emit_plainly`). The scan runs `decode_steps` steps while every
+(`Live.take_plainly`, `_emit_plainly`). The scan runs `decode_steps` steps while every
 slot is taken and nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
 replaced sooner), only about `admission_wait` seconds of steps while a slot is free (a client
 that sends its next request when its last one ends finds the slot taken by a scan otherwise:
@@ -703,8 +703,9 @@ class Engine:
                 f, slot = out.first, ch.seq.slot
                 tokens = [int(f.first[i])] + block.tokens[slot]
                 logprobs = [float(f.first_logprob[i])] + block.logprobs[slot]
-                if lv.continues_plainly(tokens):
-                    self._emit_plainly(lv, tokens, logprobs)
+                text = lv.take_plainly(tokens, logprobs)
+                if text is not None:
+                    self._emit_plainly(lv, tokens, logprobs, text)
                 else:
                     first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
                     self._emit(lv, tokens, logprobs, [first_top] + block.tops(slot, lv.n_top))
@@ -713,8 +714,9 @@ class Engine:
             if seq.state == DONE or id(seq) in joined:
                 continue  # ended (or cancelled) since it was dispatched; or handed its tokens above
             tokens, logprobs = block.tokens[slot], block.logprobs[slot]
-            if lv.continues_plainly(tokens):  # most rows: nothing ends, no per-token work
-                self._emit_plainly(lv, tokens, logprobs)
+            text = lv.take_plainly(tokens, logprobs)  # most rows: nothing ends, no per-token work
+            if text is not None:
+                self._emit_plainly(lv, tokens, logprobs, text)
             else:
                 self._emit(lv, tokens, logprobs, block.tops(slot, lv.n_top))
 
@@ -809,12 +811,13 @@ class Engine:
         else:
             lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
 
-    def _emit_plainly(self, lv: Live, tokens: list[int], logprobs: list[float]) -> None:
-        """`_emit` for tokens that a plain request takes without ending (`Live.continues_plainly`):
-        no stop token, grammar, penalty counts, alternatives or stop strings to look at."""
+    def _emit_plainly(self, lv: Live, tokens: list[int], logprobs: list[float], text: str) -> None:
+        """`_emit` for tokens that a plain request has taken without ending (`Live.take_plainly`,
+        which returned their `text`): no stop token, grammar, penalty counts, alternatives or
+        stop strings to look at."""
         self.scheduler.sampled_many(lv.seq, tokens)
         self.tokens_generated += len(tokens)
-        lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
+        lv.req.push((tokens, text, logprobs, None, []))
 
     def _finish(self, lv: Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
         if lv.req.done:
