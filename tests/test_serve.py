@@ -136,20 +136,24 @@ def test_identity_with_preemption_in_a_tiny_pool(model, specs_and_ref):
 def test_scans_chain_while_requests_wait_for_a_full_set_of_slots(model, specs_and_ref):
     """18 requests at once for 4 slots: while requests wait and every slot is taken, the next
     scan is chained (dispatched before the last one is read) unless a row may end by its length
-    in the scan under way; the tokens still equal generate alone."""
+    in the scan under way; every other call goes on from the slots on the device too (the host
+    builds whole slot tables for the first call only); the tokens still equal generate alone."""
     specs, want = specs_and_ref
     engine = Engine(model, n_pages=40, **ENGINE)
-    chained, chain = [], engine.runner.chain
+    runner = engine.runner
+    chained, tables, chain, build = [], [], runner.chain, runner._tables
 
     def counted(*args):
         chained.append(len(engine.scheduler.waiting))
         return chain(*args)
 
-    engine.runner.chain = counted
+    runner.chain = counted
+    runner._tables = lambda *args: tables.append(1) or build(*args)
     reqs = [submit(engine, s) for s in specs]
     engine.run_until_idle()
     assert_same([r.result() for r in reqs], want)
     assert any(chained), chained  # some scans went on while requests waited
+    assert len(tables) == 1 and engine.scans > len(chained) + 1
 
 
 def test_decode_results_by_slot():
