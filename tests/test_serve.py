@@ -137,20 +137,24 @@ def test_identity_with_preemption_in_a_tiny_pool(model, specs_and_ref):
 def test_scans_chain_while_requests_wait_for_a_full_set_of_slots(model, specs_and_ref):
     """18 requests at once for 4 slots: while requests wait and every slot is taken, the next
     scan is chained (dispatched before the last one is read) unless a row may end by its length
-    in the scan under way; the tokens still equal generate alone."""
+    in the scan under way; every other call goes on from the slots on the device too (the host
+    builds whole slot tables for the first call only); the tokens still equal generate alone."""
     specs, want = specs_and_ref
     engine = Engine(model, n_pages=40, **ENGINE)
-    chained, chain = [], engine.runner.chain
+    runner = engine.runner
+    chained, tables, chain, build = [], [], runner.chain, runner._tables
 
     def counted(*args):
         chained.append(len(engine.scheduler.waiting))
         return chain(*args)
 
-    engine.runner.chain = counted
+    runner.chain = counted
+    runner._tables = lambda *args: tables.append(1) or build(*args)
     reqs = [submit(engine, s) for s in specs]
     engine.run_until_idle()
     assert_same([r.result() for r in reqs], want)
     assert any(chained), chained  # some scans went on while requests waited
+    assert len(tables) == 1 and engine.scans > len(chained) + 1
 
 
 def test_decode_results_by_slot():
@@ -173,9 +177,9 @@ def test_decode_results_by_slot():
 
 
 def test_plain_deliveries_take_the_plain_path_only_when_nothing_ends():
-    """Live.continues_plainly: a request with no constraint, stop strings, penalties or
-    alternatives, whose tokens hold no stop id or invalid token and leave it below
-    max_new_tokens; `take` keeps them and returns their text (as `accept` and `delta` would)."""
+    """Live.take_plainly: a request with no constraint, stop strings, penalties or alternatives
+    keeps tokens that hold no stop id or invalid token and leave it below max_new_tokens, and
+    returns their text (as `accept` and `delta` would); other tokens are left to `accept`."""
     from jaxinfer.serve.live import Live
     from jaxinfer.text.stream import Detokenizer, StopStrings
 
@@ -186,13 +190,13 @@ def test_plain_deliveries_take_the_plain_path_only_when_nothing_ends():
                     detok=Detokenizer(CharTokenizer().decode), prompt_logprobs=None, score_from=1, **kw)
 
     lv = live()
-    assert lv.plain and lv.continues_plainly([3, 4, 5]) and lv.continues_plainly([])
-    assert not lv.continues_plainly([3, 2, 5])  # a stop id
-    assert not lv.continues_plainly([3, -1])  # the sampler had nothing to draw
-    assert not lv.continues_plainly([3, 4, 5, 6, 8])  # its 6th token: max_new_tokens
-    assert lv.take([3, 4], [-0.5, -0.25]) == CharTokenizer().decode([3, 4]) and lv.logprobs == [-0.5, -0.25]
+    for ends in ([3, 2, 5], [3, -1], [3, 4, 5, 6, 8]):  # a stop id; nothing to sample; its 6th token
+        assert lv.take_plainly(ends, [0.0] * len(ends)) is None and lv.logprobs == [] and lv.text == ""
+    assert lv.plain and lv.take_plainly([], []) == ""
+    assert lv.take_plainly([3, 4], [-0.5, -0.25]) == CharTokenizer().decode([3, 4]) and lv.logprobs == [-0.5, -0.25]
+    assert lv.text == CharTokenizer().decode([3, 4]) and lv.sent == len(lv.text)
     for kw in (dict(stop=StopStrings(["x"])), dict(n_top=2), dict(counts=np.zeros(8, np.int32))):
-        assert not live(**kw).plain and not live(**kw).continues_plainly([3])
+        assert not live(**kw).plain and live(**kw).take_plainly([3], [0.0]) is None
 
 
 def test_scan_length_while_a_slot_is_free_follows_admission_wait(model, specs_and_ref):

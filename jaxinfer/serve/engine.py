@@ -12,10 +12,13 @@ slot, in one forward (`core.mixed_step`: the weights are read once for both, as 
 llama.cpp batch them), and a multi-step decode scan (`core.decode`) over all `max_slots` slots
 for the rest of the iteration; a request whose prompt ends in the chunk decodes on in that scan.
 The host syncs once per iteration; between iterations it schedules, admits, detokenizes, checks
-stop strings and streams. While every running request just decodes, the next scan is dispatched
-from the slots as the last one left them on the device before that one's results are read, so
-the host's work overlaps the device's (`step`; tokens reach streams one scan later). The scan runs `decode_steps` steps while every slot is taken and
-nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
+stop strings and streams. While every running request just decodes, and no waiting request
+could take a slot that the scan under way may free, the next scan is dispatched from the slots
+as the last one left them on the device before that one's results are read, so the host's work
+overlaps the device's (`_chain`; tokens reach streams one scan later). Most requests need no
+per-token work on the host but detokenizing: their tokens take a plain path
+(`Live.take_plainly`, `_emit_plainly`). The scan runs `decode_steps` steps while every
+slot is taken and nobody waits, `busy_decode_steps` while requests queue for a slot (so a finishing row is
 replaced sooner), only about `admission_wait` seconds of steps while a slot is free (a client
 that sends its next request when its last one ends finds the slot taken by a scan otherwise:
 on the serving load test a whole 16-step scan, ~1.2 s on a CPU), and none while a prompt still
@@ -481,14 +484,16 @@ class Engine:
             if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
                 return None
         steps, page, S = self._steps_wanted(), self.page_size, self.max_slots
-        caps, limits, rows, lacking, short = [0] * S, [0] * S, [], [], 0
+        caps, limits, rows, lacking, short, gone = [0] * S, [0] * S, [], [], 0, []
         for slot, seq, lv, cap in fl.rows:
             if lv.req.done or seq.state == DONE:
-                continue  # its slot decodes nothing (trash pages, no budget)
+                gone.append(slot)  # its slot decodes nothing (trash pages, no budget)
+                continue
             left = seq.max_new_tokens - len(seq.generated) - cap  # at least this many after the flight
             if left <= 0:
                 if waiting:
                     return None  # the flight may free its slot: the next iteration admits to it
+                gone.append(slot)
                 continue
             n = min(steps, left)
             caps[slot], limits[slot] = n, seq.max_new_tokens
@@ -496,15 +501,15 @@ class Engine:
             end = len(seq.prompt) + len(seq.generated) + cap + n  # the context after both, at most
             lacks = kv.pages_for(end, page) - len(seq.pages)
             if lacks > 0:
-                lacking.append((seq, lacks))
+                lacking.append((slot, seq, lacks))
                 short += lacks
         if not rows or short > self.pool.available():
             return None
-        for seq, lacks in lacking:
+        for _, seq, lacks in lacking:
             seq.pages += self.pool.allocate(lacks)
-        # (the flight's table as it was, when every row goes on with the pages it had)
-        table = self.runner.page_table(((slot, seq.pages) for slot, seq, _, _ in rows),
-                                       unchanged=not lacking and len(rows) == len(fl.rows))
+        # The flight's page table, changed where rows grew or are gone.
+        table = self.runner.page_table_changed([(slot, seq.pages) for slot, seq, _ in lacking]
+                                               + [(slot, None) for slot in gone])
         self._chain_touched = {seq.rid for _, seq, _, _ in rows}
         caps_limits = np.array([caps, limits], np.int32)
         t0 = time.perf_counter()
@@ -695,8 +700,9 @@ class Engine:
                 f, slot = out.first, ch.seq.slot
                 tokens = [int(f.first[i])] + block.tokens[slot]
                 logprobs = [float(f.first_logprob[i])] + block.logprobs[slot]
-                if lv.continues_plainly(tokens):
-                    self._emit_plainly(lv, tokens, logprobs)
+                text = lv.take_plainly(tokens, logprobs)
+                if text is not None:
+                    self._emit_plainly(lv, tokens, logprobs, text)
                 else:
                     first_top = list(zip(f.first_top[0][i, :lv.n_top].tolist(), f.first_top[1][i, :lv.n_top].tolist()))
                     self._emit(lv, tokens, logprobs, [first_top] + block.tops(slot, lv.n_top))
@@ -705,8 +711,9 @@ class Engine:
             if seq.state == DONE or id(seq) in joined:
                 continue  # ended (or cancelled) since it was dispatched; or handed its tokens above
             tokens, logprobs = block.tokens[slot], block.logprobs[slot]
-            if lv.continues_plainly(tokens):  # most rows: nothing ends, no per-token work
-                self._emit_plainly(lv, tokens, logprobs)
+            text = lv.take_plainly(tokens, logprobs)  # most rows: nothing ends, no per-token work
+            if text is not None:
+                self._emit_plainly(lv, tokens, logprobs, text)
             else:
                 self._emit(lv, tokens, logprobs, block.tops(slot, lv.n_top))
 
@@ -801,12 +808,13 @@ class Engine:
         else:
             lv.req.push(lv.delta(kept, logprobs[:n], tops[:n]))
 
-    def _emit_plainly(self, lv: Live, tokens: list[int], logprobs: list[float]) -> None:
-        """`_emit` for tokens that a plain request takes without ending (`Live.continues_plainly`):
-        no stop token, grammar, penalty counts, alternatives or stop strings to look at."""
+    def _emit_plainly(self, lv: Live, tokens: list[int], logprobs: list[float], text: str) -> None:
+        """`_emit` for tokens that a plain request has taken without ending (`Live.take_plainly`,
+        which returned their `text`): no stop token, grammar, penalty counts, alternatives or
+        stop strings to look at."""
         self.scheduler.sampled_many(lv.seq, tokens)
         self.tokens_generated += len(tokens)
-        lv.req.push((tokens, lv.take(tokens, logprobs), logprobs, None, []))
+        lv.req.push((tokens, text, logprobs, None, []))
 
     def _finish(self, lv: Live, reason: str, tokens=(), logprobs=(), tops=()) -> None:
         if lv.req.done:

@@ -58,28 +58,26 @@ class Live:
     hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
     # No constraint, stop strings, penalties or top alternatives: a token needs no work of its own
     # but the detokenizer's, and a delivery that does not end the request takes the plain path
-    # (`continues_plainly`, `take`; `Engine._collect`). Set from the fields above.
+    # (`take_plainly`, `Engine._collect`). Set from the fields above.
     plain: bool = dataclasses.field(init=False)
-    stop_set: frozenset = dataclasses.field(init=False, repr=False)  # stop_ids, for `continues_plainly`
+    stop_set: frozenset = dataclasses.field(init=False, repr=False)  # stop_ids, for `take_plainly`
 
     def __post_init__(self) -> None:
         self.plain = self.matcher is None and self.stop is None and self.counts is None and not self.n_top
         self.stop_set = frozenset(self.stop_ids)
 
     # ---- the plain path: most requests, most iterations ------------------------------------------
-    def continues_plainly(self, tokens: list[int]) -> bool:
-        """True when this request is `plain` and keeps all of `tokens` and goes on after them:
-        none is a stop id or the sampler's INVALID_TOKEN (negative), and they leave it below
-        max_new_tokens. Then `take` does what `accept` and `delta` would (`accept` would
-        return every token and no reason); otherwise the tokens go through `accept`, which
-        finds where the request ends."""
+    def take_plainly(self, tokens: list[int], logprobs: list[float]) -> Optional[str]:
+        """Keep a delivery's tokens when this request is `plain` and they end nothing: none is a
+        stop id or the sampler's INVALID_TOKEN (negative), and they leave it below
+        max_new_tokens. Returns their text (all of it final: without stop strings nothing is
+        held back), as `accept` (every token kept, no reason) and `delta` would; or None, having
+        changed nothing: then the tokens go through `accept`, which finds where the request
+        ends. The scheduler is told separately."""
         seq = self.seq
-        return (self.plain and len(seq.generated) + len(tokens) < seq.max_new_tokens
-                and self.stop_set.isdisjoint(tokens) and (not tokens or min(tokens) >= 0))
-
-    def take(self, tokens: list[int], logprobs: list[float]) -> str:
-        """Keep the tokens of a delivery that `continues_plainly`; returns their text (all of
-        it final: without stop strings nothing is held back). The scheduler is told separately."""
+        if not (self.plain and len(seq.generated) + len(tokens) < seq.max_new_tokens
+                and self.stop_set.isdisjoint(tokens) and (not tokens or min(tokens) >= 0)):
+            return None
         self.logprobs += logprobs
         if self.detok is None:
             return ""

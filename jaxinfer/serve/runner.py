@@ -17,12 +17,15 @@ and replaced by its result.
 
 The host's share of an iteration is kept small (on an H200 the GPU sat idle 44% of a burst
 while the host prepared the next call): each slot's settings (sampling, key, stop ids, logit
-bias...) are packed once, when its request takes the slot, into a row of two host tables
-(`packed.Packing`: one int32 and one float32 array for ~25 per-row arrays); a call sends the
-two tables with the few columns that move (tokens, lengths, page table, steps, budgets), the
-mixed call hands its state on to the scan on the device, the results come back as two packed
-arrays whose copies start as soon as the calls are dispatched, and the programs are compiled
-ahead of time (`programs.Programs`, on worker threads at `warmup`) and called directly.
+bias...) are packed once per request, at `submit`, into a row of two tables (`packed.Packing`:
+one int32 and one float32 array for ~25 per-row arrays). The tables stay on the device from
+call to call: a call goes on from the last call's slots (`dispatch`, `chain`) and sends only
+the rows of the requests that take a slot (with their prompt chunks), every slot's page table
+and budget ([S, W] and [S]); the host builds whole tables only when the device's are gone (the
+first call, after a scoring call or a fault, with steering). The mixed call hands its state on
+to the scan on the device, the results come back as two packed arrays whose copies start as
+soon as the calls are dispatched, and the programs are compiled ahead of time
+(`programs.Programs`, on worker threads at `warmup`) and called directly.
 
 Steering (`steering.py`, an engine built with steering_slots > 0): the slots' add vectors,
 scales and layer gates are one more argument of the mixed and decode programs (`sites.Hooks`
@@ -229,11 +232,22 @@ def _pack_emitted(em: core.Emitted, steps: int, n_top: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "packing"), donate_argnums=(1, 2))
-def mixed_program(params, cache, counts, ints, floats, mask, chunks: core.Chunks, hooks=None, *, cfg, n_top: int,
-                  packing: Packing):
+def mixed_program(params, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_ints,
+                  chunk_floats, hooks=None, *, cfg, n_top: int, packing: Packing):
     """`core.mixed_step` over packed slots: (cache, counts, ints, floats, the decode rows'
-    Emitted [1, S] packed, the chunks' first tokens [1, R] packed). `hooks`: the slots' steering."""
+    Emitted [1, S] packed, the chunks' first tokens [1, R] packed).
+
+    The chunks' requests' packed rows (chunk_ints [R, n_i], chunk_floats [R, n_f]) are written
+    into their slots first (a padding row's slot, S, is dropped), and the slots' page tables and
+    budgets are `table` [S, W] and min(cap, limit - steps) [S], as in `decode_program`: so the
+    call may go on from the last call's slots on the device (`Runner.dispatch`), the host
+    sending only the rows of the requests that take a slot. `hooks`: the slots' steering."""
+    ints = ints.at[chunks.slots].set(chunk_ints, mode="drop")
+    floats = floats.at[chunks.slots].set(chunk_floats, mode="drop")
     slots = packing.unpack(ints, floats)
+    budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
+    lengths = slots.lengths.at[chunks.slots].set(chunks.starts, mode="drop")  # a chunk row's: its chunk's start
+    slots = slots.replace(lengths=lengths, page_table=table, rows=slots.rows.replace(budget=budget))
     state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask, hooks), chunks, cfg, n_top,
                                        slots.top)
     ints, floats = packing.pack(_slots(state, slots.top))
@@ -404,11 +418,11 @@ class Runner:
             return jitted(*args, **static)
         return self.programs.get(key, lambda: _compile(jitted, _abstract(args), static, self.store))(*args)
 
-    def _mixed(self, *args):
-        R, C = args[-1].tokens.shape
+    def _mixed(self, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_rows):
+        R, C = chunks.tokens.shape
         return self._program(("mixed", R, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
-                                                                  packing=self.packing), self.model.params, *args,
-                             self._steer_hooks())
+                                                                  packing=self.packing), self.model.params, cache,
+                             counts, ints, floats, mask, table, cap, limit, chunks, *chunk_rows, self._steer_hooks())
 
     def _decode(self, *args):
         return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
@@ -502,38 +516,54 @@ class Runner:
             self._floats = tf.copy()
         return ints, self._floats
 
-    def page_table(self, rows, unchanged: bool = False) -> np.ndarray:
+    def page_table(self, rows) -> np.ndarray:
         """The slots' page table [S, W] for a call: (slot, pages) for each slot that has pages,
         zeros (the trash page) elsewhere. Rewritten where a slot's pages changed since the last
         call: a request's page list only grows in place, or is replaced (admission, release).
 
         Args:
           rows: (slot, pages) pairs, pages a request's list of page ids.
-          unchanged: the caller knows these are the last table's slots with the same pages: the
-            last table is returned as it is (no call changes its arguments).
         Returns:
           An [S, W] int32 array that nothing writes to (the call may read it after this returns)."""
-        if unchanged and self._sent_pages is not None:
-            return self._sent_pages
-        table, held = self._pages, self._pages_held
-        seen = set()
+        seen, held = set(), self._pages_held
         for slot, pages in rows:
             seen.add(slot)
-            src, n = held[slot]
-            if src is pages and n == len(pages):
-                continue
-            if src is pages and n < len(pages):
-                table[slot, n:len(pages)] = pages[n:]
-            else:
-                table[slot] = 0
-                table[slot, :len(pages)] = pages
-            held[slot] = (pages, len(pages))
+            if held[slot][0] is not pages or held[slot][1] != len(pages):  # (most rows: unchanged)
+                self._table_row(slot, pages)
         if len(seen) < self.max_slots:
             for slot in range(self.max_slots):
-                if slot not in seen and held[slot][1]:
-                    table[slot], held[slot] = 0, (None, 0)
-        self._sent_pages = table.copy()
+                if slot not in seen:
+                    self._table_row(slot, None)
+        self._sent_pages = self._pages.copy()
         return self._sent_pages
+
+    def page_table_changed(self, changes) -> np.ndarray:
+        """The last call's page table with only these slots' rows changed (`page_table`'s form):
+        (slot, pages), pages None for a slot that holds none now. No changes: the last table
+        itself (nothing writes to it)."""
+        if not changes and self._sent_pages is not None:
+            return self._sent_pages
+        for slot, pages in changes:
+            self._table_row(slot, pages)
+        self._sent_pages = self._pages.copy()
+        return self._sent_pages
+
+    def _table_row(self, slot: int, pages: Optional[list[int]]) -> None:
+        """Write the slot's row of the page table where its pages changed (None: it has none)."""
+        table, held = self._pages, self._pages_held
+        src, n = held[slot]
+        if pages is None:
+            if n:
+                table[slot], held[slot] = 0, (None, 0)
+            return
+        if src is pages and n == len(pages):
+            return
+        if src is pages and n < len(pages):
+            table[slot, n:len(pages)] = pages[n:]
+        else:
+            table[slot] = 0
+            table[slot, :len(pages)] = pages
+        held[slot] = (pages, len(pages))
 
     def _mask(self, lives: list) -> jax.Array:
         """[R, U] allowed next tokens: the constrained rows' grammar masks, all ones elsewhere
@@ -616,14 +646,22 @@ class Runner:
                 budgets[slot] = n
         table = self.page_table(pages)
         moving = np.array([tokens, lengths, budgets, sampled], np.int32)  # [4, S]
-        ints, floats = self._tables(by_slot, moving, table)
+        if self._carry is not None and self._steer is None:
+            # The last call left every slot on the device as the host knows it, except the slots
+            # of requests that take one now (their chunk rows: the mixed call writes them) and of
+            # requests that ended (budget 0): the calls go on from there.
+            ints, floats, _ = self._carry
+        else:
+            ints, floats = self._tables(by_slot, moving, table)
         counts, mask = self._counts(by_slot), self._mask(by_slot)
         pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
             arr = self._chunk_arrays(chunks)
-            self.cache, counts, ints, floats, em, pending.first = self._mixed(self.cache, counts, ints, floats, mask,
-                                                                              arr)
-            pending.rows = arr.tokens.shape[0]
+            R = arr.tokens.shape[0]
+            self.cache, counts, ints, floats, em, pending.first = self._mixed(
+                self.cache, counts, ints, floats, mask, table, moving[2], self._no_limit, arr,
+                self._chunk_rows(chunks, chunk_lives, R))
+            pending.rows = R
             pending.results.append((1, em))
         if not chunks or max(budgets, default=0) > 1:
             on_scan()
@@ -701,6 +739,20 @@ class Runner:
         return core.Chunks(tokens=tokens, starts=rows[0], n_real=rows[1], last=rows[2] != 0, slots=rows[3],
                            page_table=table)
 
+    def _chunk_rows(self, chunks: list[Chunk], lives: list[Live], R: int) -> tuple[np.ndarray, np.ndarray]:
+        """The packed slot rows (ints [R, n_i], floats [R, n_f]) of the requests whose chunks a
+        mixed call of R rows runs (padding rows idle): each request's settings (`pack_row`),
+        with the tokens it has sampled so far (none, unless it is recomputed after preemption).
+        (The program sets their lengths: their chunks' starts.)"""
+        pad = R - len(chunks)
+        ints = np.stack([self.pack_row(lv)[0] for lv in lives] + [self._idle_row[0]] * pad)
+        floats = np.stack([self.pack_row(lv)[1] for lv in lives] + [self._idle_row[1]] * pad)
+        if any(ch.seq.generated for ch in chunks):
+            c = self._cols
+            ints[:, c["rows.steps"].start] = ints[:, c["generated"].start] = (
+                [len(ch.seq.generated) for ch in chunks] + [0] * pad)
+        return ints, floats
+
     # ---- warmup ---------------------------------------------------------------------------------
     def _builds(self, shapes: list[tuple[int, int]], scoring: bool, decode: bool) -> list[tuple[tuple, Callable]]:
         """(key, compile function) of the programs for these chunk shapes (and the scan), lowered
@@ -718,7 +770,8 @@ class Runner:
             out.append((("decode",), functools.partial(_compile, decode_program, args, static, self.store)))
         for R, C in shapes:
             static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
-            args = base + (_abstract(self._chunk_arrays([], (R, C))), hooks)
+            args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32),
+                                     self._chunk_arrays([], (R, C))) + self._chunk_rows([], [], R)) + (hooks,)
             out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static, self.store)))
             if scoring and R == 1:  # scoring calls take one chunk (`pick`)
                 rows, pcounts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
@@ -821,6 +874,7 @@ class Runner:
             seconds.update(self._time_mixed(mid))
             self.call_rows = rows
         self.call_seconds = seconds
+        self._carry = None  # (the engine's slots, or none: the warmup's call builds idle ones)
         self.step([], [], [], [], [], 1)  # every slot idle: the scan's first call
         self._carry = None  # (a background warmup's idle slots are not what the engine decodes)
         return added
@@ -831,7 +885,7 @@ class Runner:
         Timed as serving runs them while nobody is penalized: the [slots, V] token counts stay
         on the device from call to call, not sent afresh with each."""
         S = self.max_slots
-        idle = [None] * S
+        idle, z = [None] * S, np.zeros((S,), np.int32)
         seconds = {}
         for R, C in shapes:
             times = []
@@ -840,7 +894,9 @@ class Runner:
                 counts, mask = self._counts(idle), self._mask(idle)
                 t0 = time.perf_counter()
                 self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask,
-                                                                 self._chunk_arrays([], (R, C)))
+                                                                 np.zeros((S, self.width), np.int32), z, z,
+                                                                 self._chunk_arrays([], (R, C)),
+                                                                 self._chunk_rows([], [], R))
                 jax.block_until_ready(first)
                 times.append(time.perf_counter() - t0)
                 self.spare_counts = counts
