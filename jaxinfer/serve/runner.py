@@ -745,8 +745,8 @@ class Runner:
         with the tokens it has sampled so far (none, unless it is recomputed after preemption).
         (The program sets their lengths: their chunks' starts.)"""
         pad = R - len(chunks)
-        ints = np.stack([self.pack_row(lv)[0] for lv in lives] + [self._idle_row[0]] * pad)
-        floats = np.stack([self.pack_row(lv)[1] for lv in lives] + [self._idle_row[1]] * pad)
+        rows = [self.pack_row(lv) for lv in lives] + [self._idle_row] * pad
+        ints, floats = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         if any(ch.seq.generated for ch in chunks):
             c = self._cols
             ints[:, c["rows.steps"].start] = ints[:, c["generated"].start] = (
