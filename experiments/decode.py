@@ -160,7 +160,7 @@ def measure(args, base) -> dict:
 # ---- two trees side by side ---------------------------------------------------------------------
 
 WORKER = r"""
-import json, sys
+import json, os, sys, time
 import numpy as np
 import jaxinfer
 name, text, new, sections, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(","), int(sys.argv[5])
@@ -178,19 +178,28 @@ else:
 out = {}
 
 
-def timed(prompts, n):  # Timings of the median run (by wall time) of `repeats`, after one that compiles
+def cores_busy(fn):  # fn's result and the process's CPU seconds over its wall seconds
+    c0, t0 = os.times(), time.perf_counter()
+    r = fn()
+    c1, t1 = os.times(), time.perf_counter()
+    return r, (c1.user - c0.user + c1.system - c0.system) / (t1 - t0)
+
+
+def timed(prompts, n):  # (Timings, cores busy) of the median run (by wall time) of `repeats`, after one that compiles
     jaxinfer.generate(model, prompts, max_new_tokens=n, stop_at_eos=False)
-    ts = sorted((jaxinfer.generate(model, prompts, max_new_tokens=n, stop_at_eos=False).timings
-                 for _ in range(repeats)), key=lambda t: t.total_s)
+    ts = sorted((cores_busy(lambda: jaxinfer.generate(model, prompts, max_new_tokens=n, stop_at_eos=False).timings)
+                 for _ in range(repeats)), key=lambda t: t[0].total_s)
     return ts[len(ts) // 2]
 
 
 for n in lengths if "prefill" in sections else ():
-    out[f"prefill_{n}_tokens_per_s"] = n / timed([ids[:n]], 1).ttft_s
+    out[f"prefill_{n}_tokens_per_s"] = n / timed([ids[:n]], 1)[0].ttft_s
 for b in batches if "decode" in sections else ():
-    out[f"decode_b{b}_tokens_per_s"] = timed([ids[i * 40:(i + 1) * 40] for i in range(b)], new).decode_tokens_per_s
+    t, busy = timed([ids[i * 40:(i + 1) * 40] for i in range(b)], new)
+    out[f"decode_b{b}_tokens_per_s"] = t.decode_tokens_per_s
+    out[f"decode_b{b}_cores_busy"] = busy  # CPU time over wall time: below the core count, XLA idles a core
 for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)) if "long" in sections else ():
-    out[f"decode_b8_{name}_tokens_per_s"] = timed([ids[:n] for n in lengths], new).decode_tokens_per_s
+    out[f"decode_b8_{name}_tokens_per_s"] = timed([ids[:n] for n in lengths], new)[0].decode_tokens_per_s
 print(json.dumps(out))
 """
 
@@ -214,7 +223,7 @@ def against(args) -> dict:
         for r in range(args.rounds):
             for side in ("old", "new"):  # alternating: drift on the machine hits both alike
                 runs[side].append(_common.run_json(cmd, tree=trees[side]))
-                print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[side][-1].items()), flush=True)
+                print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in runs[side][-1].items()), flush=True)
         commits = {side: commit_of(t) for side, t in trees.items()}
     table = {}
     for k in runs["new"][0]:
@@ -222,7 +231,7 @@ def against(args) -> dict:
         # each round's new/old, the two runs minutes apart: steadier than the ratio of medians on a drifting machine
         rr = median([n[k] / o[k] for n, o in zip(runs["new"], runs["old"])])
         table[k] = {"old": old, "new": new, "ratio": new / old, "round_ratio_median": rr}
-        print(f"{k:32s} old {old:8.1f}  new {new:8.1f}  new/old {new / old:.2f}x (median of round ratios {rr:.2f}x)")
+        print(f"{k:32s} old {old:8.2f}  new {new:8.2f}  new/old {new / old:.2f}x (median of round ratios {rr:.2f}x)")
     return {"old_tree": str(trees["old"]), "new_tree": str(trees["new"]), "old_commit": commits["old"],
             "new_commit": commits["new"], "rounds": args.rounds, "sections": sections, "table": table, "runs": runs}
 
