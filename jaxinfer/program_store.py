@@ -308,7 +308,7 @@ def call(jitted, args: tuple, static: dict, kwargs: Optional[dict] = None):
     signature = (jitted, directory, tuple(sorted(static.items())), tree, types)
     program = _HELD.get(signature)
     if program is None:
-        store = ProgramStore(Path(directory) / FOLDER)
+        store = ProgramStore.default()
         abstract = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=sharding)
                     for shape, dtype, weak, sharding in types]
         a_args, a_kwargs = jax.tree.unflatten(tree, abstract)

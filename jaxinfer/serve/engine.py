@@ -489,7 +489,7 @@ class Engine:
             if lv.req.done or seq.state == DONE:
                 gone.append(slot)  # its slot decodes nothing (trash pages, no budget)
                 continue
-            left = seq.max_new_tokens - len(seq.generated) - cap  # at least this many after the flight
+            left = seq.remaining - cap  # at least this many after the flight
             if left <= 0:
                 if waiting:
                     return None  # the flight may free its slot: the next iteration admits to it

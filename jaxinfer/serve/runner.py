@@ -636,7 +636,7 @@ class Runner:
         for s, lv in zip(seqs, lives):
             slot, n = s.slot, len(s.generated)
             by_slot[slot], tokens[slot], lengths[slot] = lv, s.generated[-1], s.computed
-            budgets[slot], sampled[slot] = min(steps, s.max_new_tokens - n), n
+            budgets[slot], sampled[slot] = min(steps, s.remaining), n
             pages.append((slot, s.pages))
         for ch, lv, n in zip(chunks, chunk_lives, join_budgets):
             slot = ch.seq.slot
