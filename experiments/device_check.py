@@ -97,10 +97,7 @@ def _memory() -> dict | None:
 
 
 def _version(dist: str) -> Optional[str]:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
+    return next((d.version for d in md.distributions(name=dist)), None)  # the one imported: first on the path
 
 
 def _fitting(items: dict, deadline: float, res: dict, section: str, ctx: dict):

@@ -58,14 +58,12 @@ def mesh(args) -> dict:
     from jaxinfer import sharding as shd
     from jaxinfer.model.model import Model
 
-    if args.smoke or args.model == "tiny":
-        base = _common.tiny_model()
-    else:
-        base = jaxinfer.load(args.model, layout="stacked")
+    tiny = args.smoke or args.model == "tiny"
+    base = _common.tiny_model() if tiny else jaxinfer.load(args.model, layout="stacked")
     cfg, host = base.config, jax.tree.map(np.asarray, base.params)
     prompts = [[(13 * b + 7 * t) % (cfg.vocab_size - 3) + 3 for t in range(8 + b)] for b in range(args.batch)]
     models = {"1 device": Model(cfg, jax.tree.map(jnp.asarray, host), base.tokenizer)}
-    if args.batch == 1 and args.model != "tiny" and not args.smoke:  # the best single device: the default layout
+    if args.batch == 1 and not tiny:  # the best single device: the default layout
         best = jaxinfer.load(args.model)
         if best.config.layout != cfg.layout:
             models[f"1 device, {best.config.layout}"] = best
