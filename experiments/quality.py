@@ -13,6 +13,7 @@ quantization  --windows windows of --window tokens of the held-out text through 
 --parity      fp32 and bf16 logits, argmax and greedy tokens within the tolerances below; batched
               rows equal to each alone; the same seed twice (the device check's correctness).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -92,12 +92,12 @@ def sweep(args, m, layer: int) -> dict:
     a0.axhline(0, color="k", lw=0.5)
     a0.set(xlabel="scale (x the mean difference vector)", ylabel="log p(positive word) - log p(negative word)")
     a0.set_title(f"sentiment of the next token, steering at layer {layer}", fontsize=9)
-    for key, style, color, name in (("p_good", "o-", "C2", "p(positive word)"), ("p_bad", "o-", "C3", "p(negative word)"),
-                                    ("p_great", "s--", "C1", "p(' great')")):
-        a1.plot(xs, [r[key] for r in rows], style, color=color, label=name)
+    a1.plot(xs, [r["p_good"] for r in rows], "o-", color="C2", label="p(positive word)")
+    a1.plot(xs, [r["p_bad"] for r in rows], "o-", color="C3", label="p(negative word)")
+    a1.plot(xs, [r["p_great"] for r in rows], "s--", color="C1", label="p(' great')")
     a1.set(xlabel="scale", ylabel="probability of the next token")
-    for ax in (a0, a1):
-        ax.legend(fontsize=8)
+    a0.legend(fontsize=8)
+    a1.legend(fontsize=8)
     fig.suptitle(f"{args.model}: a steering vector from contrastive prompts", fontsize=10)
     result = {"layer": layer, "vector_norm": float(np.linalg.norm(v)), "neutral_prompts": neutral,
               "good_ids": good, "bad_ids": bad, "rows": rows}
