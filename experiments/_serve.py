@@ -245,7 +245,8 @@ def jaxinfer_server(model: str, flags: list[str], log, env: dict | None = None) 
     """`jaxinfer serve --model MODEL FLAGS` of this tree on a free port of 127.0.0.1, not started
     (`env`: variables added to this process's)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, *flags, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, *flags, "--host", "127.0.0.1",
+           "--port", str(port)]
     return Server("jaxinfer serve", cmd, port, log, {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
 
 

@@ -47,6 +47,16 @@ def worker(ids_file: str, model_name: str, calls: int, chunk: int) -> dict:
     return {"load_s": load_s, "rss_loaded_mb": loaded / 2**20, "calls": rows}
 
 
+def run_jaxinfer(ids_file: str, chunk: int, args) -> dict:
+    """`worker` in a fresh process, summarized; {"error": why} when it fails."""
+    worker_args = [ids_file, "tiny" if args.smoke else args.model, 1 + args.repeats, chunk]
+    try:
+        cmd = [sys.executable, "-c", WORKER, json.dumps(worker_args)]
+        return summarize(_common.run_json(cmd, timeout=args.timeout))
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
 def summarize(res: dict) -> dict:
     """The first call, the median of the warm calls, the largest peak RSS above load."""
     if "error" in res:
@@ -58,11 +68,13 @@ def summarize(res: dict) -> dict:
 
 
 def describe(row: dict) -> str:
+    """One printed line per row."""
     j, q = row["jaxinfer"], row.get("llamacpp", {})
     line = f"{row['tokens']:6d} tokens, chunk {row['chunk']:5d}: "
     if "error" in j:
         return line + f"jaxinfer failed ({j['error'][-200:]})"
-    line += f"jaxinfer first {j['first_ttft_s']:.2f} s, warm {j['warm_ttft_s']:.2f} s, +{j['peak_rss_above_load_mb']:.0f} MB"
+    line += (f"jaxinfer first {j['first_ttft_s']:.2f} s, warm {j['warm_ttft_s']:.2f} s, "
+             f"+{j['peak_rss_above_load_mb']:.0f} MB")
     if "speed_ratio_warm" in row:
         line += (f" | llama.cpp warm {q['warm_ttft_s']:.2f} s, +{q['peak_rss_above_load_mb']:.0f} MB, "
                  f"speed x{row['speed_ratio_warm']:.2f}")
@@ -102,13 +114,8 @@ def main(argv=None) -> dict:
         ids_file = os.path.join(tmp, "ids.json")
         for n in lengths:  # engines interleaved per length: a change in the machine's load hits both
             _common.write_json(ids_file, ids[:n])
-            for chunk in chunks:
-                run = [ids_file, "tiny" if args.smoke else args.model, 1 + args.repeats, chunk]
-                try:
-                    j = summarize(_common.run_json([sys.executable, "-c", WORKER, json.dumps(run)], timeout=args.timeout))
-                except RuntimeError as e:
-                    j = {"error": str(e)}
-                rows.append({"tokens": n, "chunk": chunk, "load_average_1m": os.getloadavg()[0], "jaxinfer": j})
+            rows += [{"tokens": n, "chunk": chunk, "load_average_1m": os.getloadavg()[0],
+                      "jaxinfer": run_jaxinfer(ids_file, chunk, args)} for chunk in chunks]
             q = {} if skip else summarize(_peer.run_worker(peer, ids_file, 1 + args.repeats, args.llama_threads,
                                                            timeout=args.timeout))
             for row in rows[-len(chunks):]:

@@ -195,9 +195,9 @@ def peer_servers(args, peer, skip) -> dict:
                                                   log("jaxinfer"))}
     if not skip:
         ctype, ctx, port = LLAMA_CACHE_TYPES[args.kv_cache], 1024 if args.smoke else LLAMA_CTX, _serve.free_port()
-        servers["llamacpp"] = _serve.Server("llama.cpp", [
-            peer.server, "-m", peer.gguf, "-np", str(args.max_slots), "-c", str(ctx), "-t", str(args.llama_threads),
-            "-ctk", ctype, "-ctv", ctype, "--host", "127.0.0.1", "--port", str(port), "--alias", "m"], port, log("llamacpp"))
+        cmd = [peer.server, "-m", peer.gguf, "-np", str(args.max_slots), "-c", str(ctx), "-t", str(args.llama_threads),
+               "-ctk", ctype, "-ctv", ctype, "--host", "127.0.0.1", "--port", str(port), "--alias", "m"]
+        servers["llamacpp"] = _serve.Server("llama.cpp", cmd, port, log("llamacpp"))
     return servers
 
 

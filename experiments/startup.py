@@ -7,7 +7,7 @@
 Parts (`--parts`, comma-separated; default all):
   serve     `jaxinfer serve --model M` with an empty compile cache, then with the cache it filled:
             seconds from the process start to /health "ok" and to every program built, resident
-            memory then and after --load-requests streaming completions, the server's log.
+            memory then and after 32 streaming completions, the server's log.
   generate  `jaxinfer generate`, the same two ways: load seconds, first token after the load, programs.
   engines   two `Engine(model)` in one process: what each compiled, loaded and found in memory.
   host      per `Engine.step` on the tiny preset, bursts of 2 x --slots sampled requests (medians of
@@ -33,6 +33,7 @@ from experiments import _common, _serve
 from experiments._common import ROOT, rss_bytes
 
 PARTS = ("serve", "generate", "engines", "host")
+LOAD_REQUESTS, LOAD_CLIENTS = 32, 8  # the serve part's load: streaming completions, at most 8 at a time
 
 # The host-loop measurement, run with PYTHONPATH at one tree (so it may only use what every tree
 # has: Engine, submit, step; and, to time the device calls, the runner's programs where it has
@@ -47,8 +48,8 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
 from jaxinfer.serve import runner as R
-slots, vocab, rounds, max_len, lo, hi, new = map(int, sys.argv[1:8])
-cfg = config.tiny(vocab_size=vocab)
+slots, rounds, max_len, lo, hi, new = map(int, sys.argv[1:7])
+cfg = config.tiny()
 model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)), tokenizer=None)
 engine = Engine(model, max_slots=slots, page_size=16, max_len=max_len)
 engine.warmup()
@@ -56,10 +57,9 @@ inside = [0.0]
 def timed(f):
     def g(*a, **k):
         t = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            inside[0] += time.perf_counter() - t
+        out = f(*a, **k)
+        inside[0] += time.perf_counter() - t
+        return out
     return g
 try:
     from jaxinfer.serve.programs import Programs
@@ -70,7 +70,7 @@ except ImportError:
 shd.to_host = timed(shd.to_host)
 def burst():
     rng = np.random.default_rng(1)
-    reqs = [engine.submit(rng.integers(3, vocab, int(rng.integers(lo, hi + 1))).tolist(), max_new_tokens=new,
+    reqs = [engine.submit(rng.integers(3, cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist(), max_new_tokens=new,
                           sampling=SamplingParams(temperature=0.8), seed=i) for i in range(2 * slots)]
     wall, host = [], []
     while True:
@@ -83,8 +83,7 @@ def burst():
         host.append(w - inside[0])
     toks = [r.result().token_ids for r in reqs]
     return dict(iterations=len(wall), wall_ms_p50=1e3 * float(np.median(wall)), host_ms_p50=1e3 * float(np.median(host)),
-                tokens=sum(map(len, toks)),
-                tokens_digest=hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:16])
+                tokens=sum(map(len, toks)), tokens_digest=hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:16])
 burst()
 print(json.dumps(dict(rounds=[burst() for _ in range(rounds)])))
 """
@@ -112,9 +111,8 @@ def serve_once(args, cache_dir: Path, run: str) -> dict:
         bodies = [{"id": i, "disconnect": False, "body": {
             "model": args.model, "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
             "temperature": 0.7, "seed": i, "stream": True, "stream_options": {"include_usage": True}}}
-            for i in range(args.load_requests)]
-        load = _serve.http_summary(_serve.drive(server.url + "/v1/completions", bodies, args.load_concurrency,
-                                                args.timeout))
+            for i in range(LOAD_REQUESTS)]
+        load = _serve.http_summary(_serve.drive(server.url + "/v1/completions", bodies, LOAD_CLIENTS, args.timeout))
         if load["errors"]:
             raise RuntimeError(f"the load test's requests failed: {load['error_examples']}")
         out.update(load=load, rss_after_load=rss_bytes(server.proc.pid))
@@ -185,12 +183,13 @@ def part_host(args) -> dict:
         per_call = 1 if len(trees) > 1 else args.rounds  # two trees: alternate round by round
         for _ in range(args.rounds // per_call):
             for name, tree in trees.items():
-                cmd = [sys.executable, "-c", HOST_WORKER, str(args.slots), str(args.vocab), str(per_call), *map(str, shape)]
-                runs[name] += _common.run_json(cmd, tree=tree, timeout=args.timeout, **cache_env(Path(d) / name))["rounds"]
+                cmd = [sys.executable, "-c", HOST_WORKER, *map(str, (args.slots, per_call, *shape))]
+                runs[name] += _common.run_json(cmd, tree=tree, timeout=args.timeout,
+                                               **cache_env(Path(d) / name))["rounds"]
     out = {}
     for name, rs in runs.items():
-        out[name] = h = dict(host_ms_p50=median(r["host_ms_p50"] for r in rs), iterations=median(r["iterations"] for r in rs),
-                             wall_ms_p50=median(r["wall_ms_p50"] for r in rs), rounds=rs)
+        out[name] = h = {k: median(r[k] for r in rs) for k in ("host_ms_p50", "wall_ms_p50", "iterations")}
+        h["rounds"] = rs
         print(f"host loop ({name}): {h['host_ms_p50']:.2f} ms host, {h['wall_ms_p50']:.2f} ms wall per iteration "
               f"({h['iterations']} iterations)")
     out["same_tokens"] = len({r["tokens_digest"] for rs in runs.values() for r in rs}) == 1
@@ -205,10 +204,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--parts", default=",".join(PARTS), help="which parts (default all)")
     p.add_argument("--against", help="git ref (or a source tree) for the host part to compare with")
     p.add_argument("--slots", type=int, default=32, help="host part: engine slots (default 32)")
-    p.add_argument("--vocab", type=int, default=256, help="host part: the tiny preset's vocabulary (default 256)")
     p.add_argument("--rounds", type=int, default=5, help="host part: bursts per tree (default 5)")
-    p.add_argument("--load-requests", type=int, default=32, help="serve part: requests of the load (default 32)")
-    p.add_argument("--load-concurrency", type=int, default=8, help="serve part: at a time (default 8)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one server or process may take")
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
