@@ -10,8 +10,10 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -19,37 +21,35 @@ import jax
 import numpy as np
 
 import jaxinfer
-from experiments._common import PeakRSS, cpu_seconds
-from jaxinfer.decode.request import MIN_KV_BUCKET
+from experiments._common import ROOT, PeakRSS, cpu_seconds
 from jaxinfer.decode.inputs import bucket
+from jaxinfer.decode.request import MIN_KV_BUCKET
 from jaxinfer.serve.scheduler import PREFILL
 
 
-def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int, int], log_prompt: bool = False,
-             log_new: bool = True, rate: float | None = None, seed: int = 0) -> list[dict]:
-    """`n` requests: prompts are slices of `ids` (the held-out text's tokens) of a length in
-    `prompt` = (lo, hi), max_new in `new` = (lo, hi), each uniform or log-uniform; arrival times of
-    a Poisson stream of `rate` requests/s (all at 0, a burst, without one)."""
+def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int, int], log_new: bool = True,
+             rate: float | None = None, seed: int = 0) -> list[dict]:
+    """`n` requests: prompts are slices of `ids` (the held-out text's tokens) of a length uniform in
+    `prompt` = (lo, hi), max_new in `new` = (lo, hi), log-uniform or (`log_new=False`) uniform;
+    arrival times of a Poisson stream of `rate` requests/s (all at 0, a burst, without one)."""
     rng = np.random.default_rng(seed)
-
-    def draw(lo, hi, log):
-        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) if log else int(rng.integers(lo, hi + 1))
-
     out, t = [], 0.0
     for _ in range(n):
         if rate:
             t += rng.exponential(1.0 / rate)
-        k = draw(*prompt, log_prompt)
+        k = int(rng.integers(prompt[0], prompt[1] + 1))
         s = int(rng.integers(0, len(ids) - k))
-        out.append({"arrival": t, "prompt": ids[s:s + k], "max_new": draw(*new, log_new)})
+        lo, hi = new
+        max_new = round(math.exp(rng.uniform(math.log(lo), math.log(hi)))) if log_new else rng.integers(lo, hi + 1)
+        out.append({"arrival": t, "prompt": ids[s:s + k], "max_new": int(max_new)})
     return out
 
 
 class Clock:
     """Seconds since start minus the time JAX spent tracing and compiling meanwhile."""
+
     def __init__(self):
         self.excluded = 0.0
-        self._jax = jax
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         self.t0 = time.perf_counter()
 
@@ -61,7 +61,7 @@ class Clock:
         return time.perf_counter() - self.t0 - self.excluded
 
     def close(self):
-        self._jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def pct(xs, q):
@@ -70,25 +70,23 @@ def pct(xs, q):
 
 def _summary(reqs, t_end) -> dict:
     ttft = [r["t_first"] - r["arrival"] for r in reqs]
-    tpot = [(r["t_last"] - r["t_first"]) / (r["max_new"] - 1) for r in reqs if r["max_new"] > 1]
     toks = sum(r["max_new"] for r in reqs)
     span = t_end - min(r["arrival"] for r in reqs)
     return {"tokens": toks, "seconds": span, "tokens_per_s": toks / span, "ttft_p50": pct(ttft, 50),
-            "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99), "ttft": ttft}
+            "ttft_p99": pct(ttft, 99), "ttft": ttft}
 
 
 def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -> dict:
     """The requests through `engine` in real time, each submitted at its arrival (a burst: all at
-    once): tokens/s, TTFT and time per output token, decode tokens/s once every request has its
-    first token, the KV pages held against the contiguous cache `generate` would allocate for the
-    same running rows, device iterations (begun with requests queued or prefilling, and not) and
-    each request's token ids."""
+    once): tokens/s and TTFT, decode tokens/s once every request has its first token, the KV pages
+    held against the contiguous cache `generate` would allocate for the same running rows, device
+    iterations (begun with requests queued or prefilling, and not) and each request's token ids."""
     if fresh_prefix_cache:  # the same prompts again must not be served from the last run's pages
         engine.pool.forget()
     reqs = [dict(r) for r in work]
     bpt, page = engine.stats().bytes_per_token, engine.page_size
     handles, pending, clock = {}, list(range(len(reqs))), Clock()
-    kv_paged, kv_contig, admitting, decoding, all_started = [], [], [], [], None
+    kv_paged, kv_contig, admitting, all_started = [], [], 0, None
     scans0 = engine.stats().scans
     while pending or not engine.scheduler.idle():
         now = clock()
@@ -96,12 +94,11 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
             i = pending.pop(0)
             handles[i] = engine.submit(reqs[i]["prompt"], max_new_tokens=reqs[i]["max_new"], stop_at_eos=False)
         prompts = engine.stats().waiting > 0 or any(s.state == PREFILL for s in engine.scheduler.running)
-        t0 = time.perf_counter()
         if not engine.step():
             if pending:
                 time.sleep(max(0.0, reqs[pending[0]]["arrival"] - clock()))
             continue
-        (admitting if prompts else decoding).append(time.perf_counter() - t0)
+        admitting += prompts
         now, running = clock(), engine.scheduler.running
         kv_paged.append(engine.pool.in_use * page * bpt)
         longest = max((len(s.prompt) + s.max_new_tokens for s in running), default=0)
@@ -109,8 +106,6 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
         for i, h in handles.items():
             if h.n_tokens and "t_first" not in reqs[i]:
                 reqs[i]["t_first"] = now
-            if h.done and "t_last" not in reqs[i]:
-                reqs[i]["t_last"] = now
         if all_started is None and not pending and all(h.n_tokens for h in handles.values()):
             all_started = (now, sum(h.n_tokens for h in handles.values()))
     t_end = clock()
@@ -120,9 +115,8 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
         res["decode_tokens_per_s"] = (res["tokens"] - all_started[1]) / (t_end - all_started[0])
     iterations = engine.stats().scans - scans0
     res.update(kv_ratio=float(np.sum(kv_paged) / max(1, np.sum(kv_contig))), iterations=iterations,
-               tokens_per_iteration=res["tokens"] / max(1, iterations), admitting_iterations=len(admitting),
-               admitting_ms_p50=1e3 * pct(admitting, 50), decoding_iterations=len(decoding),
-               decoding_ms_p50=1e3 * pct(decoding, 50), call_rows=engine.stats().call_rows,
+               tokens_per_iteration=res["tokens"] / max(1, iterations), admitting_iterations=admitting,
+               decoding_iterations=len(kv_paged) - admitting,
                token_ids=[handles[i].result().token_ids for i in range(len(reqs))])
     return res
 
@@ -140,15 +134,11 @@ def serve_static(model, work: list[dict], slots: int) -> dict:
             continue
         batch = [i for i in pending[:slots] if reqs[i]["arrival"] <= now]
         del pending[:len(batch)]
-        seen = [0] * len(batch)
 
-        def on_tokens(new, batch=batch, seen=seen):
+        def on_tokens(new, batch=batch):
             t = clock()
-            for j, i in enumerate(batch):
-                seen[j] += len(new[j])
+            for i in batch:
                 reqs[i].setdefault("t_first", t)
-                if seen[j] >= reqs[i]["max_new"]:
-                    reqs[i].setdefault("t_last", t)
 
         prompts = [reqs[i]["prompt"] for i in batch] + [reqs[batch[0]]["prompt"]] * (slots - len(batch))
         jaxinfer.generate(model, prompts, max_new_tokens=bucket(max(reqs[i]["max_new"] for i in batch), 8),
@@ -251,12 +241,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def jaxinfer_server(model: str, flags: list[str], log, env: dict | None = None) -> "Server":
+    """`jaxinfer serve --model MODEL FLAGS` of this tree on a free port of 127.0.0.1, not started
+    (`env`: variables added to this process's)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, *flags, "--host", "127.0.0.1",
+           "--port", str(port)]
+    return Server("jaxinfer serve", cmd, port, log, {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+
+
 class Server:
     """A server subprocess on 127.0.0.1: started, polled until /health answers 200, stopped
     (its whole process group), its output in `log`."""
+
     def __init__(self, name: str, cmd: list[str], port: int, log, env=None) -> None:
         self.name, self.cmd, self.url, self.log_path, self.env = name, cmd, f"http://127.0.0.1:{port}", log, env
-        self.proc = None
+        self.proc = self._log = None
 
     def start(self, timeout: float) -> float:
         """Start and wait until healthy: the seconds it took. RuntimeError if it dies or times out."""
@@ -264,38 +264,34 @@ class Server:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with rc {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+        return self._poll(t0, timeout, lambda health: True, "not healthy")
 
     def wait_warm(self, timeout: float) -> float:
         """After `start`: wait until the server builds no more programs in the background (`jaxinfer
         serve` says "ok" once its first programs are built, with "warming" while the rest build;
         other servers have nothing to build). Returns the seconds waited."""
         t0 = time.perf_counter()
+        return self._poll(t0, timeout, lambda health: not health.json().get("warming"), "still warming up")
+
+    def _poll(self, t0: float, timeout: float, ready, failing: str) -> float:
+        """Seconds since `t0` until /health answers 200 and `ready(response)`; RuntimeError if the
+        process exits or `timeout` passes first."""
         while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with rc {self.proc.returncode}; see {self.log_path}")
             try:
                 r = httpx.get(self.url + "/health", timeout=5)
-                if r.status_code == 200 and not r.json().get("warming"):
+                if r.status_code == 200 and ready(r):
                     return time.perf_counter() - t0
             except (httpx.HTTPError, ValueError):
                 pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} still warming up after {timeout:.0f} s; see {self.log_path}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} {failing} after {timeout:.0f} s; see {self.log_path}")
 
     def cpu_s(self) -> float:
         return cpu_seconds(self.proc.pid) if self.proc.poll() is None else float("nan")
 
     def stop(self) -> None:
-        import signal
-
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -303,5 +299,5 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        if getattr(self, "_log", None):
+        if self._log:
             self._log.close()
