@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +137,8 @@ def text_ids(tokenizer) -> list[int]:
 def error_record(e: BaseException) -> dict:
     """An exception kept as a result (one part failing must not hide the others): its type and
     message and the end of its traceback."""
+    import traceback
+
     return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)[-2000:]}
 
 

@@ -1,16 +1,17 @@
 """How fast does jaxinfer decode, against the bandwidth roofline, by batch, layout and quantization?
 
-    python -m experiments.decode [--peers llama.cpp]                # SmolLM2-135M, every variant side by side
+    python -m experiments.decode [--peers transformers,llama.cpp]   # SmolLM2-135M, every variant side by side
     python -m experiments.decode --preset llama3_8b --dtype bfloat16 --batches 1,8,64   # random 8B weights (a GPU)
     python -m experiments.decode --against HEAD~1 --rounds 4        # this tree against another commit or tree
 
 Every --variants (`_measure.variant`) interleaved repeat by repeat, medians of --repeats after the
 call that compiles: decode tokens/s of `generate` (greedy, no early stop) at --batches against the
 roofline B x bandwidth / (weight bytes + B x filled KV bytes), the bandwidth measured in the run;
-prefill tokens/s at --prefill lengths. --peers llama.cpp: batch 1 under the peer's python on the
-same weights (`_peer`). --against: fresh processes importing jaxinfer from each tree (a commit goes
-into a temporary git worktree), alternating round by round, time --sections; medians, their ratio
-and the median of the rounds' ratios. Writes decode.json and .png (decode_against.json).
+prefill tokens/s at --prefill lengths. --peers: transformers' fp32 `generate` in this process and
+llama.cpp at batch 1 under the peer's python, on the same weights (`_peer`). --against: fresh
+processes importing jaxinfer from each tree (a commit goes into a temporary git worktree),
+alternating round by round, time --sections; medians, their ratio and the median of the rounds'
+ratios. Writes decode.json and .png (decode_against.json).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 
@@ -29,33 +31,69 @@ from experiments import _common, _measure, _peer
 from experiments._common import ROOT, plt
 from jaxinfer.inspect import roofline
 from jaxinfer.model import cache
+from jaxinfer.weights import hub
 
 VARIANTS = ("default", "stacked", "per_layer", "int8", "int8_stacked", "int4", "int8kv", "fused_attention")
 SECTIONS = ("prefill", "decode", "long")
 
 
-def peers(args, base, bw: float) -> tuple[dict, list[str]]:
-    """Rows of the peers named in --peers (llama.cpp: batch 1) on the same weights, and why any was skipped."""
+def transformers_decode(gguf: str, batches, prompt: list[int], n: int, repeats: int) -> tuple[dict, int, int]:
+    """transformers' fp32 greedy `generate` on the same GGUF in this process (torch must be
+    installed): decode tokens/s per batch (n tokens less the first), weight bytes, KV bytes per token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                 dtype=torch.float32).eval()
+    c, eos = model.config, model.config.eos_token_id
+
+    def seconds(ids, k) -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                           pad_token_id=(eos[0] if isinstance(eos, (list, tuple)) else eos) or 0)
+            return time.perf_counter() - t0
+
+    tok = {b: median(b * (n - 1) / max(seconds(torch.tensor([prompt] * b), n) - seconds(torch.tensor([prompt] * b), 1),
+                                       1e-9) for _ in range(repeats)) for b in batches}
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    return tok, sum(p.numel() * p.element_size() for p in model.parameters()), kv
+
+
+def peers(args, base, bw: float, batches) -> tuple[dict, list[str]]:
+    """Rows of the peers named in --peers on the same weights, and why any was skipped."""
     rows, notes = {}, []
+    ids = _measure.prompts(base, 1, args.prompt)[0]
     for peer in filter(None, args.peers.split(",")):
-        if peer != "llama.cpp":
-            raise SystemExit(f"unknown peer {peer!r}: llama.cpp")
-        p = _peer.from_args(args)
-        why = p.missing("python", "gguf")
-        if why:
-            notes.append(f"llama.cpp skipped: {why}")
-            continue
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(_measure.prompts(base, 1, args.prompt)[0], f)
-        r = _peer.run_worker(p, f.name, args.repeats + 1, args.llama_threads, decode_tokens=args.new_tokens)
-        os.unlink(f.name)
-        if "error" in r:
-            notes.append(f"llama.cpp failed: {r['error']}")
-            continue
-        tok_s = median([c["decode_tok_s"] for c in r["calls"][1:]])
-        kv = (args.prompt + args.new_tokens / 2) * cache.bytes_per_token(base.config, "float16")  # its f16 KV cache
-        roof = roofline.decode_ceiling(bw, r["file_bytes"], cache_bytes_per_row=kv)
-        rows[peer] = {"decode": {1: {"batch": 1, "tok_s": tok_s, "roofline_tok_s": roof, "pct_roofline": 100 * tok_s / roof}}}
+        if peer == "transformers":
+            try:
+                gguf = args.model if os.path.exists(args.model) else str(hub.fetch(args.model))
+                tok, wb, kv = transformers_decode(gguf, batches, ids, args.new_tokens, args.repeats)
+            except ImportError as e:
+                notes.append(f"transformers skipped: {e.name} is not installed")
+                continue
+        elif peer == "llama.cpp":
+            p = _peer.from_args(args)
+            why = p.missing("python", "gguf")
+            if why:
+                notes.append(f"llama.cpp skipped: {why}")
+                continue
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(ids, f)
+            r = _peer.run_worker(p, f.name, args.repeats + 1, args.llama_threads, decode_tokens=args.new_tokens)
+            os.unlink(f.name)
+            if "error" in r:
+                notes.append(f"llama.cpp failed: {r['error']}")
+                continue
+            tok = {1: median([c["decode_tok_s"] for c in r["calls"][1:]])}  # batch 1 only
+            wb, kv = r["file_bytes"], cache.bytes_per_token(base.config, "float16")  # its f16 KV cache
+        else:
+            raise SystemExit(f"unknown peer {peer!r}: transformers, llama.cpp")
+        filled_kv = (args.prompt + args.new_tokens / 2) * kv
+        roofs = {b: roofline.decode_ceiling(bw, wb, batch=b, cache_bytes_per_row=filled_kv) for b in tok}
+        rows[peer] = {"decode": {b: {"batch": b, "tok_s": v, "roofline_tok_s": roofs[b], "pct_roofline": 100 * v / roofs[b]}
+                                 for b, v in tok.items()}}
     return rows, notes
 
 
@@ -111,7 +149,7 @@ def measure(args, base) -> dict:
               "batches": batches, "prompt": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "variants": variants}
     if args.peers:
-        result["peers"], result["notes"] = peers(args, base, bw["roofline_Bps"])
+        result["peers"], result["notes"] = peers(args, base, bw["roofline_Bps"], batches)
         for n in result["notes"]:
             print("note:", n)
         for name, r in result["peers"].items():
@@ -209,7 +247,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=1024, help="bandwidth probe size")
     p.add_argument("--matmul-n", type=int, default=2048, help="matmul peak probe: n x n x n")
-    p.add_argument("--peers", default="", help="llama.cpp: batch 1 under --llama-python (`_peer`)")
+    p.add_argument("--peers", default="", help="comma list: transformers, llama.cpp")
     p.add_argument("--against", help="another source tree or git commit, side by side with --new")
     p.add_argument("--new", default=str(ROOT), help="--against: the new tree (default: this one)")
     p.add_argument("--rounds", type=int, default=3, help="--against: rounds, trees alternating")
