@@ -70,23 +70,25 @@ def pct(xs, q):
 
 def _summary(reqs, t_end) -> dict:
     ttft = [r["t_first"] - r["arrival"] for r in reqs]
+    tpot = [(r["t_last"] - r["t_first"]) / (r["max_new"] - 1) for r in reqs if r["max_new"] > 1]
     toks = sum(r["max_new"] for r in reqs)
     span = t_end - min(r["arrival"] for r in reqs)
     return {"tokens": toks, "seconds": span, "tokens_per_s": toks / span, "ttft_p50": pct(ttft, 50),
-            "ttft_p99": pct(ttft, 99), "ttft": ttft}
+            "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99), "ttft": ttft}
 
 
 def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -> dict:
     """The requests through `engine` in real time, each submitted at its arrival (a burst: all at
-    once): tokens/s and TTFT, decode tokens/s once every request has its first token, the KV pages
-    held against the contiguous cache `generate` would allocate for the same running rows, device
-    iterations (begun with requests queued or prefilling, and not) and each request's token ids."""
+    once): tokens/s, TTFT and time per output token, decode tokens/s once every request has its
+    first token, the KV pages held against the contiguous cache `generate` would allocate for the
+    same running rows, device iterations (begun with requests queued or prefilling, and not, with
+    each kind's median milliseconds), the token rows the calls computed and each request's token ids."""
     if fresh_prefix_cache:  # the same prompts again must not be served from the last run's pages
         engine.pool.forget()
     reqs = [dict(r) for r in work]
     bpt, page = engine.stats().bytes_per_token, engine.page_size
     handles, pending, clock = {}, list(range(len(reqs))), Clock()
-    kv_paged, kv_contig, admitting, all_started = [], [], 0, None
+    kv_paged, kv_contig, admitting, decoding, all_started = [], [], [], [], None
     scans0 = engine.stats().scans
     while pending or not engine.scheduler.idle():
         now = clock()
@@ -94,11 +96,12 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
             i = pending.pop(0)
             handles[i] = engine.submit(reqs[i]["prompt"], max_new_tokens=reqs[i]["max_new"], stop_at_eos=False)
         prompts = engine.stats().waiting > 0 or any(s.state == PREFILL for s in engine.scheduler.running)
+        t0 = time.perf_counter()
         if not engine.step():
             if pending:
                 time.sleep(max(0.0, reqs[pending[0]]["arrival"] - clock()))
             continue
-        admitting += prompts
+        (admitting if prompts else decoding).append(time.perf_counter() - t0)
         now, running = clock(), engine.scheduler.running
         kv_paged.append(engine.pool.in_use * page * bpt)
         longest = max((len(s.prompt) + s.max_new_tokens for s in running), default=0)
@@ -106,6 +109,8 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
         for i, h in handles.items():
             if h.n_tokens and "t_first" not in reqs[i]:
                 reqs[i]["t_first"] = now
+            if h.done and "t_last" not in reqs[i]:
+                reqs[i]["t_last"] = now
         if all_started is None and not pending and all(h.n_tokens for h in handles.values()):
             all_started = (now, sum(h.n_tokens for h in handles.values()))
     t_end = clock()
@@ -115,8 +120,9 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
         res["decode_tokens_per_s"] = (res["tokens"] - all_started[1]) / (t_end - all_started[0])
     iterations = engine.stats().scans - scans0
     res.update(kv_ratio=float(np.sum(kv_paged) / max(1, np.sum(kv_contig))), iterations=iterations,
-               tokens_per_iteration=res["tokens"] / max(1, iterations), admitting_iterations=admitting,
-               decoding_iterations=len(kv_paged) - admitting,
+               tokens_per_iteration=res["tokens"] / max(1, iterations), admitting_iterations=len(admitting),
+               admitting_ms_p50=1e3 * pct(admitting, 50), decoding_iterations=len(decoding),
+               decoding_ms_p50=1e3 * pct(decoding, 50), call_rows=engine.stats().call_rows,
                token_ids=[handles[i].result().token_ids for i in range(len(reqs))])
     return res
 
@@ -134,11 +140,15 @@ def serve_static(model, work: list[dict], slots: int) -> dict:
             continue
         batch = [i for i in pending[:slots] if reqs[i]["arrival"] <= now]
         del pending[:len(batch)]
+        seen = [0] * len(batch)
 
-        def on_tokens(new, batch=batch):
+        def on_tokens(new, batch=batch, seen=seen):
             t = clock()
-            for i in batch:
+            for j, i in enumerate(batch):
+                seen[j] += len(new[j])
                 reqs[i].setdefault("t_first", t)
+                if seen[j] >= reqs[i]["max_new"]:
+                    reqs[i].setdefault("t_last", t)
 
         prompts = [reqs[i]["prompt"] for i in batch] + [reqs[batch[0]]["prompt"]] * (slots - len(batch))
         jaxinfer.generate(model, prompts, max_new_tokens=bucket(max(reqs[i]["max_new"] for i in batch), 8),
