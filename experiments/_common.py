@@ -194,15 +194,9 @@ def max_rss_bytes() -> int:
 
 
 class PeakRSS:
-    """The highest resident memory of a process while the block runs, sampled by a thread.
-
-        with PeakRSS() as peak:      # this process; PeakRSS(pid) for another one
-            ...
-        peak.peak                    # bytes
-
-    Engines run their work in native code with the GIL released, so the thread keeps sampling.
-    A process that has gone away stops the sampling (its last reading stays).
-    """
+    """The highest resident memory of a process (default this one) while the block runs, in bytes
+    (`.peak`), sampled by a thread: engines run native code with the GIL released, so it keeps
+    sampling. A process that has gone away stops the sampling (its last reading stays)."""
 
     def __init__(self, pid: int | str = "self", interval: float = 0.005) -> None:
         self.pid, self.interval, self.peak = pid, interval, 0

@@ -1,13 +1,6 @@
 """The measurements every speed runner shares, one definition each (`decode`, `walkthrough
-roofline`, `device_check`):
-  bandwidth    a jitted read of n bytes (`sum`) and a jitted copy (`a + 1`: 2n bytes), medians; the
-               roofline's bandwidth is the larger (decode mostly reads; a GPU's copy comes closer to
-               its datasheet, XLA's CPU copy is compute-bound).
-  matmul peak  2 n^3 / the median seconds of a jitted n x n x n matmul on random data.
-  decode       `Timings.decode_tokens_per_s` at batch B against the roofline
-               B x bandwidth / (weight bytes + B x KV bytes per token x (prompt + new tokens / 2)).
-  prefill      prompt tokens / `Timings.prefill_s` at batch 1; FLOPs 2 T P_layers + 2 D V +
-               2 L N H T (T + 1) (every weight twice per token, the head once, causal attention).
+roofline`, `device_check`): bandwidth, matmul peak, model variants, and decode and prefill speed
+against the roofline B x bandwidth / (weight bytes + B x KV bytes per row).
 """
 
 from __future__ import annotations
@@ -31,18 +24,16 @@ from jaxinfer.model.model import Model
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The median wall seconds of `repeats` calls of `fn`, after one that warms (compiles)."""
+    """The median wall seconds of `repeats` calls of `fn` (`timed`), after one that warms (compiles)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
+    run = timed(fn)
+    return median(run() for _ in range(repeats))
 
 
 def bandwidth(n_bytes: int, repeats: int, dtype: str = "float32") -> dict:
-    """Memory bandwidth of the default device, bytes/s (see the module docstring).
+    """Memory bandwidth of the default device, bytes/s: the medians of a jitted read of n bytes
+    (`sum`) and of a jitted copy (`a + 1`: 2n bytes). The roofline's is the larger: decode mostly
+    reads; a GPU's copy comes closer to its datasheet, XLA's CPU copy is compute-bound.
 
     Args:
       n_bytes: array size; pick it larger than the last-level cache.
@@ -155,7 +146,8 @@ def measure_decode(model, batch: int, *, prompt: int, new_tokens: int, repeats: 
 
 
 def prefill_flops(model, tokens: int) -> float:
-    """FLOPs of a prefill of `tokens` at batch 1 (the module docstring's formula)."""
+    """FLOPs of a prefill of T = `tokens` at batch 1: 2 T P_layers + 2 D V + 2 L N H T (T + 1)
+    (every layer weight twice per token, the head once, causal attention)."""
     cfg, T = model.config, tokens
     layer_params = sum(int(x.size) for x in jax.tree.leaves(model.params["layers"]))
     return 2 * T * layer_params + 2 * cfg.d_model * cfg.vocab_size + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * (T + 1)

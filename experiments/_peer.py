@@ -3,15 +3,10 @@
     python -m experiments._peer check            # which parts the runners will find
     python -m experiments._peer verify-gguf      # the F32 GGUF against jaxinfer's dequantization
 
-llama.cpp is never a dependency and never runs in the suite. Its parts come from flags or the
-environment, never default paths: --llama-python / $JAXINFER_LLAMA_PYTHON (a python with
-llama-cpp-python 0.3.36, built from source with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
--DGGML_FMA=ON -DGGML_F16C=ON": a native build died with an illegal instruction here),
---llama-server / $JAXINFER_LLAMA_SERVER (llama-server, built from the llama.cpp it vendors with the
-same flags) and --llama-gguf / $JAXINFER_LLAMA_GGUF (the F32 GGUF: `llama-quantize
---allow-requantize SRC.gguf OUT.gguf F32` writes the values jaxinfer dequantizes from the Q4_1
-file, so both engines compute with identical weights; `verify-gguf` checks every tensor bit for bit). Only the standard library
-is imported at module level: the worker runs under the peer's python, which has no jaxinfer.
+llama.cpp is never a dependency and never runs in the suite; its parts come from flags or the
+environment, never default paths (docs/notes/llamacpp.md: how to build them, and why the F32 GGUF
+holds exactly the weights jaxinfer dequantizes). Only the standard library is imported at module
+level: the worker runs under the peer's python, which has no jaxinfer.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from experiments._common import PeakRSS, max_rss_bytes, rss_bytes, run_json
+from experiments._common import PeakRSS, rss_bytes, run_json
 
 PARTS = {"python": "JAXINFER_LLAMA_PYTHON", "server": "JAXINFER_LLAMA_SERVER", "gguf": "JAXINFER_LLAMA_GGUF"}
 N_BATCH = 512
@@ -77,21 +72,23 @@ def from_args(args) -> Peer:
 def run_worker(peer: Peer, ids_file: str, calls: int, threads: int, decode_tokens: int = 0,
                timeout: float = 3600.0) -> dict:
     """`worker` under the peer's python in a fresh process: its JSON, or {"error": why}."""
-    cmd = [peer.python, "-m", "experiments._peer", "worker", "--llama-gguf", peer.gguf, "--ids-file", ids_file,
-           "--calls", str(calls), "--llama-threads", str(threads), "--decode-tokens", str(decode_tokens)]
+    code = "import json, sys; from experiments._peer import worker; print(json.dumps(worker(*json.loads(sys.argv[1]))))"
+    cmd = [peer.python, "-c", code, json.dumps([peer.gguf, ids_file, calls, threads, decode_tokens])]
     try:
         return run_json(cmd, timeout=timeout)
     except RuntimeError as e:
         return {"error": str(e)}
 
 
-def worker(gguf: str, ids: list[int], calls: int, threads: int, decode_tokens: int) -> dict:
-    """In the peer's python: load the GGUF, then `calls` times evaluate `ids` (KV cleared before):
-    wall seconds, the greedy first token and the peak RSS above the loaded model; with
-    `decode_tokens`, greedy decode tokens/s at batch 1 after the prompt."""
+def worker(gguf: str, ids_file: str, calls: int, threads: int, decode_tokens: int) -> dict:
+    """In the peer's python: load the GGUF, then `calls` times evaluate the ids in `ids_file` (KV
+    cleared before): wall seconds, the greedy first token and the peak RSS above the loaded model;
+    with `decode_tokens`, greedy decode tokens/s at batch 1 after the prompt."""
     import llama_cpp
     import numpy as np
 
+    with open(ids_file) as f:
+        ids = json.load(f)
     n_ctx = max(1024, -(-(len(ids) + decode_tokens + 1) // 256) * 256)
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=threads,
@@ -119,10 +116,7 @@ def worker(gguf: str, ids: list[int], calls: int, threads: int, decode_tokens: i
                 tok = argmax()
             row["decode_tok_s"] = (decode_tokens - 1) / (time.perf_counter() - t0)
         rows.append(row)
-    return {"load_s": load_s, "rss_loaded_mb": loaded / 2**20, "calls": rows, "file_bytes": os.path.getsize(gguf),
-            "max_rss_above_load_mb": (max_rss_bytes() - loaded) / 2**20, "llama_cpp_python": llama_cpp.__version__,
-            "n_ctx": n_ctx, "n_batch": N_BATCH, "n_threads": threads,
-            "system_info": llama_cpp.llama_print_system_info().decode()}
+    return {"load_s": load_s, "rss_loaded_mb": loaded / 2**20, "calls": rows, "file_bytes": os.path.getsize(gguf)}
 
 
 def compare_weights(src: str, f32: str) -> dict:
@@ -151,19 +145,11 @@ def compare_weights(src: str, f32: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["check", "verify-gguf", "worker"])
+    p.add_argument("command", choices=["check", "verify-gguf"])
     p.add_argument("--src", help="source GGUF (default: the file jaxinfer loads for smollm2-135m)")
-    p.add_argument("--ids-file", help=argparse.SUPPRESS)
-    p.add_argument("--calls", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--decode-tokens", type=int, default=0, help=argparse.SUPPRESS)
     add_arguments(p)
     args = p.parse_args(argv)
     peer = from_args(args)
-    if args.command == "worker":
-        with open(args.ids_file) as f:
-            ids = json.load(f)
-        print(json.dumps(worker(peer.gguf, ids, args.calls, args.llama_threads, args.decode_tokens)))
-        return 0
     if args.command == "check":
         print(f"llama-cpp-python: {peer.version() or 'not available'} ({peer.python})")
         for part in PARTS:

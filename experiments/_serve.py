@@ -10,8 +10,10 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -19,37 +21,35 @@ import jax
 import numpy as np
 
 import jaxinfer
-from experiments._common import PeakRSS, cpu_seconds
-from jaxinfer.decode.request import MIN_KV_BUCKET
+from experiments._common import ROOT, PeakRSS, cpu_seconds
 from jaxinfer.decode.inputs import bucket
+from jaxinfer.decode.request import MIN_KV_BUCKET
 from jaxinfer.serve.scheduler import PREFILL
 
 
-def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int, int], log_prompt: bool = False,
-             log_new: bool = True, rate: float | None = None, seed: int = 0) -> list[dict]:
-    """`n` requests: prompts are slices of `ids` (the held-out text's tokens) of a length in
-    `prompt` = (lo, hi), max_new in `new` = (lo, hi), each uniform or log-uniform; arrival times of
-    a Poisson stream of `rate` requests/s (all at 0, a burst, without one)."""
+def workload(ids: list[int], n: int, *, prompt: tuple[int, int], new: tuple[int, int], log_new: bool = True,
+             rate: float | None = None, seed: int = 0) -> list[dict]:
+    """`n` requests: prompts are slices of `ids` (the held-out text's tokens) of a length uniform in
+    `prompt` = (lo, hi), max_new in `new` = (lo, hi), log-uniform or (`log_new=False`) uniform;
+    arrival times of a Poisson stream of `rate` requests/s (all at 0, a burst, without one)."""
     rng = np.random.default_rng(seed)
-
-    def draw(lo, hi, log):
-        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) if log else int(rng.integers(lo, hi + 1))
-
     out, t = [], 0.0
     for _ in range(n):
         if rate:
             t += rng.exponential(1.0 / rate)
-        k = draw(*prompt, log_prompt)
+        k = int(rng.integers(prompt[0], prompt[1] + 1))
         s = int(rng.integers(0, len(ids) - k))
-        out.append({"arrival": t, "prompt": ids[s:s + k], "max_new": draw(*new, log_new)})
+        lo, hi = new
+        max_new = round(math.exp(rng.uniform(math.log(lo), math.log(hi)))) if log_new else rng.integers(lo, hi + 1)
+        out.append({"arrival": t, "prompt": ids[s:s + k], "max_new": int(max_new)})
     return out
 
 
 class Clock:
     """Seconds since start minus the time JAX spent tracing and compiling meanwhile."""
+
     def __init__(self):
         self.excluded = 0.0
-        self._jax = jax
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         self.t0 = time.perf_counter()
 
@@ -61,7 +61,7 @@ class Clock:
         return time.perf_counter() - self.t0 - self.excluded
 
     def close(self):
-        self._jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def pct(xs, q):
@@ -81,8 +81,8 @@ def serve_engine(engine, work: list[dict], *, fresh_prefix_cache: bool = True) -
     """The requests through `engine` in real time, each submitted at its arrival (a burst: all at
     once): tokens/s, TTFT and time per output token, decode tokens/s once every request has its
     first token, the KV pages held against the contiguous cache `generate` would allocate for the
-    same running rows, device iterations (begun with requests queued or prefilling, and not) and
-    each request's token ids."""
+    same running rows, device iterations (begun with requests queued or prefilling, and not, with
+    each kind's median milliseconds), the token rows the calls computed and each request's token ids."""
     if fresh_prefix_cache:  # the same prompts again must not be served from the last run's pages
         engine.pool.forget()
     reqs = [dict(r) for r in work]
@@ -251,12 +251,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def jaxinfer_server(model: str, flags: list[str], log, env: dict | None = None) -> "Server":
+    """`jaxinfer serve --model MODEL FLAGS` of this tree on a free port of 127.0.0.1, not started
+    (`env`: variables added to this process's)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, *flags, "--host", "127.0.0.1",
+           "--port", str(port)]
+    return Server("jaxinfer serve", cmd, port, log, {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+
+
 class Server:
     """A server subprocess on 127.0.0.1: started, polled until /health answers 200, stopped
     (its whole process group), its output in `log`."""
+
     def __init__(self, name: str, cmd: list[str], port: int, log, env=None) -> None:
         self.name, self.cmd, self.url, self.log_path, self.env = name, cmd, f"http://127.0.0.1:{port}", log, env
-        self.proc = None
+        self.proc = self._log = None
 
     def start(self, timeout: float) -> float:
         """Start and wait until healthy: the seconds it took. RuntimeError if it dies or times out."""
@@ -264,38 +274,34 @@ class Server:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with rc {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+        return self._poll(t0, timeout, lambda health: True, "not healthy")
 
     def wait_warm(self, timeout: float) -> float:
         """After `start`: wait until the server builds no more programs in the background (`jaxinfer
         serve` says "ok" once its first programs are built, with "warming" while the rest build;
         other servers have nothing to build). Returns the seconds waited."""
         t0 = time.perf_counter()
+        return self._poll(t0, timeout, lambda health: not health.json().get("warming"), "still warming up")
+
+    def _poll(self, t0: float, timeout: float, ready, failing: str) -> float:
+        """Seconds since `t0` until /health answers 200 and `ready(response)`; RuntimeError if the
+        process exits or `timeout` passes first."""
         while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with rc {self.proc.returncode}; see {self.log_path}")
             try:
                 r = httpx.get(self.url + "/health", timeout=5)
-                if r.status_code == 200 and not r.json().get("warming"):
+                if r.status_code == 200 and ready(r):
                     return time.perf_counter() - t0
             except (httpx.HTTPError, ValueError):
                 pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} still warming up after {timeout:.0f} s; see {self.log_path}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} {failing} after {timeout:.0f} s; see {self.log_path}")
 
     def cpu_s(self) -> float:
         return cpu_seconds(self.proc.pid) if self.proc.poll() is None else float("nan")
 
     def stop(self) -> None:
-        import signal
-
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -303,5 +309,5 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        if getattr(self, "_log", None):
+        if self._log:
             self._log.close()

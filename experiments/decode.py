@@ -4,16 +4,14 @@
     python -m experiments.decode --preset llama3_8b --dtype bfloat16 --batches 1,8,64   # random 8B weights (a GPU)
     python -m experiments.decode --against HEAD~1 --rounds 4        # this tree against another commit or tree
 
-Every --variants (default = what `jaxinfer.load` gives, stacked, per_layer, int8, int8_stacked,
-int4, int8kv, fused_attention: prompt chunks through `kernels.prefill_attention`) interleaved repeat by repeat, medians of --repeats after the call that compiles:
-decode tokens/s of `generate` (greedy, no early stop, compiles excluded) at --batches against the
-roofline B x bandwidth / (weight bytes + B x filled KV bytes), the bandwidth measured in the run
-(`_measure`); prefill tokens/s at --prefill lengths. --peers: transformers' fp32 `generate` in
-this process and llama.cpp at batch 1 under the peer's python on the same weights (`_peer`).
---against TREE_OR_COMMIT: fresh processes importing jaxinfer from each tree (a commit goes into a
-temporary git worktree), alternating round by round, time --sections (prefill of 128, 512, 2,048
-tokens; decode at batch 1 and 8; long: batch 8 over contexts of 30-730 and 1,200 tokens); medians,
-their ratio and the median of the rounds' ratios. Writes decode.json and .png (decode_against.json).
+Every --variants (`_measure.variant`) interleaved repeat by repeat, medians of --repeats after the
+call that compiles: decode tokens/s of `generate` (greedy, no early stop) at --batches against the
+roofline B x bandwidth / (weight bytes + B x filled KV bytes), the bandwidth measured in the run;
+prefill tokens/s at --prefill lengths. --peers: transformers' fp32 `generate` in this process and
+llama.cpp at batch 1 under the peer's python, on the same weights (`_peer`). --against: fresh
+processes importing jaxinfer from each tree (a commit goes into a temporary git worktree),
+alternating round by round, time --sections; medians, their ratio and the median of the rounds'
+ratios. Writes decode.json and .png (decode_against.json).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 
@@ -30,6 +29,7 @@ import jax
 
 from experiments import _common, _measure, _peer
 from experiments._common import ROOT, plt
+from jaxinfer.inspect import roofline
 from jaxinfer.model import cache
 from jaxinfer.weights import hub
 
@@ -40,8 +40,6 @@ SECTIONS = ("prefill", "decode", "long")
 def transformers_decode(gguf: str, batches, prompt: list[int], n: int, repeats: int) -> tuple[dict, int, int]:
     """transformers' fp32 greedy `generate` on the same GGUF in this process (torch must be
     installed): decode tokens/s per batch (n tokens less the first), weight bytes, KV bytes per token."""
-    import time
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -67,16 +65,14 @@ def peers(args, base, bw: float, batches) -> tuple[dict, list[str]]:
     """Rows of the peers named in --peers on the same weights, and why any was skipped."""
     rows, notes = {}, []
     ids = _measure.prompts(base, 1, args.prompt)[0]
-    filled = args.prompt + args.new_tokens / 2
     for peer in filter(None, args.peers.split(",")):
         if peer == "transformers":
             try:
-                gguf = str(hub.fetch(args.model)) if not os.path.exists(args.model) else args.model
+                gguf = args.model if os.path.exists(args.model) else str(hub.fetch(args.model))
                 tok, wb, kv = transformers_decode(gguf, batches, ids, args.new_tokens, args.repeats)
             except ImportError as e:
                 notes.append(f"transformers skipped: {e.name} is not installed")
                 continue
-            step = {b: wb + b * filled * kv for b in batches}
         elif peer == "llama.cpp":
             p = _peer.from_args(args)
             why = p.missing("python", "gguf")
@@ -91,11 +87,13 @@ def peers(args, base, bw: float, batches) -> tuple[dict, list[str]]:
                 notes.append(f"llama.cpp failed: {r['error']}")
                 continue
             tok = {1: median([c["decode_tok_s"] for c in r["calls"][1:]])}  # batch 1 only
-            step = {1: r["file_bytes"] + filled * cache.bytes_per_token(base.config, "float16")}  # its f16 KV cache
+            wb, kv = r["file_bytes"], cache.bytes_per_token(base.config, "float16")  # its f16 KV cache
         else:
             raise SystemExit(f"unknown peer {peer!r}: transformers, llama.cpp")
-        rows[peer] = {"decode": {b: {"batch": b, "tok_s": v, "roofline_tok_s": b * bw / step[b],
-                                     "pct_roofline": 100 * v * step[b] / (b * bw)} for b, v in tok.items()}}
+        filled_kv = (args.prompt + args.new_tokens / 2) * kv
+        roofs = {b: roofline.decode_ceiling(bw, wb, batch=b, cache_bytes_per_row=filled_kv) for b in tok}
+        rows[peer] = {"decode": {b: {"batch": b, "tok_s": v, "roofline_tok_s": roofs[b], "pct_roofline": 100 * v / roofs[b]}
+                                 for b, v in tok.items()}}
     return rows, notes
 
 
@@ -105,13 +103,19 @@ def plot(result: dict):
         rows = sorted(r["decode"].values(), key=lambda x: x["batch"])
         (line,) = ax.plot([x["batch"] for x in rows], [x["tok_s"] for x in rows], "o-", label=name)
         ax.plot([x["batch"] for x in rows], [x["roofline_tok_s"] for x in rows], "--", color=line.get_color(), alpha=0.5)
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s (all rows)",
+    ax.set(yscale="log", xlabel="batch size", ylabel="decode tokens/s (all rows)",
            title=f"{result['model']}: measured (solid) and roofline (dashed), "
                  f"{result['bandwidth']['roofline_Bps'] / 1e9:.1f} GB/s")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def summary(name: str, r: dict) -> str:
+    """One printed line: decode tokens/s (% of the roofline) per batch, then prefill tokens/s per length."""
+    return "  ".join([f"{name:14s}"] + [f"B={b} {x['tok_s']:8.1f} ({x['pct_roofline']:4.0f}%)" for b, x in r["decode"].items()]
+                     + [f"prefill@{n} {x['tok_s']:7.0f}" for n, x in r.get("prefill", {}).items()])
 
 
 def measure(args, base) -> dict:
@@ -132,18 +136,15 @@ def measure(args, base) -> dict:
         for n in prefill_lens:
             calls[(v, "prefill", n)] = _measure.prefill_call(m, _measure.prompts(m, 1, n)[0])
     runs = _measure.interleaved(calls, args.repeats)
-    variants = {}
+    variants, filled = {}, args.prompt + args.new_tokens / 2
     for v, m in models.items():
-        filled = args.prompt + args.new_tokens / 2
+        prefill_s = {n: median(runs[(v, "prefill", n)]) for n in prefill_lens}
         variants[v] = {"layout": m.config.layout, "kv_dtype": m.config.kv_dtype,
                        "decode": {b: _measure.roofline_row(m, b, runs[(v, "decode", b)], filled, bw["roofline_Bps"])
                                   for b in batches},
-                       "prefill": {n: {"tok_s": n / median(runs[(v, "prefill", n)]),
-                                       "pct_peak": 100 * _measure.prefill_flops(m, n) / median(runs[(v, "prefill", n)]) / peak}
-                                   for n in prefill_lens}}
-        print(f"{v:14s} " + "  ".join(f"B={b} {r['tok_s']:8.1f} ({r['pct_roofline']:4.0f}%)"
-                                       for b, r in variants[v]["decode"].items())
-              + "  " + "  ".join(f"prefill@{n} {r['tok_s']:7.0f}" for n, r in variants[v]["prefill"].items()), flush=True)
+                       "prefill": {n: {"tok_s": n / s, "pct_peak": 100 * _measure.prefill_flops(m, n) / s / peak}
+                                   for n, s in prefill_s.items()}}
+        print(summary(v, variants[v]), flush=True)
     result = {"model": base.config.name, "dtype": base.config.dtype, "bandwidth": bw, "matmul_flops_per_s": peak,
               "batches": batches, "prompt": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "variants": variants}
@@ -152,13 +153,13 @@ def measure(args, base) -> dict:
         for n in result["notes"]:
             print("note:", n)
         for name, r in result["peers"].items():
-            print(f"{name:14s} " + "  ".join(f"B={b} {x['tok_s']:8.1f} ({x['pct_roofline']:4.0f}%)"
-                                           for b, x in r["decode"].items()))
+            print(summary(name, r))
     return result
 
 
 # ---- two trees side by side ---------------------------------------------------------------------
 
+# Self-contained: it runs under the other tree, whose experiments/ may differ from this one's.
 WORKER = r"""
 import json, os, sys, time
 import numpy as np
@@ -177,27 +178,22 @@ else:
     ids = model.tokenizer.encode(open(text).read())
 out = {}
 
-
-def cores_busy(fn):  # fn's result and the process's CPU seconds over its wall seconds
-    c0, t0 = os.times(), time.perf_counter()
-    r = fn()
-    c1, t1 = os.times(), time.perf_counter()
-    return r, (c1.user - c0.user + c1.system - c0.system) / (t1 - t0)
-
-
-def timed(prompts, n):  # (Timings, cores busy) of the median run (by wall time) of `repeats`, after one that compiles
+def timed(prompts, n):  # (Timings, CPU seconds over wall seconds) of the median run by wall time, after one that compiles
     jaxinfer.generate(model, prompts, max_new_tokens=n, stop_at_eos=False)
-    ts = sorted((cores_busy(lambda: jaxinfer.generate(model, prompts, max_new_tokens=n, stop_at_eos=False).timings)
-                 for _ in range(repeats)), key=lambda t: t[0].total_s)
-    return ts[len(ts) // 2]
-
+    runs = []
+    for _ in range(repeats):
+        c0, t0 = os.times(), time.perf_counter()
+        t = jaxinfer.generate(model, prompts, max_new_tokens=n, stop_at_eos=False).timings
+        c1, t1 = os.times(), time.perf_counter()
+        runs.append((t, (c1.user - c0.user + c1.system - c0.system) / (t1 - t0)))
+    return sorted(runs, key=lambda r: r[0].total_s)[len(runs) // 2]
 
 for n in lengths if "prefill" in sections else ():
     out[f"prefill_{n}_tokens_per_s"] = n / timed([ids[:n]], 1)[0].ttft_s
 for b in batches if "decode" in sections else ():
     t, busy = timed([ids[i * 40:(i + 1) * 40] for i in range(b)], new)
     out[f"decode_b{b}_tokens_per_s"] = t.decode_tokens_per_s
-    out[f"decode_b{b}_cores_busy"] = busy  # CPU time over wall time: below the core count, XLA idles a core
+    out[f"decode_b{b}_cores_busy"] = busy  # below the core count, XLA idles a core
 for name, lengths in (("ctx_30_730", range(30, 731, 100)), ("ctx_1200", [1200] * 8)) if "long" in sections else ():
     out[f"decode_b8_{name}_tokens_per_s"] = timed([ids[:n] for n in lengths], new)[0].decode_tokens_per_s
 print(json.dumps(out))
@@ -212,6 +208,7 @@ def commit_of(tree) -> str | None:
 
 
 def against(args) -> dict:
+    """WORKER under --against and --new, alternating for --rounds: medians, ratios and every run."""
     sections = [s for s in args.sections.split(",") if s]
     if not sections or set(sections) - set(SECTIONS):
         raise SystemExit(f"--sections takes a comma-separated subset of {','.join(SECTIONS)}, got {args.sections!r}")
@@ -254,7 +251,9 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--against", help="another source tree or git commit, side by side with --new")
     p.add_argument("--new", default=str(ROOT), help="--against: the new tree (default: this one)")
     p.add_argument("--rounds", type=int, default=3, help="--against: rounds, trees alternating")
-    p.add_argument("--sections", default=",".join(SECTIONS), help="--against: what to time")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="--against: comma list of prefill (128, 512, 2,048 tokens), decode (batch 1 and 8), long "
+                        "(batch 8 over contexts of 30-730 and of 1,200 tokens)")
     _peer.add_arguments(p)
     args = p.parse_args(argv)
     if args.smoke:
@@ -269,8 +268,7 @@ def main(argv=None, model=None) -> dict:
         return result
     if model is None and args.preset:
         model = _measure.random_model(args.preset, args.dtype)
-    base = _common.load_model(args, model)
-    result = measure(args, base)
+    result = measure(args, _common.load_model(args, model))
     _common.save("decode", result, args, plot(result))
     return result
 

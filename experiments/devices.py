@@ -5,15 +5,12 @@
     python -m experiments.devices --mesh --devices 2 --batch 1 --new-tokens 64 --repeats 7   # CPU batch 1, two cores
 
 memory (default): weights and KV-cache bytes per device on each (data, model) mesh of 8 devices,
-from shapes only (`jaxinfer.sharding.memory_report`, nothing allocated), and what is replicated.
---mesh: decode on each mesh of --devices (default 8) fake CPU devices against one device (in a
-fresh process when JAX already started): the same tokens, nothing compiled in the timed runs,
-meshes round-robin, medians. 8 "devices" share 2 cores, so their ratios are the cost of
-partitioning, not a speedup. --devices 2 on a 2-core CPU asks the other question: with the
-weights split over a `model` axis of 2, does each core stream half of every matvec's weights
-(XLA's CPU dot runs small matvecs on one core)? Meshes whose data axis exceeds --batch are
-skipped (a row is not split), and a "1 device, <layout>" row adds the single-device default
-layout (`jaxinfer.load`'s; sharding takes the stacked one) so the split is judged against the best.
+from shapes only (`jaxinfer.sharding.memory_report`), and what is replicated. --mesh: decode on
+each mesh of --devices fake CPU devices against one device (in a fresh process when JAX already
+started), the same tokens, nothing compiled in the timed runs, medians. 8 "devices" share 2 cores,
+so their ratios are the cost of partitioning; --devices 2 asks whether each core streaming half of
+every matvec's weights pays. Meshes whose data axis exceeds --batch are skipped, and at batch 1 a
+"1 device, <layout>" row adds `jaxinfer.load`'s default layout (sharding takes the stacked one).
 Writes devices.json (devices_mesh.json).
 """
 
@@ -61,14 +58,12 @@ def mesh(args) -> dict:
     from jaxinfer import sharding as shd
     from jaxinfer.model.model import Model
 
-    if args.smoke or args.model == "tiny":
-        base = _common.tiny_model()
-    else:
-        base = jaxinfer.load(args.model, layout="stacked")
+    tiny = args.smoke or args.model == "tiny"
+    base = _common.tiny_model() if tiny else jaxinfer.load(args.model, layout="stacked")
     cfg, host = base.config, jax.tree.map(np.asarray, base.params)
     prompts = [[(13 * b + 7 * t) % (cfg.vocab_size - 3) + 3 for t in range(8 + b)] for b in range(args.batch)]
     models = {"1 device": Model(cfg, jax.tree.map(jnp.asarray, host), base.tokenizer)}
-    if args.batch == 1 and args.model != "tiny" and not args.smoke:  # the best single device: the default layout
+    if args.batch == 1 and not tiny:  # the best single device: the default layout
         best = jaxinfer.load(args.model)
         if best.config.layout != cfg.layout:
             models[f"1 device, {best.config.layout}"] = best

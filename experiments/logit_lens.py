@@ -2,11 +2,8 @@
 
     python -m experiments.logit_lens ["The capital of France is"] [--top-k 5]
 
-Every layer's resid_post goes through the model's own last steps (final norm, LM head, Gemma's
-softcap) with `jaxinfer.logit_lens`; the last layer's row is the model's real next-token
-distribution. The picture is a layers x positions grid of the top token and its probability;
-the summary says from which layer on the model's final answer at the last position is the top
-token (for SmolLM2-135M and "The capital of France is": " Paris").
+Draws a layers x positions grid of `jaxinfer.logit_lens`'s top token and its probability, and says
+from which layer on the model's final answer at the last position is the top token.
 """
 
 from __future__ import annotations
@@ -15,14 +12,11 @@ import numpy as np
 
 from experiments import _common as common
 
-DEFAULT_PROMPT = "The capital of France is"
-
 
 def settled_from(top_ids: np.ndarray) -> int:
     """The first layer from which the top token equals the last layer's, to the end. top_ids: [L]."""
-    final = top_ids[-1]
     layer = len(top_ids) - 1
-    while layer > 0 and top_ids[layer - 1] == final:
+    while layer > 0 and top_ids[layer - 1] == top_ids[-1]:
         layer -= 1
     return layer
 
@@ -33,8 +27,8 @@ def label(piece: str) -> str:
 
 
 def main(argv=None, model=None) -> dict:
-    p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    p = common.parser(__doc__)
+    p.add_argument("prompt", nargs="?", default="The capital of France is")
     p.add_argument("--top-k", type=int, default=5, help="tokens kept per layer and position (default %(default)s)")
     args = p.parse_args(argv)
     import jaxinfer
@@ -43,7 +37,7 @@ def main(argv=None, model=None) -> dict:
     lens = jaxinfer.logit_lens(m, args.prompt, top_k=args.top_k)
     n, T, _ = lens.top_ids.shape
     pieces = [m.tokenizer.decode([t]) for t in lens.token_ids]
-    top = [[lens.top_tokens[i][t][0] for t in range(T)] for i in range(n)]
+    top = [[lens.top_tokens[i][t][0] for t in range(T)] for i in range(n)]  # [n][T] the top token's text
     final_token = top[-1][-1]
     layer = lens.layers[settled_from(lens.top_ids[:, -1, 0])]
     first_seen = next((lens.layers[i] for i in range(n) if final_token in lens.top_tokens[i][-1]), None)
@@ -63,8 +57,8 @@ def main(argv=None, model=None) -> dict:
                     color="white" if lens.top_probs[i, t, 0] < 0.6 else "black")
     ax.set_xticks(range(T), [label(x) for x in pieces], fontsize=8)
     ax.set_yticks(range(n), [str(x) for x in lens.layers], fontsize=7)
-    ax.set_xlabel("position (the token read there)")
-    ax.set_ylabel("layer (resid_post through the final norm and the unembedding)")
+    ax.set(xlabel="position (the token read there)",
+           ylabel="layer (resid_post through the final norm and the unembedding)")
     ax.set_title(f"logit lens: top next token and its probability\n{args.model}: {args.prompt!r}", fontsize=9)
     fig.colorbar(im, ax=ax, label="probability of the top token")
     result = {"prompt": args.prompt, "tokens": pieces, "token_ids": lens.token_ids, "layers": list(lens.layers),

@@ -1,28 +1,18 @@
 """Mixture-of-experts decode and prefill against the roofline of the bytes each token actually reads.
 
-A random-weight model of Qwen3-30B-A3B's layer shapes (d_model 2048, 32 query / 4 kv heads of 128,
-128 experts of width 768, 8 per token, its 151,936-token vocabulary and untied head), with
---layers of its 48 layers, beside its dense twin: the same attention and head, one MLP of width
-8 x 768 = 6144 in place of the experts, so a token reads the same bytes in both. Sections:
+    python -m experiments.moe                  # --layers 4: ~13 GB of float32 weights, ~15 min; run it alone
+    python -m experiments.moe --only kernels   # one layer's experts through each kernel
+    python -m experiments.moe --smoke          # tiny shapes, seconds (tests/test_moe.py)
 
-  kernels  one layer's experts (2.4 GB in float32) for 1, 8, 32 and 512 tokens: the "blocks"
-           kernel (`jaxinfer.model.moe`) at its own block size and at fixed ones, a gather of
-           the chosen experts' weights (`jnp.take`) then a batched matmul (up to 64 slots: the
-           gathered copy grows with them), and `ragged_dot` (1 token only: XLA's CPU backend
-           computes it densely over all 128 experts). ms per call and GB/s of the distinct
-           chosen experts' bytes.
-  decode   generate's decode tokens/s at batch 1, 8 and 32, MoE and dense twin alternating,
-           medians of --repeats, each against its roofline: bandwidth (a jitted read of a 1 GiB
-           array) x rows / (bytes read per step + rows x KV-cache bytes per row). Per step the
-           MoE model reads attention, norms, router and head once, and of each layer the experts
-           its rows chose between them: the union, counted from the routing of the same prompts
-           (`generate(return_routing=True)`); at batch 1 that is 8 experts per layer.
-  prefill  one 512-token prompt (prefill only), tokens/s and GFLOP/s of its active parameters.
-
-    python -m experiments.moe                    # --layers 4: ~13 GB of float32 weights, ~15 min
-    python -m experiments.moe --smoke --out /tmp/moe   # tiny shapes, seconds (tests/test_moe.py)
-
-Writes <out>/moe.json. Timings are for a quiet machine: run it alone.
+A random-weight model of Qwen3-30B-A3B's layer shapes (--layers of its 48) beside its dense twin:
+the same attention and head, one MLP of width top_k x expert width, so a token reads the same bytes
+in both. kernels: one layer's experts for 1, 8, 32 and 512 tokens through the "blocks" kernel at
+its own and at fixed block sizes, a gather of the chosen experts then a batched matmul, and
+`ragged_dot`; ms per call and GB/s of the distinct chosen experts' bytes. decode: tokens/s at
+--batches against bandwidth x rows / (bytes read per step + rows x KV bytes per row), where a step
+reads of each layer the union of the experts its rows chose (`generate(return_routing=True)`).
+prefill: one --prefill-token prompt, tokens/s and GFLOP/s of the active parameters. Method and
+latest figures: docs/moe.md. Writes <out>/moe.json.
 """
 
 from __future__ import annotations
@@ -33,26 +23,28 @@ import numpy as np
 
 import jaxinfer
 from experiments import _common, _measure
+from jaxinfer.inspect import roofline
+from jaxinfer.model import config as C
+from jaxinfer.model import moe
+from jaxinfer.model.cache import bytes_per_token
+from jaxinfer.model.model import Model
+from jaxinfer.model.params import init_params
+
+SECTIONS = ("kernels", "decode", "prefill")
 
 
 def _configs(args):
     """(MoE config, its dense twin): same attention and head, one MLP of width k x Fe."""
-    from jaxinfer.model import config as C
-
     if args.smoke:
-        moe = C.tiny_moe(moe=C.MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=32, norm_top_k=True), max_seq_len=1024)
+        cfg = C.tiny_moe(moe=C.MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=32, norm_top_k=True), max_seq_len=1024)
     else:
-        moe = C.qwen3_30b_a3b(n_layers=args.layers, max_seq_len=4096)
-    moe = moe.replace(dtype=args.dtype, layout="per_layer")
-    dense = moe.replace(name=moe.name + "-dense-twin", moe=None, ffn_dim=moe.moe.top_k * moe.moe.expert_ffn_dim)
-    return moe, dense
+        cfg = C.qwen3_30b_a3b(n_layers=args.layers, max_seq_len=4096)
+    cfg = cfg.replace(dtype=args.dtype, layout="per_layer")
+    return cfg, cfg.replace(name=cfg.name + "-dense-twin", moe=None, ffn_dim=cfg.moe.top_k * cfg.moe.expert_ffn_dim)
 
 
-def _models(moe_cfg, dense_cfg):
+def _models(moe_cfg, dense_cfg) -> dict:
     """Random params in the per_layer layout; the twin shares the MoE model's embedding and head."""
-    from jaxinfer.model.model import Model
-    from jaxinfer.model.params import init_params
-
     moe_p = init_params(moe_cfg, jax.random.key(0))
     dense_p = init_params(dense_cfg.replace(vocab_size=1), jax.random.key(1))  # its own layers only
     dense_p = dict(dense_p, embed=moe_p["embed"], lm_head=moe_p["lm_head"])
@@ -65,17 +57,28 @@ def _gather_experts(x, routing, w_gate_up, w_down):
     """The chosen experts' weights gathered per slot (`jnp.take`), then one batched matmul each."""
     N, k = routing.ids.shape
     flat = routing.ids.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)
-    h = jnp.einsum("QD,QOD->QO", xs, jnp.take(w_gate_up, flat, axis=0))
+    h = jnp.einsum("QD,QOD->QO", jnp.repeat(x, k, axis=0), jnp.take(w_gate_up, flat, axis=0))
     g, u = jnp.split(h, 2, axis=-1)
     y = jnp.einsum("QF,QDF->QD", jax.nn.silu(g) * u, jnp.take(w_down, flat, axis=0))
     return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights)
 
 
-def kernels(cfg, bw: float, args) -> list[dict]:
-    """One layer's experts through each kernel, at several token counts (module docstring)."""
-    from jaxinfer.model import moe
+def _experts_fixed_block(x, routing, w_gu, w_d, block):
+    """`moe.experts` with the blocks kernel at a fixed block size."""
+    N, k = routing.ids.shape
+    flat = routing.ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w_gu.shape[0])
+    h = moe.grouped_matmul(x[order // k], w_gu, sizes, "blocks", block)
+    g, u = jnp.split(h, 2, axis=-1)
+    y = moe.grouped_matmul(jax.nn.silu(g) * u, w_d, sizes, "blocks", block)
+    y = jnp.zeros_like(y).at[order].set(y)
+    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
 
+
+def kernels(cfg, bw: float, args) -> list[dict]:
+    """One layer's experts through each kernel at several token counts: ms per call, GB/s of the
+    distinct chosen experts' bytes, and the largest difference from the first kernel's output."""
     m, D = cfg.moe, cfg.d_model
     X, Fe, k = m.n_experts, m.expert_ffn_dim, m.top_k
     key = jax.random.key(2)
@@ -88,7 +91,6 @@ def kernels(cfg, bw: float, args) -> list[dict]:
         x = jax.random.normal(jax.random.fold_in(key, 100 + n), (n, D), jnp.float32).astype(cfg.dtype)
         r = moe.route(x, router, None, m)
         union = len(np.unique(np.asarray(r.ids)))
-        want = None
         rule = moe.block_rows(n * k, X)
         # every arm takes the weights as arguments: a jitted closure would hold a copy as constants
         arms = {f"blocks (rule: {rule} rows)": lambda x, r, wg, wd: moe.experts(x, r, wg, wd, "blocks")}
@@ -99,36 +101,20 @@ def kernels(cfg, bw: float, args) -> list[dict]:
             arms["gather + batched matmul"] = _gather_experts
         if n == 1:  # dense over all experts: 128 x the work
             arms["ragged_dot (dense on CPU)"] = lambda x, r, wg, wd: moe.experts(x, r, wg, wd, "ragged")
+        want = None
         for name, fn in arms.items():
             f = jax.jit(fn)
             y = f(x, r, w_gu, w_d).block_until_ready()
             want = y if want is None else want
             reps = 1 if name.startswith("ragged") and not args.smoke else args.repeats
             t = _measure.median_seconds(lambda: f(x, r, w_gu, w_d).block_until_ready(), reps)
-            row = {"tokens": n, "slots": n * k, "distinct_experts": union, "kernel": name, "ms": t * 1e3,
-                   "GBps_of_distinct_experts": union * expert_bytes / t / 1e9,
-                   "fraction_of_bandwidth": union * expert_bytes / t / bw,
-                   "max_abs_diff_vs_first": float(jnp.max(jnp.abs(y - want)))}
-            rows.append(row)
-            print(f"  {n:4d} tokens {union:4d} experts  {name:28s} {row['ms']:9.2f} ms  "
-                  f"{row['GBps_of_distinct_experts']:6.1f} GB/s ({row['fraction_of_bandwidth']:.0%} of bandwidth)",
-                  flush=True)
+            read_Bps = union * expert_bytes / t
+            rows.append({"tokens": n, "slots": n * k, "distinct_experts": union, "kernel": name, "ms": t * 1e3,
+                         "GBps_of_distinct_experts": read_Bps / 1e9, "fraction_of_bandwidth": read_Bps / bw,
+                         "max_abs_diff_vs_first": float(jnp.max(jnp.abs(y - want)))})
+            print(f"  {n:4d} tokens {union:4d} experts  {name:28s} {t * 1e3:9.2f} ms  {read_Bps / 1e9:6.1f} GB/s "
+                  f"({read_Bps / bw:.0%} of bandwidth)", flush=True)
     return rows
-
-
-def _experts_fixed_block(x, routing, w_gu, w_d, block):
-    """`moe.experts` with the blocks kernel at a fixed block size."""
-    from jaxinfer.model import moe
-
-    N, k = routing.ids.shape
-    flat = routing.ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w_gu.shape[0])
-    h = moe.grouped_matmul(x[order // k], w_gu, sizes, "blocks", block)
-    g, u = jnp.split(h, 2, axis=-1)
-    y = moe.grouped_matmul(jax.nn.silu(g) * u, w_d, sizes, "blocks", block)
-    y = jnp.zeros_like(y).at[order].set(y)
-    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
 
 
 # Decode and prefill --------------------------------------------------------------------------
@@ -143,13 +129,10 @@ def _union_per_layer(model, prompts, new_tokens: int) -> float:
 
 
 def _step_bytes(cfg, union: float) -> float:
-    """Weight bytes one decode step reads: the active parameters with `union` experts per layer."""
-    item = jnp.dtype(cfg.dtype).itemsize
-    if cfg.moe is None:
-        return cfg.n_active_params * item
-    m = cfg.moe
-    expert = 3 * cfg.d_model * m.expert_ffn_dim
-    return (cfg.n_active_params + cfg.n_layers * (union - m.top_k) * expert) * item
+    """Weight bytes one decode step reads: the active parameters, with `union` experts per layer
+    in place of top_k (a dense config: its active parameters)."""
+    extra = 0 if cfg.moe is None else cfg.n_layers * (union - cfg.moe.top_k) * 3 * cfg.d_model * cfg.moe.expert_ffn_dim
+    return (cfg.n_active_params + extra) * jnp.dtype(cfg.dtype).itemsize
 
 
 def _interleaved(models: dict, prompts, new_tokens: int, repeats: int, timing) -> dict:
@@ -160,20 +143,16 @@ def _interleaved(models: dict, prompts, new_tokens: int, repeats: int, timing) -
 
 def decode(models: dict, bw: float, args) -> list[dict]:
     """Decode tokens/s at each batch size, MoE and dense twin alternating, against the roofline."""
-    from jaxinfer.model.cache import bytes_per_token
-
     rng = np.random.default_rng(0)
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         prompts = [rng.integers(3, min(1000, models["moe"].config.vocab_size), args.prompt).tolist() for _ in range(B)]
         union = _union_per_layer(models["moe"], prompts, min(args.new_tokens, 8))
         rates = _interleaved(models, prompts, args.new_tokens, args.repeats, lambda t: t.decode_tokens_per_s)
-        context = args.prompt + args.new_tokens / 2  # mean positions a step's attention reads
         for name, model in models.items():
-            cfg = model.config
-            step = _step_bytes(cfg, union if name == "moe" else 0)
-            kv = bytes_per_token(cfg) * context
-            roof = B * bw / (step + B * kv)
+            cfg, step = model.config, _step_bytes(model.config, union)
+            kv = bytes_per_token(cfg) * (args.prompt + args.new_tokens / 2)  # mean positions a step's attention reads
+            roof = roofline.decode_ceiling(bw, step, batch=B, cache_bytes_per_row=kv)
             got = float(np.median(rates[name]))
             rows.append({"model": cfg.name, "batch": B, "tokens_per_s": got, "runs": rates[name],
                          "experts_per_layer_read": union if name == "moe" else None,
@@ -202,8 +181,7 @@ def prefill(models: dict, args) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = _common.parser(__doc__)
-    p.add_argument("--only", choices=("kernels", "decode", "prefill"), action="append",
-                   help="run only these sections (repeatable; default all)")
+    p.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections (repeatable; default all)")
     p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model (default %(default)s)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode tokens per row per run (default %(default)s)")
@@ -214,7 +192,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.new_tokens, args.prompt, args.prefill, args.repeats = "1,4", 6, 8, 16, 1
-    sections = args.only or ["kernels", "decode", "prefill"]
+    sections = args.only or SECTIONS
     moe_cfg, dense_cfg = _configs(args)
     bw = _measure.bandwidth(2**20 if args.smoke else 2**30, 5)["read_Bps"]
     print(f"{moe_cfg.name}, {moe_cfg.n_layers} layers, {moe_cfg.dtype}: {moe_cfg.n_params / 1e9:.2f}B parameters, "
@@ -225,7 +203,7 @@ def main(argv=None) -> dict:
     if "kernels" in sections:
         print("kernels: one layer's experts", flush=True)
         result["kernels"] = kernels(moe_cfg, bw, args)
-    models = _models(moe_cfg, dense_cfg) if "decode" in sections or "prefill" in sections else {}
+    models = _models(moe_cfg, dense_cfg) if "decode" in sections or "prefill" in sections else {}  # after the kernels'
     if "decode" in sections:
         print("decode", flush=True)
         result["decode"] = decode(models, bw, args)

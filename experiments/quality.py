@@ -4,19 +4,14 @@
     python -m experiments.quality --eval               # lm-evaluation-harness three ways ($JAXINFER_HF_PYTHON)
     python -m experiments.quality --parity             # logits and tokens against transformers' golden files
 
-quantization  --windows windows of --window tokens of the held-out text (nothing was tuned on it),
-              one forward through the cache per mode: top-1 agreement with float32, mean
-              KL(p_fp32 || p_mode), perplexity, weight and KV bytes.
---eval        SmolLM2-135M as one Hugging Face folder (written once into --folder from the GGUF)
-              on the tasks of experiments/eval_tasks/, each backend in its own process, one
-              `simple_evaluate` per task timed after the LM is built: jaxinfer in process, lm-eval's
-              local-completions client against `jaxinfer serve`, and `--model hf` under
-              --hf-python; every item compared with hf's.
---parity      fp32 logits at precision "highest" within FP32_TOL of transformers', argmax and
-              greedy tokens identical; bf16 within BF16_TOL, argmax agreeing at >= BF16_MIN_ARGMAX;
-              batched = each prompt alone (greedy and sampled); the same seed twice. Real models
-              must be in the model cache; tiny_hf/<family> come from tests/golden.
-Writes quality.json (quality_eval.json, quality_parity.json).
+quantization  --windows windows of --window tokens of the held-out text through the cache, per
+              mode: top-1 agreement with float32, mean KL(p_fp32 || p_mode), perplexity, bytes.
+--eval        SmolLM2-135M as a Hugging Face folder (written once into --folder from the GGUF) on
+              experiments/eval_tasks/, each backend in its own process: jaxinfer, lm-eval's
+              local-completions against `jaxinfer serve`, `--model hf` under --hf-python; every
+              item compared with hf's.
+--parity      fp32 and bf16 logits, argmax and greedy tokens within the tolerances below; batched
+              rows equal to each alone; the same seed twice (the device check's correctness).
 """
 
 from __future__ import annotations
@@ -58,6 +53,7 @@ def quantization(m, args) -> dict:
     if len(ids) < args.windows * W:
         raise SystemExit(f"{TEXT.name} has {len(ids)} tokens, fewer than {args.windows} x {W}")
     windows = np.asarray(ids[:args.windows * W], np.int32).reshape(args.windows, W)
+    targets = windows[:, 1:].reshape(-1)
     results, ref = {}, None
     modes = {k: MODES[k] for k in ("float32", "int8", "int4", "kv-int8")} if args.smoke else MODES
     for name, (wmode, kvmode) in modes.items():
@@ -68,8 +64,7 @@ def quantization(m, args) -> dict:
         logp = np.concatenate([np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray(w)[None], kv.init_cache(cfg, 1, W))[0, :-1], -1))
                                for w in windows])  # [P, V]: predictions of tokens 1..W-1
         ref = logp if ref is None else ref
-        targets = windows[:, 1:].reshape(-1)
-        r = results[name] = {"positions": int(len(targets)),
+        r = results[name] = {"positions": len(targets),
                              "perplexity": float(np.exp(-logp[np.arange(len(targets)), targets].mean())),
                              "top1_agreement": float(np.mean(logp.argmax(-1) == ref.argmax(-1))),
                              "mean_kl": float(np.mean(np.sum(np.exp(ref) * (ref - logp), -1))),
@@ -81,20 +76,27 @@ def quantization(m, args) -> dict:
 
 # ---- parity with transformers ------------------------------------------------------------------
 
+def _logsumexp(logits):
+    """log sum exp over the last axis of [T, V] logits, in float64."""
+    import numpy as np
+
+    x = np.asarray(logits, np.float64)
+    top = x.max(-1, keepdims=True)
+    return np.log(np.exp(x - top).sum(-1)) + top[..., 0]
+
+
 def _cases(name: str) -> list[dict]:
     """Golden cases: ids, vocab_idx (None: the full vocabulary), logits, argmax, logsumexp, greedy tokens."""
     import numpy as np
 
     if name.startswith("tiny_hf/"):
-        r = np.load(GOLDEN / "tiny_hf" / name.split("/", 1)[1] / "reference.npz")
-        lg = r["logits"].astype(np.float64)
-        lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
-        return [dict(ids=r["ids"].tolist(), vocab_idx=None, logits=r["logits"], argmax=r["logits"].argmax(-1), lse=lse,
-                     greedy=r["greedy"].tolist())]
+        r = np.load(GOLDEN / name / "reference.npz")
+        return [{"ids": r["ids"].tolist(), "vocab_idx": None, "logits": r["logits"], "argmax": r["logits"].argmax(-1),
+                 "lse": _logsumexp(r["logits"]), "greedy": r["greedy"].tolist()}]
     r = np.load(GOLDEN / REAL_GOLDEN[name])
-    return [dict(ids=r[f"ids_{i}"].tolist(), vocab_idx=r[f"vocab_idx_{i}"].astype(np.int64), logits=r[f"logits_{i}"],
-                 argmax=r[f"argmax_{i}"], lse=r[f"lse_{i}"], greedy=r[f"greedy_{i}"].tolist())
-            for i in range(len([k for k in r.files if k.startswith("ids_")]))]
+    return [{"ids": r[f"ids_{i}"].tolist(), "vocab_idx": r[f"vocab_idx_{i}"].astype(np.int64),
+             "logits": r[f"logits_{i}"], "argmax": r[f"argmax_{i}"], "lse": r[f"lse_{i}"],
+             "greedy": r[f"greedy_{i}"].tolist()} for i in range(len([k for k in r.files if k.startswith("ids_")]))]
 
 
 def _against(model, cases) -> dict:
@@ -107,9 +109,8 @@ def _against(model, cases) -> dict:
     for c in cases:
         ours = np.asarray(jaxinfer.logits(model, c["ids"]), np.float64)  # [T, V]
         sel = ours if c["vocab_idx"] is None else np.take_along_axis(ours, c["vocab_idx"], axis=1)
-        lse = np.log(np.exp(ours - ours.max(1, keepdims=True)).sum(1)) + ours.max(1)
         worst = max(worst, float(np.abs(sel - c["logits"]).max()))
-        worst_lse = max(worst_lse, float(np.abs(lse - c["lse"]).max()))
+        worst_lse = max(worst_lse, float(np.abs(_logsumexp(ours) - c["lse"]).max()))
         agree += int((ours.argmax(-1) == c["argmax"]).sum())
         positions += len(c["ids"])
     toks = [c.token_ids for c in jaxinfer.generate(model, [c["ids"] for c in cases], stop_at_eos=False,
@@ -129,12 +130,11 @@ def check_model(name: str) -> dict:
     import jaxinfer
     from jaxinfer.model.cache import write_mode
 
-    path = str(GOLDEN / "tiny_hf" / name.split("/", 1)[1]) if name.startswith("tiny_hf/") else name
     cases, res = _cases(name), {}
     old = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")  # GPUs default to TF32-like passes
     try:
-        m32 = jaxinfer.load(path, dtype="float32")
+        m32 = jaxinfer.load(str(GOLDEN / name) if name.startswith("tiny_hf/") else name, dtype="float32")
         res["loaded"] = {"layout": m32.config.layout, "kv_writes": write_mode(m32.config)}  # load's defaults here
         fp32 = res["fp32"] = _against(m32, cases)
         fp32["pass"] = bool(fp32["max_logit_diff"] <= FP32_TOL and fp32["max_lse_diff"] <= FP32_TOL
@@ -180,14 +180,12 @@ def parity(models, deadline: float = float("inf")) -> dict:
         else:
             t0 = time.perf_counter()
             try:
-                res[name] = check_model(name)
+                r = res[name] = check_model(name)
+                print(f"  {name:16s} fp32 {r['fp32']['max_logit_diff']:.1e}  bf16 {r['bf16']['max_logit_diff']:.1e} "
+                      f"argmax {r['bf16']['argmax_agree']:.3f}  pass {r['fp32']['pass'] and r['bf16']['pass']}")
             except Exception as e:  # one model's failure must not hide the others'
                 res[name] = _common.error_record(e)
             res[name]["seconds"] = time.perf_counter() - t0
-            r = res[name]
-            if "fp32" in r:
-                print(f"  {name:16s} fp32 {r['fp32']['max_logit_diff']:.1e}  bf16 {r['bf16']['max_logit_diff']:.1e} "
-                      f"argmax {r['bf16']['argmax_agree']:.3f}  pass {r['fp32']['pass'] and r['bf16']['pass']}")
     checked = [r for r in res.values() if "fp32" in r]
     return {"fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL, "models": res, "skipped_for_time": skipped,
             "all_pass": bool(checked) and all(r["fp32"]["pass"] and r["bf16"]["pass"] and r["same_seed"]["identical"]
@@ -207,6 +205,7 @@ def make_folder(dst: str) -> str:
     from safetensors.numpy import save_file
 
     from jaxinfer.weights import hub
+    from jaxinfer.weights.gguf import dequantize, unpermute_qk
 
     if os.path.exists(os.path.join(dst, "DONE")):
         return dst
@@ -218,13 +217,12 @@ def make_folder(dst: str) -> str:
     os.makedirs(tmp)
     cfg = json.loads((GOLDEN / "hf_smollm2" / "config.json").read_text())
     cfg.pop("quantization_config", None)  # the weights below are plain float32
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     tensors = {}
     for t in gguf.GGUFReader(str(hub.fetch("smollm2-135m"))).tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        part = t.name.split(".")
-        heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(part[-2])
-        if heads and t.name.startswith("blk."):  # undo llama.cpp's RoPE-pair permutation of q/k rows
-            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        w, part = dequantize(t), t.name.split(".")
+        if t.name.startswith("blk.") and part[2] in heads:  # llama.cpp permutes q/k rows by RoPE pair
+            w = unpermute_qk(w, heads[part[2]])
         hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}.get(t.name)
         tensors[hf or f"model.layers.{part[1]}.{names[part[2]]}.weight"] = np.ascontiguousarray(w)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -241,37 +239,38 @@ def make_folder(dst: str) -> str:
     return dst
 
 
-def eval_worker(kind: str, folder: str, url: str, limit, out: str, tasks: list[str]) -> None:
-    """One backend in its own process: build its LM (timed), then one `simple_evaluate` per task."""
+def eval_worker(args) -> None:
+    """One backend (--eval-worker) in its own process: build its LM (timed), then one
+    `simple_evaluate` per task; its results go to --worker-out."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    t0, extra = time.perf_counter(), {}
+    t0, extra, kind = time.perf_counter(), {}, args.eval_worker
     if kind == "jaxinfer":
-        import jaxinfer.eval.harness as harness
         from jaxinfer.compile_cache import CompileCounter
+        from jaxinfer.eval import harness
 
         counter = CompileCounter().__enter__()
-        lm = harness.JaxinferLM(model=folder, max_slots=EVAL["slots"], max_length=EVAL["max_length"],
+        lm = harness.JaxinferLM(model=args.folder, max_slots=EVAL["slots"], max_length=EVAL["max_length"],
                                 prefill_chunk=EVAL["prefill_chunk"])
     elif kind == "hf":
         from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(pretrained=folder, dtype="float32", max_length=EVAL["max_length"], batch_size=EVAL["slots"],
+        lm = HFLM(pretrained=args.folder, dtype="float32", max_length=EVAL["max_length"], batch_size=EVAL["slots"],
                   device="cpu")
     else:
         from lm_eval.models.openai_completions import LocalCompletionsAPI
 
         # An API model's max_length counts one token less, its windows one less again; it cuts
         # generation contexts to max_length - max_gen_toks, so max_gen_toks is set to the tasks'.
-        lm = LocalCompletionsAPI(model=EVAL["served_name"], base_url=url + "/v1/completions",
-                                 tokenizer_backend="huggingface", tokenizer=folder, max_length=EVAL["max_length"] + 2,
-                                 max_gen_toks=EVAL["max_gen_toks"], num_concurrent=EVAL["slots"],
-                                 tokenized_requests=True, max_retries=1, timeout=600)
+        lm = LocalCompletionsAPI(model=EVAL["served_name"], base_url=args.url + "/v1/completions",
+                                 tokenizer_backend="huggingface", tokenizer=args.folder,
+                                 max_length=EVAL["max_length"] + 2, max_gen_toks=EVAL["max_gen_toks"],
+                                 num_concurrent=EVAL["slots"], tokenized_requests=True, max_retries=1, timeout=600)
     load_s, tm, res_tasks = time.perf_counter() - t0, TaskManager(include_path=str(ROOT / "experiments" / "eval_tasks")), {}
-    for task in tasks:
+    for task in args.tasks.split(","):
         t = time.perf_counter()
-        res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, limit=limit, log_samples=True,
+        res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, limit=args.limit, log_samples=True,
                                       bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                       fewshot_random_seed=0)
         otype = res["configs"][task]["output_type"]
@@ -285,7 +284,7 @@ def eval_worker(kind: str, folder: str, url: str, limit, out: str, tasks: list[s
         counter.__exit__(None, None, None)
         extra = {"prefix_hit_tokens": lm.engine.stats().prefix_hit_tokens, "programs_built": counter.count,
                  "programs_from_cache": counter.cache_hits, "compile_s": counter.seconds}
-    _common.write_json(out, {"kind": kind, "load_s": load_s, "tasks": res_tasks, **extra})
+    _common.write_json(args.worker_out, {"kind": kind, "load_s": load_s, "tasks": res_tasks, **extra})
 
 
 def eval_compare(ref: dict, got: dict) -> dict:
@@ -318,12 +317,13 @@ def evaluation(args) -> dict:
     os.makedirs(tmp, exist_ok=True)
     results = {"tasks": args.tasks.split(","), **EVAL, "limit": args.limit, "folder": folder}
 
-    def run(python: str, kind: str, url: str = "") -> dict:
+    def run(kind: str, url: str = "") -> dict:
         out = os.path.join(tmp, f"{kind}.json")
-        cmd = [python, "-m", "experiments.quality", "--eval-worker", kind, "--folder", folder, "--url", url,
-               "--worker-out", out, "--tasks", args.tasks] + (["--limit", str(args.limit)] if args.limit else [])
+        cmd = [args.hf_python if kind == "hf" else sys.executable, "-m", "experiments.quality", "--eval-worker", kind,
+               "--folder", folder, "--url", url, "--worker-out", out, "--tasks", args.tasks]
         t = time.perf_counter()
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=3600)
+        subprocess.run(cmd + (["--limit", str(args.limit)] if args.limit else []), cwd=ROOT, env=env, check=True,
+                       timeout=3600)
         return {**json.loads(open(out).read()), "process_s": time.perf_counter() - t}
 
     for kind in backends:
@@ -336,11 +336,11 @@ def evaluation(args) -> dict:
                                    port, os.path.join(tmp, "serve.log"), env)
             try:
                 server.start(600)
-                results[kind] = run(sys.executable, kind, server.url)
+                results[kind] = run(kind, server.url)
             finally:
                 server.stop()
         else:
-            results[kind] = run(args.hf_python if kind == "hf" else sys.executable, kind)
+            results[kind] = run(kind)
         print(f"{kind}: " + ", ".join(f"{t} {v['wall_s']:.1f} s" for t, v in results[kind]["tasks"].items()))
     if "hf" in results:
         results["comparison"] = {k: eval_compare(results["hf"], results[k]) for k in ("jaxinfer", "local-completions")
@@ -369,7 +369,7 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.eval_worker:
-        eval_worker(args.eval_worker, args.folder, args.url, args.limit, args.worker_out, args.tasks.split(","))
+        eval_worker(args)
         return {}
     if args.eval:
         name, result = "quality_eval", evaluation(args)

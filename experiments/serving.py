@@ -1,39 +1,32 @@
 """How many requests does the serving engine handle, against static batches and llama-server?
 
-    python -m experiments.serving [--rates 0.5,1,2] [--single]          # Engine(model) vs static batches
+    python -m experiments.serving [--rates 0.5,1,2]                       # Engine(model) vs static batches
     python -m experiments.serving --http --requests 200 --concurrency 64   # the HTTP load test
-    python -m experiments.serving --peer llama-server --rounds 4         # jaxinfer serve vs llama-server
+    python -m experiments.serving --peer llama-server --rounds 4          # jaxinfer serve vs llama-server
 
-Engine (compile time excluded, the Engine warmed first, medians of --repeats): a burst of --requests
-greedy requests (6-20-token prompts of held-out text, 8-128 new tokens log-uniform) through
-`Engine(model)` with its defaults against `generate` on first-come static batches of max_slots;
-Poisson arrivals at each of --rates (TTFT, tokens/s, KV pages held against `generate`'s contiguous
-cache; --single: one request at a time too); decode tokens/s with every slot busy; TTFT of requests
-sharing a --system-tokens system prompt with and without the prefix cache.
---http: the HTTP app in this process (127.0.0.1) over the Engine; --concurrency streaming clients
-send --requests requests (half sampled), drop --disconnect of their streams after the first token,
-none after --time-limit: unexpected errors, TTFT, tokens/s, RSS, KV pages in use once idle (0).
---peer llama-server: `jaxinfer serve` and `llama-server` as subprocesses on identical F32 weights
-and equal KV bytes (--kv-cache), one seeded workload per round (token-id prompts of 30-600 tokens,
-8-128 new tokens, run to max_tokens) sent to each, the order alternating (ABBA); tokens/s, TTFT,
-peak server RSS, CPU seconds, identical completions, medians over rounds. --peer none: jaxinfer
-alone. Writes serving.json (serving_http.json, serving_peer.json and the servers' logs).
+Engine (compile time excluded, medians of --repeats): a burst of --requests greedy requests through
+`Engine(model)` against `generate` on first-come static batches of max_slots; Poisson arrivals at
+each of --rates; decode with every slot busy; TTFT of requests sharing a system prompt with and
+without the prefix cache. --http: --concurrency streaming clients against the HTTP app in this
+process, dropping --disconnect of their streams after the first token. --peer llama-server:
+`jaxinfer serve` and `llama-server` as subprocesses on identical weights and equal KV bytes, one
+seeded workload per round sent to each, the order alternating (ABBA); --peer none: jaxinfer alone.
+docs/benchmarks.md describes each run and its latest figures. Writes serving.json
+(serving_http.json, serving_peer.json and the servers' logs).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import sys
 import time
 from statistics import median
 
-import httpx
 import numpy as np
 
 import jaxinfer
 from experiments import _common, _peer, _serve
-from experiments._common import ROOT, plt
+from experiments._common import plt
 from jaxinfer.compile_cache import CompileCounter, enable_persistent_cache
 from jaxinfer.serve import Engine
 from jaxinfer.serve import http_api as srv
@@ -41,9 +34,13 @@ from jaxinfer.serve import metrics as mx
 
 SMOKE_ENGINE = dict(max_slots=2, max_len=48, prefill_chunk=16)  # one shape set for every --smoke mode: shared programs
 LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # jaxinfer's KV dtype -> llama-server's
+# Per mode, what the flags left unset mean: requests, clients, slots, the longest prompt, the most new tokens.
+DEFAULTS = {"engine": (32, None, None, None, None), "http": (1000, 64, 16, 256, 64), "peer": (48, 8, 8, 600, 128)}
+PEER_MIN_PROMPT, PEER_MIN_NEW, LLAMA_CTX = 30, 8, 8192  # token-id prompts of 30-600 tokens; llama-server -c
 
 
-def engine_runs(args, model) -> dict:
+def engine_runs(args, model) -> tuple[dict, object]:
+    """A burst, Poisson arrivals and busy decode through `Engine(model)` and `generate`; the prefix cache."""
     small = SMOKE_ENGINE if args.smoke else {}
     engine = Engine(model, **small)
     slots = engine.max_slots
@@ -56,15 +53,14 @@ def engine_runs(args, model) -> dict:
     _serve.serve_static(model, work, slots)  # compile every static batch shape once
     compiles = []
 
-    def counted(fn, *a, **kw):
+    def on_engine(reqs: list[dict]) -> dict:  # the engine's compiles while serving are counted (0 expected)
         with CompileCounter() as c:
-            out = fn(*a, **kw)
+            out = _serve.serve_engine(engine, reqs)
         compiles.append(c.count)
         return out
 
     result = {"model": args.model, "max_slots": slots, "programs_after_warmup": programs}
-    bursts = [(counted(_serve.serve_engine, engine, work), _serve.serve_static(model, work, slots))
-              for _ in range(args.repeats)]
+    bursts = [(on_engine(work), _serve.serve_static(model, work, slots)) for _ in range(args.repeats)]
     e, s = (median(b[i]["tokens_per_s"] for b in bursts) for i in (0, 1))
     result["burst"] = {"engine_tokens_per_s": e, "static_tokens_per_s": s, "ratio": e / s,
                        "runs": [[{k: v for k, v in x.items() if k not in ("ttft", "token_ids")} for x in b]
@@ -74,10 +70,7 @@ def engine_runs(args, model) -> dict:
     result["arrivals"] = []
     for i, rate in enumerate(float(r) for r in args.rates.split(",")):
         stream = _serve.workload(ids, args.requests, prompt=(6, 20), new=new, rate=rate, seed=1 + i)
-        row = {"rate": rate, "engine": counted(_serve.serve_engine, engine, stream),
-               "static": _serve.serve_static(model, stream, slots)}
-        if args.single:
-            row["single"] = _serve.serve_static(model, stream, 1)
+        row = {"rate": rate, "engine": on_engine(stream), "static": _serve.serve_static(model, stream, slots)}
         row["engine"].pop("token_ids")
         row["ttft_p99_ratio"] = row["engine"]["ttft_p99"] / row["static"]["ttft_p99"]
         result["arrivals"].append(row)
@@ -85,7 +78,7 @@ def engine_runs(args, model) -> dict:
               f"static {row['static']['ttft_p50']:.2f}/{row['static']['ttft_p99']:.2f} s; KV pages / contiguous "
               f"{row['engine']['kv_ratio']:.2f}")
     busy = [dict(w, max_new=args.decode_tokens) for w in work[:slots]]
-    rates = [(counted(_serve.serve_engine, engine, busy)["decode_tokens_per_s"],
+    rates = [(on_engine(busy)["decode_tokens_per_s"],
               jaxinfer.generate(model, [w["prompt"] for w in busy], max_new_tokens=args.decode_tokens,
                                 stop_at_eos=False).timings.decode_tokens_per_s) for _ in range(args.repeats)]
     e, g = median(r[0] for r in rates), median(r[1] for r in rates)
@@ -93,19 +86,19 @@ def engine_runs(args, model) -> dict:
                         "runs": rates}
     print(f"decode, {slots} slots busy: engine {e:.1f} tokens/s, generate {g:.1f} ({e / g:.2f}x)")
     result["engine_compiles_while_serving"] = sum(compiles)
-    result["prefix"] = prefix_cache(args, model, ids, small)
+    result["prefix"] = prefix_cache(args, model, ids, small or {"max_len": args.system_tokens + 72})
     return result, engine_figure(result)
 
 
-def prefix_cache(args, model, ids, small) -> dict:
+def prefix_cache(args, model, ids, engine_kw: dict) -> dict:
     """TTFT of requests sharing a system prompt, one after another, with and without the prefix cache."""
     system, rng, out = ids[:args.system_tokens], np.random.default_rng(2), {}
-    lo, hi = (8, 16) if small else (16, 64)
+    lo, hi = (8, 16) if args.smoke else (16, 64)
     questions = [ids[s:s + int(rng.integers(lo, hi))] for s in rng.integers(args.system_tokens, len(ids) - 64,
                                                                             args.shared + 1)]
     for name, on in (("with_cache", True), ("without", False)):
         # no warm-up: the clock leaves compile time out, and the first request (it fills the cache) is not counted
-        engine = Engine(model, prefix_cache=on, **({**small, "max_len": args.system_tokens + 72} if not small else small))
+        engine = Engine(model, prefix_cache=on, **engine_kw)
         runs = [_serve.serve_engine(engine, [{"arrival": 0.0, "prompt": system + q, "max_new": 8}],
                                     fresh_prefix_cache=False) for q in questions]
         out[name] = {"ttft_p50": median(r["ttft_p50"] for r in runs[1:]), "hit_pages": engine.stats().prefix_hit_pages}
@@ -133,18 +126,14 @@ def http_run(args, model) -> tuple[dict, object]:
     engine = Engine(model, **(SMOKE_ENGINE if args.smoke else dict(max_slots=args.max_slots, prefill_chunk=64,
                                                                    max_len=args.max_prompt + args.max_new)))
     engine.warmup(logprobs=True, scoring=not args.smoke)
-    app = srv.create_app(engine, model, model_name="m", limits=srv.Limits(args.max_slots, args.max_waiting))
+    app = srv.create_app(engine, model, model_name="m", limits=srv.Limits(args.max_slots, 256))
     server, thread, url = srv.serve_in_thread(app)
 
-    def pages_in_use(timeout: float = 30.0) -> float:  # once idle, every page must be back in the pool
-        t0, n = time.perf_counter(), float("nan")
-        while time.perf_counter() - t0 < timeout:
-            n = next((float(x.split()[1]) for x in httpx.get(url + "/metrics").text.splitlines()
-                      if x.startswith("jaxinfer_kv_pages_in_use ")), float("nan"))
-            if n == 0:
-                break
+    def pages_in_use(timeout: float = 30.0) -> int:  # once idle, every page must be back in the pool
+        t0 = time.perf_counter()
+        while engine.stats().pages_in_use and time.perf_counter() - t0 < timeout:
             time.sleep(0.1)
-        return n
+        return engine.stats().pages_in_use
 
     try:
         work = _serve.workload(_common.text_ids(model.tokenizer), args.requests, prompt=(8, args.max_prompt),
@@ -154,10 +143,9 @@ def http_run(args, model) -> tuple[dict, object]:
         pages_in_use()
         rss_before = _common.rss_bytes()
         run = _serve.drive(url + "/v1/completions", bodies, args.concurrency, args.time_limit)
-        left = pages_in_use()
         summary = {**_serve.http_summary(run), "concurrency": args.concurrency, "max_slots": args.max_slots,
                    "rss_before_mb": rss_before / 2**20, "rss_after_mb": _common.rss_bytes() / 2**20,
-                   "kv_pages_in_use_after": left, "engine": mx.engine_stats(engine)}
+                   "kv_pages_in_use_after": pages_in_use(), "engine": mx.engine_stats(engine)}
     finally:
         server.should_exit = True
         thread.join(timeout=120)
@@ -197,6 +185,22 @@ def medians(rounds: list[dict]) -> dict:
     return out
 
 
+def peer_servers(args, peer, skip) -> dict:
+    """`jaxinfer serve` and (unless `skip`) llama-server on 127.0.0.1 with equal slots and KV dtype, not started."""
+    def log(name):
+        return os.path.join(args.out, f"serving_peer.{name}.log")
+
+    flags = ["--served-name", "m", "--max-slots", str(args.max_slots), "--kv-cache", args.kv_cache]
+    servers = {"jaxinfer": _serve.jaxinfer_server(args.model, flags + (["--max-len", "256"] if args.smoke else []),
+                                                  log("jaxinfer"))}
+    if not skip:
+        ctype, ctx, port = LLAMA_CACHE_TYPES[args.kv_cache], 1024 if args.smoke else LLAMA_CTX, _serve.free_port()
+        cmd = [peer.server, "-m", peer.gguf, "-np", str(args.max_slots), "-c", str(ctx), "-t", str(args.llama_threads),
+               "-ctk", ctype, "-ctv", ctype, "--host", "127.0.0.1", "--port", str(port), "--alias", "m"]
+        servers["llamacpp"] = _serve.Server("llama.cpp", cmd, port, log("llamacpp"))
+    return servers
+
+
 def peer_run(args) -> dict:
     """jaxinfer serve and llama-server side by side, subprocesses, rounds in ABBA order."""
     peer = _peer.from_args(args)
@@ -204,48 +208,35 @@ def peer_run(args) -> dict:
     if skip:
         print(f"llama.cpp side skipped: {skip}")
     ids = _common.text_ids(jaxinfer.load_tokenizer(args.model))
-    out = args.out
-    os.makedirs(out, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
 
     def bodies(seed: int, n: int) -> list[dict]:
-        work = _serve.workload(ids, n, prompt=(args.min_prompt, args.max_prompt), new=(args.min_new, args.max_new),
+        work = _serve.workload(ids, n, prompt=(PEER_MIN_PROMPT, args.max_prompt), new=(PEER_MIN_NEW, args.max_new),
                                log_new=False, seed=seed)
         return _serve.completion_bodies(work, seed=seed)
 
     warm = [{**w, "body": {**w["body"], "max_tokens": 2}} for w in bodies(10_000, 2)]  # other prompts: no cache hits
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    jport = _serve.free_port()
-    servers = {"jaxinfer": _serve.Server("jaxinfer", [
-        sys.executable, "-m", "jaxinfer", "serve", "--model", args.model, "--served-name", "m",
-        "--max-slots", str(args.slots), "--kv-cache", args.kv_cache, "--host", "127.0.0.1", "--port", str(jport),
-        *shlex.split(args.jaxinfer_args)], jport, os.path.join(out, "serving_peer.jaxinfer.log"), env)}
-    if not skip:
-        qport, ctype = _serve.free_port(), LLAMA_CACHE_TYPES[args.kv_cache]
-        servers["llamacpp"] = _serve.Server("llama.cpp", [
-            peer.server, "-m", peer.gguf, "-np", str(args.slots), "-c", str(args.ctx), "-t", str(args.llama_threads),
-            "-ctk", ctype, "-ctv", ctype, "--host", "127.0.0.1", "--port", str(qport), "--alias", "m"],
-            qport, os.path.join(out, "serving_peer.llamacpp.log"))
-    result = {"model": args.model, "llama_cpp_skipped": skip, "rounds": []}
+    servers = peer_servers(args, peer, skip)
+    result, started = {"model": args.model, "llama_cpp_skipped": skip, "rounds": []}, {}
     try:
-        started = {}
         for name, server in servers.items():
             try:
-                start_s = server.start(args.start_timeout)
+                start_s = server.start(args.timeout)
                 # the rounds time serving, not start-up (`experiments.startup` times that): every
                 # program is built before the first round, as llama-server has nothing to build
-                warm_s = server.wait_warm(args.start_timeout)
+                warm_s = server.wait_warm(args.timeout)
                 _serve.drive(server.url + "/v1/completions", warm, 2, 600)
                 started[name] = {"command": shlex.join(server.cmd), "start_s": start_s, "warm_s": warm_s}
             except RuntimeError as e:
                 result[name] = {"error": str(e)}
         for r in range(args.rounds):
-            work = bodies(args.seed + r, args.requests)  # fresh prompts each round: no prefix cache holds them
-            this = {"seed": args.seed + r}
+            work = bodies(r, args.requests)  # fresh prompts each round: no prefix cache holds them
+            this = {"seed": r}
             for name in list(started) if r % 2 == 0 else list(started)[::-1]:  # ABBA: drift hits both
                 s = servers[name]
                 cpu0 = s.cpu_s()
-                run = _serve.drive(s.url + "/v1/completions", work, args.concurrency, args.time_limit,
-                                   args.request_timeout, sample_pid=s.proc.pid)
+                run = _serve.drive(s.url + "/v1/completions", work, args.concurrency, args.time_limit, args.timeout,
+                                   sample_pid=s.proc.pid)
                 this[name] = {**started[name], **_serve.http_summary(run), "rss_peak_mb": run["rss_peak"] / 2**20,
                               "cpu_s": s.cpu_s() - cpu0,
                               "per_request": sorted(({k: x[k] for k in ("id", "tokens", "ttft", "text", "error")}
@@ -268,48 +259,35 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--requests", type=int, default=None, help="requests per burst / stream / round")
     p.add_argument("--repeats", type=int, default=5, help="engine: bursts and decode runs (medians)")
     p.add_argument("--rates", default="1.0", help="engine: Poisson arrival rates, requests/s")
-    p.add_argument("--single", action="store_true", help="engine: one request at a time too")
     p.add_argument("--decode-tokens", type=int, default=128, help="engine: new tokens with every slot busy")
     p.add_argument("--system-tokens", type=int, default=512, help="engine: shared system prompt")
     p.add_argument("--shared", type=int, default=6, help="engine: requests sharing the system prompt")
     p.add_argument("--http", action="store_true", help="the HTTP load test")
-    p.add_argument("--concurrency", type=int, default=None, help="http, peer: clients")
-    p.add_argument("--time-limit", type=float, default=600.0, help="http, peer: no new request after this many s")
-    p.add_argument("--max-prompt", type=int, default=None)
-    p.add_argument("--max-new", type=int, default=None)
-    p.add_argument("--max-slots", type=int, default=16, help="http: engine slots")
-    p.add_argument("--max-waiting", type=int, default=256, help="http: queued requests before 429")
-    p.add_argument("--disconnect", type=float, default=0.1, help="http: share of streams dropped after 1 token")
     p.add_argument("--peer", choices=["llama-server", "none"], help="jaxinfer serve against llama-server (or alone)")
+    p.add_argument("--concurrency", type=int, default=None, help="http, peer: clients")
+    p.add_argument("--max-slots", type=int, default=None, help="http, peer: slots (llama-server's -np)")
+    p.add_argument("--max-prompt", type=int, default=None, help="http, peer: longest prompt in tokens")
+    p.add_argument("--max-new", type=int, default=None, help="http, peer: most new tokens")
+    p.add_argument("--time-limit", type=float, default=600.0, help="http, peer: no new request after this many s")
+    p.add_argument("--disconnect", type=float, default=0.1, help="http: share of streams dropped after 1 token")
     p.add_argument("--rounds", type=int, default=1, help="peer: workloads per server, ABBA order")
-    p.add_argument("--slots", type=int, default=8, help="peer: jaxinfer --max-slots and llama-server -np")
-    p.add_argument("--min-prompt", type=int, default=30)
-    p.add_argument("--min-new", type=int, default=8)
-    p.add_argument("--ctx", type=int, default=8192, help="peer: llama-server -c (all slots together)")
     p.add_argument("--kv-cache", choices=sorted(LLAMA_CACHE_TYPES), default="float16", help="peer: both servers' KV dtype")
-    p.add_argument("--jaxinfer-args", default="", help="peer: extra flags for `jaxinfer serve`")
-    p.add_argument("--request-timeout", type=float, default=1800.0)
-    p.add_argument("--start-timeout", type=float, default=1800.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="peer: seconds to start a server, or for one request")
     _peer.add_arguments(p)
     args = p.parse_args(argv)
     mode = "peer" if args.peer else "http" if args.http else "engine"
-    defaults = {"engine": (32, None, None, None), "http": (1000, 64, 256, 64), "peer": (48, 8, 600, 128)}[mode]
-    for name, value in zip(("requests", "concurrency", "max_prompt", "max_new"), defaults):
+    for name, value in zip(("requests", "concurrency", "max_slots", "max_prompt", "max_new"), DEFAULTS[mode]):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.smoke:
-        args.repeats, args.rates, args.decode_tokens = 1, "8", 28
-        args.system_tokens, args.shared = 24, 2
-        args.concurrency, args.max_prompt, args.max_new, args.max_slots, args.disconnect = 3, 40, 8, 2, 0.25
+        args.repeats, args.rates, args.decode_tokens, args.system_tokens, args.shared = 1, "8", 28, 24, 2
+        args.concurrency, args.max_slots, args.max_prompt, args.max_new, args.disconnect = 3, 2, 40, 8, 0.25
         args.requests = {"engine": 6, "http": 12, "peer": 4}[mode]
-        args.slots, args.ctx, args.min_prompt, args.min_new = 2, 1024, 30, 4
-        args.jaxinfer_args = args.jaxinfer_args or "--max-len 256"
-    if mode == "engine" and not args.smoke:
-        enable_persistent_cache()
     if mode == "peer":
         result, fig = peer_run(args), None
     else:
+        if not args.smoke and mode == "engine":
+            enable_persistent_cache()
         result, fig = (http_run if mode == "http" else engine_runs)(args, _common.load_model(args, model))
     _common.save({"engine": "serving", "http": "serving_http", "peer": "serving_peer"}[mode], result, args, fig)
     return result

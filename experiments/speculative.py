@@ -3,14 +3,13 @@
     python -m experiments.speculative [--tokens 96] [--k 4]   # SmolLM2-135M, batch 1, greedy
     python -m experiments.speculative --distill               # train the distilled draft it compares (minutes)
 
-Greedy decode tokens/s of `generate` and of `speculative.generate` with prompt lookup, with the
-target's first --draft-layers layers as the draft, and with the distilled draft at --draft, on a
-code-editing prompt (the answer copies the prompt: lookup's case) and on open text; the same
-tokens every way (checked), interleaved repeats, medians. --distill trains that draft (the
-target's frozen embedding, its first layers and final norm, KL to the target over every position,
-optax adamw) on the Python reference manual's sections other than the held-out ones, saves it as
-a checkpoint (`speculative.load_draft(path)`) and reports held-out KL and top-1 agreement.
-Writes speculative.json (speculative_distill.json).
+Greedy decode tokens/s (interleaved repeats, medians) of `generate` and of `speculative.generate`
+with prompt lookup, with the target's first --draft-layers layers, and with the distilled draft at
+--draft, on a code-editing prompt (lookup's case) and on open text; the same tokens every way
+(checked). --distill trains that draft (KL to the target over every position; the embedding
+frozen) on the Python reference manual's sections other than the held-out ones, saves it as a
+checkpoint (`speculative.load_draft(path)`) and reports held-out KL and top-1 agreement. Writes
+speculative.json (speculative_distill.json).
 """
 
 from __future__ import annotations
@@ -27,70 +26,49 @@ import optax
 
 import jaxinfer
 from experiments import _common, _measure
-from experiments._common import ROOT
+from experiments._common import DATA, ROOT
 from jaxinfer.decode import speculative as spec
 from jaxinfer.model import forward as mdl
 from jaxinfer.weights import checkpoint
 
-CODE_PROMPT = '''<|im_start|>user
-Rename the function `compute_stats` to `summarize` and keep everything else the same. Return the whole code.
-
-def compute_stats(values):
-    """Return the mean, minimum and maximum of a list of numbers."""
-    if not values:
-        raise ValueError("values is empty")
-    total = 0.0
-    lowest = values[0]
-    highest = values[0]
-    for v in values:
-        total += v
-        if v < lowest:
-            lowest = v
-        if v > highest:
-            highest = v
-    return total / len(values), lowest, highest
-<|im_end|>
-<|im_start|>assistant
-'''
+CODE_PROMPT = (DATA / "code_edit_prompt.txt").read_text(encoding="utf-8")  # ChatML: the answer copies the code
 OPEN_PROMPT = "<|im_start|>user\nWrite a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
 
 
 def compare(m, args) -> dict:
+    """Per prompt, tokens/s of plain greedy `generate` and of each speculative way, interleaved."""
+    kw = dict(max_new_tokens=args.tokens, stop_at_eos=False, allow_special=True)  # ChatML prompts
+    ways = {"plain": lambda p: jaxinfer.generate(m, p, chunk_size=args.tokens, **kw),
+            "lookup": lambda p: spec.generate(m, p, method="lookup", k=args.k, rounds_per_chunk=256, **kw)}
     drafts = {f"draft-first{args.draft_layers}": spec.truncated_draft(m, args.draft_layers)}
     if Path(args.draft).exists():
         d = spec.load_draft(args.draft)
         drafts[f"draft-distilled{d.config.n_layers}"] = d
     else:
         print(f"no distilled draft at {args.draft} (python -m experiments.speculative --distill); skipping it")
+    for name, d in drafts.items():
+        ways[name] = lambda p, d=d: spec.generate(m, p, method="draft", draft=d, k=args.k, rounds_per_chunk=256, **kw)
     res = {}
     for pname, prompt in (("code-edit", CODE_PROMPT), ("open-text", OPEN_PROMPT))[:1 if args.smoke else 2]:
-        kw = dict(max_new_tokens=args.tokens, stop_at_eos=False, allow_special=True)  # ChatML prompts
         outs = {}
 
-        def call(name, fn, outs=outs):
+        def call(name, prompt=prompt, outs=outs):  # tokens/s of one generation, kept for its tokens and stats
             def run():
-                outs[name] = fn()
+                outs[name] = ways[name](prompt)
                 return outs[name].timings.decode_tokens_per_s
             return run
 
-        calls = {"plain": call("plain", lambda p=prompt, kw=kw: jaxinfer.generate(m, p, chunk_size=args.tokens, **kw)),
-                 "lookup": call("lookup", lambda p=prompt, kw=kw: spec.generate(m, p, method="lookup", k=args.k,
-                                                                                rounds_per_chunk=256, **kw))}
-        for name, d in drafts.items():
-            calls[name] = call(name, lambda d=d, p=prompt, kw=kw: spec.generate(m, p, method="draft", draft=d, k=args.k,
-                                                                                rounds_per_chunk=256, **kw))
-        tps = _measure.interleaved(calls, args.repeats)
-        base = median(tps["plain"])
-        rows = res[pname] = {}
+        tps = _measure.interleaved({name: call(name) for name in ways}, args.repeats)
+        plain, rows = median(tps["plain"]), res.setdefault(pname, {})
         for name, ts in tps.items():
-            st = getattr(outs[name], "stats", None)
-            rows[name] = {"tokens_per_s": median(ts), "speedup": median(ts) / base,
-                          "same_tokens_as_plain": outs[name].completions[0].token_ids == outs["plain"].completions[0].token_ids,
+            st, tok_s = getattr(outs[name], "stats", None), median(ts)
+            same = outs[name].completions[0].token_ids == outs["plain"].completions[0].token_ids
+            rows[name] = {"tokens_per_s": tok_s, "speedup": tok_s / plain, "same_tokens_as_plain": same,
                           "acceptance": st.acceptance_rate if st else None,
                           "tokens_per_target_call": st.tokens_per_call if st else 1.0}
-            print(f"{pname:>9} {name:>18}: {median(ts):7.1f} tok/s  x{median(ts) / base:.2f}"
+            print(f"{pname:>9} {name:>18}: {tok_s:7.1f} tok/s  x{tok_s / plain:.2f}"
                   + (f"  acceptance {st.acceptance_rate:.2f}, {st.tokens_per_call:.2f} tok/call" if st else "")
-                  + ("" if rows[name]["same_tokens_as_plain"] else "  OUTPUT DIFFERS"), flush=True)
+                  + ("" if same else "  OUTPUT DIFFERS"), flush=True)
     return res
 
 

@@ -5,21 +5,15 @@
     python -m experiments.startup --parts host --against main   # host time per iteration, main vs this tree
 
 Parts (`--parts`, comma-separated; default all):
-  serve     `jaxinfer serve --model M` with an empty compile cache, then again with the cache it
-            filled: seconds from the process start to /health "ok" (ready) and to the last program
-            built, resident memory then, and after a load (`--load-requests` streaming completions,
-            `--load-concurrency` at a time), the server's start-up report line.
-  generate  `jaxinfer generate` cold (an empty cache) and warm: load seconds, time to first token
-            after the load, programs compiled and loaded.
-  engines   two `Engine(model)` in one process (the cache the serve part filled): what each
-            compiled, loaded and found in memory.
-  host      host time per Engine iteration: the tiny preset (`--vocab` tokens), `--slots` slots, a
-            burst of 2 x slots requests (16-64-token prompts, 64 new tokens, temperature 0.8),
-            median over `--rounds` bursts after one that warms. Wall time per `Engine.step`, and
-            the host's share: the wall time less the time spent inside the device calls and
-            waiting for their results (on this tree and, with `--against REF`, on a git ref
-            checked out into a temporary worktree, rounds alternating). The tokens of every
-            burst are compared between trees.
+  serve     `jaxinfer serve --model M` with an empty compile cache, then with the cache it filled:
+            seconds from the process start to /health "ok" and to every program built, resident
+            memory then and after 32 streaming completions, the server's log.
+  generate  `jaxinfer generate`, the same two ways: load seconds, first token after the load, programs.
+  engines   two `Engine(model)` in one process: what each compiled, loaded and found in memory.
+  host      per `Engine.step` on the tiny preset, bursts of 2 x --slots sampled requests (medians of
+            --rounds after one that warms): wall time, and the host's share of it (less the time
+            inside device calls and waiting for their results); with --against REF also on that git
+            ref checked out into a temporary worktree, rounds alternating, tokens compared.
 
 Writes <out>/startup.json. Timings belong to a quiet machine: run one benchmark at a time.
 """
@@ -27,7 +21,6 @@ Writes <out>/startup.json. Timings belong to a quiet machine: run one benchmark 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -38,6 +31,9 @@ import httpx
 
 from experiments import _common, _serve
 from experiments._common import ROOT, rss_bytes
+
+PARTS = ("serve", "generate", "engines", "host")
+LOAD_REQUESTS, LOAD_CLIENTS = 32, 8  # the serve part's load: streaming completions, at most 8 at a time
 
 # The host-loop measurement, run with PYTHONPATH at one tree (so it may only use what every tree
 # has: Engine, submit, step; and, to time the device calls, the runner's programs where it has
@@ -52,21 +48,18 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
 from jaxinfer.serve import runner as R
-slots, vocab, rounds, max_len, lo, hi, new = map(int, sys.argv[1:8])
-cfg = config.tiny(vocab_size=vocab)
+slots, rounds, max_len, lo, hi, new = map(int, sys.argv[1:7])
+cfg = config.tiny()
 model = Model(config=cfg, params=init_params(cfg, jax.random.key(0)), tokenizer=None)
 engine = Engine(model, max_slots=slots, page_size=16, max_len=max_len)
-t0 = time.perf_counter()
-programs = engine.warmup()
-warm_s = time.perf_counter() - t0
+engine.warmup()
 inside = [0.0]
 def timed(f):
     def g(*a, **k):
         t = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            inside[0] += time.perf_counter() - t
+        out = f(*a, **k)
+        inside[0] += time.perf_counter() - t
+        return out
     return g
 try:
     from jaxinfer.serve.programs import Programs
@@ -77,10 +70,9 @@ except ImportError:
 shd.to_host = timed(shd.to_host)
 def burst():
     rng = np.random.default_rng(1)
-    reqs = [engine.submit(rng.integers(3, vocab, int(rng.integers(lo, hi + 1))).tolist(), max_new_tokens=new,
+    reqs = [engine.submit(rng.integers(3, cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist(), max_new_tokens=new,
                           sampling=SamplingParams(temperature=0.8), seed=i) for i in range(2 * slots)]
     wall, host = [], []
-    t_burst = time.perf_counter()
     while True:
         inside[0] = 0.0
         t = time.perf_counter()
@@ -89,14 +81,11 @@ def burst():
         w = time.perf_counter() - t
         wall.append(w)
         host.append(w - inside[0])
-    t_burst = time.perf_counter() - t_burst
     toks = [r.result().token_ids for r in reqs]
     return dict(iterations=len(wall), wall_ms_p50=1e3 * float(np.median(wall)), host_ms_p50=1e3 * float(np.median(host)),
-                host_ms_mean=1e3 * float(np.mean(host)), tokens=sum(map(len, toks)), burst_s=t_burst,
-                tokens_digest=hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:16])
+                tokens=sum(map(len, toks)), tokens_digest=hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:16])
 burst()
-out = dict(programs=programs, warmup_s=warm_s, rounds=[burst() for _ in range(rounds)])
-print(json.dumps(out))
+print(json.dumps(dict(rounds=[burst() for _ in range(rounds)])))
 """
 
 
@@ -110,55 +99,47 @@ def cold_and_warm(once, args) -> dict:
         return {run: once(args, Path(d) / "xla", run) for run in ("cold", "warm")}
 
 
-# ---- serve ------------------------------------------------------------------------------------
-
 def serve_once(args, cache_dir: Path, run: str) -> dict:
     """Start `jaxinfer serve`, time it to ready and to every program built, sample its memory, load it."""
-    port, log = _serve.free_port(), Path(args.out) / f"startup_serve_{run}.log"
+    log = Path(args.out) / f"startup_serve_{run}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = _serve.Server("jaxinfer serve", [sys.executable, "-m", "jaxinfer", "serve", "--model", args.model,
-                                              "--port", str(port)], port, log,
-                           env={**os.environ, **cache_env(cache_dir), "PYTHONPATH": str(ROOT)})
-    out = dict(command=" ".join(server.cmd))
+    server = _serve.jaxinfer_server(args.model, [], log, env=cache_env(cache_dir))
+    out = {"command": " ".join(server.cmd)}
     try:
         out.update(ready_s=server.start(args.timeout), rss_ready=rss_bytes(server.proc.pid))
-        t0 = time.perf_counter() - out["ready_s"]
-        while not any("compile cache" in ln and "loaded from cache" in ln for ln in log.read_text().splitlines()):
-            if time.perf_counter() - t0 > args.timeout:
-                raise RuntimeError(f"the server did not finish its warmup in {args.timeout} s; see {log}")
-            time.sleep(0.1)
-        out.update(warm_s=time.perf_counter() - t0, rss_warm=rss_bytes(server.proc.pid))
+        out.update(warm_s=out["ready_s"] + server.wait_warm(args.timeout), rss_warm=rss_bytes(server.proc.pid))
         bodies = [{"id": i, "disconnect": False, "body": {
             "model": args.model, "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
             "temperature": 0.7, "seed": i, "stream": True, "stream_options": {"include_usage": True}}}
-            for i in range(args.load_requests)]
-        load = _serve.http_summary(_serve.drive(server.url + "/v1/completions", bodies, args.load_concurrency,
-                                                args.timeout))
+            for i in range(LOAD_REQUESTS)]
+        load = _serve.http_summary(_serve.drive(server.url + "/v1/completions", bodies, LOAD_CLIENTS, args.timeout))
         if load["errors"]:
             raise RuntimeError(f"the load test's requests failed: {load['error_examples']}")
-        out.update(load=dict(requests=load["requests_sent"], seconds=load["wall_s"], **load),
-                   rss_after_load=rss_bytes(server.proc.pid))
-        metrics = httpx.get(server.url + "/metrics", timeout=10).text
-        out["serving_compiles"] = next((int(ln.split()[-1]) for ln in metrics.splitlines()
-                                        if ln.startswith("serving_compiles_total")), None)
+        out.update(load=load, rss_after_load=rss_bytes(server.proc.pid))
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+        out["serving_compiles"] = next(int(ln.split()[-1]) for ln in metrics
+                                       if ln.startswith("jaxinfer_serving_compiles_total "))
     finally:
         server.stop()
     out["log"] = log.read_text().splitlines()
+    gb = 1e9
+    print(f"serve {run}: ready {out['ready_s']:.1f} s, all programs {out['warm_s']:.1f} s; resident "
+          f"{out['rss_ready'] / gb:.2f} GB ready, {out['rss_warm'] / gb:.2f} GB warm, "
+          f"{out['rss_after_load'] / gb:.2f} GB after {load['requests_sent']} requests")
     return out
 
 
-# ---- generate ---------------------------------------------------------------------------------
-
 def generate_once(args, cache_dir: Path, run: str) -> dict:
+    """`jaxinfer generate` in a fresh process: its load seconds, first token after the load, programs."""
     t0 = time.perf_counter()
     t = _common.run_json([sys.executable, "-m", "jaxinfer", "generate", "The capital of France is", "--model",
                           args.model, "--max-new-tokens", "16", "--json", "--compile-cache", str(cache_dir)],
                          timeout=args.timeout, **cache_env(cache_dir))["timings"]
+    print(f"generate {run}: load {t['load_s']:.1f} s, first token {t['ttft_s']:.2f} s after it "
+          f"({t['n_compilations']} programs, {t['n_cache_loads']} from the cache)")
     return dict(process_s=time.perf_counter() - t0, load_s=t["load_s"], ttft_s=t["ttft_s"], compile_s=t["compile_s"],
                 programs=t["n_compilations"], loaded=t["n_cache_loads"])
 
-
-# ---- engines ----------------------------------------------------------------------------------
 
 def two_engines(model, **engine_kw) -> list[dict]:
     """Two `Engine(model)` one after the other in this process: what each compiled, loaded and
@@ -179,15 +160,18 @@ def two_engines(model, **engine_kw) -> list[dict]:
 
 def part_engines(args, model=None) -> list:
     if model is not None:  # --smoke: in this process, two programs each
-        return two_engines(model, max_slots=1, max_len=16)
-    code = ("import json, sys, jaxinfer; from experiments.startup import two_engines; "
-            "print(json.dumps({'engines': two_engines(jaxinfer.load(sys.argv[1]), max_slots=8)}))")
-    with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-        return _common.run_json([sys.executable, "-c", code, args.model], timeout=args.timeout,
-                                **cache_env(Path(d) / "xla"))["engines"]
+        engines = two_engines(model, max_slots=1, max_len=16)
+    else:
+        code = ("import json, sys, jaxinfer; from experiments.startup import two_engines; "
+                "print(json.dumps({'engines': two_engines(jaxinfer.load(sys.argv[1]), max_slots=8)}))")
+        with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
+            engines = _common.run_json([sys.executable, "-c", code, args.model], timeout=args.timeout,
+                                       **cache_env(Path(d) / "xla"))["engines"]
+    for i, e in enumerate(engines):
+        print(f"Engine {i + 1}: {e['seconds']:.1f} s, compiled {e['compiled']}, loaded {e['loaded']}, "
+              f"in memory {e['in_memory']} of {e['programs']} programs")
+    return engines
 
-
-# ---- host loop ----------------------------------------------------------------------------------
 
 def part_host(args) -> dict:
     shape = (128, 16, 64, 64) if not args.smoke else (16, 4, 8, 8)  # max_len, prompt lengths, new tokens
@@ -199,63 +183,40 @@ def part_host(args) -> dict:
         per_call = 1 if len(trees) > 1 else args.rounds  # two trees: alternate round by round
         for _ in range(args.rounds // per_call):
             for name, tree in trees.items():
-                cmd = [sys.executable, "-c", HOST_WORKER, str(args.slots), str(args.vocab), str(per_call), *map(str, shape)]
-                runs[name] += _common.run_json(cmd, tree=tree, timeout=args.timeout, **cache_env(Path(d) / name))["rounds"]
-    out = {name: dict(host_ms_p50=median(r["host_ms_p50"] for r in rs), wall_ms_p50=median(r["wall_ms_p50"] for r in rs),
-                      iterations=median(r["iterations"] for r in rs), rounds=rs) for name, rs in runs.items()}
+                cmd = [sys.executable, "-c", HOST_WORKER, *map(str, (args.slots, per_call, *shape))]
+                runs[name] += _common.run_json(cmd, tree=tree, timeout=args.timeout,
+                                               **cache_env(Path(d) / name))["rounds"]
+    out = {}
+    for name, rs in runs.items():
+        out[name] = h = {k: median(r[k] for r in rs) for k in ("host_ms_p50", "wall_ms_p50", "iterations")}
+        h["rounds"] = rs
+        print(f"host loop ({name}): {h['host_ms_p50']:.2f} ms host, {h['wall_ms_p50']:.2f} ms wall per iteration "
+              f"({h['iterations']} iterations)")
     out["same_tokens"] = len({r["tokens_digest"] for rs in runs.values() for r in rs}) == 1
     if args.against:
         out.update(host_ratio=out["this"]["host_ms_p50"] / out["against"]["host_ms_p50"], against_ref=args.against)
+        print(f"host time per iteration: {out['host_ratio']:.2f}x of {args.against}; same tokens: {out['same_tokens']}")
     return out
 
 
-# ---- main ---------------------------------------------------------------------------------------
-
 def main(argv=None, model=None) -> dict:
     p = _common.parser(__doc__)
-    p.add_argument("--parts", default="serve,generate,engines,host", help="which parts (default all)")
+    p.add_argument("--parts", default=",".join(PARTS), help="which parts (default all)")
     p.add_argument("--against", help="git ref (or a source tree) for the host part to compare with")
     p.add_argument("--slots", type=int, default=32, help="host part: engine slots (default 32)")
-    p.add_argument("--vocab", type=int, default=256, help="host part: the tiny preset's vocabulary (default 256)")
     p.add_argument("--rounds", type=int, default=5, help="host part: bursts per tree (default 5)")
-    p.add_argument("--load-requests", type=int, default=32, help="serve part: requests of the load (default 32)")
-    p.add_argument("--load-concurrency", type=int, default=8, help="serve part: at a time (default 8)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one server or process may take")
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if set(parts) - {"serve", "generate", "engines", "host"}:
-        p.error(f"unknown --parts {sorted(set(parts) - {'serve', 'generate', 'engines', 'host'})}: choose from "
-                f"serve, generate, engines, host")
+    if set(parts) - set(PARTS):
+        p.error(f"unknown --parts {sorted(set(parts) - set(PARTS))}: choose from {', '.join(PARTS)}")
     if args.smoke:  # a tiny model, two Engines of two programs in this process, one host round of 2 slots
         parts = [x for x in parts if x in ("engines", "host")]
         args.slots, args.rounds = 2, 1
         model = model or _common.tiny_model(name="tiny-startup-smoke")
-    res: dict = {}
-    gb = 1e9  # bytes
-    if "serve" in parts:
-        res["serve"] = cold_and_warm(serve_once, args)
-        for run, s in res["serve"].items():
-            print(f"serve {run}: ready {s['ready_s']:.1f} s, all programs {s['warm_s']:.1f} s; resident "
-                  f"{s['rss_ready'] / gb:.2f} GB ready, {s['rss_warm'] / gb:.2f} GB warm, {s['rss_after_load'] / gb:.2f} GB "
-                  f"after {s['load']['requests']} requests")
-    if "generate" in parts:
-        res["generate"] = cold_and_warm(generate_once, args)
-        for run, g in res["generate"].items():
-            print(f"generate {run}: load {g['load_s']:.1f} s, first token {g['ttft_s']:.2f} s after it "
-                  f"({g['programs']} programs, {g['loaded']} from the cache)")
-    if "engines" in parts:
-        res["engines"] = part_engines(args, model if args.smoke else None)
-        for i, e in enumerate(res["engines"]):
-            print(f"Engine {i + 1}: {e['seconds']:.1f} s, compiled {e['compiled']}, loaded {e['loaded']}, "
-                  f"in memory {e['in_memory']} of {e['programs']} programs")
-    if "host" in parts:
-        res["host"] = h = part_host(args)
-        for name in ("against", "this"):
-            if name in h:
-                print(f"host loop ({name}): {h[name]['host_ms_p50']:.2f} ms host, {h[name]['wall_ms_p50']:.2f} ms "
-                      f"wall per iteration ({h[name]['iterations']} iterations)")
-        if "host_ratio" in h:
-            print(f"host time per iteration: {h['host_ratio']:.2f}x of {args.against}; same tokens: {h['same_tokens']}")
+    run = {"serve": lambda: cold_and_warm(serve_once, args), "generate": lambda: cold_and_warm(generate_once, args),
+           "engines": lambda: part_engines(args, model if args.smoke else None), "host": lambda: part_host(args)}
+    res = {part: run[part]() for part in PARTS if part in parts}
     _common.save("startup", res, args)
     return res
 

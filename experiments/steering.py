@@ -4,16 +4,10 @@
     python -m experiments.steering --speed [--rounds 5]
 
 The vector is the mean difference of resid_post at one layer between positive and negative
-sentences (each sentence's mean over its tokens, then the mean over sentences). Added at that
-layer with `interventions.add(scale)` at every position, its effect is measured on neutral
-prompts as a sentiment score: log p(the next token starts a positive word) - log p(... a
-negative word), plus p(" great"); greedy samples are kept at every scale.
-
---speed measures the issue's speed rows instead, each side by side in one run, alternating
-arms, medians of --rounds: generate with one steering vector vs without at batch 1 and 8
-(decode tokens/s; target <= 5% slower), capturing resid_post at every layer vs a plain prompt
-pass (target <= 1.3x), the corpus writer vs plain prefill tokens/s (target >= 80%), and the
-programs compiled when only the vector and scale change (target 0).
+sentences, added at every position with `interventions.add(scale)`; its effect on neutral prompts
+is log p(the next token starts a positive word) - log p(... a negative word), with greedy samples
+at every scale. --speed measures the cost rows of docs/interventions.md instead (alternating
+arms, medians of --rounds), each against its target.
 """
 
 from __future__ import annotations
@@ -41,6 +35,7 @@ BAD_WORDS = [" terrible", " awful", " bad", " horrible", " boring", " disappoint
 
 
 def first_ids(tok, words) -> list[int]:
+    """The distinct first tokens of `words`."""
     return sorted({tok.encode(w)[0] for w in words})
 
 
@@ -66,26 +61,23 @@ def sentiment(m, ids, steer, good, bad, great: int) -> tuple[float, float, float
     return float(np.log(pg) - np.log(pb)), float(pg), float(pb), float(p[great])
 
 
-def sweep(args, m) -> dict:
+def sweep(args, m, layer: int) -> dict:
     import jaxinfer
     from jaxinfer import interventions as I
 
     tok = m.tokenizer
-    layer = args.layer if args.layer is not None else m.config.n_layers * 2 // 5
-    scales = [float(s) for s in args.scales.split(",")]
     neutral = NEUTRAL[:2] if args.smoke else NEUTRAL
     v = steering_vector(m, layer)
     good, bad, great = first_ids(tok, GOOD_WORDS), first_ids(tok, BAD_WORDS), tok.encode(" great")[0]
     ids = [tok.encode_prompt(t) for t in neutral]
     rows = []
-    for s in scales:
+    for s in (float(x) for x in args.scales.split(",")):
         steer = [I.add("resid_post", layer, v, s)]
-        scores = [sentiment(m, x, steer, good, bad, great) for x in ids]
+        scores = np.array([sentiment(m, x, steer, good, bad, great) for x in ids])  # [prompts, 4]
+        score, p_good, p_bad, p_great = (float(x) for x in scores.mean(0))
         out = jaxinfer.generate(m, neutral, max_new_tokens=args.new_tokens, interventions=steer, stop_at_eos=True)
-        rows.append({"scale": s, "score": float(np.mean([x[0] for x in scores])),
-                     "scores": [x[0] for x in scores], "p_good": float(np.mean([x[1] for x in scores])),
-                     "p_bad": float(np.mean([x[2] for x in scores])), "p_great": float(np.mean([x[3] for x in scores])),
-                     "samples": out.texts})
+        rows.append({"scale": s, "score": score, "scores": scores[:, 0].tolist(), "p_good": p_good, "p_bad": p_bad,
+                     "p_great": p_great, "samples": out.texts})
     print(f"steering vector: resid_post layer {layer}, |v| = {np.linalg.norm(v):.1f} (mean difference of "
           f"{len(POSITIVE)} positive and {len(NEGATIVE)} negative sentences)")
     print(f"{'scale':>6} {'score':>7} {'p(good)':>8} {'p(bad)':>8} {'p(great)':>9}  sample: {neutral[0]!r} ...")
@@ -94,19 +86,17 @@ def sweep(args, m) -> dict:
               f"{r['samples'][0][:70]!r}")
     fig, (a0, a1) = common.plt().subplots(1, 2, figsize=(11, 4))
     xs = [r["scale"] for r in rows]
-    for i, t in enumerate(neutral):
+    for i in range(len(neutral)):
         a0.plot(xs, [r["scores"][i] for r in rows], color="0.7", lw=0.8)
     a0.plot(xs, [r["score"] for r in rows], "o-", color="C0", label="mean over prompts")
     a0.axhline(0, color="k", lw=0.5)
-    a0.set_xlabel("scale (x the mean difference vector)")
-    a0.set_ylabel("log p(positive word) - log p(negative word)")
+    a0.set(xlabel="scale (x the mean difference vector)", ylabel="log p(positive word) - log p(negative word)")
     a0.set_title(f"sentiment of the next token, steering at layer {layer}", fontsize=9)
-    a0.legend(fontsize=8)
     a1.plot(xs, [r["p_good"] for r in rows], "o-", color="C2", label="p(positive word)")
     a1.plot(xs, [r["p_bad"] for r in rows], "o-", color="C3", label="p(negative word)")
     a1.plot(xs, [r["p_great"] for r in rows], "s--", color="C1", label="p(' great')")
-    a1.set_xlabel("scale")
-    a1.set_ylabel("probability of the next token")
+    a1.set(xlabel="scale", ylabel="probability of the next token")
+    a0.legend(fontsize=8)
     a1.legend(fontsize=8)
     fig.suptitle(f"{args.model}: a steering vector from contrastive prompts", fontsize=10)
     result = {"layer": layer, "vector_norm": float(np.linalg.norm(v)), "neutral_prompts": neutral,
@@ -115,9 +105,13 @@ def sweep(args, m) -> dict:
     return result
 
 
-# Speed ------------------------------------------------------------------------------------------
+def _side_by_side(calls: dict, rounds: int) -> tuple[dict, dict]:
+    """`interleaved` rounds of `calls`: (every result, the median of each)."""
+    got = interleaved(calls, rounds)
+    return got, {k: float(np.median(x)) for k, x in got.items()}
 
-def speed(args, m) -> dict:
+
+def speed(args, m, layer: int) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -129,26 +123,22 @@ def speed(args, m) -> dict:
 
     m = layout.to_layout(m, args.layout)  # what jaxinfer.load gives by default on one CPU / GPU
     cfg = m.config
-    layer = args.layer if args.layer is not None else cfg.n_layers * 2 // 5
     rng = np.random.default_rng(0)
     v = rng.standard_normal(cfg.d_model).astype(np.float32)
-    rounds = args.rounds
+    base = m.tokenizer.encode_prompt(" ".join(POSITIVE + NEGATIVE + NEUTRAL) * 8)
     rows = []
-    text = " ".join(POSITIVE + NEGATIVE + NEUTRAL) * 8
-    base = m.tokenizer.encode_prompt(text)
 
     # 1. generate with one steering vector vs without, batch 1 and 8: decode tokens/s
     new = 8 if args.smoke else 128
+
+    def gen(prompts, ivs):
+        return lambda: jaxinfer.generate(m, prompts, max_new_tokens=new, stop_at_eos=False,
+                                         interventions=ivs).timings.decode_tokens_per_s
+
     for B in (1, 8):
         prompts = [base[i:i + 32] for i in range(B)]
-        steer = [I.add("resid_post", layer, v, 4.0)]
-
-        def gen(ivs):
-            return lambda: jaxinfer.generate(m, prompts, max_new_tokens=new, stop_at_eos=False,
-                                             interventions=ivs).timings.decode_tokens_per_s
-
-        got = interleaved({"plain": gen(None), "steered": gen(steer)}, rounds)
-        med = {k: float(np.median(x)) for k, x in got.items()}
+        got, med = _side_by_side({"plain": gen(prompts, None),
+                                  "steered": gen(prompts, [I.add("resid_post", layer, v, 4.0)])}, args.rounds)
         rows.append({"row": f"generate b{B}: steered / plain decode time", "ratio": med["plain"] / med["steered"],
                      "target": "<= 1.05", "plain_tokens_per_s": med["plain"], "steered_tokens_per_s": med["steered"],
                      "runs": got})
@@ -160,33 +150,29 @@ def speed(args, m) -> dict:
     last = jnp.full((B,), T - 1, jnp.int32)
     plain_pass = jax.jit(lambda p, t: mdl.forward(p, t, mdl.default_positions(*t.shape), None, cfg,
                                                   logit_index=last)[0])
-
-    got = interleaved({"plain": timed(lambda: plain_pass(m.params, tokens)),
-                       "capture": timed(lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}, rounds)
-    med = {k: float(np.median(x)) for k, x in got.items()}
+    got, med = _side_by_side({"plain": timed(lambda: plain_pass(m.params, tokens)), "capture": timed(
+        lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}, args.rounds)
     rows.append({"row": f"capture resid_post, all {cfg.n_layers} layers, {B} x {T} tokens / plain pass",
                  "ratio": med["capture"] / med["plain"], "target": "<= 1.3", "seconds": med, "runs": got})
 
     # 3. the corpus writer vs plain prefill: prompt tokens/s over the same texts
     n_texts, batch = (8, 4) if args.smoke else (64, 8)
     texts = [base[(i * 13) % 64:(i * 13) % 64 + T] for i in range(n_texts)]
-    n_tokens = n_texts * T
 
     def writer():
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             jaxinfer.write_activations(m, texts, d, sites=["resid_post"], layers=[layer], batch_tokens=batch * T,
                                        progress=None)
-            return n_tokens / (time.perf_counter() - t0)
+            return n_texts * T / (time.perf_counter() - t0)
 
     def prefill():
         t0 = time.perf_counter()
         for i in range(0, n_texts, batch):
             jaxinfer.generate(m, texts[i:i + batch], max_new_tokens=1, stop_at_eos=False)
-        return n_tokens / (time.perf_counter() - t0)
+        return n_texts * T / (time.perf_counter() - t0)
 
-    got = interleaved({"prefill": prefill, "writer": writer}, rounds)
-    med = {k: float(np.median(x)) for k, x in got.items()}
+    got, med = _side_by_side({"prefill": prefill, "writer": writer}, args.rounds)
     rows.append({"row": f"corpus writer (resid_post layer {layer}) / plain prefill, tokens/s",
                  "ratio": med["writer"] / med["prefill"], "target": ">= 0.8", "tokens_per_s": med, "runs": got})
 
@@ -204,19 +190,20 @@ def speed(args, m) -> dict:
     fig, ax = common.plt().subplots(figsize=(8, 3))
     ratios = rows[:4]
     ax.barh(range(len(ratios)), [r["ratio"] for r in ratios], color="C0")
-    for i, (r, t) in enumerate(zip(ratios, (1 / 1.05, 1 / 1.05, 1.3, 0.8))):
-        ax.plot([t, t], [i - 0.4, i + 0.4], color="C3")
+    for i, r in enumerate(ratios):
+        target = float(r["target"].split()[-1])
+        ax.plot([target, target], [i - 0.4, i + 0.4], color="C3")
     ax.set_yticks(range(len(ratios)), [r["row"] for r in ratios], fontsize=7)
     ax.set_xlabel("ratio (red: the target)")
-    ax.set_title(f"{args.model}: the cost of steering and capture ({rounds} alternating rounds, medians; "
+    ax.set_title(f"{args.model}: the cost of steering and capture ({args.rounds} alternating rounds, medians; "
                  f"{compiles.count} compiles for new vectors)", fontsize=8)
-    result = {"layer": layer, "rounds": rounds, "layout": cfg.layout, "rows": rows}
+    result = {"layer": layer, "rounds": args.rounds, "layout": cfg.layout, "rows": rows}
     common.save("steering_speed", result, args, fig=fig)
     return result
 
 
 def main(argv=None, model=None) -> dict:
-    p = common.parser(__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--layer", type=int, default=None, help="layer of the vector (default 2/5 of the depth)")
     p.add_argument("--scales", default="-6,-4,-2,-1,0,1,2,4,6", help="comma-separated scales")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy sample length (default %(default)s)")
@@ -228,7 +215,8 @@ def main(argv=None, model=None) -> dict:
     if args.smoke:
         args.scales, args.new_tokens, args.rounds = "-4,0,4", 6, 1
     m = common.load_model(args, model)
-    return speed(args, m) if args.speed else sweep(args, m)
+    layer = args.layer if args.layer is not None else m.config.n_layers * 2 // 5
+    return speed(args, m, layer) if args.speed else sweep(args, m, layer)
 
 
 if __name__ == "__main__":

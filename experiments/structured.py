@@ -3,14 +3,13 @@
     python -m experiments.structured [--seeds 10] [--max-new-tokens 160]   # SmolLM2-135M, ~13 minutes
 
 Validity: each schema of experiments/data/schemas/ x --seeds seeds at temperature 0.8 (one batched
-`generate`, row i seed i), a short chat turn asking for one object: every finished output must
-validate (`jsonschema`), and the share finished within --max-new-tokens is the target (>= 80%);
-again with unbounded JSON whitespace to show what `constraints.JSON_WHITESPACE` does. Cost:
-per schema --rows rows constrained against the same prompts unconstrained (ignore_eos) in the
-multi-step scan and at one step per call (the host round trip), decode time per step without
-compiles; through the Engine, one request per schema, constrained vs not. llguidance alone: per
-schema the grammar build, its compile, the mask per token along a valid instance, and
-`apply_token_bitmask` on [8, V] under jit. Writes structured.json.
+`generate`), a short chat turn asking for one object: every finished output must validate
+(`jsonschema`), and the share finished within --max-new-tokens is the target (>= 80%); again with
+unbounded JSON whitespace (`constraints.JSON_WHITESPACE`'s effect). Cost: --rows rows constrained
+against unconstrained (ignore_eos) in the multi-step scan and at one step per call, decode time per
+step; through the Engine, one request per schema. llguidance alone: per schema the grammar build,
+its compile, the mask per token along a valid instance; `apply_token_bitmask` on [8, V] under jit.
+Writes structured.json.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import llguidance
 import numpy as np
 
 import jaxinfer
-from experiments import _common
+from experiments import _common, _measure
 from experiments._common import DATA
 from jaxinfer.decode import bitmask as bm
 from jaxinfer.decode import constraints
@@ -81,23 +80,21 @@ def validity(model, schemas: dict, seeds: int, max_new: int, whitespace) -> dict
 
 
 def cost_generate(model, schemas: dict, rows: int, max_new: int) -> dict:
-    def timed(ids, new, sampling, chunk):  # result, decode steps, decode seconds without compiles
+    def step_ms(ids, new, sampling, chunk) -> tuple[float, int]:  # ms per decode step without compiles, steps
         res = jaxinfer.generate(model, [ids] * rows, seed=list(range(rows)), max_new_tokens=new, sampling=sampling,
                                 chunk_size=chunk)
-        t = res.timings
-        return res, max(len(c.token_ids) for c in res.completions) - 1, t.decode_tokens / t.decode_tokens_per_s
+        steps = max(len(c.token_ids) for c in res.completions) - 1
+        return 1e3 * res.timings.decode_tokens / res.timings.decode_tokens_per_s / steps, steps
 
     out = {}
     for name, schema in schemas.items():
         ids = prompt_ids(model.tokenizer, schema)
-        _, steps, con_s = timed(ids, max_new, jaxinfer.SamplingParams(temperature=TEMPERATURE,
-                                                                      constraint=constraints.json_schema(schema)), 32)
+        con = jaxinfer.SamplingParams(temperature=TEMPERATURE, constraint=constraints.json_schema(schema))
         free = jaxinfer.SamplingParams(temperature=TEMPERATURE, ignore_eos=True)
-        _, steps_scan, scan_s = timed(ids, steps + 1, free, 32)
-        _, steps_one, one_s = timed(ids, steps + 1, free, 1)
-        r = out[name] = {"steps": steps, "constrained_step_ms": 1e3 * con_s / steps,
-                         "unconstrained_scan_step_ms": 1e3 * scan_s / steps_scan,
-                         "unconstrained_one_step_per_call_ms": 1e3 * one_s / steps_one}
+        con_ms, steps = step_ms(ids, max_new, con, 32)
+        r = out[name] = {"steps": steps, "constrained_step_ms": con_ms,
+                         "unconstrained_scan_step_ms": step_ms(ids, steps + 1, free, 32)[0],
+                         "unconstrained_one_step_per_call_ms": step_ms(ids, steps + 1, free, 1)[0]}
         r["overhead"] = r["constrained_step_ms"] / r["unconstrained_scan_step_ms"] - 1
         print(f"  {name:18} steps {steps:3d}  constrained {r['constrained_step_ms']:6.1f} ms/step, unconstrained "
               f"{r['unconstrained_scan_step_ms']:6.1f}, one step per call {r['unconstrained_one_step_per_call_ms']:6.1f}")
@@ -164,15 +161,12 @@ def llguidance_costs(tok, schemas: dict, reps: int) -> dict:
 
 
 def apply_cost(vocab: int, reps: int) -> dict:
+    """`apply_token_bitmask` on [8, V] under jit, after the call that compiles."""
     f = jax.jit(bm.apply_token_bitmask)
     logits, mask = jnp.zeros((8, vocab), jnp.float32), jnp.full((8, bm.mask_words(vocab)), -1, jnp.int32)
-    f(logits, mask).block_until_ready()
-    ts = []
-    for _ in range(reps * 5):
-        t = time.perf_counter()
-        f(logits, mask).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return {"rows": 8, "vocab": vocab, **_ms(ts)}
+    call = _measure.timed(lambda: f(logits, mask))
+    call()
+    return {"rows": 8, "vocab": vocab, **_ms([call() for _ in range(reps * 5)])}
 
 
 def main(argv=None, model=None) -> dict:

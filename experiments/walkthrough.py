@@ -3,21 +3,14 @@
     python -m experiments.walkthrough STEP [text]     # STEP: tokens, attention, sampling, kv_cache, roofline
     python -m experiments.walkthrough all --figures experiments/figures   # every step: the docs' pictures
 
-tokens     the pieces of cl100k_base (GPT-4's tokenizer) and of the model's own, with ids; how a
-           made-up word and the typo "inthe" split into known pieces.
-attention  every layer's and head's attention probabilities (`jaxinfer.attention`): no token looks
-           ahead; which candidate referent --word attends to most in the --top heads.
-sampling   each preset's distribution (`probes.distribution`) and --darts darts: dart i is the
-           token `generate(prompt, seed=i, max_new_tokens=1)` gives. Same seeds, same darts.
-kv_cache   tokens read with and without the cache (counted and by formula), the time of
-           --max-new-tokens greedy tokens both ways (same tokens), and the cache's bytes per token.
-roofline   bandwidth / weight bytes for Llama 3 8B fp16 on an H100 and an H200 (datasheet) and here
-           (measured, `_measure.bandwidth`), and measured decode at --batches against it.
+What each step shows: docs/walkthrough.md. The logic lives in the library (`jaxinfer.attention`,
+`jaxinfer.inspect.probes`, `jaxinfer.inspect.roofline`) and in `_measure`; a step runs, prints and plots.
 """
 
 from __future__ import annotations
 
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +33,19 @@ DEFAULT_TEXT = {"tokens": "The glorptastic llama read inthe news that 2025 had 3
                 "attention": "The cat sat on the mat because it was soft", "sampling": "The capital of France is"}
 PROBES = ("inthe", "glorptastic")  # a typo and a word that does not exist
 COLORS = ["#fde2a7", "#b9e3c6", "#c8d7f5", "#f6c6d0", "#e0cdf2", "#cfeef0"]
+PRESETS = {"Greedy": SamplingParams(temperature=0.0), "Default (T=1)": SamplingParams(temperature=1.0),
+           "Wild (T=2)": SamplingParams(temperature=2.0), "Top-p 0.5": SamplingParams(temperature=1.0, top_p=0.5),
+           "Top-k 5": SamplingParams(temperature=1.0, top_k=5)}
 # Datasheet HBM bandwidths (not measured here): NVIDIA H100 SXM 3.35 TB/s, H200 4.8 TB/s.
 VENDOR_BANDWIDTH = {"H100 SXM (spec 3.35 TB/s)": 3.35e12, "H200 (spec 4.8 TB/s)": 4.8e12}
 
-
-# ---- tokens ------------------------------------------------------------------------------------
 
 def show(piece: bytes) -> str:
     """A token's text for display: spaces as ·, newlines as ⏎, tabs as →, broken UTF-8 as �."""
     return piece.decode("utf-8", errors="replace").replace(" ", "·").replace("\n", "⏎").replace("\t", "→")
 
+
+# ---- tokens ------------------------------------------------------------------------------------
 
 def split(tokenizer, text: str) -> list[dict]:
     """[{id, piece}] for `text` (special-token text stays plain text)."""
@@ -59,20 +55,19 @@ def split(tokenizer, text: str) -> list[dict]:
 
 def tokens(m, args):
     text = args.text or DEFAULT_TEXT["tokens"]
-    encodings = {"cl100k_base": openai_tokenizer("cl100k_base"), m.config.name: m.tokenizer}
     result = {"text": text, "tokenizers": {}, "probes": {}}
-    for name, enc in encodings.items():
+    for name, enc in {"cl100k_base": openai_tokenizer("cl100k_base"), m.config.name: m.tokenizer}.items():
         toks = split(enc, text)
         result["tokenizers"][name] = {"n_tokens": len(toks), "n_chars": len(text), "tokens": toks}
         result["probes"][name] = {w: [t["piece"] for t in split(enc, w)] for w in PROBES}
         print(f"{name}: {len(toks)} tokens: " + " | ".join(t["piece"] for t in toks))
         for w, pieces in result["probes"][name].items():
             print(f"  {w!r} -> {len(pieces)} tokens: {' + '.join(pieces)}")
-    width = 44
-    rows = {n: max(1, -(-sum(max(len(t["piece"]), 1) for t in r["tokens"]) // width))
-            for n, r in result["tokenizers"].items()}
-    fig, axes = plt().subplots(len(rows), 1, figsize=(8, 0.9 + 0.55 * sum(rows.values()) + 0.5 * len(rows)),
-                               gridspec_kw={"height_ratios": [r + 0.6 for r in rows.values()]})
+    width = 44  # characters per line of boxes
+    lines = [max(1, -(-sum(max(len(t["piece"]), 1) for t in r["tokens"]) // width))
+             for r in result["tokenizers"].values()]
+    fig, axes = plt().subplots(len(lines), 1, figsize=(8, 0.9 + 0.55 * sum(lines) + 0.5 * len(lines)),
+                               gridspec_kw={"height_ratios": [n + 0.6 for n in lines]})
     for ax, (name, r) in zip(axes, result["tokenizers"].items()):
         x = y = 0
         for j, t in enumerate(r["tokens"]):  # boxes of alternating colour, wrapped at `width` characters
@@ -108,15 +103,15 @@ def attention(m, args):
     future = float(np.triu(probs, k=1).max())  # weight any token gives to a later one
     w = _find(pieces, args.word)
     cands = [_find(pieces, c, before=w) for c in args.candidates.split(",") if c]
+    names = [pieces[c].strip() for c in cands]
     from_w = probs[:, :, w, :]  # [L, N, T]
-    order = np.argsort(from_w[:, :, cands].sum(-1).ravel())[::-1][: args.top]
     heads = []
-    for o in order:
+    for o in np.argsort(from_w[:, :, cands].sum(-1).ravel())[::-1][: args.top]:
         layer, head = divmod(int(o), N)
-        heads.append({"layer": layer, "head": head, "picks": pieces[cands[int(np.argmax(from_w[layer, head, cands]))]].strip(),
-                      "weights": {pieces[c].strip(): float(from_w[layer, head, c]) for c in cands},
-                      "first_token_weight": float(from_w[layer, head, 0])})
-    votes = {pieces[c].strip(): sum(h["weights"][pieces[c].strip()] for h in heads) for c in cands}
+        weights = from_w[layer, head, cands]
+        heads.append({"layer": layer, "head": head, "picks": names[int(np.argmax(weights))],
+                      "weights": dict(zip(names, weights.tolist())), "first_token_weight": float(from_w[layer, head, 0])})
+    votes = {c: sum(h["weights"][c] for h in heads) for c in names}
     winner = max(votes, key=votes.get)
     print(f"{T} tokens: {' | '.join(x.replace(' ', '·') for x in pieces)}; probabilities {list(probs.shape)}")
     print(f"a token only looks back: largest weight on a later token = {future:.1e}")
@@ -132,8 +127,8 @@ def attention(m, args):
     a0.set(xlabel="attends to (key)", ylabel="token (query)")
     a0.set_title(f"layer {best['layer']}, head {best['head']}: upper triangle is 0 (no look-ahead)", fontsize=9)
     fig.colorbar(im, ax=a0, fraction=0.046)
-    for c in cands:
-        a1.plot(range(L), from_w[:, :, c].max(-1), marker="o", ms=3, label=f"{pieces[c].strip()!r} (max over heads)")
+    for c, name in zip(cands, names):
+        a1.plot(range(L), from_w[:, :, c].max(-1), marker="o", ms=3, label=f"{name!r} (max over heads)")
     a1.plot(range(L), from_w[:, :, 0].mean(-1), color="gray", ls=":", label=f"{pieces[0].strip()!r} (first token, mean)")
     a1.set(xlabel="layer", ylabel=f"attention from {args.word!r}", ylim=(0, 1))
     a1.set_title(f"{m.config.name}: where {args.word!r} looks, per layer", fontsize=9)
@@ -141,48 +136,45 @@ def attention(m, args):
     fig.tight_layout()
     return {"sentence": sentence, "tokens": pieces, "token_ids": ids, "shape": list(probs.shape),
             "max_weight_on_later_token": future, "max_row_sum_error": float(np.abs(probs.sum(-1) - 1).max()),
-            "word": args.word, "candidates": [pieces[c].strip() for c in cands], "referent_heads": heads,
-            "votes": votes, "attends_most_to": winner}, fig
+            "word": args.word, "candidates": names, "referent_heads": heads, "votes": votes,
+            "attends_most_to": winner}, fig
 
 
 # ---- sampling ----------------------------------------------------------------------------------
 
 def sampling(m, args):
-    presets = {"Greedy": SamplingParams(temperature=0.0), "Default (T=1)": SamplingParams(temperature=1.0),
-               "Wild (T=2)": SamplingParams(temperature=2.0), "Top-p 0.5": SamplingParams(temperature=1.0, top_p=0.5),
-               "Top-k 5": SamplingParams(temperature=1.0, top_k=5)}
     prompt = args.text or DEFAULT_TEXT["sampling"]
     logits = jaxinfer.logits(m, m.tokenizer.encode(prompt))[-1]  # [V]: what comes after the prompt
-
-    def name(t) -> str:
-        return m.tokenizer.decode([int(t)]).replace(" ", "·").replace("\n", "⏎")
-
     seeds = list(range(args.darts))
-    shown = [int(t) for t in np.argsort(probes.distribution(logits, presets["Default (T=1)"]))[::-1][:6]]
-    result = {"prompt": prompt, "n_darts": args.darts, "shown_tokens": [name(t) for t in shown], "presets": {}}
-    for label, sp in presets.items():
+    shown = np.argsort(probes.distribution(logits, PRESETS["Default (T=1)"]))[::-1][:6]  # the figure's bars
+
+    def share(t, probs, freq) -> dict:
+        return {"id": int(t), "token": show(m.tokenizer.pieces([int(t)])[0]), "p": float(probs[t]),
+                "dart_share": float(freq[t])}
+
+    result = {"prompt": prompt, "n_darts": args.darts, "presets": {},
+              "shown_tokens": [show(p) for p in m.tokenizer.pieces([int(t) for t in shown])]}
+    for label, sp in PRESETS.items():
         probs = probes.distribution(logits, sp)
         darts = probes.throw_darts(logits, sp, seeds)
         counts = np.bincount(darts, minlength=probs.shape[0])
         freq = counts / len(darts)
-        top = [t for t in np.argsort(probs)[::-1][:args.show] if probs[t] > 0]
         r = result["presets"][label] = {
             "tokens_allowed": int((probs > 0).sum()),
-            "top": [{"id": int(t), "token": name(t), "p": float(probs[t]), "dart_share": float(freq[t])} for t in top],
-            "shown": [{"token": name(t), "p": float(probs[t]), "dart_share": float(freq[t])} for t in shown],
+            "top": [share(t, probs, freq) for t in np.argsort(probs)[::-1][:args.show] if probs[t] > 0],
+            "shown": [share(t, probs, freq) for t in shown],
             "darts_outside_allowed": int(counts[probs == 0].sum()), "distinct_tokens_hit": int((counts > 0).sum()),
             "max_abs_share_minus_p": float(np.abs(freq - probs).max()),
             "same_seeds_same_darts": bool(np.array_equal(darts, probes.throw_darts(logits, sp, seeds))),
             "other_seeds_differ_at": int((darts != probes.throw_darts(logits, sp, [s + args.darts for s in seeds])).sum())}
         print(f"{label}: {r['tokens_allowed']} allowed; " + ", ".join(
             f"{t['token']} {t['p']:.3f}/{t['dart_share']:.3f}" for t in r["top"][:5]) + "  (p / share of darts)")
-    fig, axes = plt().subplots(1, len(presets), figsize=(3.0 * len(presets), 3.6), sharey=True)
+    fig, axes = plt().subplots(1, len(PRESETS), figsize=(3.0 * len(PRESETS), 3.6), sharey=True)
     for ax, (label, r) in zip(axes, result["presets"].items()):
-        x = np.arange(len(r["shown"]) + 1)
-        ps = [t["p"] for t in r["shown"]] + [max(0.0, 1 - sum(t["p"] for t in r["shown"]))]
-        fs = [t["dart_share"] for t in r["shown"]] + [max(0.0, 1 - sum(t["dart_share"] for t in r["shown"]))]
-        ax.bar(x - 0.2, ps, 0.4, label="probability", color="#4c78a8")
-        ax.bar(x + 0.2, fs, 0.4, label=f"{args.darts} darts", color="#f58518")
+        x = np.arange(len(shown) + 1)
+        ps, fs = [t["p"] for t in r["shown"]], [t["dart_share"] for t in r["shown"]]  # and a last bar, the rest:
+        ax.bar(x - 0.2, ps + [max(0.0, 1 - sum(ps))], 0.4, label="probability", color="#4c78a8")
+        ax.bar(x + 0.2, fs + [max(0.0, 1 - sum(fs))], 0.4, label=f"{args.darts} darts", color="#f58518")
         ax.set_xticks(x, [t["token"] for t in r["shown"]] + ["other"], rotation=60, ha="right", fontsize=8)
         ax.set_title(f"{label}\n{r['tokens_allowed']} token{'s' if r['tokens_allowed'] > 1 else ''} allowed", fontsize=9)
         ax.set_ylim(0, 1)
@@ -201,17 +193,17 @@ def _count(m, prompt: str, new: int) -> dict:
     uncached, read_uncached = probes.greedy_uncached(m, ids, new)
     # chunk_size = new - 1: exactly new - 1 decode steps run, each reading one token per row
     out = jaxinfer.generate(m, [ids], max_new_tokens=new, stop_at_eos=False, chunk_size=max(1, new - 1))
-    cached = out.completions[0].token_ids
     return {"prompt": prompt, "prompt_tokens": len(ids), "new_tokens": new, "total_tokens": len(ids) + new,
             "tokens_read_uncached": read_uncached, "tokens_read_cached": out.timings.prompt_tokens + new - 1,
             "formula_uncached": probes.tokens_processed(len(ids), new, cached=False),
-            "formula_cached": probes.tokens_processed(len(ids), new, cached=True), "same_tokens": uncached == cached}
+            "formula_cached": probes.tokens_processed(len(ids), new, cached=True),
+            "same_tokens": uncached == out.completions[0].token_ids}
 
 
 def _time(m, prompt: str, new: int, chunk: int) -> dict:
     """Cumulative wall time to each token, uncached vs cached, after a warm-up of both."""
     ids = m.tokenizer.encode(prompt)
-    kw = dict(max_new_tokens=new, stop_at_eos=False, chunk_size=chunk)
+    kw = {"max_new_tokens": new, "stop_at_eos": False, "chunk_size": chunk}
     for b in sorted({bucket(n) for n in range(len(ids), len(ids) + new)}):  # compile each bucket
         jaxinfer.logits(m, (ids * b)[:b]).block_until_ready()
     jaxinfer.generate(m, [ids], **kw)
@@ -241,10 +233,9 @@ def _memory(m) -> dict:
         rows.append({"model": cfg.name, "dtype": dt, "L": cfg.n_layers, "K": cfg.n_kv_heads, "H": cfg.head_dim,
                      "bytes_per_token": bpt, "bytes_at_8192": bpt * 8192})
     ids = m.tokenizer.encode(DEFAULT_TEXT["sampling"])
-    cache = jaxinfer.init_cache(m.config, 1, 256)
     fwd = jax.jit(mdl.forward, static_argnames=("cfg",))
-    _, cache = fwd(m.params, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None], cache,
-                   cfg=m.config)
+    _, cache = fwd(m.params, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None],
+                   jaxinfer.init_cache(m.config, 1, 256), cfg=m.config)
     measured = int(cache.k.nbytes) + int(cache.v.nbytes)
     _, n_pages, page = cache.k.shape[:3]  # 256 positions in pages, plus page 0 (the trash page)
     formula = jaxinfer.bytes_per_token(m.config, cache.k.dtype) * n_pages * page
@@ -258,9 +249,9 @@ def kv_cache(m, args):
     print(f"counting: {count['tokens_read_cached']} tokens read with the cache, {count['tokens_read_uncached']} "
           f"without (formula {count['formula_cached']} / {count['formula_uncached']}); same: {count['same_tokens']}")
     timing = _time(m, DEFAULT_TEXT["sampling"], args.max_new_tokens, args.chunk)
-    q = timing["points"][-1]
-    print(f"timing {args.max_new_tokens} tokens: uncached {q['uncached_s']:.2f} s, cached {q['cached_s']:.2f} s "
-          f"({q['ratio']:.1f}x); same tokens: {timing['same_tokens']}")
+    pts = timing["points"]
+    print(f"timing {args.max_new_tokens} tokens: uncached {pts[-1]['uncached_s']:.2f} s, cached "
+          f"{pts[-1]['cached_s']:.2f} s ({pts[-1]['ratio']:.1f}x); same tokens: {timing['same_tokens']}")
     mem = _memory(m)
     for r in mem["rows"]:
         print(f"  {r['model']:16s} {r['dtype']:8s} {r['bytes_per_token']:10,d} bytes/token, "
@@ -268,9 +259,9 @@ def kv_cache(m, args):
     print(f"  our prefill's cache: measured {mem['our_cache']['measured_nbytes']:,} bytes = formula: "
           f"{mem['our_cache']['equal']}")
     fig, (a0, a1, a2) = plt().subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1.2, 1.1]})
-    n, P, pts = np.arange(1, args.max_new_tokens + 1), timing["prompt_tokens"], timing["points"]
-    a0.plot(n, [P * k + k * (k - 1) // 2 for k in n], label="without cache")
-    a0.plot(n, [P + k - 1 for k in n], label="with cache")
+    n = np.arange(1, args.max_new_tokens + 1)
+    for cached, name in ((False, "without cache"), (True, "with cache")):
+        a0.plot(n, [probes.tokens_processed(timing["prompt_tokens"], int(k), cached=cached) for k in n], label=name)
     a0.set_title(f"tokens read, formula (counted in the run for 4 new: {count['tokens_read_uncached']} vs "
                  f"{count['tokens_read_cached']})", fontsize=9)
     a0.set(xlabel="new tokens", ylabel="tokens read by the model")
@@ -289,8 +280,7 @@ def kv_cache(m, args):
     a2.barh(range(len(rows)), gib, color="#72b7b2")
     a2.set_yticks(range(len(rows)), [f"{x['model']}\n{x['dtype']}" for x in rows], fontsize=8)
     for i, x in enumerate(rows):
-        a2.text(gib[i], i, f" {x['bytes_at_8192'] / 2**30:,.2f} GiB ({x['bytes_per_token'] / 1024:,.1f} KiB/token)",
-                va="center", fontsize=8)
+        a2.text(gib[i], i, f" {gib[i]:,.2f} GiB ({x['bytes_per_token'] / 1024:,.1f} KiB/token)", va="center", fontsize=8)
     a2.set_xlim(0, max(gib) * 1.9)
     a2.set(xlabel="KV cache at 8,192 tokens, GiB", title="memory: 2 x L x K x H x bytes per token")
     fig.tight_layout()
@@ -304,16 +294,13 @@ def roofline(m, args):
     bw = _measure.bandwidth(args.copy_mib * 2 ** 20, repeats=max(3, args.repeats))
     flops = _measure.matmul_peak(256 if args.smoke else 2048, repeats=max(3, args.repeats))
     here = bw["roofline_Bps"]
-    big = config.llama3_8b()
-    big_bytes = rl.weight_bytes(big, "float16")
-    ceilings = [{"where": k, "bandwidth_Bps": v, "source": "vendor spec", "weight_bytes": big_bytes,
-                 "tokens_per_s": rl.decode_ceiling(v, big_bytes)} for k, v in VENDOR_BANDWIDTH.items()]
-    ceilings.append({"where": "this machine (measured)", "bandwidth_Bps": here, "source": "measured",
-                     "weight_bytes": big_bytes, "tokens_per_s": rl.decode_ceiling(here, big_bytes)})
+    big_bytes = rl.weight_bytes(config.llama3_8b(), "float16")
+    ceilings = [{"where": k, "bandwidth_Bps": v, "source": "vendor spec" if k in VENDOR_BANDWIDTH else "measured",
+                 "weight_bytes": big_bytes, "tokens_per_s": rl.decode_ceiling(v, big_bytes)}
+                for k, v in {**VENDOR_BANDWIDTH, "this machine (measured)": here}.items()]
     cfg, wb = m.config, prm.nbytes(m.params)
     prompt = 8
-    filled = prompt + args.new_tokens / 2  # mean context while decoding
-    bpt = jaxinfer.bytes_per_token(cfg)
+    kv_row = jaxinfer.bytes_per_token(cfg) * (prompt + args.new_tokens / 2)  # at the mean context while decoding
     comp = rl.compute_ceiling(flops, cfg.n_params)
     print(f"this machine: {here / 1e9:.1f} GB/s (read {bw['read_Bps'] / 1e9:.1f}, copy {bw['copy_Bps'] / 1e9:.1f}), "
           f"matmul {flops / 1e9:.0f} GFLOP/s; Llama 3 8B fp16 at batch 1: "
@@ -326,14 +313,16 @@ def roofline(m, args):
         r["percent_of_roofline"] = 100 * r["tok_s"] / r["roofline"]
         points.append(r)
         print(f"  batch {b:3d}: {r['tok_s']:8.1f} tokens/s, roofline {r['roofline']:8.1f} ({r['percent_of_roofline']:.0f}%)")
-    quant = {name: rl.decode_ceiling(here, cfg.n_params * bits / 8, cache_bytes_per_row=bpt * filled)
-             for name, bits in [("bf16", 16), ("int8", 8), ("int4", 4)]}
-    own = rl.decode_ceiling(here, wb, cache_bytes_per_row=bpt * filled)
-    result = {"bandwidth": bw, "matmul_flops_per_s": flops, "ceilings_llama3_8b_fp16": ceilings,
+
+    def ceiling(weight_bytes, batch=1) -> float:
+        return min(rl.decode_ceiling(here, weight_bytes, batch=batch, cache_bytes_per_row=kv_row), comp)
+
+    own = rl.decode_ceiling(here, wb, cache_bytes_per_row=kv_row)
+    result = {"bandwidth": bw, "matmul_flops_per_s": flops, "ceilings_llama3_8b_fp16": ceilings, "measured": points,
               "model": {"name": cfg.name, "dtype": cfg.dtype, "n_params": cfg.n_params, "weight_nbytes": wb,
-                        "weight_bytes_formula": rl.weight_bytes(cfg), "kv_bytes_per_token": bpt, "mean_context": filled,
-                        "batch1_memory_ceiling": own, "compute_ceiling": comp},
-              "measured": points, "quantized_batch1_ceilings": quant}
+                        "weight_bytes_formula": rl.weight_bytes(cfg), "kv_bytes_per_token": jaxinfer.bytes_per_token(cfg),
+                        "mean_context": prompt + args.new_tokens / 2, "batch1_memory_ceiling": own,
+                        "compute_ceiling": comp}}
     fig, (a0, a1) = plt().subplots(1, 2, figsize=(12, 4.4))
     labels = [c["where"].replace(" (", "\n(") for c in ceilings] + [f"this machine\n{cfg.name} {cfg.dtype}"]
     vals = [c["tokens_per_s"] for c in ceilings] + [own]
@@ -347,14 +336,9 @@ def roofline(m, args):
     a0.set_title("bandwidth / weight bytes (first three: Llama 3 8B fp16)", fontsize=9)
     a0.legend(fontsize=8)
     bs = np.unique(np.geomspace(1, max(64, batches[-1] * 4), 60).round().astype(int))
-
-    def line(wbytes):
-        return np.minimum([rl.decode_ceiling(here, wbytes, batch=int(b), cache_bytes_per_row=bpt * filled) for b in bs],
-                          comp)
-
-    a1.plot(bs, line(wb), color="#4c78a8", lw=2, label=f"roofline {cfg.dtype} (measured bandwidth, FLOP/s)")
-    for (name, bits), ls in zip([("int8", 8), ("int4", 4)], ["--", ":"]):
-        a1.plot(bs, line(cfg.n_params * bits / 8), color="#4c78a8", ls=ls, lw=1, label=f"{name} weights (formula)")
+    for wbytes, ls, name in ((wb, "-", f"roofline {cfg.dtype} (measured bandwidth, FLOP/s)"),
+                             (cfg.n_params, "--", "int8 weights (formula)"), (cfg.n_params / 2, ":", "int4 weights (formula)")):
+        a1.plot(bs, [ceiling(wbytes, int(b)) for b in bs], color="#4c78a8", ls=ls, lw=2 if ls == "-" else 1, label=name)
     a1.scatter([q["batch"] for q in points], [q["tok_s"] for q in points], color="#f58518", zorder=3,
                label="measured jaxinfer decode")
     for q in points:
@@ -389,8 +373,6 @@ def main(argv=None, model=None) -> dict:
     if args.darts < 1 or args.max_new_tokens < 2 or args.chunk < 1 or args.new_tokens < 2 or args.repeats < 1:
         p.error("need --darts >= 1, --max-new-tokens >= 2, --chunk >= 1, --new-tokens >= 2, --repeats >= 1")
     if model is None and args.step == "tokens":  # the tokenizer alone: no weights to load
-        import types
-
         model = types.SimpleNamespace(config=types.SimpleNamespace(name=args.model),
                                       tokenizer=jaxinfer.load_tokenizer(args.model))
     m = _common.load_model(args, model, layout="stacked")

@@ -3,13 +3,13 @@
     python -m experiments.weights [--gb 2.2] [--shard-mb 500]    # a synthetic sharded Llama folder
     python -m experiments.weights --convert [--models gemma3-270m smollm2-135m]
 
-load (default): a random bf16 Llama folder of about --gb GB laid out as `save_pretrained` does
-(shards and their index) in a temporary folder, loaded by `jaxinfer.load` in a fresh process:
-seconds, GB/s (page cache warm), peak extra RSS / folder size and the loader's transient overhead
-(peak RSS - RSS before - the loaded params) / folder size (goal < 25%); values checked against the
-file. --convert: per model and dtype `checkpoint.convert`, its size, `jaxinfer.load` from the
-checkpoint against from the source (medians of --repeats) and the max |logit difference| (0 in
-float32). Writes weights.json (weights_convert.json).
+load (default): a random bf16 Llama folder of about --gb GB in `save_pretrained`'s layout (shards
+and their index), loaded by `jaxinfer.load` in a fresh process: seconds, GB/s (page cache warm),
+peak extra RSS and the loader's transient overhead (peak RSS - RSS before - the loaded params),
+each over the folder size (goal < 25%); values checked against the file. --convert: per model and
+dtype `checkpoint.convert`, its size, `jaxinfer.load` from the checkpoint against from the source
+(medians of --repeats) and the max |logit difference| (0 in float32). Writes weights.json
+(weights_convert.json).
 """
 
 from __future__ import annotations
