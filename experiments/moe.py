@@ -63,19 +63,6 @@ def _gather_experts(x, routing, w_gate_up, w_down):
     return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights)
 
 
-def _experts_fixed_block(x, routing, w_gu, w_d, block):
-    """`moe.experts` with the blocks kernel at a fixed block size."""
-    N, k = routing.ids.shape
-    flat = routing.ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w_gu.shape[0])
-    h = moe.grouped_matmul(x[order // k], w_gu, sizes, "blocks", block)
-    g, u = jnp.split(h, 2, axis=-1)
-    y = moe.grouped_matmul(jax.nn.silu(g) * u, w_d, sizes, "blocks", block)
-    y = jnp.zeros_like(y).at[order].set(y)
-    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
-
-
 def kernels(cfg, bw: float, args) -> list[dict]:
     """One layer's experts through each kernel at several token counts: ms per call, GB/s of the
     distinct chosen experts' bytes, and the largest difference from the first kernel's output."""
@@ -96,7 +83,7 @@ def kernels(cfg, bw: float, args) -> list[dict]:
         arms = {f"blocks (rule: {rule} rows)": lambda x, r, wg, wd: moe.experts(x, r, wg, wd, "blocks")}
         for b in (1, 4, 16, 32, 64):  # other block sizes, up to 1024 blocks a call
             if b != rule and n * k <= 1024 * b:
-                arms[f"blocks {b} rows"] = lambda x, r, wg, wd, b=b: _experts_fixed_block(x, r, wg, wd, b)
+                arms[f"blocks {b} rows"] = lambda x, r, wg, wd, b=b: moe.experts(x, r, wg, wd, "blocks", block=b)
         if n * k <= 64:  # the gathered weights are a copy: 64 slots of Qwen3-30B-A3B are 1.2 GB
             arms["gather + batched matmul"] = _gather_experts
         if n == 1:  # dense over all experts: 128 x the work

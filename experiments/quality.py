@@ -328,12 +328,9 @@ def evaluation(args) -> dict:
 
     for kind in backends:
         if kind == "local-completions":
-            port = _serve.free_port()
-            server = _serve.Server("jaxinfer serve", [sys.executable, "-m", "jaxinfer", "serve", "--model", folder,
-                                                      "--served-name", EVAL["served_name"], "--host", "127.0.0.1",
-                                                      "--port", str(port), "--max-slots", str(EVAL["slots"]),
-                                                      "--max-len", str(EVAL["max_length"] + 2), "--max-waiting", "4096"],
-                                   port, os.path.join(tmp, "serve.log"), env)
+            server = _serve.jaxinfer_server(folder, ["--served-name", EVAL["served_name"], "--max-slots",
+                                                     str(EVAL["slots"]), "--max-len", str(EVAL["max_length"] + 2),
+                                                     "--max-waiting", "4096"], os.path.join(tmp, "serve.log"), env)
             try:
                 server.start(600)
                 results[kind] = run(kind, server.url)

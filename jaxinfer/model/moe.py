@@ -238,7 +238,8 @@ def expert_activation(h: jax.Array, m: MoEConfig) -> jax.Array:
 
 def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
             layer: Optional[jax.Array] = None, m: Optional[MoEConfig] = None,
-            b_gate_up: Optional[jax.Array] = None, b_down: Optional[jax.Array] = None) -> jax.Array:
+            b_gate_up: Optional[jax.Array] = None, b_down: Optional[jax.Array] = None,
+            block: Optional[int] = None) -> jax.Array:
     """The routed experts' weighted sum: x [N, D] -> [N, D].
 
     Each token's k slots are sorted by expert, run through their expert's SwiGLU (gate and up
@@ -246,13 +247,14 @@ def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
     w_gate_up [X, 2Fe, D] (gate rows first), w_down [X, D, Fe]; with `layer`, [L, X, ...] of
     every layer (`grouped_matmul`). m: the config whose activation to use (`expert_activation`;
     None = SwiGLU); b_gate_up [X, 2Fe] and b_down [X, D]: the experts' biases (gpt-oss), or None.
+    block: rows per block of the "blocks" kernel (None: `block_rows`' rule for N x k slots).
     """
     N, k = routing.ids.shape
     X = w_gate_up.shape[-3]
     flat = routing.ids.reshape(-1)  # [Q] slot s = token s // k's (s % k)-th choice
     order = jnp.argsort(flat, stable=True)  # slots sorted by expert
     sizes = jnp.bincount(flat, length=X)  # [X]
-    block = block_rows(N * k, X)
+    block = block_rows(N * k, X) if block is None else block
     h = grouped_matmul(x[order // k], w_gate_up, sizes, kernel, block, layer)  # [Q, 2Fe]
     expert_of = flat[order]  # [Q] each sorted slot's expert
     if b_gate_up is not None:
