@@ -387,6 +387,43 @@ def test_cancel_warmup_leaves_no_build_behind(model):
     assert len(out.token_ids) == 2
 
 
+_EXIT = """
+import json, threading, jax
+from jaxinfer.model import config
+from jaxinfer.model.model import Model
+from jaxinfer.model.params import init_params
+from jaxinfer.serve import Engine
+seen = {{}}
+def observe():  # registered first, so it runs after every hook registered later (the engine's)
+    live = sorted(t.name for t in threading.enumerate() if t.name in ("jaxinfer-engine", "jaxinfer-warmup",
+                                                                       "jaxinfer-warmup-done"))
+    seen.update(running=engine.running, warming=engine.warming, live=live)
+    print(json.dumps(seen), flush=True)
+threading._register_atexit(observe)
+cfg = config.tiny(name="tiny-exit")
+engine = Engine(Model(config=cfg, params=init_params(cfg, jax.random.key(0))), **json.loads({small!r}))
+engine.warmup(wait=False, workers=1)
+engine.start()
+engine.submit([5, 6, 7], max_new_tokens=4)
+print("leaving", engine.warming, flush=True)
+"""
+
+
+def test_the_interpreter_exit_ends_the_background_threads_first(tmp_path):
+    """A script that returns while a background warmup and the engine's loop still run: its
+    exit stops both (cancelling the builds not started) before the interpreter joins its threads
+    and finalizes, and the process exits 0. The threads are daemons inside XLA calls; one that
+    came back from a call during finalization aborted the process (status 134) about one exit in
+    two with SmolLM2."""
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", _EXIT.format(small=json.dumps(SMALL))], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "leaving True", lines  # the script left while the warmup ran
+    assert json.loads(lines[-1]) == dict(running=False, warming=False, live=[]), lines
+
+
 def test_startup_benchmark_smoke(tmp_path):
     """experiments.startup --smoke: two Engines in this process (the second compiles nothing) and
     the host loop's timing in a fresh process; the JSON holds both."""

@@ -52,6 +52,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from typing import Optional, Sequence, Union
 
 import jax
@@ -241,6 +242,8 @@ class Engine:
         self._step_lock = threading.RLock()
         self._wake = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._warm_thread: Optional[threading.Thread] = None  # `warmup(wait=False)`'s last step
+        self._exit_hook = False  # `_end_at_exit` registered
         self._stopping = False
         self.dead: Optional[str] = None  # why the engine stopped working, once it has
         self._compiler = None  # constraints.Compiler, built when the first constrained request comes
@@ -567,6 +570,7 @@ class Engine:
             return
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
+        self._end_at_exit()
         self._thread.start()
 
     def stop(self) -> None:
@@ -619,7 +623,9 @@ class Engine:
                 self.warmup_seconds = time.perf_counter() - t0
                 memory.release()  # what the compiles freed
 
-            threading.Thread(target=done, name="jaxinfer-warmup-done", daemon=True).start()
+            self._warm_thread = threading.Thread(target=done, name="jaxinfer-warmup-done", daemon=True)
+            self._end_at_exit()
+            self._warm_thread.start()
             return n
         n = self.runner.warmup(scoring=scoring, workers=workers, lock=self._step_lock)
         self.warmup_seconds = time.perf_counter() - t0
@@ -630,6 +636,28 @@ class Engine:
         """End a background warmup: programs not yet being built are built on first use
         instead (and counted in compiles_while_serving); returns once its builds have stopped."""
         self.runner.cancel_warmup()
+        if self._warm_thread is not None and self._warm_thread is not threading.current_thread():
+            self._warm_thread.join()
+
+    def _end_at_exit(self) -> None:
+        """Have the interpreter's exit stop this engine's background threads (`stop`,
+        `cancel_warmup`) before it joins its threads, once per engine.
+
+        Those threads are daemons and spend their time inside XLA calls. A daemon thread that
+        comes back from one while Python finalizes is ended inside C++ code, which aborts the
+        process ("FATAL: exception not rethrown", exit status 134): a script that returned
+        while a background warmup still ran did so about one time in two. The hook runs where
+        `concurrent.futures` runs its own (`threading._register_atexit`, before the interpreter
+        joins its threads and so before the compile workers drain their queue); it holds the
+        engine weakly, so a dropped engine is still freed."""
+        if self._exit_hook:
+            return
+        ref = weakref.ref(self)
+        try:
+            threading._register_atexit(lambda: _end_engine(ref))
+        except RuntimeError:  # the interpreter is already shutting down
+            return
+        self._exit_hook = True
 
     @property
     def warming(self) -> bool:
@@ -905,6 +933,14 @@ class StartupReport:
                 f"{self.pool_tokens:,} tokens ({self.pool_tokens // self.page_size:,} pages x {self.page_size}, "
                 f"{self.bytes_per_token:,} bytes/token; at once: {fits} tokens), {programs}; compile cache "
                 f"{self.compile_cache or 'off'}")
+
+
+def _end_engine(ref: "weakref.ref[Engine]") -> None:
+    """The interpreter exit's end of an engine's background threads (`Engine._end_at_exit`)."""
+    engine = ref()
+    if engine is not None:
+        engine.stop()
+        engine.cancel_warmup()
 
 
 def _key_data(key, seed, sampling: SamplingParams) -> np.ndarray:
