@@ -97,7 +97,7 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda event, secs, fun_name=None, **k: event == TRACE_EVENT and traced.append(fun_name))
 cfg = config.tiny(name="tiny-startup-cache")
 engine = Engine(Model(config=cfg, params=init_params(cfg, jax.random.key(0))), **json.loads({small!r}))
-engine.warmup()
+engine.warmup(scoring=engine.hidden_sites != ())
 r = engine.startup_report()
 out = engine.submit([5, 6, 7, 8], max_new_tokens=6, sampling=SamplingParams(temperature=0.8), seed=3).result(300)
 print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded, cache=r.compile_cache,
@@ -124,6 +124,26 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     assert {n for n in first["traced"] if n in PROGRAM_NAMES} == {"mixed_program", "decode_program"}, first["traced"]
     stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
     assert len(stored) == first["programs"] and set(stored) == {"mixed_program", "decode_program"}, stored
+    assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
+    assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
+
+
+def test_an_engine_with_steering_slots_and_hidden_states_stores_its_programs(tmp_path):
+    """The steering slots' hook function (a static part of the programs' arguments) is named by
+    its module, not its address: an Engine with steering slots and hidden states stores every
+    program, and a second process loads them all (none compiled, none traced)."""
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    options = dict(SMALL, steering_slots=2, hidden_sites=["resid_post"])
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _PROCESS.format(small=json.dumps(options))], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
+    assert len(stored) == first["programs"] > 0 and "scoring_program" in stored, stored
     assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
     assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
