@@ -304,8 +304,6 @@ def _check_serve_flags(args):
     check_int("--max-body-bytes", args.max_body_bytes, 1)
     if args.steering_slots is not None:
         check_int("--steering-slots", args.steering_slots, 0)
-    if args.steering_vectors is not None and not os.path.isfile(args.steering_vectors):
-        raise ValueError(f"--steering-vectors {args.steering_vectors!r}: no such file")
     from jaxinfer.model.sites import SITES
 
     for flag, value in (("--steering-sites", args.steering_sites), ("--hidden-states", args.hidden_states)):
@@ -340,6 +338,13 @@ def _serve(args) -> int:
     import jaxinfer
 
     kv_memory, mesh = _check_serve_flags(args)
+    vectors = None
+    if args.steering_vectors is not None:  # the file checked before the model loads; its widths after
+        from jaxinfer.serve import steering
+
+        if not os.path.isfile(args.steering_vectors):
+            raise ValueError(f"--steering-vectors {args.steering_vectors!r}: no such file")
+        vectors = steering.read_vectors(args.steering_vectors)
     sock = server.bind_socket(args.host, args.port)  # a busy port or a foreign address fails here
     handler = logging.StreamHandler(sys.stderr)  # refused requests, one line each
     handler.setFormatter(logging.Formatter("jaxinfer serve: %(message)s"))
@@ -357,11 +362,8 @@ def _serve(args) -> int:
         model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=args.layout)
         memory.release()  # what the load freed (a layout conversion's first copy of the weights)
         print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
-        vectors = None
-        if args.steering_vectors is not None:
-            from jaxinfer.serve.steering import load_vectors
-
-            vectors = load_vectors(args.steering_vectors, model.config.d_model)
+        if vectors is not None:
+            steering.check_widths(vectors, model.config.d_model, args.steering_vectors)
         slots = args.steering_slots if args.steering_slots is not None else (4 if vectors else 0)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len,
                                     steering_slots=slots,

@@ -173,6 +173,33 @@ def test_steering_vectors_files(tmp_path):
         steering.load_vectors(str(tmp_path / "v.txt"), 8)
 
 
+def test_serve_checks_the_steering_vectors_file_before_loading_the_model(tmp_path, monkeypatch, capsys, model):
+    """`jaxinfer serve --steering-vectors`: a file that cannot serve (an object array, a wrong
+    extension, a matrix, not an archive) is refused before the model loads, naming the file's
+    entry; the vectors' width is checked against the model once it is loaded."""
+    from jaxinfer import cli
+
+    loads = []
+    monkeypatch.setattr(jaxinfer, "load", lambda *a, **k: loads.append(a) or model)
+    np.savez(tmp_path / "objects.npz", good=_vec(8, 0), odd=np.array([{"a": 1}], dtype=object))
+    np.savez(tmp_path / "matrix.npz", grid=np.zeros((2, 8), np.float32))
+    np.savez(tmp_path / "vectors.txt", happy=_vec(8, 0))  # numpy adds .npz: rename it below
+    (tmp_path / "vectors.txt.npz").rename(tmp_path / "vectors.txt")
+    (tmp_path / "text.npz").write_text("happy 1 2 3")
+    for name, words in [("objects.npz", "entry 'odd'"), ("vectors.txt", ".npz or .safetensors"),
+                        ("matrix.npz", "entry 'grid' has shape (2, 8)"), ("text.npz", "text.npz")]:
+        assert cli.main(["serve", "--port", "0", "--steering-vectors", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert words in err and str(tmp_path / name) in err, err
+    assert loads == []
+    D = model.config.d_model
+    np.savez(tmp_path / "wide.npz", fine=_vec(D, 0), wide=_vec(D + 1, 1))
+    assert cli.main(["serve", "--port", "0", "--steering-vectors", str(tmp_path / "wide.npz")]) == 2
+    err = capsys.readouterr().err
+    assert f"entry 'wide' has shape ({D + 1},)" in err and f"[{D}]" in err, err
+    assert len(loads) == 1
+
+
 # ---- the server ----------------------------------------------------------------------------------
 
 def _ext(engine, vectors=None):
