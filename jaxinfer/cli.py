@@ -270,13 +270,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--hidden-states", default=None, metavar="SITES",
                    help="comma-separated sites the scoring call may return at chosen layers (the 'hidden_states' "
                         "extension field, e.g. resid_post; default off)")
+    p.add_argument("--max-hidden-states-bytes", default="64MiB", metavar="SIZE",
+                   help="the most bytes one response's hidden states may take, encoded (e.g. 256MiB; default "
+                        "64MiB); a scoring call asking for more is refused with a 400 before it runs")
 
 
 MAX_KV_MEMORY = 1 << 50  # 1 PiB: more than any device holds; a larger --kv-memory is a typo
 
 
-def _parse_bytes(text: str) -> int:
-    """--kv-memory: '2GiB', '512MiB', '1.5GB', '1000000' -> bytes (finite, >= 1 byte, <= 1 PiB)."""
+def _parse_bytes(text: str, flag: str = "--kv-memory") -> int:
+    """A size flag (--kv-memory): '2GiB', '512MiB', '1.5GB', '1000000' -> bytes (finite, >= 1 byte, <= 1 PiB)."""
     import math
 
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -288,7 +291,7 @@ def _parse_bytes(text: str) -> int:
     except (ValueError, KeyError):
         value = math.nan
     if not 1 <= value <= MAX_KV_MEMORY:  # also refuses nan and inf ("1e400")
-        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or a byte count, at least 1 byte and at "
+        raise ValueError(f"{flag} must be a size like 2GiB, 512MiB or a byte count, at least 1 byte and at "
                          f"most 1PiB, got {text!r}")
     return int(value)
 
@@ -338,6 +341,7 @@ def _serve(args) -> int:
     import jaxinfer
 
     kv_memory, mesh = _check_serve_flags(args)
+    hidden_bytes = _parse_bytes(args.max_hidden_states_bytes, "--max-hidden-states-bytes")
     vectors = None
     if args.steering_vectors is not None:  # the file checked before the model loads; its widths after
         from jaxinfer.serve import steering
@@ -389,7 +393,8 @@ def _serve(args) -> int:
 
         threading.Thread(target=announce, name="jaxinfer-announce", daemon=True).start()
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
-                               max_body_bytes=args.max_body_bytes)
+                               max_body_bytes=args.max_body_bytes,
+                               max_hidden_states_bytes=hidden_bytes)
         name = args.served_name or args.model
         app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits,
                                 steering_vectors=vectors)

@@ -60,6 +60,7 @@ class Limits:
     max_slots: int = 8  # requests the engine runs at once
     max_waiting: int = 64  # requests admitted beyond max_slots before a 429
     max_body_bytes: int = 1 << 20
+    max_hidden_states_bytes: int = proto.MAX_HIDDEN_STATES_BYTES  # one response's hidden states, encoded
 
 
 class ServerState:
@@ -70,7 +71,8 @@ class ServerState:
         self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
         # the `steering` and `hidden_states` extensions, as far as the engine was built for them
         self.extensions = proto.Extensions(steering=getattr(engine, "steering", None), vectors=steering_vectors or {},
-                                           hidden_sites=tuple(getattr(engine, "hidden_sites", ())))
+                                           hidden_sites=tuple(getattr(engine, "hidden_sites", ())),
+                                           max_hidden_states_bytes=limits.max_hidden_states_bytes)
         self.in_flight = 0  # engine requests submitted and not finished
         self.ttft, self.tpot = mx.Histogram(mx.TTFT_BUCKETS), mx.Histogram(mx.TPOT_BUCKETS)
         self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
@@ -178,7 +180,7 @@ def _extensions(job: proto.Job) -> dict:
     if job.interventions:
         out["interventions"] = list(job.interventions)
     if job.hidden_states is not None:
-        out["hidden_states"] = job.hidden_states
+        out["hidden_states"] = (job.hidden_states.site, job.hidden_states.layers)
     return out
 
 
@@ -259,8 +261,16 @@ async def _generate(http: HttpRequest, chat: bool):
         watcher.cancel()
     if any(c.finish_reason == "cancelled" for c in comps):
         st.counts["requests_cancelled_total"] += 1
-    body = await asyncio.to_thread(rsp.full_response, st.model, st.model_name, job, comps)
-    return JSONResponse(body)
+    # Built and encoded on a worker thread: a large body (hidden states) never holds up /health
+    # or the other requests' streams.
+    body = await asyncio.to_thread(_encoded_response, st, job, comps)
+    return Response(body, media_type="application/json")
+
+
+def _encoded_response(st: ServerState, job: proto.Job, comps) -> bytes:
+    """The non-streamed body as JSONResponse writes it (UTF-8, compact, no NaN)."""
+    body = rsp.full_response(st.model, st.model_name, job, comps)
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 async def _stream(st: ServerState, job: proto.Job, reqs, trackers):
