@@ -329,7 +329,9 @@ def _check_serve_flags(args):
 
 def _serve(args) -> int:
     """`jaxinfer serve`: check the flags and bind the port, then load, warm up and serve until SIGTERM /
-    Ctrl-C. Everything that can be refused without the model is refused before the (slow) load."""
+    Ctrl-C. Everything that can be refused without the model is refused before the (slow) load.
+    SIGTERM or SIGINT at any point after the flags are checked (the load, the warm-up, serving)
+    stops it with exit status 0 and a line saying so (`_StopSignals`)."""
     try:
         import uvicorn
 
@@ -353,7 +355,9 @@ def _serve(args) -> int:
     handler = logging.StreamHandler(sys.stderr)  # refused requests, one line each
     handler.setFormatter(logging.Formatter("jaxinfer serve: %(message)s"))
     engine = None
+    signals = _StopSignals()
     try:
+        signals.install()
         import threading
         import time
 
@@ -388,8 +392,9 @@ def _serve(args) -> int:
                 engine.wait_warm()
             except Exception as e:  # noqa: BLE001 - the engine goes on with the programs it has
                 print(f"jaxinfer serve: warning: warmup failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            print(f"jaxinfer serve: {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
-                  file=sys.stderr, flush=True)
+            if not signals.received:
+                print(f"jaxinfer serve: {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
+                      file=sys.stderr, flush=True)
 
         threading.Thread(target=announce, name="jaxinfer-announce", daemon=True).start()
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
@@ -404,14 +409,88 @@ def _serve(args) -> int:
         server.log.propagate = False  # the handler above prints them; not twice through the root logger
         print(f"jaxinfer serve: {server.url_of(sock)}/v1 (model '{name}', at most {server.context_limit(engine)} "
               "tokens per request)", file=sys.stderr)
+        # uvicorn handles SIGTERM and SIGINT while it serves (it finishes the running requests),
+        # then raises the signal again with our handlers back in place: `_Stopped` below.
         uvicorn.Server(config).run(sockets=[sock])
+    except _Stopped:
+        pass
     finally:
         server.log.removeHandler(handler)
         server.log.propagate = True
         sock.close()
-        if engine is not None:
-            engine.cancel_warmup()  # no compile outlives the server
+        try:
+            if engine is not None:
+                _end_warmup(engine, signals)  # no compile outlives the server
+            elif signals.received is not None:
+                print(f"jaxinfer serve: stopped by {signals.received} before serving", file=sys.stderr, flush=True)
+        finally:
+            signals.restore()
     return 0
+
+
+# A stopping server waits this long for the compiles under way to finish (and be stored) before it
+# leaves them: one can take tens of seconds on a real model, and XLA cannot interrupt one.
+STOP_WAIT_SECONDS = 2.0
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached `jaxinfer serve` (raised in the main thread by `_StopSignals`)."""
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT handlers for `jaxinfer serve`: the first one raises `_Stopped` in the main
+    thread (while uvicorn serves, its own handlers hold them and raise them again once it has
+    shut down); later ones are ignored while the server stops. Without them SIGTERM killed the
+    process by the signal (uvicorn raises it again under the default handler) and SIGINT left a
+    KeyboardInterrupt traceback after waiting for the warm-up's compiles."""
+
+    def __init__(self) -> None:
+        self.received: Optional[str] = None  # the signal's name, once one came
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():  # cli.main on a thread: no handlers
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, sig, frame) -> None:
+        import signal
+
+        if self.received is None:
+            self.received = signal.Signals(sig).name
+            raise _Stopped(self.received)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def _end_warmup(engine, signals: _StopSignals) -> None:
+    """Cancel the engine's background warm-up. Stopped by a signal: say so, and where compiles
+    are still under way after STOP_WAIT_SECONDS, leave them (exit status 0 at once) rather than
+    wait for them."""
+    import threading
+
+    if signals.received is None:
+        engine.cancel_warmup()
+        return
+    warming, report = engine.warming, engine.startup_report()
+    waiter = threading.Thread(target=engine.cancel_warmup, name="jaxinfer-cancel-warmup", daemon=True)
+    waiter.start()
+    waiter.join(STOP_WAIT_SECONDS)
+    stage = (f" during warm-up ({report.programs} of {report.programs + report.pending} programs built, the rest "
+             "cancelled)" if warming else "")
+    print(f"jaxinfer serve: stopped by {signals.received}{stage}", file=sys.stderr, flush=True)
+    if waiter.is_alive():  # a compile XLA cannot interrupt: the interpreter's exit would wait for it
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _add_convert(sub) -> None:

@@ -6,9 +6,11 @@ import functools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -479,3 +481,44 @@ def test_a_call_waiting_on_a_cancelled_build_builds_the_program_itself():
         waiter.join(30)
         gate.set()
     assert got == ["built here"] and programs.get("k") == "built here"
+
+
+TINY_HF = os.path.join(ROOT, "tests", "golden", "tiny_hf", "llama")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_warm_up_stops_the_server_with_exit_status_0(tmp_path, sig):
+    """`jaxinfer serve` with an empty compile cache, signalled while /health says it is warming
+    up: it stops the warm-up, says so, and exits with status 0 within a bound (it neither dies by
+    the signal nor waits for every compile under way)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", TINY_HF, "--host", "127.0.0.1", "--port", "0",
+           "--max-len", "256", "--max-slots", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        url, health, t_end = None, None, time.monotonic() + 300
+        while time.monotonic() < t_end and proc.poll() is None:
+            url = url or next((ln.split()[2][:-3] for ln in list(lines) if "/v1 (model" in ln), None)
+            if url is not None:
+                try:
+                    health = httpx.get(url + "/health", timeout=5).json()
+                except httpx.HTTPError:
+                    health = None
+                if health and (health["status"] == "warming" or health.get("warming")):
+                    break
+            time.sleep(0.05)
+        assert health and (health["status"] == "warming" or health.get("warming")), (health, lines)
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    reader.join(timeout=10)
+    assert rc == 0, (rc, lines[-5:])
+    assert any(f"stopped by {sig.name} during warm-up" in ln for ln in lines), lines[-5:]
