@@ -294,7 +294,8 @@ def test_hidden_states_beyond_the_size_limit_are_refused_before_admission(model,
         assert (e.value.status, e.value.param, e.value.code) == (400, "hidden_states", "hidden_states_too_large")
         assert f"{limit:,} bytes" in e.value.message and f"{2 * P} prompt tokens x 2 layers x {D}" in e.value.message
     fits = {"layers": [0, 1], "encoding_format": "base64", "dtype": "float32"}
-    assert proto.parse(score | {"hidden_states": fits}, model, chat=False, extensions=ext).hidden_states.layers == (0, 1)
+    job = proto.parse(score | {"hidden_states": fits}, model, chat=False, extensions=ext)
+    assert job.hidden_states.layers == (0, 1)
     assert proto.MAX_HIDDEN_STATES_BYTES == proto.Extensions().max_hidden_states_bytes == 64 << 20
 
 

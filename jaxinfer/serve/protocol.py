@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxinfer.decode import penalties as pen
+from jaxinfer.decode import penalties
 from jaxinfer.decode.inputs import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import MIN_TOKENS_WITH_CONSTRAINT, SamplingParams
 from jaxinfer.serve import structured
@@ -35,7 +35,7 @@ MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
 MAX_N = 16
 CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a tool call's id (and a tool message's tool_call_id)
-MAX_LOGIT_BIAS = pen.MAX_LOGIT_BIAS  # entries: the engine's fixed bias width (no size compiles a program)
+MAX_LOGIT_BIAS = penalties.MAX_LOGIT_BIAS  # entries: the engine's fixed bias width (no size compiles a program)
 # The `hidden_states` of one response, encoded: refused beyond this size (`--max-hidden-states-bytes`).
 MAX_HIDDEN_STATES_BYTES = 64 << 20
 # Bytes one hidden-state value takes in a response, by (encoding_format, dtype): base64 is 4
@@ -196,10 +196,10 @@ def _logit_bias(body: dict, vocab: int) -> tuple:
         if not re.fullmatch(r"[0-9]{1,9}", k) or int(k) >= vocab:
             raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab}) written as strings, "
                       f"got {_show(k)}")
-        if not _is_number(v) or not pen.BIAS_RANGE[0] <= v <= pen.BIAS_RANGE[1]:
+        if not _is_number(v) or not penalties.BIAS_RANGE[0] <= v <= penalties.BIAS_RANGE[1]:
             raise bad("logit_bias", f"logit_bias[{k!r}] must be a number in [-100, 100], got {_show(v)}")
     try:
-        return pen.check_logit_bias({int(k): float(v) for k, v in lb.items()})
+        return penalties.check_logit_bias({int(k): float(v) for k, v in lb.items()})
     except ValueError as e:
         raise bad("logit_bias", str(e)) from None
 
@@ -218,8 +218,8 @@ def _sampling(body: dict, vocab: int, constraint) -> SamplingParams:
                   "unsupported_value")
     return SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
                           top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999),
-                          frequency_penalty=_number(body, "frequency_penalty", 0.0, *pen.PENALTY_RANGE),
-                          presence_penalty=_number(body, "presence_penalty", 0.0, *pen.PENALTY_RANGE),
+                          frequency_penalty=_number(body, "frequency_penalty", 0.0, *penalties.PENALTY_RANGE),
+                          presence_penalty=_number(body, "presence_penalty", 0.0, *penalties.PENALTY_RANGE),
                           repetition_penalty=float(rep), min_tokens=min_tokens,
                           ignore_eos=bool(_get(body, "ignore_eos", (bool,), False, "a boolean")),
                           logit_bias=_logit_bias(body, vocab), constraint=constraint)
@@ -424,8 +424,8 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
     Here only the JSON's shape is checked (objects, known fields, `vector` xor `name`, numbers);
     the values are checked by `interventions.add` and `steering.check`, the engine's own checks.
     Every fault is a 400 naming the entry's field (steering[i].vector, ...), before admission."""
-    from jaxinfer.model import interventions as iv
-    from jaxinfer.serve import steering as steer
+    from jaxinfer.model import interventions
+    from jaxinfer.serve import steering
 
     v = body.get("steering")
     if v is None:
@@ -473,13 +473,13 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
             raise bad(f"{at}.scale", f"{at}.scale must be a finite number, got {_show(scale)}", "invalid_type")
         try:
             with np.errstate(over="ignore"):  # beyond float32: inf, which add refuses by name
-                out.append(iv.add(e.get("site", "resid_post"), sorted(set(flat)), vec, _as_float(scale)))
+                out.append(interventions.add(e.get("site", "resid_post"), sorted(set(flat)), vec, _as_float(scale)))
         except ValueError as err:  # add's own checks: the site, then the vector, then the scale
             field = next((f for f in ("vector", "scale") if str(err).startswith(f"add: {f}")), "site")
             raise bad(f"{at}.{field}", f"{at}.{field}: {err}") from None
     try:
-        steer.check(out, st, cfg, what="steering")
-    except steer.SteeringError as err:
+        steering.check(out, st, cfg, what="steering")
+    except steering.SteeringError as err:
         param = "steering" if err.index is None else f"steering[{err.index}]" + (f".{err.field}" if err.field else "")
         raise bad(param, str(err)) from None
     return tuple(out)
@@ -617,13 +617,13 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None,
         raise bad(constraint_param, f"'{constraint_param}' constrains generated text; the scoring call "
                   "(max_tokens: 0) generates none")
     ext = extensions if extensions is not None else Extensions()
-    interventions = _steering(body, model, ext)
+    steers = _steering(body, model, ext)
     hidden = _hidden_states(body, model, ext, chat, echo, asked, sum(map(len, prompts)) * n)
     return Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling,
                seed=seed if seed is not None else secrets.randbits(31),
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
                include_usage=include_usage, chat=chat, constraint_param=constraint_param,
-               tool_format=tools.reply_format if tools is not None else None, interventions=interventions,
+               tool_format=tools.reply_format if tools is not None else None, interventions=steers,
                hidden_states=hidden)
 
 
