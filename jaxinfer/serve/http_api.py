@@ -9,7 +9,8 @@ the engine and keeps the counters. The `jaxinfer serve` command itself is in jax
 One number bounds a request: `context_limit(engine)`, the most tokens (prompt + max_tokens) it
 may hold; the chat default for max_tokens, validation and /v1/models' max_model_len all use it.
 
-Faults: a bad body is a 400 with OpenAI's error object (one that can never fit, too); a body
+Faults: a bad body is a 400 with OpenAI's error object (one that can never fit, too, and a
+scoring call whose hidden states would take more than `max_hidden_states_bytes`); a body
 over `max_body_bytes` a 413; without the bearer token (when an api key is set) a 401; more
 requests than `max_slots + max_waiting` in flight a 429 with Retry-After; a client that goes
 away mid-request has its engine requests cancelled; a request that fails inside the engine fails
@@ -17,7 +18,8 @@ alone (500 / an error event): code "constraint_failed" naming the parameter when
 engine gave up mid-generation, else "engine_error". A constraint that cannot be served at all is
 a 400 before admission (`_compile_constraint`). Every refusal is logged (one line on the
 `jaxinfer.serve` logger) and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
-finishes the running requests before the engine stops.
+finishes the running requests before the engine stops. A response body is built and encoded on a
+worker thread, never on the event loop.
 """
 
 from __future__ import annotations
