@@ -124,8 +124,11 @@ def context() -> str:
 
 
 def _structure(treedef) -> str:
-    """str(treedef) with each module-level function in its nodes' static data (a hook's `fn`) named
-    by its module and qualified name rather than its address, which differs in every process."""
+    """str(treedef) with each of jaxinfer's module-level functions in its nodes' static data (a
+    steering hook's `fn`) named by its module and qualified name rather than its address, which
+    differs in every process. Only jaxinfer's own: the key's source hash covers their code, not
+    that of another module's function (a script's `__main__.f` may differ from run to run), which
+    keeps its address and with it no key."""
     text = str(treedef)
     todo = [treedef]
     while todo:
@@ -133,7 +136,8 @@ def _structure(treedef) -> str:
         todo += node.children()
         data = node.node_data()
         for value in (data[1] if data is not None and isinstance(data[1], tuple) else ()):
-            if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:  # not a lambda or local
+            if (isinstance(value, types.FunctionType) and value.__module__.startswith("jaxinfer.")
+                    and "<" not in value.__qualname__):  # not a lambda or a local function
                 text = text.replace(repr(value), f"<function {value.__module__}.{value.__qualname__}>")
     return text
 

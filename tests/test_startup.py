@@ -151,6 +151,23 @@ def test_an_engine_with_steering_slots_and_hidden_states_stores_its_programs(tmp
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
 
 
+def test_a_programs_key_names_jaxinfer_s_hook_functions_and_no_other(tmp_path):
+    """A hook function of jaxinfer's (whose code the key's source hash covers) is named in the key
+    by module and name; another module's function (a script's, which may differ from run to run
+    under the same name) leaves the program without a key: never stored, never loaded."""
+    from jaxinfer.model import interventions, sites
+
+    store = program_store.ProgramStore(tmp_path)
+
+    def hooks(fn):
+        slot = sites.Slot(params={"vector": jnp.zeros((2, 4))}, gate=jnp.zeros((2, 3), bool), site="resid_post", fn=fn)
+        return (jax.ShapeDtypeStruct((4,), jnp.float32), sites.Hooks(slots=(slot,)))
+
+    key = store.key(_affine, hooks(interventions.add_vector), dict(scale=2.0))
+    assert key is not None and key == store.key(_affine, hooks(interventions.add_vector), dict(scale=2.0))
+    assert store.key(_affine, hooks(_affine), dict(scale=2.0)) is None
+
+
 _GENERATE = """
 import json, jax
 from jaxinfer import generate
