@@ -49,7 +49,6 @@ from jaxinfer.model import sites
 from jaxinfer.model.model import Model
 from jaxinfer.program_store import ProgramStore
 from jaxinfer.serve import steering as steer
-from jaxinfer.serve import warmup
 from jaxinfer.serve.buckets import CallShapes
 from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, decode_program, mixed_program, scoring_program
 from jaxinfer.serve.live import Live, batch_rows
@@ -57,6 +56,7 @@ from jaxinfer.serve.programs import Programs, abstract, compile_for
 from jaxinfer.serve.scheduler import Chunk, Seq
 from jaxinfer.serve.slot_tables import NO_LIMIT, DeviceSlots, PageTable, SlotMoves, SlotTables
 from jaxinfer.serve.step_results import DecodeOut, PackedEmitted, Pending, PrefillOut, SlotTokens, StepOut
+from jaxinfer.serve.warmup import Warmup, builds
 
 __all__ = ["Runner", "MAX_TOP_LOGPROBS", "PrefillOut", "DecodeOut", "SlotTokens", "Pending", "StepOut"]
 
@@ -83,7 +83,7 @@ class Runner:
         self.store = ProgramStore.default() if self.direct else None
         # Results live in host memory already (a CPU): no early copies to start (`Pending`).
         self.on_host = all(d.platform == "cpu" for d in jax.devices())
-        self.warm = warmup.Warmup(self)
+        self.warm = Warmup(self)
         self.call_shapes = CallShapes(max_slots=max_slots, max_len=max_len, prefill_chunk=prefill_chunk,
                                       width=self.width, call_rows=call_rows, warm=self.warm)
         self.tables = SlotTables(cfg=self.cfg, max_slots=max_slots, width=self.width, eos_ids=eos_ids,
@@ -167,7 +167,7 @@ class Runner:
 
     def _builds(self, shapes: list[tuple[int, int]], scoring: bool, decode: bool) -> list[tuple[tuple, Callable]]:
         """(key, compile function) of the programs for these chunk shapes (`warmup.builds`)."""
-        return warmup.builds(self, shapes, scoring, decode)
+        return builds(self, shapes, scoring, decode)
 
     def _mixed(self, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_rows):
         R, C = chunks.tokens.shape
@@ -310,7 +310,7 @@ class Runner:
         table = self.page_tables.of(slot_pages)
         moves = SlotMoves(tokens=np.array(tokens, np.int32), lengths=np.array(lengths, np.int32),
                           budgets=np.array(budgets, np.int32), steps=np.array(sampled, np.int32))
-        if self._carry is not None and self.tables.steer is None:
+        if self._carry is not None and self.tables.steer_rows is None:
             # The last call left every slot on the device as the host knows it, except the slots
             # of requests that take one now (their chunk rows: the mixed call writes them) and of
             # requests that ended (budget 0): the calls go on from there.

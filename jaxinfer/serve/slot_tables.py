@@ -70,13 +70,13 @@ class SlotTables:
         self.floats = np.tile(self.idle_row[1], (max_slots, 1))  # [B, n_f]
         self._occupant: list[Optional[int]] = [None] * max_slots  # request id whose row each slot holds
         self._floats_sent: Optional[np.ndarray] = None  # the float table as last sent (None: changed since)
-        self.cols = {name: self.packing.columns(name)[1] for name in
+        self._cols = {name: self.packing.columns(name)[1] for name in
                      ("tokens", "lengths", "page_table", "rows.steps", "rows.budget", "generated")}
-        self._moving = [self.cols[leaf].start for leaf, _ in MOVING_COLUMNS]
+        self._moving = [self._cols[leaf].start for leaf, _ in MOVING_COLUMNS]
         # The slots' steering (`steering.py`): host hooks written per slot, sent when they change.
         self.steering = steering
-        self.steer = steer.idle_hooks(steering, cfg, max_slots)
-        self._steer_sent = None  # the last sent copy of `steer` (None: to send)
+        self.steer_rows = steer.idle_hooks(steering, cfg, max_slots)  # host hooks, rows [B, ...] (None: no steering)
+        self._steer_sent = None  # the last sent copy of `steer_rows` (None: to send)
 
     def _template(self, B: int) -> Slots:
         """Slots of B idle rows (what fixes the packing's columns)."""
@@ -126,12 +126,12 @@ class SlotTables:
                 self.ints[slot], self.floats[slot] = self.idle_row if lv is None else self.pack_row(lv)
                 self._occupant[slot] = rid
                 self._floats_sent = None
-                if self.steer is not None:
-                    steer.write_row(self.steer, slot, None if lv is None else lv.steering, self.steering)
+                if self.steer_rows is not None:
+                    steer.write_row(self.steer_rows, slot, None if lv is None else lv.steering, self.steering)
                     self._steer_sent = None
         ints = self.ints.copy()
         ints[:, self._moving] = np.stack([getattr(moves, field) for _, field in MOVING_COLUMNS], axis=1)
-        ints[:, self.cols["page_table"]] = table
+        ints[:, self._cols["page_table"]] = table
         # No float column moves: the float table's copy is sent again until a slot's request changes.
         if self._floats_sent is None:
             self._floats_sent = self.floats.copy()
@@ -146,17 +146,17 @@ class SlotTables:
         packed = [self.pack_row(lv) for lv in lives] + [self.idle_row] * pad
         ints, floats = np.stack([r[0] for r in packed]), np.stack([r[1] for r in packed])
         if any(ch.seq.generated for ch in chunks):
-            ints[:, self.cols["rows.steps"].start] = ints[:, self.cols["generated"].start] = (
+            ints[:, self._cols["rows.steps"].start] = ints[:, self._cols["generated"].start] = (
                 [len(ch.seq.generated) for ch in chunks] + [0] * pad)
         return ints, floats
 
     def steer_hooks(self):
         """The slots' steering hooks on the device (None without steering slots), sent again
         only after a slot's request changed."""
-        if self.steer is None:
+        if self.steer_rows is None:
             return None
         if self._steer_sent is None:
-            self._steer_sent = jax.device_put(jax.tree.map(np.copy, self.steer))  # never the live host rows
+            self._steer_sent = jax.device_put(jax.tree.map(np.copy, self.steer_rows))  # never the live host rows
         return self._steer_sent
 
 

@@ -40,7 +40,7 @@ def builds(runner: "Runner", shapes: list[tuple[int, int]], scoring: bool, decod
     counts = (z((B, V), np.int32), z((B, V), bool))
     base = abstract((runner.model.params, runner.cache, counts, runner.tables.ints, runner.tables.floats,
                      core.no_mask(B, V)))
-    hooks = abstract(runner.tables.steer)
+    hooks = abstract(runner.tables.steer_rows)
     per_slot = abstract((z((B, W), np.int32), z((B,), np.int32), z((B,), np.int32)))  # page table, caps, limits
     out = []
     if decode:
