@@ -5,7 +5,8 @@ them), each a chunk padded to a bucket C (powers of two from MIN_CHUNK). Every s
 when the engine is built, so `warmup` can build every program before serving and nothing
 compiles after it; `pick` chooses the chunks of one call by what each shape costs.
 
-Shape letters: B a call's rows, C a chunk's length, W page-table width.
+Shape letters: B a call's rows, C a chunk's length, W page-table width. (`chunk_arrays`, kept
+as it was, still writes R for B.)
 """
 
 from __future__ import annotations
