@@ -472,7 +472,7 @@ def _cache(args) -> int:
         return f"{n / 1e6:.1f} MB"
 
     if args.action == "list":
-        for kind, rows in (("jax", [(e.path, e.size, e.last_used, e.note) for e in jax_entries]),
+        for kind, rows in (("jax", [(e.path, e.size, e.last_used, "") for e in jax_entries]),
                            ("program", [(e.path, e.size, e.last_used, "rejected" if e.rejected else "")
                                         for e in store_entries])):
             for path, size, used, note in rows:

@@ -18,10 +18,10 @@ deleting entries, not adding new ones under keys not written yet), and one under
 can write without a sticky bit (it could be renamed away and replaced). jaxinfer creates its
 folders with mode 0700.
 
-Both the folder and the program store in it are held to a size (`max_size`: 2 GiB each unless
-$JAXINFER_CACHE_MAX_SIZE says otherwise), the least recently used entries evicted first: JAX's
-own `jax_compilation_cache_max_size` for its entries, `program_store` for its own.
-`entries` lists JAX's entries (what `jaxinfer cache` shows).
+JAX's entries and the program store's are each held to a size (`max_size`: 2 GiB unless
+$JAXINFER_CACHE_MAX_SIZE says otherwise), the least recently used deleted first: JAX's when the
+cache is turned on (`trim`), the store's after each entry it writes. `entries` lists JAX's
+entries (what `jaxinfer cache` shows).
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def default_dir() -> Path:
 # model's programs take (megabytes for a small model, tens for a large one over a mesh), small
 # enough that years of upgrades do not fill a disk.
 DEFAULT_MAX_SIZE = 2 << 30
+FROM_ENVIRONMENT = "from the environment"  # a cap argument's default: `max_size()`
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}
 # JAX's entry files, and the files its eviction keeps each one's last use in (jax._src.lru_cache).
@@ -248,28 +249,42 @@ class Entry:
     path: Path
     size: int  # bytes on disk
     last_used: float  # seconds since the epoch: its last load or write
-    note: str = ""  # "rejected": a program store entry that failed authentication, kept as evidence
 
 
 def entries(directory: Union[str, os.PathLike]) -> list[Entry]:
-    """JAX's entries in a compile cache folder (its `*-cache` files and the `*-atime` files that hold
-    their last use), least recently used first; [] when the folder does not exist."""
+    """JAX's entries in a compile cache folder (its `*-cache` files, with the `*-atime` files its
+    own eviction writes, where there are any), least recently used first; [] when the folder does
+    not exist.
+
+    An entry's last use is the latest of its write, its access time as the filesystem keeps it
+    (Linux's default `relatime` mounts update it at least daily; `noatime` ones never) and its
+    `*-atime` file.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
     out = []
     for path in directory.glob("*" + JAX_ENTRY_SUFFIX):
         try:
-            size = path.stat().st_size
-            used = path.stat().st_mtime
-            atime = path.with_name(path.name.removesuffix(JAX_ENTRY_SUFFIX) + JAX_ATIME_SUFFIX)
+            st = path.stat()
+            size, used = st.st_size, max(st.st_mtime, st.st_atime)
+            atime = _atime_file(path)
             if atime.exists():
                 size += atime.stat().st_size
                 used = max(used, int.from_bytes(atime.read_bytes(), "little") / 1e9)
-        except (OSError, ValueError):
-            continue  # evicted by another process meanwhile
+        except OSError:
+            continue  # deleted by another process meanwhile
         out.append(Entry(path=path, size=size, last_used=used))
     return sorted(out, key=lambda e: e.last_used)
+
+
+def _atime_file(entry: Path) -> Path:
+    return entry.with_name(entry.name.removesuffix(JAX_ENTRY_SUFFIX) + JAX_ATIME_SUFFIX)
+
+
+def _delete(entry: Entry) -> None:
+    entry.path.unlink(missing_ok=True)
+    _atime_file(entry.path).unlink(missing_ok=True)
 
 
 def clear(directory: Union[str, os.PathLike]) -> tuple[int, int]:
@@ -278,27 +293,38 @@ def clear(directory: Union[str, os.PathLike]) -> tuple[int, int]:
     Returns:
       (entries deleted, bytes freed).
     """
-    n = freed = 0
-    for e in entries(directory):
-        for path in (e.path, e.path.with_name(e.path.name.removesuffix(JAX_ENTRY_SUFFIX) + JAX_ATIME_SUFFIX)):
-            path.unlink(missing_ok=True)
-        n, freed = n + 1, freed + e.size
-    return n, freed
+    found = entries(directory)
+    for e in found:
+        _delete(e)
+    return len(found), sum(e.size for e in found)
 
 
-def _set_max_size(cap: Optional[int]) -> None:
-    """JAX's own LRU eviction for its entries (`jax_compilation_cache_max_size`); it needs the
-    `filelock` package, without which JAX's folder is not capped (a warning)."""
+def trim(directory: Union[str, os.PathLike], cap: Optional[int]) -> int:
+    """Delete JAX's least recently used entries in `directory` until the rest fit in `cap` bytes
+    (None: no cap).
+
+    jaxinfer trims the folder each time it turns the cache on, rather than setting JAX's
+    `jax_compilation_cache_max_size`: that eviction reads every entry's `*-atime` file on each
+    write (a whole folder's scan per program compiled: quadratic over a run that fills it), it
+    needs the `filelock` package, and in a folder holding entries written without it (any folder
+    from before) every write fails with a warning and stores nothing. The cost: one process can
+    take the folder above the cap by what it compiles, until the next start.
+
+    Returns:
+      The number of entries deleted.
+    """
     if cap is None:
-        jax.config.update("jax_compilation_cache_max_size", -1)
-        return
-    try:
-        import filelock  # noqa: F401 - JAX's eviction locks the folder with it
-    except ImportError:
-        warnings.warn("jaxinfer: JAX's compile cache is not size-capped: its eviction needs the `filelock` "
-                      "package (pip install filelock)", RuntimeWarning, stacklevel=3)
-        return
-    jax.config.update("jax_compilation_cache_max_size", cap)
+        return 0
+    found = entries(directory)
+    total = sum(e.size for e in found)
+    deleted = 0
+    for e in found:
+        if total <= cap:
+            break
+        _delete(e)
+        total -= e.size
+        deleted += 1
+    return deleted
 
 
 def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None) -> Optional[Path]:
@@ -322,7 +348,7 @@ def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None)
     path = Path(directory).expanduser() if directory is not None else default_dir()
     cap = max_size()
     make_folder(path)
-    _set_max_size(cap)
+    trim(path, cap)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

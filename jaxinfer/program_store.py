@@ -200,10 +200,12 @@ def load_key(path: Optional[Path] = None) -> bytes:
     return key
 
 
-def _mac(secret: bytes, key: str, head: bytes, body: bytes) -> bytes:
+def _mac(secret: bytes, key: str, head: bytes, body) -> bytes:
     """The HMAC-SHA256 of an entry: its header's magic and format, the key it is stored under (an
-    entry copied under another key fails) and its body."""
-    return hmac.new(secret, head + key.encode() + b"\0" + body, hashlib.sha256).digest()
+    entry copied under another key fails) and its body (bytes or a memoryview: not copied)."""
+    mac = hmac.new(secret, head + key.encode() + b"\0", hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,13 +221,14 @@ class StoreEntry:
 class ProgramStore:
     """Compiled programs in a folder, by a key computed without tracing (see the module doc)."""
 
-    def __init__(self, directory: os.PathLike | str, max_size: Optional[int] = -1) -> None:
+    def __init__(self, directory: os.PathLike | str, max_size: Any = compile_cache.FROM_ENVIRONMENT) -> None:
         """Args:
           directory: the store's folder (created with mode 0700 on the first save).
-          max_size: the cap on its entries' bytes (None: no cap); default `compile_cache.max_size()`.
+          max_size: the cap on its entries' bytes, or None for no cap; default
+            `compile_cache.max_size()` ($JAXINFER_CACHE_MAX_SIZE, else 2 GiB).
         """
         self.directory = Path(directory)
-        self.max_size = compile_cache.max_size() if max_size == -1 else max_size
+        self.max_size = compile_cache.max_size() if max_size is compile_cache.FROM_ENVIRONMENT else max_size
 
     @functools.cached_property
     def _context(self) -> str:
@@ -276,7 +279,7 @@ class ProgramStore:
         secret = self._secret()
         if secret is None:
             return None
-        head, mac, body = blob[:len(MAGIC) + 4], blob[len(MAGIC) + 4:_HEADER], blob[_HEADER:]
+        head, mac, body = blob[:len(MAGIC) + 4], blob[len(MAGIC) + 4:_HEADER], memoryview(blob)[_HEADER:]
         if head != MAGIC + FORMAT.to_bytes(4, "little") or not hmac.compare_digest(mac, _mac(secret, key, head, body)):
             self._reject(path)
             return None

@@ -217,20 +217,45 @@ def test_the_cap_is_set_from_the_environment_and_a_bad_one_is_refused(monkeypatc
             compile_cache.max_size()
 
 
+def _jax_entry(folder, name, size, used, atime_file=None):
+    """A file as JAX names its entries, last used at `used` (seconds since the epoch)."""
+    path = folder / f"{name}-cache"
+    path.write_bytes(b"x" * size)
+    os.utime(path, (used, used))
+    if atime_file is not None:  # what JAX's own eviction writes: nanoseconds, little-endian
+        (folder / f"{name}-atime").write_bytes(int(atime_file * 1e9).to_bytes(8, "little"))
+    return path
+
+
+def test_jax_s_entries_are_trimmed_to_the_cap_least_recently_used_first(tmp_path):
+    folder = tmp_path / "xla"
+    folder.mkdir()
+    paths = [_jax_entry(folder, f"jit_f{i}", 1000, 1_000_000 + i) for i in range(5)]
+    _jax_entry(folder, "jit_g", 1000, 900_000, atime_file=2_000_000)  # written first, read last
+    assert [e.path.name for e in compile_cache.entries(folder)][-1] == "jit_g-cache"
+    assert compile_cache.trim(folder, 3100) == 3
+    assert sorted(p.name for p in folder.glob("*-cache")) == ["jit_f3-cache", "jit_f4-cache", "jit_g-cache"]
+    assert sum(e.size for e in compile_cache.entries(folder)) <= 3100
+    assert compile_cache.trim(folder, None) == 0 and not paths[0].exists()
+
+
 _ENABLE = """
 import jax, sys
 from jaxinfer import compile_cache
-print(compile_cache.enable_persistent_cache(sys.argv[1]), jax.config.jax_compilation_cache_max_size)
+print(compile_cache.enable_persistent_cache(sys.argv[1]))
 """
 
 
-def test_jax_s_own_cache_gets_the_cap(tmp_path):
-    """JAX's entries are capped by its own LRU eviction (`jax_compilation_cache_max_size`)."""
-    env = dict(os.environ, JAXINFER_CACHE_MAX_SIZE="64MiB")
-    out = subprocess.run([sys.executable, "-c", _ENABLE, str(tmp_path / "xla")], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(tmp_path / "xla"), str(64 << 20)], out.stdout
+def test_turning_the_cache_on_trims_it_to_the_cap_from_the_environment(tmp_path):
+    folder = tmp_path / "xla"
+    folder.mkdir(mode=0o700)
+    for i in range(3):
+        _jax_entry(folder, f"jit_f{i}", 600_000, 1_000_000 + i)
+    env = dict(os.environ, JAXINFER_CACHE_MAX_SIZE="1MiB")
+    out = subprocess.run([sys.executable, "-c", _ENABLE, str(folder)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == str(folder), (out.stdout, out.stderr)
+    assert [p.name for p in folder.glob("*-cache")] == ["jit_f2-cache"]
 
 
 def test_the_cache_command_lists_sizes_and_clears(tmp_path, capsys):
