@@ -204,8 +204,8 @@ def check_folder(path: Union[str, os.PathLike], what: str = "compile cache folde
     me = os.geteuid()
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != me or mode & 0o022:
-        why = (f"owned by {_owner(st.st_uid)}" if st.st_uid != me
-               else f"writable by {'its group and others' if mode & 0o022 == 0o022 else 'its group' if mode & 0o020 else 'others'}")
+        writers = {0o022: "its group and others", 0o020: "its group", 0o002: "others"}.get(mode & 0o022)
+        why = f"owned by {_owner(st.st_uid)}" if st.st_uid != me else f"writable by {writers}"
         raise UnsafeCacheError(
             f"refusing the {what} {str(path)!r}: it is {why} (owner {_owner(st.st_uid)}, mode "
             f"{stat.filemode(st.st_mode)} {mode:#o}); the programs in it are loaded and run as this user "

@@ -23,9 +23,11 @@ from jaxinfer.compile_cache import CompileCounter, UnsafeCacheError
 NOBODY = 65534
 
 
+# Not test_startup's `_affine`: JAX's persistent cache, shared by a test run, would supply that
+# program to whichever file compiles it second.
 @functools.partial(jax.jit, static_argnames=("scale",))
-def _affine(x, y, *, scale):
-    return x * scale + y
+def _difference(x, y, *, scale):
+    return x * scale - y
 
 
 ARGS = (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
@@ -76,43 +78,43 @@ def test_a_planted_pickle_never_runs_is_warned_about_and_kept_aside(tmp_path, ca
     run, the warning names the file and says it failed authentication, the file is moved aside
     unchanged (evidence), and the program compiles afresh and gives the right output."""
     store = program_store.ProgramStore(tmp_path / "programs")
-    store.compile(_affine, ARGS, dict(scale=2.0))
+    store.compile(_difference, ARGS, dict(scale=2.0))
     path = _stored(store)
     marker = tmp_path / "pwned"
     planted = _plant(path, marker, layout)
     program_store._LIVE.clear()
     with caplog.at_level(logging.WARNING, logger="jaxinfer.program_store"), CompileCounter() as c:
-        program = store.compile(_affine, ARGS, dict(scale=2.0))
+        program = store.compile(_difference, ARGS, dict(scale=2.0))
     assert not marker.exists(), "the planted pickle ran"
     assert c.cache_hits == 0, (c.count, c.cache_hits)  # not loaded (jit may hold the compiled program)
     assert path.name in caplog.text and "failed authentication" in caplog.text, caplog.text
     (aside,) = store.directory.glob("*" + program_store.REJECTED)
     assert aside.name.startswith(path.name) and aside.read_bytes() == planted
-    np.testing.assert_array_equal(program(jnp.ones(4), jnp.ones(4)), jnp.full(4, 3.0))
+    np.testing.assert_array_equal(program(jnp.ones(4), jnp.ones(4)), jnp.full(4, 1.0))
     program_store._LIVE.clear()  # the fresh entry is stored and loads
     with CompileCounter() as c:
-        again = store.compile(_affine, ARGS, dict(scale=2.0))
+        again = store.compile(_difference, ARGS, dict(scale=2.0))
     assert (c.count, c.cache_hits, c.traces) == (1, 1, 0)
-    np.testing.assert_array_equal(again(jnp.ones(4), jnp.ones(4)), jnp.full(4, 3.0))
+    np.testing.assert_array_equal(again(jnp.ones(4), jnp.ones(4)), jnp.full(4, 1.0))
 
 
 def test_an_entry_made_with_another_key_or_under_another_name_is_rejected(tmp_path, own_key, caplog):
     """The MAC is over the entry's own key with this user's secret: an entry signed with another
     user's key, or a valid entry copied under another program's name, is not loaded."""
     store = program_store.ProgramStore(tmp_path / "programs")
-    store.compile(_affine, ARGS, dict(scale=2.0))
-    store.compile(_affine, ARGS, dict(scale=3.0))
-    two, three = (store.path(store.key(_affine, ARGS, dict(scale=s)), "_affine") for s in (2.0, 3.0))
+    store.compile(_difference, ARGS, dict(scale=2.0))
+    store.compile(_difference, ARGS, dict(scale=3.0))
+    two, three = (store.path(store.key(_difference, ARGS, dict(scale=s)), "_difference") for s in (2.0, 3.0))
     three.write_bytes(two.read_bytes())  # scale 2's program under scale 3's key
     program_store._LIVE.clear()
     with caplog.at_level(logging.WARNING, logger="jaxinfer.program_store"):
-        program = store.compile(_affine, ARGS, dict(scale=3.0))
+        program = store.compile(_difference, ARGS, dict(scale=3.0))
     np.testing.assert_array_equal(program(jnp.ones(4), jnp.zeros(4)), jnp.full(4, 3.0))
     assert three.name in caplog.text and "failed authentication" in caplog.text
     own_key.write_bytes(os.urandom(program_store.KEY_BYTES))  # another secret: nothing stored verifies
     program_store._LIVE.clear()
     with CompileCounter() as c:
-        store.compile(_affine, ARGS, dict(scale=2.0))
+        store.compile(_difference, ARGS, dict(scale=2.0))
     assert c.cache_hits == 0
 
 
@@ -125,7 +127,8 @@ def test_the_key_is_made_once_with_mode_0600_and_a_loose_one_is_refused(tmp_path
         program_store.load_key()
 
 
-@pytest.mark.parametrize("mode, why", [(0o777, "writable by its group and others"), (0o1777, "writable by its group and others"),
+@pytest.mark.parametrize("mode, why", [(0o777, "writable by its group and others"),
+                                       (0o1777, "writable by its group and others"),
                                        (0o757, "writable by others"), (0o775, "writable by its group")])
 def test_a_cache_folder_others_can_write_is_refused(tmp_path, mode, why):
     """A folder others can write (a sticky bit included: it stops them deleting entries, not adding
@@ -138,11 +141,12 @@ def test_a_cache_folder_others_can_write_is_refused(tmp_path, mode, why):
     with pytest.raises(UnsafeCacheError) as e:
         compile_cache.enable_persistent_cache(folder)
     text = str(e.value)
-    assert str(folder) in text and why in text and f"{mode:#o}" in text and "owned by this user and writable by no one else" in text, text
+    assert str(folder) in text and why in text and f"{mode:#o}" in text, text
+    assert "owned by this user and writable by no one else" in text, text
     assert jax.config.jax_compilation_cache_dir == before  # nothing changed
     store = program_store.ProgramStore(folder)
     with pytest.raises(UnsafeCacheError, match="program store folder"):
-        store.compile(_affine, ARGS, dict(scale=2.0))
+        store.compile(_difference, ARGS, dict(scale=2.0))
     assert list(folder.iterdir()) == []
 
 
@@ -151,7 +155,7 @@ def test_a_cache_folder_owned_by_another_user_is_refused(tmp_path):
     folder = tmp_path / "xla"
     folder.mkdir(mode=0o700)
     store = program_store.ProgramStore(folder / "programs")
-    store.compile(_affine, ARGS, dict(scale=2.0))  # a good entry, then the folder changes hands
+    store.compile(_difference, ARGS, dict(scale=2.0))  # a good entry, then the folder changes hands
     os.chown(folder, NOBODY, NOBODY)
     os.chown(store.directory, NOBODY, NOBODY)
     with pytest.raises(UnsafeCacheError) as e:
@@ -159,7 +163,7 @@ def test_a_cache_folder_owned_by_another_user_is_refused(tmp_path):
     assert str(folder) in str(e.value) and f"uid {NOBODY}" in str(e.value), e.value
     program_store._LIVE.clear()
     with pytest.raises(UnsafeCacheError, match=f"program store folder .*uid {NOBODY}"):
-        store.compile(_affine, ARGS, dict(scale=2.0))
+        store.compile(_difference, ARGS, dict(scale=2.0))
 
 
 def test_a_folder_under_one_anyone_can_replace_is_refused(tmp_path):
@@ -186,22 +190,22 @@ def test_the_store_keeps_its_cap_evicting_the_least_recently_used_first(tmp_path
     scales = (1.0, 2.0, 3.0, 4.0)
     paths = {}
     for i, s in enumerate(scales[:3]):
-        store.compile(_affine, ARGS, dict(scale=s))
-        paths[s] = store.path(store.key(_affine, ARGS, dict(scale=s)), "_affine")
+        store.compile(_difference, ARGS, dict(scale=s))
+        paths[s] = store.path(store.key(_difference, ARGS, dict(scale=s)), "_difference")
         os.utime(paths[s], (1000 + i, 1000 + i))  # written in the order 1, 2, 3
     program_store._LIVE.clear()
     with CompileCounter() as c:
-        store.compile(_affine, ARGS, dict(scale=1.0))  # loaded: now the most recent
+        store.compile(_difference, ARGS, dict(scale=1.0))  # loaded: now the most recent
     assert c.cache_hits == 1
     sizes = [p.stat().st_size for p in paths.values()]
     store.max_size = 3 * max(sizes) + min(sizes) // 2  # room for three entries, not four
-    store.compile(_affine, ARGS, dict(scale=4.0))
-    paths[4.0] = store.path(store.key(_affine, ARGS, dict(scale=4.0)), "_affine")
+    store.compile(_difference, ARGS, dict(scale=4.0))
+    paths[4.0] = store.path(store.key(_difference, ARGS, dict(scale=4.0)), "_difference")
     left = {s for s, p in paths.items() if p.exists()}
     assert left == {1.0, 3.0, 4.0}, left  # 2.0 was the least recently used
     assert sum(e.size for e in store.entries()) <= store.max_size
     store.max_size = 1000  # smaller than one entry: nothing is stored, nothing else deleted
-    assert not store.save("0" * 64, store.compile(_affine, ARGS, dict(scale=9.0)), "_affine")
+    assert not store.save("0" * 64, store.compile(_difference, ARGS, dict(scale=9.0)), "_difference")
     assert {s for s, p in paths.items() if p.exists()} == {1.0, 3.0, 4.0}
 
 
@@ -261,7 +265,7 @@ def test_turning_the_cache_on_trims_it_to_the_cap_from_the_environment(tmp_path)
 def test_the_cache_command_lists_sizes_and_clears(tmp_path, capsys):
     folder = tmp_path / "xla"
     store = program_store.ProgramStore(folder / program_store.FOLDER)
-    store.compile(_affine, ARGS, dict(scale=2.0))
+    store.compile(_difference, ARGS, dict(scale=2.0))
     entry = _stored(store)
     (folder / "jit_f-0123abcd-cache").write_bytes(b"x" * 1000)  # as JAX names its entries
     (folder / "jit_f-0123abcd-atime").write_bytes((1_700_000_000 * 10**9).to_bytes(8, "little"))
