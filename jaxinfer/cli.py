@@ -1,5 +1,6 @@
 """Command line: `jaxinfer generate "prompt"` (also `python -m jaxinfer generate ...`),
-`jaxinfer convert SOURCE --out checkpoints/NAME` and `jaxinfer serve --model NAME`.
+`jaxinfer convert SOURCE --out checkpoints/NAME`, `jaxinfer serve --model NAME` and
+`jaxinfer cache list|size|clear` (the compile cache's folder).
 
 A thin layer over the library: parse flags, load, call `jaxinfer.generate` with a streaming
 callback that prints text as each decode chunk arrives, then print a one-line summary.
@@ -528,6 +529,62 @@ def _convert(args) -> int:
     return 0
 
 
+def _add_cache(sub) -> None:
+    p = sub.add_parser("cache", help="list, size or clear the compile cache (JAX's entries and the program store)")
+    p.add_argument("action", choices=["list", "size", "clear"],
+                   help="list: every entry with its size and last use, least recent first; size: each folder's "
+                        "total and cap; clear: delete every entry (needs --yes)")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="the compile cache folder (default $JAXINFER_COMPILE_CACHE, else $JAXINFER_CACHE/xla, "
+                        "else ~/.cache/jaxinfer/xla)")
+    p.add_argument("--yes", action="store_true", help="clear: delete without asking again")
+
+
+def _cache(args) -> int:
+    import time
+    from pathlib import Path
+
+    from jaxinfer import compile_cache
+    from jaxinfer.program_store import FOLDER, ProgramStore
+
+    folder = Path(args.dir).expanduser() if args.dir is not None else compile_cache.default_dir()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"compile cache {str(folder)!r} is not a folder")
+    cap = compile_cache.max_size()
+    store = ProgramStore(folder / FOLDER, max_size=cap)
+    jax_entries, store_entries = compile_cache.entries(folder), store.entries()
+
+    def mb(n: int) -> str:
+        return f"{n / 1e6:.1f} MB"
+
+    if args.action == "list":
+        for kind, rows in (("jax", [(e.path, e.size, e.last_used, "") for e in jax_entries]),
+                           ("program", [(e.path, e.size, e.last_used, "rejected" if e.rejected else "")
+                                        for e in store_entries])):
+            for path, size, used, note in rows:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(used))
+                print(f"{kind:8} {size:>12,d} B  {when}  {path.name}{'  (' + note + ')' if note else ''}")
+        return 0
+    if args.action == "size":
+        rejected = [e for e in store_entries if e.rejected]
+        cap_text = "no cap" if cap is None else f"cap {mb(cap)} each"
+        print(f"{folder}: {cap_text} ($JAXINFER_CACHE_MAX_SIZE)")
+        print(f"  jax      {len(jax_entries):5d} entries  {mb(sum(e.size for e in jax_entries))}")
+        print(f"  programs {len(store_entries) - len(rejected):5d} entries  "
+              f"{mb(sum(e.size for e in store_entries if not e.rejected))}"
+              + (f"  (+{len(rejected)} rejected, {mb(sum(e.size for e in rejected))})" if rejected else ""))
+        return 0
+    n = len(jax_entries) + len(store_entries)
+    total = sum(e.size for e in jax_entries) + sum(e.size for e in store_entries)
+    if not args.yes:
+        raise ValueError(f"`cache clear` would delete {n} entries ({mb(total)}) in {str(folder)!r}; pass --yes to "
+                         "delete them")
+    n_jax, freed_jax = compile_cache.clear(folder)
+    n_store, freed_store = store.clear()
+    print(f"{folder}: deleted {n_jax + n_store} entries ({mb(freed_jax + freed_store)})")
+    return 0
+
+
 def _os_error(e: OSError) -> str:
     import errno
 
@@ -546,6 +603,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _add_generate(sub)
     _add_convert(sub)
     _add_serve(sub)
+    _add_cache(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -554,6 +612,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _convert(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "cache":
+            return _cache(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2

@@ -10,11 +10,27 @@ folder is kept).
 `CompileCounter` counts the executables built while it listens (JAX's monitoring events), which
 is what a user waits for. A jitted function's dispatch-cache size is not: it can gain an entry
 for an argument signature that maps to an executable already built.
+
+The folder is a trust boundary: JAX loads the executables it finds there and runs them, so a
+file someone else wrote there would run as this user. `check_folder` refuses a folder owned by
+another user or writable by its group or others (a sticky bit does not help: it stops others
+deleting entries, not adding new ones under keys not written yet), and one under a folder anyone
+can write without a sticky bit (it could be renamed away and replaced). jaxinfer creates its
+folders with mode 0700.
+
+JAX's entries and the program store's are each held to a size (`max_size`: 2 GiB unless
+$JAXINFER_CACHE_MAX_SIZE says otherwise), the least recently used deleted first: JAX's when the
+cache is turned on (`trim`), the store's after each entry it writes. `entries` lists JAX's
+entries (what `jaxinfer cache` shows).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import pwd
+import stat
 import threading
 import warnings
 from pathlib import Path
@@ -120,6 +136,197 @@ def default_dir() -> Path:
     return Path(base).expanduser() / "xla"
 
 
+# Each cache folder's cap, unless $JAXINFER_CACHE_MAX_SIZE says otherwise: far above what one
+# model's programs take (megabytes for a small model, tens for a large one over a mesh), small
+# enough that years of upgrades do not fill a disk.
+DEFAULT_MAX_SIZE = 2 << 30
+FROM_ENVIRONMENT = "from the environment"  # a cap argument's default: `max_size()`
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+# JAX's entry files, and the files its eviction keeps each one's last use in (jax._src.lru_cache).
+JAX_ENTRY_SUFFIX = "-cache"
+JAX_ATIME_SUFFIX = "-atime"
+
+
+class UnsafeCacheError(ValueError):
+    """A cache folder (or the program store's key) that someone other than this user could write
+    or read: refused, as what is in it would run, or be trusted, as this user."""
+
+
+def parse_size(text: str, what: str = "$JAXINFER_CACHE_MAX_SIZE") -> Optional[int]:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes; 'none' or 'off' -> None (no cap).
+
+    Raises:
+      ValueError: naming `what`, for anything else, or a size below 1 MiB (a cap that small
+        would evict a program as soon as it is stored).
+    """
+    s = text.strip().lower().replace(" ", "")
+    if s in ("none", "off", "unlimited"):
+        return None
+    num = s.rstrip("abgikmt")
+    try:
+        value = float(num) * _UNITS[s[len(num):]]
+    except (ValueError, KeyError):
+        value = math.nan
+    if not (1 << 20) <= value < math.inf:
+        raise ValueError(f"{what} must be a size like 2GiB, 512MiB or a byte count of at least 1MiB, or 'none' "
+                         f"for no cap, got {text!r}")
+    return int(value)
+
+
+def max_size() -> Optional[int]:
+    """The cap on each cache folder's size in bytes: $JAXINFER_CACHE_MAX_SIZE, else DEFAULT_MAX_SIZE;
+    None: no cap."""
+    text = os.environ.get("JAXINFER_CACHE_MAX_SIZE", "").strip()
+    return parse_size(text) if text else DEFAULT_MAX_SIZE
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_folder(path: Union[str, os.PathLike], what: str = "compile cache folder") -> None:
+    """Refuse a folder whose files this user cannot be sure it wrote itself.
+
+    Args:
+      path: an existing folder.
+      what: what it is, for the message.
+    Raises:
+      UnsafeCacheError: the folder is owned by another user, writable by its group or others, or
+        lies under a folder anyone can write that has no sticky bit; the message names the
+        folder, its owner and mode, and what is required.
+    """
+    path = Path(path).absolute()
+    st = path.stat()
+    me = os.geteuid()
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != me or mode & 0o022:
+        writers = {0o022: "its group and others", 0o020: "its group", 0o002: "others"}.get(mode & 0o022)
+        why = f"owned by {_owner(st.st_uid)}" if st.st_uid != me else f"writable by {writers}"
+        raise UnsafeCacheError(
+            f"refusing the {what} {str(path)!r}: it is {why} (owner {_owner(st.st_uid)}, mode "
+            f"{stat.filemode(st.st_mode)} {mode:#o}); the programs in it are loaded and run as this user "
+            f"({_owner(me)}), so it must be owned by this user and writable by no one else (e.g. chown it and "
+            f"`chmod go-w`, or choose a folder of your own)")
+    for parent in path.parents:
+        pst = parent.stat()
+        if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
+            raise UnsafeCacheError(
+                f"refusing the {what} {str(path)!r}: the folder {str(parent)!r} above it is writable by anyone "
+                f"without a sticky bit (mode {stat.filemode(pst.st_mode)}), so anyone could replace the cache "
+                f"folder; choose a folder under one that only its owner can write")
+
+
+def make_folder(path: Union[str, os.PathLike], what: str = "compile cache folder") -> Path:
+    """Create `path` (and missing parents) with mode 0700 where missing, then `check_folder` it.
+
+    Returns:
+      The folder.
+    Raises:
+      ValueError: `path` exists and is not a folder, or cannot be created.
+      UnsafeCacheError: from `check_folder`.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {str(path)!r} exists and is not a folder")
+    missing = [p for p in [path, *path.parents] if not p.exists()]
+    try:
+        for p in reversed(missing):  # each with mode 0700 (Path.mkdir's parents get the umask's mode)
+            p.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create {what} {str(path)!r}: {e}") from e
+    check_folder(path, what)
+    return path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One file of a cache folder, as `jaxinfer cache` lists it."""
+
+    path: Path
+    size: int  # bytes on disk
+    last_used: float  # seconds since the epoch: its last load or write
+
+
+def entries(directory: Union[str, os.PathLike]) -> list[Entry]:
+    """JAX's entries in a compile cache folder (its `*-cache` files, with the `*-atime` files its
+    own eviction writes, where there are any), least recently used first; [] when the folder does
+    not exist.
+
+    An entry's last use is the latest of its write, its access time as the filesystem keeps it
+    (Linux's default `relatime` mounts update it at least daily; `noatime` ones never) and its
+    `*-atime` file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    out = []
+    for path in directory.glob("*" + JAX_ENTRY_SUFFIX):
+        try:
+            st = path.stat()
+            size, used = st.st_size, max(st.st_mtime, st.st_atime)
+            atime = _atime_file(path)
+            if atime.exists():
+                size += atime.stat().st_size
+                used = max(used, int.from_bytes(atime.read_bytes(), "little") / 1e9)
+        except OSError:
+            continue  # deleted by another process meanwhile
+        out.append(Entry(path=path, size=size, last_used=used))
+    return sorted(out, key=lambda e: e.last_used)
+
+
+def _atime_file(entry: Path) -> Path:
+    return entry.with_name(entry.name.removesuffix(JAX_ENTRY_SUFFIX) + JAX_ATIME_SUFFIX)
+
+
+def _delete(entry: Entry) -> None:
+    entry.path.unlink(missing_ok=True)
+    _atime_file(entry.path).unlink(missing_ok=True)
+
+
+def clear(directory: Union[str, os.PathLike]) -> tuple[int, int]:
+    """Delete JAX's entries in a compile cache folder (not the program store's).
+
+    Returns:
+      (entries deleted, bytes freed).
+    """
+    found = entries(directory)
+    for e in found:
+        _delete(e)
+    return len(found), sum(e.size for e in found)
+
+
+def trim(directory: Union[str, os.PathLike], cap: Optional[int]) -> int:
+    """Delete JAX's least recently used entries in `directory` until the rest fit in `cap` bytes
+    (None: no cap).
+
+    jaxinfer trims the folder each time it turns the cache on, rather than setting JAX's
+    `jax_compilation_cache_max_size`: that eviction reads every entry's `*-atime` file on each
+    write (a whole folder's scan per program compiled: quadratic over a run that fills it), it
+    needs the `filelock` package, and in a folder holding entries written without it (any folder
+    from before) every write fails with a warning and stores nothing. The cost: one process can
+    take the folder above the cap by what it compiles, until the next start.
+
+    Returns:
+      The number of entries deleted.
+    """
+    if cap is None:
+        return 0
+    found = entries(directory)
+    total = sum(e.size for e in found)
+    deleted = 0
+    for e in found:
+        if total <= cap:
+            break
+        _delete(e)
+        total -= e.size
+        deleted += 1
+    return deleted
+
+
 def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None) -> Optional[Path]:
     """Turn on JAX's persistent compilation cache for this process.
 
@@ -127,22 +334,21 @@ def enable_persistent_cache(directory: Optional[Union[str, os.PathLike]] = None)
     sub-second ones add up at start-up.
 
     Args:
-      directory: cache folder (created if missing); default `default_dir()`, or no cache at all
-        when $JAXINFER_COMPILE_CACHE is "off" (`opted_out`).
+      directory: cache folder (created with mode 0700 if missing); default `default_dir()`, or no
+        cache at all when $JAXINFER_COMPILE_CACHE is "off" (`opted_out`).
     Returns:
       The folder in use (None: opted out, nothing changed).
     Raises:
-      ValueError: if `directory` exists and is not a folder, or cannot be created.
+      ValueError: if `directory` exists and is not a folder, or cannot be created, or
+        $JAXINFER_CACHE_MAX_SIZE is not a size.
+      UnsafeCacheError: the folder is not this user's alone (`check_folder`); nothing changed.
     """
     if directory is None and opted_out():
         return None
     path = Path(directory).expanduser() if directory is not None else default_dir()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"compile cache {str(path)!r} exists and is not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create compile cache folder {str(path)!r}: {e}") from e
+    cap = max_size()
+    make_folder(path)
+    trim(path, cap)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

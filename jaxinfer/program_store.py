@@ -24,9 +24,20 @@ arrays).
 
 It lives in the folder `programs/` inside the compile cache's folder (`--compile-cache`,
 $JAXINFER_COMPILE_CACHE), on and off with it. An entry is written to a temporary file and renamed,
-so a reader finds a whole entry or none; one that cannot be read (truncated, written by another
-jaxlib) is a logged warning, and the program is compiled again and stored over it. Loading an
-entry unpickles it: the folder must be as trusted as JAX's own cache in it.
+so a reader finds a whole entry or none.
+
+Entries are authenticated. A serialized executable is a pickle (jax's own format) and loading one
+can run code, so nothing in an entry is unpickled until its HMAC-SHA256 checks out under this
+user's key (`key_path`: a random key kept outside the cache folder, mode 0600, made on first use).
+An entry that fails (written by someone else, truncated, or by an older jaxinfer) is never
+loaded: it is a logged warning naming it, it is renamed `NAME.<time>.rejected` beside the entries
+(kept as evidence, never evicted; `jaxinfer cache clear` removes it) and the program compiles
+again. An authenticated entry that cannot be deserialized (another jaxlib build) is a warning too,
+and is compiled again and stored over. The folder must be this user's alone
+(`compile_cache.check_folder`): a store in any other is refused with `UnsafeCacheError`.
+
+The store is held to `compile_cache.max_size()` bytes: after each save the least recently used
+entries are deleted (a load marks an entry used by touching its modification time).
 
 A load is reported to `compile_cache.CompileCounter` (event STORE_LOAD_EVENT) as an executable
 loaded from the cache. Programs this process holds already (another Engine of the same shapes)
@@ -35,7 +46,10 @@ are handed out again, not loaded twice.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import hmac
 import logging
 import os
 import pickle
@@ -54,12 +68,20 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from jaxinfer.compile_cache import STORE_LOAD_EVENT, CompileCounter
+from jaxinfer import compile_cache
+from jaxinfer.compile_cache import STORE_LOAD_EVENT, CompileCounter, UnsafeCacheError
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # an entry's layout; entries of another are rebuilt
+# An entry: MAGIC, FORMAT (4 bytes, little-endian), the HMAC-SHA256 (32 bytes) of everything else
+# with the entry's key, then the body: zlib(pickle(executable, in_tree, out_tree)). Entries of
+# another format fail authentication.
+FORMAT = 2
+MAGIC = b"jaxinfer-program\n"
+_HEADER = len(MAGIC) + 4 + 32
 SUFFIX = ".jaxprogram"
+REJECTED = ".rejected"  # an entry that failed authentication, moved aside
+KEY_BYTES = 32
 FOLDER = "programs"  # inside the compile cache's folder
 # jax config options that change how programs are cached or logged, never what they compute.
 _CONFIG_SKIP = ("compilation_cache", "persistent_cache", "log_compiles", "explain_cache_misses", "logging_level",
@@ -149,15 +171,88 @@ def _describe(leaf) -> str:
     return f"{type(leaf).__qualname__} {leaf!r}"
 
 
+def key_path() -> Path:
+    """The file that holds this user's store key: $JAXINFER_STORE_KEY, else
+    $XDG_CONFIG_HOME/jaxinfer/store.key, else ~/.config/jaxinfer/store.key."""
+    if os.environ.get("JAXINFER_STORE_KEY"):
+        return Path(os.environ["JAXINFER_STORE_KEY"]).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join("~", ".config")
+    return Path(config).expanduser() / "jaxinfer" / "store.key"
+
+
+def load_key(path: Optional[Path] = None) -> bytes:
+    """This user's store key, made (random, mode 0600, in a folder made 0700) on first use.
+
+    Made atomically: written whole to a temporary file and linked into place, so concurrent first
+    uses agree on one key.
+
+    Args:
+      path: the key file (default `key_path()`).
+    Returns:
+      The key's bytes.
+    Raises:
+      UnsafeCacheError: the key file is owned by another user or readable or writable by others
+        (anyone who can read it can forge entries), or is not KEY_BYTES long.
+      OSError: it cannot be read or made.
+    """
+    path = path or key_path()
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".store-key-", dir=path.parent)  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+            try:
+                os.link(tmp, path)  # fails if another process made it first: that key is used
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = f.read()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077 or len(key) != KEY_BYTES:
+        raise UnsafeCacheError(
+            f"refusing the program store key {str(path)!r} (owner uid {st.st_uid}, mode "
+            f"{oct(st.st_mode & 0o777)}, {len(key)} bytes): it must be this user's (uid {os.geteuid()}), "
+            f"mode 0600 and {KEY_BYTES} bytes long; delete it and a new one is made (the stored programs "
+            f"then compile once more)")
+    return key
+
+
+def _mac(secret: bytes, key: str, head: bytes, body) -> bytes:
+    """The HMAC-SHA256 of an entry: its header's magic and format, the key it is stored under (an
+    entry copied under another key fails) and its body (bytes or a memoryview: not copied)."""
+    mac = hmac.new(secret, head + key.encode() + b"\0", hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreEntry:
+    """One file of the store folder, as `jaxinfer cache` lists it."""
+
+    path: Path
+    size: int  # bytes on disk
+    last_used: float  # its modification time: its last load or write (seconds since the epoch)
+    rejected: bool  # moved aside: failed authentication, kept as evidence
+
+
 class ProgramStore:
     """Compiled programs in a folder, by a key computed without tracing (see the module doc)."""
 
-    def __init__(self, directory: os.PathLike | str) -> None:
+    def __init__(self, directory: os.PathLike | str, max_size: Any = compile_cache.FROM_ENVIRONMENT) -> None:
         """Args:
-          directory: the store's folder (created on the first save).
+          directory: the store's folder (created with mode 0700 on the first save).
+          max_size: the cap on its entries' bytes, or None for no cap; default
+            `compile_cache.max_size()` ($JAXINFER_CACHE_MAX_SIZE, else 2 GiB).
         """
         self.directory = Path(directory)
-        self._context = context()
+        self.max_size = compile_cache.max_size() if max_size is compile_cache.FROM_ENVIRONMENT else max_size
+
+    @functools.cached_property
+    def _context(self) -> str:
+        return context()  # on the first key: listing or clearing the folder starts no backend
 
     @classmethod
     def default(cls) -> Optional["ProgramStore"]:
@@ -183,9 +278,17 @@ class ProgramStore:
         return self.directory / f"{name}-{key}{SUFFIX}"
 
     def load(self, key: str, name: str = "program"):
-        """The stored program under `key` (a `jax.stages.Compiled`), or None: none stored, or an
-        entry that cannot be read (a logged warning; the caller compiles it again)."""
+        """The stored program under `key` (a `jax.stages.Compiled`), or None: none stored, an entry
+        that fails authentication (a warning; moved aside), or one that cannot be deserialized
+        (a warning). The caller compiles it again.
+
+        Raises:
+          UnsafeCacheError: the folder, or the key file, is not this user's alone.
+        """
         path = self.path(key, name)
+        if not self.directory.is_dir():
+            return None
+        compile_cache.check_folder(self.directory, "program store folder")
         try:
             blob = path.read_bytes()
         except FileNotFoundError:
@@ -193,41 +296,148 @@ class ProgramStore:
         except OSError as e:
             log.warning("jaxinfer: cannot read the stored program %s (%s); compiling it again", path, e)
             return None
+        secret = self._secret()
+        if secret is None:
+            return None
+        head, mac, body = blob[:len(MAGIC) + 4], blob[len(MAGIC) + 4:_HEADER], memoryview(blob)[_HEADER:]
+        if head != MAGIC + FORMAT.to_bytes(4, "little") or not hmac.compare_digest(mac, _mac(secret, key, head, body)):
+            self._reject(path)
+            return None
         try:
-            entry = pickle.loads(zlib.decompress(blob))
-            if entry["format"] != FORMAT or entry["key"] != key:
-                raise ValueError(f"format {entry['format']}, key {entry['key'][:12]}...")
-            return serialize_executable.deserialize_and_load(entry["executable"], entry["in_tree"],
-                                                             entry["out_tree"])
-        except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
-            log.warning("jaxinfer: the stored program %s is unreadable (%s: %s); compiling it again", path,
+            executable, in_tree, out_tree = pickle.loads(zlib.decompress(body))
+            program = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - an authenticated entry another jaxlib cannot read is rebuilt
+            log.warning("jaxinfer: the stored program %s cannot be deserialized (%s: %s); compiling it again", path,
                         type(e).__name__, e)
             return None
+        try:
+            os.utime(path)  # its last use, for the eviction
+        except OSError:
+            pass
+        return program
+
+    def _secret(self) -> Optional[bytes]:
+        """This user's store key; None (a warning: the store is off) when it cannot be read or made."""
+        try:
+            return load_key()
+        except OSError as e:
+            log.warning("jaxinfer: the program store is off: its key %s cannot be read or made (%s); set "
+                        "$JAXINFER_STORE_KEY to a file in a folder of your own", key_path(), e)
+            return None
+
+    def _reject(self, path: Path) -> None:
+        """Move an entry that failed authentication aside (never loaded, never overwritten)."""
+        aside = path.with_name(f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}{REJECTED}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return  # another process moved it meanwhile
+        except OSError as e:
+            log.warning("jaxinfer: the stored program %s failed authentication and was not loaded; it cannot be "
+                        "moved aside (%s)", path, e)
+            return
+        log.warning("jaxinfer: the stored program %s failed authentication (written by someone else, corrupted, "
+                    "or by an older jaxinfer) and was not loaded; moved aside to %s, compiling it again",
+                    path, aside.name)
 
     def save(self, key: str, compiled, name: str = "program") -> bool:
-        """Store `compiled` under `key` (written whole or not at all). Returns False (a logged
-        warning) when it cannot be serialized or written."""
+        """Store `compiled` under `key` (written whole or not at all), then evict the least
+        recently used entries beyond the cap. Returns False (a logged warning) when it cannot be
+        serialized or written, or is larger than the cap.
+
+        Raises:
+          UnsafeCacheError: the folder, or the key file, is not this user's alone.
+        """
+        path = self.path(key, name)
+        try:
+            compile_cache.make_folder(self.directory, "program store folder")
+        except UnsafeCacheError:
+            raise
+        except ValueError as e:
+            log.warning("jaxinfer: cannot store the program %s (%s)", name, e)
+            return False
+        secret = self._secret()
+        if secret is None:
+            return False
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-            blob = zlib.compress(pickle.dumps(dict(format=FORMAT, key=key, executable=executable, in_tree=in_tree,
-                                                   out_tree=out_tree), protocol=pickle.HIGHEST_PROTOCOL), 1)
+            body = zlib.compress(pickle.dumps((executable, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL), 1)
         except Exception as e:  # noqa: BLE001 - not storing a program costs the next start, nothing more
             log.warning("jaxinfer: cannot store the program %s (%s: %s)", name, type(e).__name__, e)
             return False
-        path = self.path(key, name)
+        head = MAGIC + FORMAT.to_bytes(4, "little")
+        blob = head + _mac(secret, key, head, body) + body
+        if self.max_size is not None and len(blob) > self.max_size:
+            log.warning("jaxinfer: the program %s is not stored: its %d bytes exceed the store's cap of %d "
+                        "($JAXINFER_CACHE_MAX_SIZE)", name, len(blob), self.max_size)
+            return False
         tmp = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=self.directory)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, path)  # atomic: a reader finds the old entry, the new one or none
-            return True
         except OSError as e:
             log.warning("jaxinfer: cannot write the stored program %s (%s)", path, e)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
             return False
+        self.evict(keep=path)
+        return True
+
+    def entries(self) -> list[StoreEntry]:
+        """The store's files (entries, and rejected ones), least recently used first."""
+        if not self.directory.is_dir():
+            return []
+        out = []
+        for path in self.directory.iterdir():
+            rejected = path.name.endswith(REJECTED)
+            if not (rejected or path.name.endswith(SUFFIX)):
+                continue
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # evicted by another process meanwhile
+                continue
+            out.append(StoreEntry(path=path, size=st.st_size, last_used=st.st_mtime, rejected=rejected))
+        return sorted(out, key=lambda e: e.last_used)
+
+    def evict(self, keep: Optional[Path] = None) -> int:
+        """Delete the least recently used entries until the rest fit the cap (rejected entries are
+        kept, and not counted).
+
+        Args:
+          keep: an entry never deleted (the one just written).
+        Returns:
+          The number deleted.
+        """
+        if self.max_size is None:
+            return 0
+        live = [e for e in self.entries() if not e.rejected]
+        total = sum(e.size for e in live)
+        deleted = 0
+        for e in live:
+            if total <= self.max_size:
+                break
+            if e.path == keep:
+                continue
+            e.path.unlink(missing_ok=True)
+            total -= e.size
+            deleted += 1
+        return deleted
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every entry, rejected ones and stray temporary files included.
+
+        Returns:
+          (files deleted, bytes freed).
+        """
+        n = freed = 0
+        for e in self.entries():
+            e.path.unlink(missing_ok=True)
+            n, freed = n + 1, freed + e.size
+        for tmp in self.directory.glob(".*.tmp") if self.directory.is_dir() else ():
+            tmp.unlink(missing_ok=True)
+        return n, freed
 
     def compile(self, jitted, args: tuple, static: dict, name: Optional[str] = None, kwargs: Optional[dict] = None):
         """`jitted.lower(*args, **kwargs, **static).compile()`, or the same program held by this

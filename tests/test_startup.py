@@ -324,8 +324,9 @@ def test_a_program_from_jax_s_cache_is_compiled_again_before_it_is_stored(tmp_pa
 
 
 def test_a_corrupt_stored_program_is_rebuilt_with_a_warning(tmp_path, caplog):
-    """A truncated entry (a crash mid-write elsewhere, a full disk) is a logged warning, the
-    program compiles again and is stored over it; no temporary file is left behind."""
+    """A truncated entry (a crash mid-write elsewhere, a full disk) fails authentication: a logged
+    warning, the entry is moved aside, the program compiles again and is stored; no temporary file
+    is left behind."""
     store = program_store.ProgramStore(tmp_path)
     store.compile(_affine, _affine_args(), dict(scale=5.0))
     (path,) = tmp_path.glob("*" + program_store.SUFFIX)
@@ -333,13 +334,14 @@ def test_a_corrupt_stored_program_is_rebuilt_with_a_warning(tmp_path, caplog):
     program_store._LIVE.clear()
     with caplog.at_level(logging.WARNING, logger="jaxinfer.program_store"), CompileCounter() as c:
         program = store.compile(_affine, _affine_args(), dict(scale=5.0))
-    assert c.cache_hits == 0 and "unreadable" in caplog.text and path.name in caplog.text, caplog.text
+    assert c.cache_hits == 0 and "failed authentication" in caplog.text and path.name in caplog.text, caplog.text
     np.testing.assert_array_equal(program(jnp.ones(4), jnp.ones(4)), jnp.full(4, 6.0))
     program_store._LIVE.clear()
     with CompileCounter() as c:
         store.compile(_affine, _affine_args(), dict(scale=5.0))
     assert (c.count, c.cache_hits, c.traces) == (1, 1, 0)
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    (aside,) = tmp_path.glob("*" + program_store.REJECTED)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, aside.name])
 
 
 def test_a_background_warmup_serves_at_once_with_the_shapes_it_has(model, monkeypatch):
