@@ -126,12 +126,12 @@ def test_background_loop_survives_a_fault_and_a_closed_consumer_loop(model, spec
         loop.close()
         # the engine goes on calling the orphan's waker until it finishes: nothing may break
         assert orphan.result(timeout=60).token_ids == want[4].token_ids
-        assert engine._thread.is_alive()
+        assert engine.background.thread.is_alive()
         _fault_once(monkeypatch, "decode")
         hit = submit(engine, next(s for s in specs if s.max_new_tokens >= 2))
         with pytest.raises(EngineError):
             hit.result(timeout=60)
-        assert engine._thread.is_alive() and engine.healthy
+        assert engine.background.thread.is_alive() and engine.healthy
         after = submit(engine, specs[3])
         assert after.result(timeout=60).token_ids == want[3].token_ids
     finally:

@@ -230,3 +230,24 @@ def test_every_module_imports_alone():
     p = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, f"modules that fail to import alone:\n{p.stderr[-5000:]}"
+
+
+# The serving Engine's parts in layers: a part imports parts of earlier layers only, and none
+# imports engine.py, their one client (serve's other modules, such as runner, live and
+# scheduler, are below all of them).
+ENGINE_PARTS = [("jaxinfer.serve.held", "jaxinfer.serve.sizing"),
+                ("jaxinfer.serve.admission", "jaxinfer.serve.flights"),
+                ("jaxinfer.serve.recovery", "jaxinfer.serve.background"),
+                ("jaxinfer.serve.engine",)]
+
+
+def test_engine_parts_import_one_way():
+    """serve/engine.py is the public face of parts with one job each (ARCHITECTURE.md's serve/):
+    no part reaches back into the Engine or into a part of its own or a later layer."""
+    modules = package_modules()
+    layer = {m: i for i, names in enumerate(ENGINE_PARTS) for m in names}
+    assert set(layer) <= set(modules), sorted(set(layer) - set(modules))
+    backwards = [e for e in import_edges(modules)
+                 if e.src in layer and e.dst in layer and layer[e.dst] >= layer[e.src]]
+    assert not backwards, "imports against the engine's layers:\n" + "\n".join(
+        f"    {e.src} -> {e.dst}  ({e.where}{', lazy' if e.lazy else ''})" for e in backwards)

@@ -24,7 +24,7 @@ from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params, nbytes
 from jaxinfer.serve import Engine
-from jaxinfer.serve import engine as engine_mod
+from jaxinfer.serve import sizing
 from jaxinfer.serve import runner as runner_mod
 from tests.test_serve import assert_same, make_specs, reference, run_staggered, tiny_model
 
@@ -36,12 +36,12 @@ def test_pool_sizes_are_a_few_fixed_ones():
     """pool_size rounds down to 2^k or 3 x 2^(k-1) pages: budgets a little apart get one size
     (the 2,582 and 2,588 pages two starts computed minutes apart), never more than the budget,
     at most a third less."""
-    assert engine_mod.pool_size(2582) == engine_mod.pool_size(2588) == 2048
+    assert sizing.pool_size(2582) == sizing.pool_size(2588) == 2048
     for n in range(2, 5000):
-        p = engine_mod.pool_size(n)
+        p = sizing.pool_size(n)
         assert n * 2 // 3 <= p <= n, n
         assert p & (p - 1) == 0 or (p // 3) & (p // 3 - 1) == 0 and p % 3 == 0, (n, p)
-    assert sorted({engine_mod.pool_size(n) for n in range(1000, 4100)}) == [768, 1024, 1536, 2048, 3072, 4096]
+    assert sorted({sizing.pool_size(n) for n in range(1000, 4100)}) == [768, 1024, 1536, 2048, 3072, 4096]
 
 
 def test_default_pool_does_not_follow_the_free_memory(monkeypatch):
@@ -51,12 +51,12 @@ def test_default_pool_does_not_follow_the_free_memory(monkeypatch):
     page = os.sysconf("SC_PAGE_SIZE")
     mem = {"SC_PHYS_PAGES": (256 << 20) // page, "SC_AVPHYS_PAGES": (200 << 20) // page}
     real = os.sysconf
-    monkeypatch.setattr(engine_mod.os, "sysconf", lambda name: mem.get(name) or real(name))
+    monkeypatch.setattr(sizing.os, "sysconf", lambda name: mem.get(name) or real(name))
     first = Engine(model, max_slots=64)
     mem["SC_AVPHYS_PAGES"] -= first.runner.cache.nbytes // page + 12345
     second = Engine(model, max_slots=64)
     per_page = kv.bytes_per_token(model.config) * kv.PAGE_SIZE
-    assert first.n_pages == second.n_pages == engine_mod.pool_size(int(0.1 * (256 << 20)) // per_page)
+    assert first.n_pages == second.n_pages == sizing.pool_size(int(0.1 * (256 << 20)) // per_page)
 
 
 @pytest.fixture(scope="module")

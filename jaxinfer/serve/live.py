@@ -58,7 +58,7 @@ class Live:
     hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
     # No constraint, stop strings, penalties or top alternatives: a token needs no work of its own
     # but the detokenizer's, and a delivery that does not end the request takes the plain path
-    # (`take_plainly`, `Engine._collect`). Set from the fields above.
+    # (`take_plainly`, `Flights.collect`). Set from the fields above.
     plain: bool = dataclasses.field(init=False)
     stop_set: frozenset = dataclasses.field(init=False, repr=False)  # stop_ids, for `take_plainly`
 
