@@ -141,6 +141,19 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
 ROPE_FREQS = "rope_freqs.weight"
 
 
+def metadata_int(a: Callable, key: str, *, minimum: int, default: Optional[int] = None) -> int:
+    """`{arch}.{key}` as an int >= `minimum` (`default` where absent); a bool, float or string is
+    refused rather than coerced."""
+    v = a(key)
+    if v is None:
+        if default is None:
+            raise GGUFError(f"GGUF metadata {key!r} is missing (an integer >= {minimum})")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise GGUFError(f"GGUF metadata {key} = {v!r} is not allowed: it must be an integer >= {minimum}")
+    return int(v)
+
+
 def _moe_config(a: Callable, arch: str, ffn_dim: int):
     """The MoEConfig of a GGUF with `{arch}.expert_count`; routers jaxinfer does not compute are refused."""
     from jaxinfer.model.config import MoEConfig
@@ -148,16 +161,17 @@ def _moe_config(a: Callable, arch: str, ffn_dim: int):
     gating = a("expert_gating_func")
     if gating not in (None, 0, 1):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
         raise GGUFError(f"expert_gating_func {gating} (sigmoid scores) is not implemented for {arch}: softmax only")
-    if int(a("expert_group_count", 1) or 1) > 1:
+    if metadata_int(a, "expert_group_count", minimum=0, default=1) > 1:
         raise GGUFError("group-limited expert routing (expert_group_count > 1) is not implemented for GGUF files")
     if arch not in NORM_TOP_K:
         raise GGUFError(f"experts in a {arch!r} GGUF are not supported (architectures with experts: "
                         f"{', '.join(NORM_TOP_K)})")
     norm = a("expert_weights_norm")
     scale = float(a("expert_weights_scale", 0.0) or 0.0)
-    shared = int(a("expert_shared_feed_forward_length", ffn_dim)) if arch == "qwen2moe" else 0
-    return MoEConfig(n_experts=int(a("expert_count")), top_k=int(a("expert_used_count")),
-                     expert_ffn_dim=int(a("expert_feed_forward_length", ffn_dim)),
+    shared = metadata_int(a, "expert_shared_feed_forward_length", minimum=0, default=ffn_dim) if arch == "qwen2moe" else 0
+    return MoEConfig(n_experts=metadata_int(a, "expert_count", minimum=1),
+                     top_k=metadata_int(a, "expert_used_count", minimum=1),
+                     expert_ffn_dim=metadata_int(a, "expert_feed_forward_length", minimum=1, default=ffn_dim),
                      norm_top_k=NORM_TOP_K[arch] if norm is None else bool(norm), routed_scale=scale or 1.0,
                      shared_ffn_dim=shared, shared_gate=shared > 0)
 

@@ -300,8 +300,10 @@ def _mla_fields(raw: dict, path: Path) -> dict:
     if raw.get("head_dim") not in (None, raw["qk_rope_head_dim"]):
         raise HFError(f"{path}: head_dim ({raw['head_dim']}) must equal qk_rope_head_dim "
                       f"({raw['qk_rope_head_dim']}): it is the width RoPE rotates")
+    widths = {k: config_int(raw, k, path, minimum=1) for k in keys}
+    q_lora_rank = config_int(raw, "q_lora_rank", path, minimum=0, default=0)
     try:
-        mla = MLAConfig(q_lora_rank=int(raw.get("q_lora_rank") or 0), **{k: int(raw[k]) for k in keys})
+        mla = MLAConfig(q_lora_rank=q_lora_rank, **widths)
     except ValueError as e:
         raise HFError(f"{path}: {e}") from e
     rp = dict(raw.get("rope_scaling") or {}, **(raw.get("rope_parameters") or {}))
@@ -311,26 +313,46 @@ def _mla_fields(raw: dict, path: Path) -> dict:
     return dict(mla=mla, head_dim=mla.qk_head_dim, n_kv_heads=1, query_pre_attn_scalar=scalar)
 
 
+def config_int(raw: dict, key: str, path: Path, *, minimum: int, default: Optional[int] = None) -> int:
+    """raw[key] as an int >= `minimum` (`default` where the key is absent or null, or refused as
+    missing when there is none). A bool, float or string is refused rather than coerced: `true`,
+    2.5 or "2" would otherwise run as 1, 2 and 2 experts."""
+    v = raw.get(key)
+    if v is None:
+        if default is None:
+            raise HFError(f"{path}: missing {key!r} (an integer >= {minimum})")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise HFError(f"{path}: {key} = {json.dumps(v)} is not allowed: it must be an integer >= {minimum}")
+    return v
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # one of them, by family
+
+
 def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
     """The MoEConfig (and OLMoE's whole-projection QK-norm) of a mixture-of-experts family."""
     from jaxinfer.model.config import MoEConfig
 
-    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step") or 1) != 1:
+    sparse_step = config_int(raw, "decoder_sparse_step", path, minimum=1, default=1)
+    if raw.get("mlp_only_layers") or sparse_step != 1:
         raise HFError(f"{path}: dense MLP layers among the mixture-of-experts layers (mlp_only_layers "
                       f"{raw.get('mlp_only_layers')}, decoder_sparse_step {raw.get('decoder_sparse_step')}) are not "
                       "implemented: every layer must be MoE")
-    n_experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
-    if not n_experts or "num_experts_per_tok" not in raw:
+    count_key = next((k for k in EXPERT_COUNT_KEYS if k in raw), None)
+    if count_key is None or "num_experts_per_tok" not in raw:
         raise HFError(f"{path}: {mt} needs num_experts (or num_local_experts, n_routed_experts) and "
                       "num_experts_per_tok")
+    n_experts = config_int(raw, count_key, path, minimum=1)
+    top_k = config_int(raw, "num_experts_per_tok", path, minimum=1)
     moe_width = mt in ("qwen3_moe", "qwen2_moe") + MLA_MODEL_TYPES
-    width = raw.get("moe_intermediate_size") if moe_width else raw.get("intermediate_size")
-    shared = int(raw.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+    width = config_int(raw, "moe_intermediate_size" if moe_width else "intermediate_size", path, minimum=1)
+    shared = config_int(raw, "shared_expert_intermediate_size", path, minimum=0, default=0) if mt == "qwen2_moe" else 0
     out: dict = {}
     kw: dict = dict(norm_top_k=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)))
     if mt in MLA_MODEL_TYPES:
         kw.update(_deepseek_router(raw, mt, path))
-        shared = int(width) * int(raw.get("n_shared_experts") or 0)
+        shared = width * config_int(raw, "n_shared_experts", path, minimum=0, default=0)
     if mt == "gpt_oss":  # biased logits, softmax over the top k; experts with biases, clamped SwiGLU
         kw = dict(score="softmax_topk", router_logit_bias=True, expert_bias=True,
                   swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
@@ -341,8 +363,7 @@ def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
             raise HFError(f"{path}: olmoe's q_norm is sized hidden_size, so heads x head_dim must equal it")
         out["qk_norm_whole"] = True
     try:
-        out["moe"] = MoEConfig(n_experts=int(n_experts), top_k=int(raw["num_experts_per_tok"]),
-                               expert_ffn_dim=int(width), shared_ffn_dim=shared,
+        out["moe"] = MoEConfig(n_experts=n_experts, top_k=top_k, expert_ffn_dim=width, shared_ffn_dim=shared,
                                shared_gate=shared > 0 and mt == "qwen2_moe", **kw)
     except (TypeError, ValueError) as e:
         raise HFError(f"{path}: {e}") from e
@@ -354,12 +375,13 @@ def _deepseek_router(raw: dict, mt: str, path: Path) -> dict:
     scored by its best expert; the k weights never renormalised, as transformers' V2 router) and V3
     (sigmoid with a correction bias, groups scored by their two best, norm_topk_prob); both in
     float32, scaled by routed_scaling_factor, the first first_k_dense_replace layers dense."""
-    if int(raw.get("moe_layer_freq") or 1) != 1:
+    if config_int(raw, "moe_layer_freq", path, minimum=1, default=1) != 1:
         raise HFError(f"{path}: moe_layer_freq {raw['moe_layer_freq']} is not implemented (every layer after "
                       "first_k_dense_replace must be MoE)")
-    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    n_group = config_int(raw, "n_group", path, minimum=1, default=1)
+    topk_group = config_int(raw, "topk_group", path, minimum=1, default=1)
     out = dict(router_float32=True, routed_scale=float(raw.get("routed_scaling_factor") or 1.0),
-               first_dense=int(raw.get("first_k_dense_replace") or 0))
+               first_dense=config_int(raw, "first_k_dense_replace", path, minimum=0, default=0))
     if mt == "deepseek_v3":
         return dict(out, score="sigmoid", score_bias=True, n_groups=n_group, top_k_groups=topk_group,
                     group_score="top2_sum")
