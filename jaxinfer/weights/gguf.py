@@ -3,6 +3,7 @@
 The `gguf` package parses the file and dequantizes every block type (Q4_0/1, Q5_x, Q8_0,
 k-quants, F16, BF16, F32 ...) in numpy; nothing here assumes a particular quantization.
 
+Tensors are mapped by one table, `GGUF_LAYER_TABLE` + `GGUF_TOP_TABLE` (`jaxinfer.weights.names`).
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-style models so that
 its RoPE can rotate adjacent pairs; we undo that permutation (as Hugging Face does) and use the
 "rotate half" RoPE of the original checkpoints.
@@ -10,7 +11,7 @@ its RoPE can rotate adjacent pairs; we undo that permutation (as Hugging Face do
 Mixture-of-experts models (`qwen3moe`, `qwen2moe`, `olmoe`, and `llama` with experts: Mixtral)
 store each layer's experts as 3-D tensors: `ffn_gate_inp` (the router) [X, D], `ffn_gate_exps` and
 `ffn_up_exps` [X, Fe, D] (or one `ffn_gate_up_exps` [X, 2Fe, D]), `ffn_down_exps` [X, D, Fe], and
-a shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp` [D] (numpy order). The
+a shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp` [D] or [1, D] (numpy order). The
 metadata does not say whether the top-k weights are renormalised: llama.cpp decides by
 architecture (qwen3moe and llama yes, qwen2moe and olmoe no), and so does `read_config`, unless
 the file carries `{arch}.expert_weights_norm`.
@@ -243,9 +244,8 @@ def dequantize(tensor) -> np.ndarray:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation. w: [heads * H, D_in] -> same shape, HF row order."""
-    rows = w.shape[0]
-    half = rows // n_heads // 2
+    """Undo llama.cpp's Q/K row permutation. w: [heads * H, D] -> same shape, HF row order."""
+    half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

@@ -11,12 +11,16 @@ the whole projection), `deepseek_v2` / `deepseek_v3` (multi-head latent attentio
 layers, grouped routing) and `gpt_oss` (attention sinks, alternating windows, expert biases,
 MXFP4 experts dequantized on load, `mxfp4_dequantize`). Config fields jaxinfer does not
 implement (a RoPE type, partial rotary, an attention variant, an activation, dense layers among
-MoE ones) are refused by name. Hugging Face keeps the original "rotate half" Q/K layout, so no
-permutation is needed, but for DeepSeek's interleaved RoPE rows (`_rope_rows`); Gemma's RMSNorm
-multiplies by (1 + w), and we fold the 1 in on load. Experts are read as `save_pretrained`
-writes them (one tensor per expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj`
-[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout; gpt-oss's own
-[X, D, 2Fe] with gate and up interleaved).
+MoE ones) are refused by name, as is an integer size of the wrong type or range (`config_int`).
+
+Tensors are mapped by one table, `HF_LAYER_TABLE` + `HF_TOP_TABLE` (`jaxinfer.weights.names`):
+each stored name -> a jaxinfer param, its stored shape, and its transforms in words. Hugging Face
+keeps the original "rotate half" Q/K layout, so no permutation is needed, but for DeepSeek's
+interleaved RoPE rows (`rope_rows`); Gemma's RMSNorm multiplies by (1 + w), and the 1 is folded
+in on load (`plus_one`). Experts are read as `save_pretrained` writes them (one tensor per
+expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj` [X, 2Fe, D],
+`experts.down_proj` [X, D, Fe], transformers 5's in-memory layout; gpt-oss's own [X, D, 2Fe]
+with gate and up interleaved).
 """
 
 from __future__ import annotations
@@ -207,7 +211,7 @@ def _refuse_unsupported(raw: dict, mt: Optional[str], path: Path) -> None:
         raise HFError(f"{path}: mlp_bias / attention_bias on {mt} are not supported")
     quant = (raw.get("quantization_config") or {}).get("quant_method")
     # "gguf": transformers saved the dequantized float weights; gpt-oss's "mxfp4" experts are
-    # dequantized on load (`_mxfp4`)
+    # dequantized on load (the "mxfp4" word of HF_LAYER_TABLE)
     if quant not in (None, "gguf") and not (mt == "gpt_oss" and quant == "mxfp4"):
         raise HFError(f"{path}: quantized checkpoint (quantization_config quant_method {quant!r}) is not "
                       "supported; jaxinfer reads float safetensors (quantize after loading with quant=)")
@@ -551,13 +555,13 @@ def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4 -> float32, as transformers' `convert_moe_packed_tensors` (without its final transpose).
 
     Args:
-      blocks: [..., G, 16] uint8: two 4-bit E2M1 codes a byte, the low nibble first.
-      scales: [..., G] uint8: each block of 32 values' power-of-two exponent, biased by 127.
+      blocks: [..., n_blocks, 16] uint8: two 4-bit E2M1 codes a byte, the low nibble first.
+      scales: [..., n_blocks] uint8: each block of 32 values' power-of-two exponent, biased by 127.
     Returns:
-      [..., G * 32] float32.
+      [..., n_blocks * 32] float32.
     """
     lo, hi = _FP4[blocks & 0x0F], _FP4[blocks >> 4]
-    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)  # [..., G, 32]
+    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)  # [..., n_blocks, 32]
     vals = np.ldexp(vals, (scales.astype(np.int32) - 127)[..., None])
     return vals.reshape(*blocks.shape[:-2], -1).astype(np.float32)
 

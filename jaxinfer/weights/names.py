@@ -19,7 +19,8 @@ Rule fields (strings, read by `expand`):
   layer: the param's leading index, a size expression in i ("i", "i - first_dense"); "" for a
     top-level param (embed, final_norm, lm_head).
   at: leading offsets into the (layer) slice where the value goes ("e, Fe": expert e's up rows);
-    "" fills the whole slice. A value placed `at` keeps its own shape after the transforms.
+    "" fills the whole slice. A value placed `at` keeps its stored shape (transposed, where
+    "transpose"); such a rule takes no host words.
 Sizes are the shape letters of `jaxinfer.model.config` plus `i`, `e` and `first_dense`.
 """
 
@@ -148,6 +149,8 @@ def _place(rule: Rule, sizes, flags, i, e, naming, steps) -> Placement:
             raise ValueError(f"rule {rule.name!r}: {word!r} comes after {device}; host words come first")
         fname, _, args = word.partition("(")
         fns.append(_bind(steps[fname], size(f"({args[:-1]},)", sizes) if args else ()))
+    if rule.at and fns:
+        raise ValueError(f"rule {rule.name!r}: a rule placed `at` takes no host words ({words})")
     if device not in ([], ["transpose"], ["plus_one"], ["transpose", "plus_one"]):
         raise ValueError(f"rule {rule.name!r}: device words {device} (transpose, then plus_one)")
     shapes = tuple(_shape(alt, sizes) for alt in rule.shape.split(" | "))
