@@ -450,7 +450,7 @@ def _expert_names(tensor_names, raw: Optional[dict] = None) -> _ExpertNames:
 # RMSNorm multiplies by (1 + w), hence "plus_one if gemma". Experts are output-major in jaxinfer
 # too (`params._moe_specs`), so they are not transposed: expert e's gate [Fe, D] goes to
 # we_gate_up[l, e, :Fe], its up to we_gate_up[l, e, Fe:], its down [D, Fe] to we_down[l, e]; with
-# dense first layers the MoE params' rows count the MoE layers only (i - first_dense).
+# dense first layers the MoE params' leading index counts the MoE layers only (i - first_dense).
 _P = "model.layers.{i}."
 _M = _P + "{block}."  # a layer's mixture-of-experts block
 HF_LAYER_TABLE = (

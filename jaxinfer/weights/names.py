@@ -18,7 +18,7 @@ Rule fields (strings, read by `expand`):
   when: flags that must all hold ("qkv_bias", "mla and not q_lora"; "" always).
   layer: the param's leading index, a size expression in i ("i", "i - first_dense"); "" for a
     top-level param (embed, final_norm, lm_head).
-  at: leading offsets into the (layer) slice where the value goes ("e, Fe": expert e's up rows);
+  at: leading offsets into the (layer) slice where the value goes ("e, Fe": expert e's up half);
     "" fills the whole slice. A value placed `at` keeps its stored shape (transposed, where
     "transpose"); such a rule takes no host words.
 Sizes are the shape letters of `jaxinfer.model.config` plus `i`, `e` and `first_dense`.
