@@ -16,8 +16,8 @@ Rule fields (strings, read by `expand`):
     " if FLAG": applied where the model has FLAG. After them, the value is reshaped to the param's
     (layer) slice, e.g. q_proj [N*H, D] -> transpose -> wq[l] [D, N, H].
   when: flags that must all hold ("qkv_bias", "mla and not q_lora"; "" always).
-  layer: the param's leading index, a size expression in i ("i", "i - first_dense"); "" for a
-    top-level param (embed, final_norm, lm_head).
+  layer: for a name with "{i}", the param's leading index, a size expression in i ("i",
+    "i - first_dense"); a name without "{i}" is a top-level param (embed, final_norm, lm_head).
   at: leading offsets into the (layer) slice where the value goes ("e, Fe": expert e's up half);
     "" fills the whole slice. A value placed `at` keeps its stored shape (transposed, where
     "transpose"); such a rule takes no host words.
@@ -111,8 +111,8 @@ def holds(when: str, flags: Mapping[str, bool]) -> bool:
 
 
 def expand(table: tuple[Rule, ...], sizes: Mapping[str, int], flags: Mapping[str, bool], *,
-           i: Optional[int] = None, naming: Mapping[str, str] = {},
-           steps: Mapping[str, Callable[..., np.ndarray]] = {}) -> list[Placement]:
+           i: Optional[int] = None, naming: Optional[Mapping[str, str]] = None,
+           steps: Optional[Mapping[str, Callable[..., np.ndarray]]] = None) -> list[Placement]:
     """The placements of the rules that hold, in table order.
 
     Args:
@@ -124,6 +124,7 @@ def expand(table: tuple[Rule, ...], sizes: Mapping[str, int], flags: Mapping[str
       steps: host functions by word; a word "w(a, b)" calls steps["w"](x, a, b) with sizes a, b.
     """
     sizes = dict(sizes, i=i) if i is not None else dict(sizes)
+    naming, steps = naming or {}, steps or {}
     out = []
     for rule in table:
         if not holds(rule.when, flags):
@@ -155,7 +156,7 @@ def _place(rule: Rule, sizes, flags, i, e, naming, steps) -> Placement:
         raise ValueError(f"rule {rule.name!r}: device words {device} (transpose, then plus_one)")
     shapes = tuple(_shape(alt, sizes) for alt in rule.shape.split(" | "))
     return Placement(
-        key=rule.key, layer=size(rule.layer, sizes) if rule.layer and "{i}" in rule.name else None,
+        key=rule.key, layer=size(rule.layer, sizes) if "{i}" in rule.name else None,
         name=rule.name.format(i=i, e=e, **naming), shapes=shapes, steps=tuple(fns), words=tuple(words),
         transpose="transpose" in device, plus_one="plus_one" in device,
         shape=(shapes[0][::-1] if "transpose" in device else shapes[0]) if rule.at else None,
