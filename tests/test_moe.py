@@ -460,6 +460,71 @@ def test_unimplemented_moe_configs_refused_by_name(tmp_path, family, changes, na
     assert named in _config_error(tmp_path, family, **changes)
 
 
+@pytest.mark.parametrize("family,changes,named", [
+    ("qwen3_moe", {"num_experts_per_tok": True}, "num_experts_per_tok = true is not allowed"),
+    ("qwen3_moe", {"num_experts_per_tok": 2.5}, "num_experts_per_tok = 2.5 is not allowed"),
+    ("qwen3_moe", {"num_experts_per_tok": "2"}, 'num_experts_per_tok = "2" is not allowed'),
+    ("qwen3_moe", {"num_experts_per_tok": 2.0}, "num_experts_per_tok = 2.0 is not allowed"),
+    ("qwen3_moe", {"num_local_experts": "8"}, 'num_local_experts = "8" is not allowed'),
+    ("qwen3_moe", {"moe_intermediate_size": 64.0}, "moe_intermediate_size = 64.0 is not allowed"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step = 0 is not allowed: it must be an integer >= 1"),
+    ("qwen2_moe", {"decoder_sparse_step": True}, "decoder_sparse_step = true is not allowed"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": "96"}, 'shared_expert_intermediate_size = "96" is not allowed'),
+    ("qwen2_moe", {"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size = -1 is not allowed"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts = 0 is not allowed: it must be an integer >= 1"),
+    ("mixtral", {"intermediate_size": False}, "intermediate_size = false is not allowed"),
+    ("olmoe", {"num_experts": 8.0}, "num_experts = 8.0 is not allowed"),
+    ("deepseek_v3", {"n_routed_experts": -1}, "n_routed_experts = -1 is not allowed"),
+    ("deepseek_v3", {"n_group": "4"}, 'n_group = "4" is not allowed'),
+    ("deepseek_v3", {"n_group": 0}, "n_group = 0 is not allowed: it must be an integer >= 1"),
+    ("deepseek_v3", {"topk_group": 2.0}, "topk_group = 2.0 is not allowed"),
+    ("deepseek_v3", {"first_k_dense_replace": -1}, "first_k_dense_replace = -1 is not allowed: it must be an integer >= 0"),
+    ("deepseek_v3", {"first_k_dense_replace": True}, "first_k_dense_replace = true is not allowed"),
+    ("deepseek_v3", {"n_shared_experts": 1.5}, "n_shared_experts = 1.5 is not allowed"),
+    ("deepseek_v3", {"moe_layer_freq": 0}, "moe_layer_freq = 0 is not allowed"),
+    ("deepseek_v3", {"q_lora_rank": "24"}, 'q_lora_rank = "24" is not allowed'),
+    ("deepseek_v3", {"kv_lora_rank": 16.0}, "kv_lora_rank = 16.0 is not allowed"),
+    ("deepseek_v2", {"v_head_dim": True}, "v_head_dim = true is not allowed"),
+    ("deepseek_v2", {"qk_nope_head_dim": 0}, "qk_nope_head_dim = 0 is not allowed"),
+])
+def test_moe_config_values_of_the_wrong_type_or_range_refused_by_name(tmp_path, family, changes, named):
+    """An integer MoE / MLA key holding a bool, float or string, or a value below its minimum, is
+    refused naming the key, the value and what is allowed, never coerced (true -> 1, 2.5 -> 2)."""
+    assert named in _config_error(tmp_path, family, **changes)
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("expert_used_count", 2.5, "expert_used_count = 2.5 is not allowed"),
+    ("expert_used_count", True, "expert_used_count = True is not allowed"),
+    ("expert_used_count", "2", "expert_used_count = '2' is not allowed"),
+    ("expert_feed_forward_length", 0, "expert_feed_forward_length = 0 is not allowed: it must be an integer >= 1"),
+])
+def test_gguf_moe_metadata_of_the_wrong_type_refused_by_name(tmp_path, key, value, named):
+    import gguf
+
+    from jaxinfer.weights import gguf as gguf_io
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_vocab_size(4)
+    w.add_expert_count(8)
+    if key != "expert_used_count":
+        w.add_expert_used_count(2)
+    add = {bool: w.add_bool, float: w.add_float32, str: w.add_string, int: w.add_uint32}[type(value)]
+    add(f"qwen3moe.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(gguf_io.GGUFError, match=named.replace(".", r"\.")):
+        gguf_io.read_config(gguf_io.open_gguf(str(path)))
+
+
 @pytest.mark.parametrize("arch,named", [("deepseek2", "multi-head latent attention from GGUF is not implemented"),
                                          ("gpt-oss", "attention sinks and MXFP4 experts from GGUF are not implemented")])
 def test_unimplemented_gguf_architectures_refused_by_name(tmp_path, arch, named):

@@ -39,12 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model import params as prm
+from jaxinfer.model import params as model_params
 from jaxinfer.model.config import DTYPES, ModelConfig
 from jaxinfer.text.tokenizer import TokenizerData
 from jaxinfer.weights import gguf as gguf_io
 from jaxinfer.weights import hf as hf_io
-from jaxinfer.weights import load_tokenizer as lt
+from jaxinfer.weights import load_tokenizer
 from jaxinfer.weights import source as sources
 from jaxinfer.weights.hub import sha256_file
 from jaxinfer.weights.source import is_checkpoint  # noqa: F401  (part of this module's interface)
@@ -52,8 +52,8 @@ from jaxinfer.weights.source import is_checkpoint  # noqa: F401  (part of this m
 FORMAT = "jaxinfer-checkpoint"
 VERSION = 1
 MARKER = sources.CHECKPOINT_MARKER
-TOKENIZER_FILE = lt.TOKENIZER_DATA_FILE
-HF_TOKENIZER_DIR = lt.HF_TOKENIZER_DIR
+TOKENIZER_FILE = load_tokenizer.TOKENIZER_DATA_FILE
+HF_TOKENIZER_DIR = load_tokenizer.HF_TOKENIZER_DIR
 PARAMS_DIR = "params"
 PARTIAL = ".partial-"  # infix of the temporary folder a save writes into
 
@@ -121,7 +121,7 @@ def save(path: os.PathLike, cfg: ModelConfig, params, tokenizer: Union[Tokenizer
     dtype = dtype or cfg.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    prm.require_layout(cfg, "stacked", "checkpoint.save")
+    model_params.require_layout(cfg, "stacked", "checkpoint.save")
     dest = Path(path).absolute()
     check_replaceable(dest, overwrite)
     cfg = cfg.replace(dtype=dtype)
@@ -159,7 +159,7 @@ def _write_tokenizer(tmp: Path, tokenizer: Union[TokenizerData, os.PathLike, Non
     if isinstance(tokenizer, TokenizerData):
         (tmp / TOKENIZER_FILE).write_text(json.dumps(dataclasses.asdict(tokenizer), ensure_ascii=False))
     elif tokenizer is not None:
-        lt.copy_hf_tokenizer(str(tokenizer), str(tmp / HF_TOKENIZER_DIR))
+        load_tokenizer.copy_hf_tokenizer(str(tokenizer), str(tmp / HF_TOKENIZER_DIR))
 
 
 def _write_marker(tmp: Path, cfg: ModelConfig, params, source: Optional[str], checksums: bool) -> None:
@@ -268,7 +268,7 @@ def read_tokenizer(path: os.PathLike) -> Optional[TokenizerData]:
     """The GGUF tokenizer data stored in a checkpoint, or None if it has none (a checkpoint of a
     Hugging Face folder keeps the folder's files instead: see `jaxinfer.load_tokenizer`)."""
     try:
-        return lt.read_tokenizer_data(str(Path(path) / TOKENIZER_FILE))
+        return load_tokenizer.read_tokenizer_data(str(Path(path) / TOKENIZER_FILE))
     except ValueError as e:
         raise CheckpointError(str(e)) from e
 
@@ -297,7 +297,7 @@ def _check_files(folder: Path, meta: dict, verify: Optional[bool]) -> None:
 
 def _check_tree(tree_shapes, cfg: ModelConfig, where: str) -> None:
     """Every tensor the config needs is present with its shape, and nothing else."""
-    want = {k: tuple(s.shape) for k, s in _tree_paths(prm.abstract_params(cfg)).items()}
+    want = {k: tuple(s.shape) for k, s in _tree_paths(model_params.abstract_params(cfg)).items()}
     have = {k: tuple(getattr(v, "shape", v)) for k, v in _tree_paths(tree_shapes).items()}
     missing = sorted(set(want) - set(have))
     if missing:
@@ -322,9 +322,8 @@ def restore(path: os.PathLike, dtype: Optional[str] = None, *, shardings=None,
       verify: check every file's sha256 against the marker. None (default): whenever the marker
         records checksums (`save` does unless told not to), so bytes changed in place are caught
         by `load` and by `convert` from a checkpoint; True: require checksums; False: sizes only
-        (sizes are always checked). Costs one more read of the files: measured 0.17 s for the
-        211 MB bf16 SmolLM2-135M checkpoint (in the page cache, 2-core CPU), next to ~1 s for
-        the restore itself.
+        (sizes are always checked). Costs one more read of the files, a fraction of the restore's
+        own time (docs/refusals.md).
     Returns:
       (config with `dtype` set, params pytree, tokenizer data or None).
     Raises:
@@ -347,7 +346,7 @@ def restore(path: os.PathLike, dtype: Optional[str] = None, *, shardings=None,
         except Exception as e:  # orbax raises many types for unreadable metadata
             raise CheckpointError(f"{folder / PARAMS_DIR}: cannot read orbax metadata: {e}") from e
         _check_tree(stored, cfg, where=f"checkpoint {folder}")
-        target = prm.abstract_params(cfg, dtype)
+        target = model_params.abstract_params(cfg, dtype)
         if shardings is None:
             one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             shardings = jax.tree.map(lambda _: one, target)
@@ -409,7 +408,7 @@ def read_source(source: str, *, cache: Optional[str] = None, progress=None) -> S
         return SourceModel(cfg, jax.tree.map(np.asarray, params), str(hf_dir) if hf_dir.is_dir() else tok,
                            "checkpoint")
     if src.kind == "huggingface":
-        lt.tokenizer_of(src)  # a tokenizer jaxinfer refuses fails here, before the slow read
+        load_tokenizer.tokenizer_of(src)  # a tokenizer jaxinfer refuses fails here, before the slow read
         cfg = hf_io.read_config(src.path)
         return SourceModel(cfg, hf_io.read_params(src.path, cfg, progress), src.path, "huggingface")
     g = gguf_io.read_gguf(src.path, name=src.name, progress=progress)
@@ -442,4 +441,4 @@ def convert(source: str, out: os.PathLike, *, dtype: str = "bfloat16", overwrite
     path = save(out, cfg, m.params, m.tokenizer, dtype=dtype, source=str(source), overwrite=overwrite)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return Converted(path=path, config=cfg.replace(dtype=dtype), source_kind=m.kind,
-                     n_params=prm.count(m.params), bytes_on_disk=size)
+                     n_params=model_params.count(m.params), bytes_on_disk=size)

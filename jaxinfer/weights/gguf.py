@@ -3,6 +3,7 @@
 The `gguf` package parses the file and dequantizes every block type (Q4_0/1, Q5_x, Q8_0,
 k-quants, F16, BF16, F32 ...) in numpy; nothing here assumes a particular quantization.
 
+Tensors are mapped by one table, `GGUF_LAYER_TABLE` + `GGUF_TOP_TABLE` (`jaxinfer.weights.names`).
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-style models so that
 its RoPE can rotate adjacent pairs; we undo that permutation (as Hugging Face does) and use the
 "rotate half" RoPE of the original checkpoints.
@@ -10,7 +11,7 @@ its RoPE can rotate adjacent pairs; we undo that permutation (as Hugging Face do
 Mixture-of-experts models (`qwen3moe`, `qwen2moe`, `olmoe`, and `llama` with experts: Mixtral)
 store each layer's experts as 3-D tensors: `ffn_gate_inp` (the router) [X, D], `ffn_gate_exps` and
 `ffn_up_exps` [X, Fe, D] (or one `ffn_gate_up_exps` [X, 2Fe, D]), `ffn_down_exps` [X, D, Fe], and
-a shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp` [D] (numpy order). The
+a shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp` [D] or [1, D] (numpy order). The
 metadata does not say whether the top-k weights are renormalised: llama.cpp decides by
 architecture (qwen3moe and llama yes, qwen2moe and olmoe no), and so does `read_config`, unless
 the file carries `{arch}.expert_weights_norm`.
@@ -26,6 +27,7 @@ import numpy as np
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.text.tokenizer import TokenizerData
+from jaxinfer.weights import names
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", "qwen3moe", "qwen2moe", "olmoe")
@@ -141,6 +143,19 @@ def read_config(reader, name: str = "gguf") -> ModelConfig:
 ROPE_FREQS = "rope_freqs.weight"
 
 
+def metadata_int(a: Callable, key: str, *, minimum: int, default: Optional[int] = None) -> int:
+    """`{arch}.{key}` as an int >= `minimum` (`default` where absent); a bool, float or string is
+    refused rather than coerced."""
+    v = a(key)
+    if v is None:
+        if default is None:
+            raise GGUFError(f"GGUF metadata {key!r} is missing (an integer >= {minimum})")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise GGUFError(f"GGUF metadata {key} = {v!r} is not allowed: it must be an integer >= {minimum}")
+    return int(v)
+
+
 def _moe_config(a: Callable, arch: str, ffn_dim: int):
     """The MoEConfig of a GGUF with `{arch}.expert_count`; routers jaxinfer does not compute are refused."""
     from jaxinfer.model.config import MoEConfig
@@ -148,16 +163,17 @@ def _moe_config(a: Callable, arch: str, ffn_dim: int):
     gating = a("expert_gating_func")
     if gating not in (None, 0, 1):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
         raise GGUFError(f"expert_gating_func {gating} (sigmoid scores) is not implemented for {arch}: softmax only")
-    if int(a("expert_group_count", 1) or 1) > 1:
+    if metadata_int(a, "expert_group_count", minimum=0, default=1) > 1:
         raise GGUFError("group-limited expert routing (expert_group_count > 1) is not implemented for GGUF files")
     if arch not in NORM_TOP_K:
         raise GGUFError(f"experts in a {arch!r} GGUF are not supported (architectures with experts: "
                         f"{', '.join(NORM_TOP_K)})")
     norm = a("expert_weights_norm")
     scale = float(a("expert_weights_scale", 0.0) or 0.0)
-    shared = int(a("expert_shared_feed_forward_length", ffn_dim)) if arch == "qwen2moe" else 0
-    return MoEConfig(n_experts=int(a("expert_count")), top_k=int(a("expert_used_count")),
-                     expert_ffn_dim=int(a("expert_feed_forward_length", ffn_dim)),
+    shared = metadata_int(a, "expert_shared_feed_forward_length", minimum=0, default=ffn_dim) if arch == "qwen2moe" else 0
+    return MoEConfig(n_experts=metadata_int(a, "expert_count", minimum=1),
+                     top_k=metadata_int(a, "expert_used_count", minimum=1),
+                     expert_ffn_dim=metadata_int(a, "expert_feed_forward_length", minimum=1, default=ffn_dim),
                      norm_top_k=NORM_TOP_K[arch] if norm is None else bool(norm), routed_scale=scale or 1.0,
                      shared_ffn_dim=shared, shared_gate=shared > 0)
 
@@ -228,99 +244,89 @@ def dequantize(tensor) -> np.ndarray:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation. w: [heads * H, D_in] -> same shape, HF row order."""
-    rows = w.shape[0]
-    half = rows // n_heads // 2
+    """Undo llama.cpp's Q/K row permutation. w: [heads * H, D] -> same shape, HF row order."""
+    half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# Every tensor of a GGUF model, in read order (`jaxinfer.weights.names` says how to read a rule).
+# GGUF's numpy order is [out, in], hence "transpose"; llama.cpp's converter permutes the Q and K
+# rows of the llama architecture (`unpermute`); Gemma's norms already hold 1 + w; the experts stay
+# output-major, as jaxinfer keeps them (`params._moe_specs`), gate and up as one [X, 2Fe, D].
+_B = "blk.{i}."
+GGUF_LAYER_TABLE = (
+    names.Rule("attn_norm", _B + "attn_norm.weight", "D"),
+    names.Rule("wq", _B + "attn_q.weight", "N*H, D", ("unpermute(N) if llama", "transpose")),
+    names.Rule("wk", _B + "attn_k.weight", "K*H, D", ("unpermute(K) if llama", "transpose")),
+    names.Rule("wv", _B + "attn_v.weight", "K*H, D", ("transpose",)),
+    names.Rule("wo", _B + "attn_output.weight", "D, N*H", ("transpose",)),
+    names.Rule("ffn_norm", _B + "ffn_norm.weight", "D"),  # Gemma 3: pre_feedforward_layernorm
+    names.Rule("w_gate", _B + "ffn_gate.weight", "F, D", ("transpose",), when="not moe"),
+    names.Rule("w_up", _B + "ffn_up.weight", "F, D", ("transpose",), when="not moe"),
+    names.Rule("w_down", _B + "ffn_down.weight", "D, F", ("transpose",), when="not moe"),
+    names.Rule("router", _B + "ffn_gate_inp.weight", "X, D", when="moe"),
+    names.Rule("we_gate_up", _B + "ffn_gate_up_exps.weight", "X, 2*Fe, D", when="moe and fused_experts"),
+    names.Rule("we_gate_up", _B + "ffn_gate_exps.weight", "X, Fe, D", when="moe and not fused_experts", at="0, 0"),
+    names.Rule("we_gate_up", _B + "ffn_up_exps.weight", "X, Fe, D", when="moe and not fused_experts", at="0, Fe"),
+    names.Rule("we_down", _B + "ffn_down_exps.weight", "X, D, Fe", when="moe"),
+    names.Rule("ws_gate", _B + "ffn_gate_shexp.weight", "Fs, D", ("transpose",), when="shared_expert"),
+    names.Rule("ws_up", _B + "ffn_up_shexp.weight", "Fs, D", ("transpose",), when="shared_expert"),
+    names.Rule("ws_down", _B + "ffn_down_shexp.weight", "D, Fs", ("transpose",), when="shared_expert"),
+    names.Rule("shared_gate", _B + "ffn_gate_inp_shexp.weight", "D | 1, D", when="shared_gate"),
+    names.Rule("bq", _B + "attn_q.bias", "N*H", when="qkv_bias"),
+    names.Rule("bk", _B + "attn_k.bias", "K*H", when="qkv_bias"),
+    names.Rule("bv", _B + "attn_v.bias", "K*H", when="qkv_bias"),
+    names.Rule("q_norm", _B + "attn_q_norm.weight", "H", when="qk_norm"),
+    names.Rule("k_norm", _B + "attn_k_norm.weight", "H", when="qk_norm"),
+    names.Rule("q_norm", _B + "attn_q_norm.weight", "N*H", when="qk_norm_whole"),  # OLMoE
+    names.Rule("k_norm", _B + "attn_k_norm.weight", "K*H", when="qk_norm_whole"),
+    names.Rule("post_attn_norm", _B + "post_attention_norm.weight", "D", when="post_norms"),
+    names.Rule("post_ffn_norm", _B + "post_ffw_norm.weight", "D", when="post_norms"),
+)
+GGUF_TOP_TABLE = (
+    names.Rule("embed", "token_embd.weight", "V, D"),
+    names.Rule("final_norm", "output_norm.weight", "D"),
+    names.Rule("lm_head", "output.weight", "V, D", ("transpose",), when="untied"),
+)
+GGUF_STEPS = {"unpermute": lambda w, heads: unpermute_qk(w, heads)}
+
+
+def _placements(cfg: ModelConfig, arch: str, tensor_names) -> list[names.Placement]:
+    """Every tensor the model needs, in read order (layer weights first, then the top level)."""
+    L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           cfg.ffn_dim, cfg.vocab_size)
+    sizes = dict(L=L, D=D, N=N, K=K, H=H, F=F, V=V)
+    m = cfg.moe
+    if m is not None:
+        sizes.update(X=m.n_experts, Fe=m.expert_ffn_dim, Fs=m.shared_ffn_dim)
+    flags = dict(llama=arch == "llama", moe=m is not None, untied=not cfg.tie_embeddings,
+                 fused_experts=any(n.endswith(".ffn_gate_up_exps.weight") for n in tensor_names),
+                 shared_expert=m is not None and m.shared_ffn_dim > 0, shared_gate=m is not None and m.shared_gate,
+                 qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm and not cfg.qk_norm_whole,
+                 qk_norm_whole=cfg.qk_norm and cfg.qk_norm_whole, post_norms=cfg.post_norms)
+    out = []
+    for i in range(L):
+        out += names.expand(GGUF_LAYER_TABLE, sizes, flags, i=i, steps=GGUF_STEPS)
+    return out + names.expand(GGUF_TOP_TABLE, sizes, flags, steps=GGUF_STEPS)
 
 
 def read_params(reader, cfg: ModelConfig, arch: str,
                 progress: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Dequantize every tensor into the jaxinfer params layout (numpy float32, layers stacked)."""
+    """Dequantize every tensor into the jaxinfer params layout (numpy float32, layers stacked).
+    Every tensor's presence and shape is checked before any is dequantized."""
+    from jaxinfer.model import params as model_params
+
     tensors = {t.name: t for t in reader.tensors}
+    placements = _placements(cfg, arch, tensors)
+    for p in placements:
+        if p.name not in tensors:
+            raise GGUFError(f"GGUF is missing tensor {p.name!r}")
+        bad = names.shape_error(p, tuple(reversed(tensors[p.name].shape)))
+        if bad:
+            raise GGUFError(bad)
     total = len(tensors) - (ROPE_FREQS in tensors)  # rope_freqs is read with the config
-    done = 0
-
-    def get(name: str, shape: Optional[tuple] = None) -> np.ndarray:
-        nonlocal done
-        if name not in tensors:
-            raise GGUFError(f"GGUF is missing tensor {name!r}")
-        arr = dequantize(tensors[name])
-        if shape is not None and arr.shape != shape:
-            raise GGUFError(f"tensor {name!r} has shape {arr.shape}, expected {shape}")
-        done += 1
-        if progress:
-            progress(done, total)
-        return arr
-
-    layers: dict[str, list[np.ndarray]] = {}
-    for i in range(cfg.n_layers):
-        for key, arr in _layer_params(get, tensors.__contains__, cfg, f"blk.{i}.", permute=arch == "llama").items():
-            layers.setdefault(key, []).append(arr)
-    V, D = cfg.vocab_size, cfg.d_model
-    params = {
-        "embed": get("token_embd.weight", (V, D)),
-        "layers": {k: np.stack(v) for k, v in layers.items()},
-        "final_norm": get("output_norm.weight"),
-    }
-    if not cfg.tie_embeddings:
-        params["lm_head"] = get("output.weight", (V, D)).T
-    return params
-
-
-def _layer_params(get: Callable, has: Callable[[str], bool], cfg: ModelConfig, p: str,
-                  permute: bool) -> dict[str, np.ndarray]:
-    """One layer's weights, named and shaped as jaxinfer's (`p` is the GGUF prefix "blk.{i}.").
-
-    get(name, shape) reads and checks a tensor; has(name) says whether the file holds one.
-    permute: undo llama.cpp's Q/K row permutation (it permutes only for the llama architecture).
-    """
-    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    wq, wk = get(p + "attn_q.weight", (N * H, D)), get(p + "attn_k.weight", (K * H, D))
-    if permute:
-        wq, wk = unpermute_qk(wq, N), unpermute_qk(wk, K)
-    wv, wo = get(p + "attn_v.weight", (K * H, D)), get(p + "attn_output.weight", (D, N * H))
-    out = {"attn_norm": get(p + "attn_norm.weight"),
-           "wq": wq.T.reshape(D, N, H), "wk": wk.T.reshape(D, K, H), "wv": wv.T.reshape(D, K, H),
-           "wo": wo.T.reshape(N, H, D),
-           "ffn_norm": get(p + "ffn_norm.weight")}  # Gemma 3: pre_feedforward_layernorm
-    if cfg.moe is None:
-        out.update(w_gate=get(p + "ffn_gate.weight", (F, D)).T, w_up=get(p + "ffn_up.weight", (F, D)).T,
-                   w_down=get(p + "ffn_down.weight", (D, F)).T)
-    else:
-        out.update(_expert_params(get, has, cfg, p))
-    if cfg.qkv_bias:
-        out.update(bq=get(p + "attn_q.bias").reshape(N, H), bk=get(p + "attn_k.bias").reshape(K, H),
-                   bv=get(p + "attn_v.bias").reshape(K, H))
-    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: [N*H] and [K*H]
-        out.update(q_norm=get(p + "attn_q_norm.weight", (N * H,)).reshape(N, H),
-                   k_norm=get(p + "attn_k_norm.weight", (K * H,)).reshape(K, H))
-    elif cfg.qk_norm:
-        out.update(q_norm=get(p + "attn_q_norm.weight"), k_norm=get(p + "attn_k_norm.weight"))
-    if cfg.post_norms:
-        out.update(post_attn_norm=get(p + "post_attention_norm.weight"), post_ffn_norm=get(p + "post_ffw_norm.weight"))
-    return out
-
-
-def _expert_params(get: Callable, has: Callable[[str], bool], cfg: ModelConfig, p: str) -> dict[str, np.ndarray]:
-    """One layer's router, experts and shared expert in jaxinfer's layout (`params._moe_specs`: the
-    experts stay output-major, as GGUF stores them)."""
-    m, D = cfg.moe, cfg.d_model
-    X, Fe = m.n_experts, m.expert_ffn_dim
-    out = {"router": get(p + "ffn_gate_inp.weight", (X, D))}
-    if has(p + "ffn_gate_up_exps.weight"):  # convert_hf_to_gguf.py --fuse-gate-up-exps
-        out["we_gate_up"] = get(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, D))
-    else:
-        out["we_gate_up"] = np.concatenate([get(p + "ffn_gate_exps.weight", (X, Fe, D)),
-                                            get(p + "ffn_up_exps.weight", (X, Fe, D))], axis=1)
-    out["we_down"] = get(p + "ffn_down_exps.weight", (X, D, Fe))
-    if m.shared_ffn_dim:
-        Fs = m.shared_ffn_dim
-        out.update(ws_gate=get(p + "ffn_gate_shexp.weight", (Fs, D)).T, ws_up=get(p + "ffn_up_shexp.weight", (Fs, D)).T,
-                   ws_down=get(p + "ffn_down_shexp.weight", (D, Fs)).T)
-    if m.shared_gate:
-        out["shared_gate"] = get(p + "ffn_gate_inp_shexp.weight").reshape(D)
-    return out
+    return names.fill_host(placements, lambda p: names.host_value(p, dequantize(tensors[p.name])),
+                           model_params.param_specs(cfg), progress, total)
 
 
 @dataclasses.dataclass

@@ -11,12 +11,16 @@ the whole projection), `deepseek_v2` / `deepseek_v3` (multi-head latent attentio
 layers, grouped routing) and `gpt_oss` (attention sinks, alternating windows, expert biases,
 MXFP4 experts dequantized on load, `mxfp4_dequantize`). Config fields jaxinfer does not
 implement (a RoPE type, partial rotary, an attention variant, an activation, dense layers among
-MoE ones) are refused by name. Hugging Face keeps the original "rotate half" Q/K layout, so no
-permutation is needed, but for DeepSeek's interleaved RoPE rows (`_rope_rows`); Gemma's RMSNorm
-multiplies by (1 + w), and we fold the 1 in on load. Experts are read as `save_pretrained`
-writes them (one tensor per expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj`
-[X, 2Fe, D], `experts.down_proj` [X, D, Fe], transformers 5's in-memory layout; gpt-oss's own
-[X, D, 2Fe] with gate and up interleaved).
+MoE ones) are refused by name, as is an integer size of the wrong type or range (`config_int`).
+
+Tensors are mapped by one table, `HF_LAYER_TABLE` + `HF_TOP_TABLE` (`jaxinfer.weights.names`):
+each stored name -> a jaxinfer param, its stored shape, and its transforms in words. Hugging Face
+keeps the original "rotate half" Q/K layout, so no permutation is needed, but for DeepSeek's
+interleaved RoPE rows (`rope_rows`); Gemma's RMSNorm multiplies by (1 + w), and the 1 is folded
+in on load (`plus_one`). Experts are read as `save_pretrained` writes them (one tensor per
+expert, `experts.{e}.gate_proj`) or fused (`experts.gate_up_proj` [X, 2Fe, D],
+`experts.down_proj` [X, D, Fe], transformers 5's in-memory layout; gpt-oss's own [X, D, 2Fe]
+with gate and up interleaved).
 """
 
 from __future__ import annotations
@@ -32,10 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model import params as prm
+from jaxinfer.model import params as model_params
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.weights import safetensors_io as st
-from jaxinfer.weights import hf_cache
+from jaxinfer.weights import hf_cache, names, safetensors_io
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (`jaxinfer.model.mla`)
@@ -46,8 +49,8 @@ NOT_YET = {
     "llama4_text": "chunked attention and interleaved dense layers are not implemented",
 }
 CONFIG_FILE = "config.json"
-INDEX_FILE = st.INDEX_FILE
-SINGLE_FILE = st.SINGLE_FILE
+INDEX_FILE = safetensors_io.INDEX_FILE
+SINGLE_FILE = safetensors_io.SINGLE_FILE
 
 
 class HFError(ValueError):
@@ -208,7 +211,7 @@ def _refuse_unsupported(raw: dict, mt: Optional[str], path: Path) -> None:
         raise HFError(f"{path}: mlp_bias / attention_bias on {mt} are not supported")
     quant = (raw.get("quantization_config") or {}).get("quant_method")
     # "gguf": transformers saved the dequantized float weights; gpt-oss's "mxfp4" experts are
-    # dequantized on load (`_mxfp4`)
+    # dequantized on load (the "mxfp4" word of HF_LAYER_TABLE)
     if quant not in (None, "gguf") and not (mt == "gpt_oss" and quant == "mxfp4"):
         raise HFError(f"{path}: quantized checkpoint (quantization_config quant_method {quant!r}) is not "
                       "supported; jaxinfer reads float safetensors (quantize after loading with quant=)")
@@ -300,8 +303,10 @@ def _mla_fields(raw: dict, path: Path) -> dict:
     if raw.get("head_dim") not in (None, raw["qk_rope_head_dim"]):
         raise HFError(f"{path}: head_dim ({raw['head_dim']}) must equal qk_rope_head_dim "
                       f"({raw['qk_rope_head_dim']}): it is the width RoPE rotates")
+    widths = {k: config_int(raw, k, path, minimum=1) for k in keys}
+    q_lora_rank = config_int(raw, "q_lora_rank", path, minimum=0, default=0)
     try:
-        mla = MLAConfig(q_lora_rank=int(raw.get("q_lora_rank") or 0), **{k: int(raw[k]) for k in keys})
+        mla = MLAConfig(q_lora_rank=q_lora_rank, **widths)
     except ValueError as e:
         raise HFError(f"{path}: {e}") from e
     rp = dict(raw.get("rope_scaling") or {}, **(raw.get("rope_parameters") or {}))
@@ -311,26 +316,46 @@ def _mla_fields(raw: dict, path: Path) -> dict:
     return dict(mla=mla, head_dim=mla.qk_head_dim, n_kv_heads=1, query_pre_attn_scalar=scalar)
 
 
+def config_int(raw: dict, key: str, path: Path, *, minimum: int, default: Optional[int] = None) -> int:
+    """raw[key] as an int >= `minimum` (`default` where the key is absent or null, or refused as
+    missing when there is none). A bool, float or string is refused rather than coerced: `true`,
+    2.5 or "2" would otherwise run as 1, 2 and 2 experts."""
+    v = raw.get(key)
+    if v is None:
+        if default is None:
+            raise HFError(f"{path}: missing {key!r} (an integer >= {minimum})")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise HFError(f"{path}: {key} = {json.dumps(v)} is not allowed: it must be an integer >= {minimum}")
+    return v
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # one of them, by family
+
+
 def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
     """The MoEConfig (and OLMoE's whole-projection QK-norm) of a mixture-of-experts family."""
     from jaxinfer.model.config import MoEConfig
 
-    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step") or 1) != 1:
+    sparse_step = config_int(raw, "decoder_sparse_step", path, minimum=1, default=1)
+    if raw.get("mlp_only_layers") or sparse_step != 1:
         raise HFError(f"{path}: dense MLP layers among the mixture-of-experts layers (mlp_only_layers "
                       f"{raw.get('mlp_only_layers')}, decoder_sparse_step {raw.get('decoder_sparse_step')}) are not "
                       "implemented: every layer must be MoE")
-    n_experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
-    if not n_experts or "num_experts_per_tok" not in raw:
+    count_key = next((k for k in EXPERT_COUNT_KEYS if k in raw), None)
+    if count_key is None or "num_experts_per_tok" not in raw:
         raise HFError(f"{path}: {mt} needs num_experts (or num_local_experts, n_routed_experts) and "
                       "num_experts_per_tok")
+    n_experts = config_int(raw, count_key, path, minimum=1)
+    top_k = config_int(raw, "num_experts_per_tok", path, minimum=1)
     moe_width = mt in ("qwen3_moe", "qwen2_moe") + MLA_MODEL_TYPES
-    width = raw.get("moe_intermediate_size") if moe_width else raw.get("intermediate_size")
-    shared = int(raw.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+    width = config_int(raw, "moe_intermediate_size" if moe_width else "intermediate_size", path, minimum=1)
+    shared = config_int(raw, "shared_expert_intermediate_size", path, minimum=0, default=0) if mt == "qwen2_moe" else 0
     out: dict = {}
     kw: dict = dict(norm_top_k=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)))
     if mt in MLA_MODEL_TYPES:
         kw.update(_deepseek_router(raw, mt, path))
-        shared = int(width) * int(raw.get("n_shared_experts") or 0)
+        shared = width * config_int(raw, "n_shared_experts", path, minimum=0, default=0)
     if mt == "gpt_oss":  # biased logits, softmax over the top k; experts with biases, clamped SwiGLU
         kw = dict(score="softmax_topk", router_logit_bias=True, expert_bias=True,
                   swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
@@ -341,8 +366,7 @@ def _moe_fields(raw: dict, mt: str, cfg: dict, path: Path) -> dict:
             raise HFError(f"{path}: olmoe's q_norm is sized hidden_size, so heads x head_dim must equal it")
         out["qk_norm_whole"] = True
     try:
-        out["moe"] = MoEConfig(n_experts=int(n_experts), top_k=int(raw["num_experts_per_tok"]),
-                               expert_ffn_dim=int(width), shared_ffn_dim=shared,
+        out["moe"] = MoEConfig(n_experts=n_experts, top_k=top_k, expert_ffn_dim=width, shared_ffn_dim=shared,
                                shared_gate=shared > 0 and mt == "qwen2_moe", **kw)
     except (TypeError, ValueError) as e:
         raise HFError(f"{path}: {e}") from e
@@ -354,12 +378,13 @@ def _deepseek_router(raw: dict, mt: str, path: Path) -> dict:
     scored by its best expert; the k weights never renormalised, as transformers' V2 router) and V3
     (sigmoid with a correction bias, groups scored by their two best, norm_topk_prob); both in
     float32, scaled by routed_scaling_factor, the first first_k_dense_replace layers dense."""
-    if int(raw.get("moe_layer_freq") or 1) != 1:
+    if config_int(raw, "moe_layer_freq", path, minimum=1, default=1) != 1:
         raise HFError(f"{path}: moe_layer_freq {raw['moe_layer_freq']} is not implemented (every layer after "
                       "first_k_dense_replace must be MoE)")
-    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    n_group = config_int(raw, "n_group", path, minimum=1, default=1)
+    topk_group = config_int(raw, "topk_group", path, minimum=1, default=1)
     out = dict(router_float32=True, routed_scale=float(raw.get("routed_scaling_factor") or 1.0),
-               first_dense=int(raw.get("first_k_dense_replace") or 0))
+               first_dense=config_int(raw, "first_k_dense_replace", path, minimum=0, default=0))
     if mt == "deepseek_v3":
         return dict(out, score="sigmoid", score_bias=True, n_groups=n_group, top_k_groups=topk_group,
                     group_score="top2_sum")
@@ -393,22 +418,6 @@ def _gemma_layer_pattern(raw: dict, n_layers: int, path: Path) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Source:
-    """Where one jaxinfer weight (or one layer's slice of it) comes from, and how it is changed."""
-
-    key: str  # jaxinfer param name ("wq", "embed" ...)
-    layer: Optional[int]  # L index for stacked layer weights, None for top-level ones
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    transpose: bool  # HF stores [out, in]; jaxinfer contracts [in, out]
-    add_one: bool  # Gemma RMSNorm multiplies by (1 + w): fold the 1 in
-    shape: Optional[tuple[int, ...]] = None  # the jaxinfer value's shape; None = the whole (layer) slice
-    at: tuple[int, ...] = ()  # where it goes in the slice (leading offsets): one expert, its gate or up rows
-    fn: Optional[Callable[[np.ndarray], np.ndarray]] = None  # applied to the stored tensor first (on the host)
-    packed: bool = False  # an MXFP4 blocks tensor (uint8), dequantized by fn
-
-
-@dataclasses.dataclass(frozen=True)
 class _ExpertNames:
     """How a folder names one layer's mixture-of-experts tensors (after "model.layers.{i}.")."""
 
@@ -418,76 +427,109 @@ class _ExpertNames:
     down: str = "down_proj"  # Mixtral: "w2"
     fused: bool = False  # experts.gate_up_proj [X, 2Fe, D] and experts.down_proj [X, D, Fe]
     shared: str = "shared_expert"  # DeepSeek: "shared_experts"
-    gpt_oss: bool = False  # gpt-oss's router and experts (`_gpt_oss_sources`)
+    gpt_oss: bool = False  # gpt-oss's router and experts
     mxfp4: bool = False  # gpt-oss experts as MXFP4 blocks and scales
     rope_interleave: bool = False  # DeepSeek: RoPE rows stored in interleaved pairs (`_rope_rows`)
 
 
-def _expert_names(names, raw: Optional[dict] = None) -> _ExpertNames:
+def _expert_names(tensor_names, raw: Optional[dict] = None) -> _ExpertNames:
     """The naming scheme of a folder's experts, from its tensor names (and config.json's model_type)."""
     mt = (raw or {}).get("model_type")
     if mt == "gpt_oss":
-        return _ExpertNames(gpt_oss=True, mxfp4=any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in names))
-    if any(".block_sparse_moe." in n for n in names):
+        return _ExpertNames(gpt_oss=True, mxfp4=any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in tensor_names))
+    if any(".block_sparse_moe." in n for n in tensor_names):
         return _ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
     deepseek = mt in MLA_MODEL_TYPES
-    return _ExpertNames(fused=any(n.endswith(".mlp.experts.gate_up_proj") for n in names),
+    return _ExpertNames(fused=any(n.endswith(".mlp.experts.gate_up_proj") for n in tensor_names),
                         shared="shared_experts" if deepseek else "shared_expert",
                         rope_interleave=deepseek and (mt == "deepseek_v2" or bool(raw.get("rope_interleave", True))))
 
 
-def _sources(cfg: ModelConfig, names: _ExpertNames = _ExpertNames()) -> list[_Source]:
-    """Every tensor the model needs, in read order (layer weights first, then the top level).
+# Every tensor of a Hugging Face folder, in read order (`names` says how to read a rule). Hugging
+# Face stores matrices [out, in] and jaxinfer contracts [in, out], hence "transpose"; Gemma's
+# RMSNorm multiplies by (1 + w), hence "plus_one if gemma". Experts are output-major in jaxinfer
+# too (`params._moe_specs`), so they are not transposed: expert e's gate [Fe, D] goes to
+# we_gate_up[l, e, :Fe], its up to we_gate_up[l, e, Fe:], its down [D, Fe] to we_down[l, e]; with
+# dense first layers the MoE params' leading index counts the MoE layers only (i - first_dense).
+_P = "model.layers.{i}."
+_M = _P + "{block}."  # a layer's mixture-of-experts block
+HF_LAYER_TABLE = (
+    names.Rule("attn_norm", _P + "input_layernorm.weight", "D", ("plus_one if gemma",)),
+    names.Rule("wq", _P + "self_attn.q_proj.weight", "N*H, D", ("transpose",), when="mha"),
+    names.Rule("wk", _P + "self_attn.k_proj.weight", "K*H, D", ("transpose",), when="mha"),
+    names.Rule("wv", _P + "self_attn.v_proj.weight", "K*H, D", ("transpose",), when="mha"),
+    names.Rule("wo", _P + "self_attn.o_proj.weight", "D, N*H", ("transpose",), when="mha"),
+    names.Rule("w_gate", _P + "mlp.gate_proj.weight", "F, D", ("transpose",), when="dense_ffn"),
+    names.Rule("w_up", _P + "mlp.up_proj.weight", "F, D", ("transpose",), when="dense_ffn"),
+    names.Rule("w_down", _P + "mlp.down_proj.weight", "D, F", ("transpose",), when="dense_ffn"),
+    names.Rule("ffn_norm", _P + "pre_feedforward_layernorm.weight", "D", ("plus_one",), when="gemma"),
+    names.Rule("post_attn_norm", _P + "post_attention_layernorm.weight", "D", ("plus_one",), when="gemma"),
+    names.Rule("post_ffn_norm", _P + "post_feedforward_layernorm.weight", "D", ("plus_one",), when="gemma"),
+    names.Rule("ffn_norm", _P + "post_attention_layernorm.weight", "D", when="not gemma"),
+    names.Rule("bq", _P + "self_attn.q_proj.bias", "N*H", when="qkv_bias"),
+    names.Rule("bk", _P + "self_attn.k_proj.bias", "K*H", when="qkv_bias"),
+    names.Rule("bv", _P + "self_attn.v_proj.bias", "K*H", when="qkv_bias"),
+    names.Rule("q_norm", _P + "self_attn.q_norm.weight", "H", ("plus_one if gemma",), when="qk_norm"),
+    names.Rule("k_norm", _P + "self_attn.k_norm.weight", "H", ("plus_one if gemma",), when="qk_norm"),
+    names.Rule("q_norm", _P + "self_attn.q_norm.weight", "N*H", when="qk_norm_whole"),  # OLMoE
+    names.Rule("k_norm", _P + "self_attn.k_norm.weight", "K*H", when="qk_norm_whole"),
+    names.Rule("bo", _P + "self_attn.o_proj.bias", "D", when="o_bias"),
+    names.Rule("sinks", _P + "self_attn.sinks", "N", when="attention_sinks"),
+    # latent attention (`params._mla_specs`): the RoPE rows of q_proj / q_b_proj and
+    # kv_a_proj_with_mqa de-interleaved where the folder interleaves them, kv_b_proj split in two
+    names.Rule("wkv_a", _P + "self_attn.kv_a_proj_with_mqa.weight", "R+Hr, D",
+               ("rope_rows(1, R+Hr, Hr) if rope_interleave", "transpose"), when="mla"),
+    names.Rule("kv_a_norm", _P + "self_attn.kv_a_layernorm.weight", "R", when="mla"),
+    names.Rule("wk_b", _P + "self_attn.kv_b_proj.weight", "N*(Hn+Hv), R", ("key_half(N, Hn)",), when="mla"),
+    names.Rule("wv_b", _P + "self_attn.kv_b_proj.weight", "N*(Hn+Hv), R", ("value_half(N, Hn)",), when="mla"),
+    names.Rule("wo", _P + "self_attn.o_proj.weight", "D, N*Hv", ("transpose",), when="mla"),
+    names.Rule("wq_a", _P + "self_attn.q_a_proj.weight", "Rq, D", ("transpose",), when="mla and q_lora"),
+    names.Rule("q_a_norm", _P + "self_attn.q_a_layernorm.weight", "Rq", when="mla and q_lora"),
+    names.Rule("wq_b", _P + "self_attn.q_b_proj.weight", "N*(Hn+Hr), Rq",
+               ("rope_rows(N, Hn+Hr, Hr) if rope_interleave", "transpose"), when="mla and q_lora"),
+    names.Rule("wq", _P + "self_attn.q_proj.weight", "N*(Hn+Hr), D",
+               ("rope_rows(N, Hn+Hr, Hr) if rope_interleave", "transpose"), when="mla and not q_lora"),
+    # mixture of experts: the router, the routed experts (fused or one tensor each), the shared expert
+    names.Rule("router", _M + "gate.weight", "X, D", when="moe", layer="i - first_dense"),
+    names.Rule("router_bias", _M + "gate.e_score_correction_bias", "X", when="moe and score_bias",
+               layer="i - first_dense"),  # DeepSeek V3
+    names.Rule("we_gate_up", _M + "experts.gate_up_proj", "X, 2*Fe, D", when="moe and fused_experts",
+               layer="i - first_dense"),
+    names.Rule("we_down", _M + "experts.down_proj", "X, D, Fe", when="moe and fused_experts", layer="i - first_dense"),
+    names.Rule("we_gate_up", _M + "experts.{e}.{gate}.weight", "Fe, D", when="moe and not fused_experts",
+               layer="i - first_dense", at="e, 0"),
+    names.Rule("we_gate_up", _M + "experts.{e}.{up}.weight", "Fe, D", when="moe and not fused_experts",
+               layer="i - first_dense", at="e, Fe"),
+    names.Rule("we_down", _M + "experts.{e}.{down}.weight", "D, Fe", when="moe and not fused_experts",
+               layer="i - first_dense", at="e"),
+    names.Rule("ws_gate", _M + "{shared}.gate_proj.weight", "Fs, D", ("transpose",), when="moe and shared_expert",
+               layer="i - first_dense"),
+    names.Rule("ws_up", _M + "{shared}.up_proj.weight", "Fs, D", ("transpose",), when="moe and shared_expert",
+               layer="i - first_dense"),
+    names.Rule("ws_down", _M + "{shared}.down_proj.weight", "D, Fs", ("transpose",), when="moe and shared_expert",
+               layer="i - first_dense"),
+    names.Rule("shared_gate", _M + "shared_expert_gate.weight", "1, D", when="moe and shared_gate",
+               layer="i - first_dense"),
+    # gpt-oss: a biased router; fused experts with biases, gate and up interleaved along 2Fe, stored
+    # [X, D, 2Fe] and [X, Fe, D] in float or as MXFP4 blocks [X, 2Fe, D/32, 16] and [X, D, Fe/32, 16]
+    names.Rule("router", _P + "mlp.router.weight", "X, D", when="gpt_oss"),
+    names.Rule("router_logit_bias", _P + "mlp.router.bias", "X", when="gpt_oss"),
+    names.Rule("we_gate_up_bias", _P + "mlp.experts.gate_up_proj_bias", "X, 2*Fe", ("deinterleave",), when="gpt_oss"),
+    names.Rule("we_down_bias", _P + "mlp.experts.down_proj_bias", "X, D", when="gpt_oss"),
+    names.Rule("we_gate_up", _P + "mlp.experts.gate_up_proj_blocks", "X, 2*Fe, D//32, 16", ("mxfp4", "deinterleave"),
+               when="gpt_oss and mxfp4"),
+    names.Rule("we_down", _P + "mlp.experts.down_proj_blocks", "X, D, Fe//32, 16", ("mxfp4",), when="gpt_oss and mxfp4"),
+    names.Rule("we_gate_up", _P + "mlp.experts.gate_up_proj", "X, D, 2*Fe", ("expert_transpose", "deinterleave"),
+               when="gpt_oss and not mxfp4"),
+    names.Rule("we_down", _P + "mlp.experts.down_proj", "X, Fe, D", ("expert_transpose",), when="gpt_oss and not mxfp4"),
+)
+HF_TOP_TABLE = (
+    names.Rule("embed", "model.embed_tokens.weight", "V, D"),
+    names.Rule("final_norm", "model.norm.weight", "D", ("plus_one if gemma",)),
+    names.Rule("lm_head", "lm_head.weight", "V, D", ("transpose",), when="untied"),
+)
 
-    After the optional transpose (and + 1), a tensor is reshaped to the jaxinfer slice shape
-    (`params.param_specs`): q_proj [N*H, D] -> wq[l] [D, N, H], o_proj [D, N*H] -> wo[l] [N, H, D];
-    an expert's tensor goes to its place in the layer's [X, ...] slice (`_moe_sources`).
-    names: how the folder names its experts (`_expert_names`).
-    """
-    L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                           cfg.ffn_dim, cfg.vocab_size)
-    g = cfg.post_norms  # Gemma
-    out = []
-    for i in range(L):
-        p = f"model.layers.{i}."
-        rows = [("attn_norm", "input_layernorm.weight", (D,), False, g)]
-        if cfg.mla is None:
-            rows += [("wq", "self_attn.q_proj.weight", (N * H, D), True, False),
-                     ("wk", "self_attn.k_proj.weight", (K * H, D), True, False),
-                     ("wv", "self_attn.v_proj.weight", (K * H, D), True, False),
-                     ("wo", "self_attn.o_proj.weight", (D, N * H), True, False)]
-        if not cfg.is_moe_layer(i):
-            rows += [("w_gate", "mlp.gate_proj.weight", (F, D), True, False),
-                     ("w_up", "mlp.up_proj.weight", (F, D), True, False),
-                     ("w_down", "mlp.down_proj.weight", (D, F), True, False)]
-        if g:
-            rows += [("ffn_norm", "pre_feedforward_layernorm.weight", (D,), False, True),
-                     ("post_attn_norm", "post_attention_layernorm.weight", (D,), False, True),
-                     ("post_ffn_norm", "post_feedforward_layernorm.weight", (D,), False, True)]
-        else:
-            rows.append(("ffn_norm", "post_attention_layernorm.weight", (D,), False, False))
-        if cfg.qkv_bias:
-            rows += [("bq", "self_attn.q_proj.bias", (N * H,), False, False),
-                     ("bk", "self_attn.k_proj.bias", (K * H,), False, False),
-                     ("bv", "self_attn.v_proj.bias", (K * H,), False, False)]
-        if cfg.qk_norm:
-            whole = cfg.qk_norm_whole  # OLMoE: [N*H] and [K*H], not [H]
-            rows += [("q_norm", "self_attn.q_norm.weight", (N * H,) if whole else (H,), False, g),
-                     ("k_norm", "self_attn.k_norm.weight", (K * H,) if whole else (H,), False, g)]
-        if cfg.o_bias:
-            rows.append(("bo", "self_attn.o_proj.bias", (D,), False, False))
-        if cfg.attention_sinks:
-            rows.append(("sinks", "self_attn.sinks", (N,), False, False))
-        out += [_Source(k, i, p + n, shape, t, a) for k, n, shape, t, a in rows]
-        if cfg.mla is not None:
-            out += _mla_sources(cfg, i, p, names)
-        if cfg.is_moe_layer(i):
-            out += _moe_sources(cfg, i, p, names)
-    out += [_Source("embed", None, "model.embed_tokens.weight", (V, D), False, False),
-            _Source("final_norm", None, "model.norm.weight", (D,), False, g)]
-    if not cfg.tie_embeddings:
-        out.append(_Source("lm_head", None, "lm_head.weight", (V, D), True, False))
-    return out
+
 
 
 def _rope_rows(a: np.ndarray, heads: int, width: int, rope: int) -> np.ndarray:
@@ -506,31 +548,6 @@ def _kv_b_half(a: np.ndarray, heads: int, nope: int, first: bool) -> np.ndarray:
     return np.ascontiguousarray((a[:, :nope] if first else a[:, nope:]).transpose(2, 0, 1))
 
 
-def _mla_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
-    """One layer's latent-attention weights (`params._mla_specs`): the RoPE rows of q_proj / q_b_proj
-    and kv_a_proj_with_mqa de-interleaved (`_rope_rows`, DeepSeek V2 always, V3 with
-    rope_interleave), kv_b_proj split into its key and value halves."""
-    a, D, N = cfg.mla, cfg.d_model, cfg.n_heads
-    Hq, R, Hr = a.qk_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
-    fix = (lambda heads, width: functools.partial(_rope_rows, heads=heads, width=width, rope=Hr)
-           ) if names.rope_interleave else (lambda heads, width: None)
-    s = p + "self_attn."
-    out = [_Source("wkv_a", i, s + "kv_a_proj_with_mqa.weight", (R + Hr, D), True, False, fn=fix(1, R + Hr)),
-           _Source("kv_a_norm", i, s + "kv_a_layernorm.weight", (R,), False, False),
-           _Source("wk_b", i, s + "kv_b_proj.weight", (N * (a.qk_nope_head_dim + a.v_head_dim), R), False, False,
-                   fn=functools.partial(_kv_b_half, heads=N, nope=a.qk_nope_head_dim, first=True)),
-           _Source("wv_b", i, s + "kv_b_proj.weight", (N * (a.qk_nope_head_dim + a.v_head_dim), R), False, False,
-                   fn=functools.partial(_kv_b_half, heads=N, nope=a.qk_nope_head_dim, first=False)),
-           _Source("wo", i, s + "o_proj.weight", (D, N * a.v_head_dim), True, False)]
-    if a.q_lora_rank:
-        out += [_Source("wq_a", i, s + "q_a_proj.weight", (a.q_lora_rank, D), True, False),
-                _Source("q_a_norm", i, s + "q_a_layernorm.weight", (a.q_lora_rank,), False, False),
-                _Source("wq_b", i, s + "q_b_proj.weight", (N * Hq, a.q_lora_rank), True, False, fn=fix(N, Hq))]
-    else:
-        out.append(_Source("wq", i, s + "q_proj.weight", (N * Hq, D), True, False, fn=fix(N, Hq)))
-    return out
-
-
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
@@ -538,112 +555,99 @@ def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4 -> float32, as transformers' `convert_moe_packed_tensors` (without its final transpose).
 
     Args:
-      blocks: [..., G, 16] uint8: two 4-bit E2M1 codes a byte, the low nibble first.
-      scales: [..., G] uint8: each block of 32 values' power-of-two exponent, biased by 127.
+      blocks: [..., n_blocks, 16] uint8: two 4-bit E2M1 codes a byte, the low nibble first.
+      scales: [..., n_blocks] uint8: each block of 32 values' power-of-two exponent, biased by 127.
     Returns:
-      [..., G * 32] float32.
+      [..., n_blocks * 32] float32.
     """
     lo, hi = _FP4[blocks & 0x0F], _FP4[blocks >> 4]
-    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)  # [..., G, 32]
+    vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)  # [..., n_blocks, 32]
     vals = np.ldexp(vals, (scales.astype(np.int32) - 127)[..., None])
     return vals.reshape(*blocks.shape[:-2], -1).astype(np.float32)
 
 
-def _gpt_oss_gate_up(a: np.ndarray, scales: Optional[st.TensorInfo] = None) -> np.ndarray:
-    """gpt-oss's experts.gate_up_proj [X, D, 2Fe] (gate and up interleaved along 2Fe), or its MXFP4
-    blocks [X, 2Fe, D/32, 16] with `scales` -> we_gate_up [X, 2Fe, D] (gate rows, then up rows)."""
-    a = mxfp4_dequantize(a, st.read(scales)) if scales is not None else a.transpose(0, 2, 1)
-    return np.ascontiguousarray(np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1))
+def _mxfp4(blocks: np.ndarray, scales: safetensors_io.TensorInfo) -> np.ndarray:
+    """MXFP4 blocks dequantized with the `_scales` tensor beside them (bound by `_checked_placements`)."""
+    return mxfp4_dequantize(blocks, safetensors_io.read(scales))
 
 
-def _gpt_oss_down(a: np.ndarray, scales: Optional[st.TensorInfo] = None) -> np.ndarray:
-    """gpt-oss's experts.down_proj [X, Fe, D], or its MXFP4 blocks [X, D, Fe/32, 16] -> we_down [X, D, Fe]."""
-    return mxfp4_dequantize(a, st.read(scales)) if scales is not None else np.ascontiguousarray(a.transpose(0, 2, 1))
+# The host words of HF_LAYER_TABLE (names.Rule); "transpose" and "plus_one" are `names`' own.
+HF_STEPS = {
+    "rope_rows": _rope_rows,
+    "key_half": lambda a, heads, nope: _kv_b_half(a, heads, nope, first=True),
+    "value_half": lambda a, heads, nope: _kv_b_half(a, heads, nope, first=False),
+    "mxfp4": _mxfp4,
+    "expert_transpose": lambda a: a.transpose(0, 2, 1),  # [X, in, out] -> [X, out, in]
+    "deinterleave": lambda a: np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1),  # [X, 2Fe, ...] gate/up alternating -> gate, then up
+}
 
 
-def _deinterleave(a: np.ndarray) -> np.ndarray:
-    """[X, 2Fe] gate/up interleaved -> gate then up (gpt-oss's gate_up_proj_bias)."""
-    return np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1)
-
-
-def _gpt_oss_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
-    """gpt-oss's router (with a bias) and experts (fused, with biases; float or MXFP4 blocks whose
-    scales `_checked_sources` attaches)."""
-    m, D = cfg.moe, cfg.d_model
-    X, Fe = m.n_experts, m.expert_ffn_dim
-    b = f"{p}mlp."
-    out = [_Source("router", i, b + "router.weight", (X, D), False, False),
-           _Source("router_logit_bias", i, b + "router.bias", (X,), False, False),
-           _Source("we_gate_up_bias", i, b + "experts.gate_up_proj_bias", (X, 2 * Fe), False, False, fn=_deinterleave),
-           _Source("we_down_bias", i, b + "experts.down_proj_bias", (X, D), False, False)]
-    if names.mxfp4:
-        out += [_Source("we_gate_up", i, b + "experts.gate_up_proj_blocks", (X, 2 * Fe, D // 32, 16), False, False,
-                        fn=_gpt_oss_gate_up, packed=True),
-                _Source("we_down", i, b + "experts.down_proj_blocks", (X, D, Fe // 32, 16), False, False,
-                        fn=_gpt_oss_down, packed=True)]
-    else:
-        out += [_Source("we_gate_up", i, b + "experts.gate_up_proj", (X, D, 2 * Fe), False, False, fn=_gpt_oss_gate_up),
-                _Source("we_down", i, b + "experts.down_proj", (X, Fe, D), False, False, fn=_gpt_oss_down)]
+def _sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The shape letters the tables use, from `cfg`."""
+    out = dict(L=cfg.n_layers, D=cfg.d_model, N=cfg.n_heads, K=cfg.n_kv_heads, H=cfg.head_dim, F=cfg.ffn_dim,
+               V=cfg.vocab_size)
+    if cfg.moe is not None:
+        m = cfg.moe
+        out.update(X=m.n_experts, Fe=m.expert_ffn_dim, Fs=m.shared_ffn_dim, first_dense=m.first_dense)
+    if cfg.mla is not None:
+        a = cfg.mla
+        out.update(R=a.kv_lora_rank, Rq=a.q_lora_rank, Hn=a.qk_nope_head_dim, Hr=a.qk_rope_head_dim, Hv=a.v_head_dim)
     return out
 
 
-def _moe_sources(cfg: ModelConfig, i: int, p: str, names: _ExpertNames) -> list[_Source]:
-    """One layer's router, routed experts and shared expert. Experts are stored output-major in
-    jaxinfer too (`params._moe_specs`), so nothing is transposed: expert e's gate [Fe, D] goes to
-    we_gate_up[l, e, :Fe], its up to we_gate_up[l, e, Fe:], its down [D, Fe] to we_down[l, e].
-    With dense first layers the MoE weights' rows count the MoE layers only (i - first_dense)."""
-    m, D = cfg.moe, cfg.d_model
-    X, Fe = m.n_experts, m.expert_ffn_dim
-    if names.gpt_oss:
-        return _gpt_oss_sources(cfg, i, p, names)
-    b = f"{p}{names.block}."
-    i -= m.first_dense
-    out = [_Source("router", i, b + "gate.weight", (X, D), False, False)]
-    if m.score_bias:  # DeepSeek V3
-        out.append(_Source("router_bias", i, b + "gate.e_score_correction_bias", (X,), False, False))
-    if names.fused:
-        out += [_Source("we_gate_up", i, b + "experts.gate_up_proj", (X, 2 * Fe, D), False, False),
-                _Source("we_down", i, b + "experts.down_proj", (X, D, Fe), False, False)]
-    else:
-        for e in range(X):
-            x = f"{b}experts.{e}."
-            out += [_Source("we_gate_up", i, x + names.gate + ".weight", (Fe, D), False, False, (Fe, D), (e, 0)),
-                    _Source("we_gate_up", i, x + names.up + ".weight", (Fe, D), False, False, (Fe, D), (e, Fe)),
-                    _Source("we_down", i, x + names.down + ".weight", (D, Fe), False, False, (D, Fe), (e,))]
-    if m.shared_ffn_dim:
-        Fs, sh = m.shared_ffn_dim, b + names.shared
-        out += [_Source("ws_gate", i, sh + ".gate_proj.weight", (Fs, D), True, False),
-                _Source("ws_up", i, sh + ".up_proj.weight", (Fs, D), True, False),
-                _Source("ws_down", i, sh + ".down_proj.weight", (D, Fs), True, False)]
-    if m.shared_gate:
-        out.append(_Source("shared_gate", i, b + "shared_expert_gate.weight", (1, D), False, False))
+def _flags(cfg: ModelConfig, expert_names: _ExpertNames, i: Optional[int] = None) -> dict[str, bool]:
+    """What the model (and its layer i) has: the `when` and "if" flags of the HF tables."""
+    m = cfg.moe
+    out = dict(gemma=cfg.post_norms, untied=not cfg.tie_embeddings, mha=cfg.mla is None, mla=cfg.mla is not None,
+               q_lora=cfg.mla is not None and cfg.mla.q_lora_rank > 0, qkv_bias=cfg.qkv_bias,
+               qk_norm=cfg.qk_norm and not cfg.qk_norm_whole, qk_norm_whole=cfg.qk_norm and cfg.qk_norm_whole,
+               o_bias=cfg.o_bias, attention_sinks=cfg.attention_sinks, rope_interleave=expert_names.rope_interleave,
+               fused_experts=expert_names.fused, mxfp4=expert_names.mxfp4,
+               score_bias=m is not None and m.score_bias, shared_expert=m is not None and m.shared_ffn_dim > 0,
+               shared_gate=m is not None and m.shared_gate)
+    if i is not None:
+        experts = cfg.is_moe_layer(i)
+        out.update(dense_ffn=not experts, moe=experts and not expert_names.gpt_oss,
+                   gpt_oss=experts and expert_names.gpt_oss)
     return out
 
 
-def _checked_sources(folder: Path, cfg: ModelConfig) -> list[tuple[_Source, st.TensorInfo]]:
-    """The sources with their file locations; every file, name, shape and dtype is checked from the
-    headers alone, so a bad folder fails before any tensor is read or any memory allocated."""
+def _placements(cfg: ModelConfig, expert_names: _ExpertNames = _ExpertNames()) -> list[names.Placement]:
+    """Every tensor the model needs, in read order (layer weights first, then the top level)."""
+    sizes = _sizes(cfg)
+    naming = dict(block=expert_names.block, gate=expert_names.gate, up=expert_names.up, down=expert_names.down,
+                  shared=expert_names.shared)
+    out = []
+    for i in range(cfg.n_layers):
+        out += names.expand(HF_LAYER_TABLE, sizes, _flags(cfg, expert_names, i), i=i, naming=naming, steps=HF_STEPS)
+    return out + names.expand(HF_TOP_TABLE, sizes, _flags(cfg, expert_names), steps=HF_STEPS)
+
+
+def _checked_placements(folder: Path, cfg: ModelConfig) -> list[tuple[names.Placement, safetensors_io.TensorInfo]]:
+    """The placements with their file locations; every file, name, shape and dtype is checked from
+    the headers alone, so a bad folder fails before any tensor is read or any memory allocated."""
     try:
-        idx = st.index(folder)
-    except st.SafetensorsError as e:
+        idx = safetensors_io.index(folder)
+    except safetensors_io.SafetensorsError as e:
         raise HFError(str(e)) from e
     out = []  # the experts' naming and DeepSeek's RoPE row order follow config.json: read, never guessed
-    for src in _sources(cfg, _expert_names(idx, _raw_config(folder))):
-        info = idx.get(src.hf_name)
+    for p in _placements(cfg, _expert_names(idx, _raw_config(folder))):
+        info = idx.get(p.name)
         if info is None:
-            raise HFError(f"{folder}: tensor {src.hf_name!r} is missing")
-        if info.shape != src.hf_shape:
-            raise HFError(f"{info.file}: tensor {src.hf_name!r} has shape {info.shape}, expected {src.hf_shape}")
-        if src.packed:  # MXFP4 blocks: uint8, with their scales beside them
-            scales = idx.get(src.hf_name[:-len("_blocks")] + "_scales")
+            raise HFError(f"{folder}: tensor {p.name!r} is missing")
+        bad = names.shape_error(p, info.shape)
+        if bad:
+            raise HFError(f"{info.file}: {bad}")
+        if p.words[:1] == ("mxfp4",):  # uint8 blocks, with their scales beside them
+            scales = idx.get(p.name[:-len("_blocks")] + "_scales")
             if info.dtype != "U8" or scales is None or scales.dtype != "U8" or scales.shape != info.shape[:-1]:
-                raise HFError(f"{info.file}: MXFP4 tensor {src.hf_name!r} needs uint8 blocks {src.hf_shape} and "
-                              f"uint8 scales {src.hf_shape[:-1]} beside it")
-            src = dataclasses.replace(src, fn=functools.partial(src.fn, scales=scales))
+                raise HFError(f"{info.file}: MXFP4 tensor {p.name!r} needs uint8 blocks {p.stored_shape} and "
+                              f"uint8 scales {p.stored_shape[:-1]} beside it")
+            p = dataclasses.replace(p, steps=(functools.partial(p.steps[0], scales=scales),) + p.steps[1:])
         elif info.dtype not in FLOAT_DTYPES:
-            raise HFError(f"{info.file}: tensor {src.hf_name!r} has dtype {info.dtype}; supported: "
+            raise HFError(f"{info.file}: tensor {p.name!r} has dtype {info.dtype}; supported: "
                           f"{', '.join(FLOAT_DTYPES)} (quantized safetensors are not, but gpt-oss's MXFP4 experts)")
-        out.append((src, info))
+        out.append((p, info))
     return out
 
 
@@ -653,37 +657,21 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # stored dtypes of float tensors
 def stored_dtype(folder: os.PathLike) -> str:
     """The model's stored float dtype ("bfloat16" ...), from the embedding table's header entry."""
     try:
-        info = st.index(folder).get("model.embed_tokens.weight")
-    except st.SafetensorsError as e:
+        info = safetensors_io.index(folder).get("model.embed_tokens.weight")
+    except safetensors_io.SafetensorsError as e:
         raise HFError(str(e)) from e
-    return st.JAX_NAMES.get(info.dtype, "float32") if info is not None else "float32"
+    return safetensors_io.JAX_NAMES.get(info.dtype, "float32") if info is not None else "float32"
 
 
-def _read(src: _Source, info: st.TensorInfo) -> np.ndarray:
-    """One stored tensor; NaN/inf refused: there is no checksum, trained weights are finite, and a
-    NaN/inf is what corrupt bytes often become."""
-    a = st.read(info)
-    if src.fn is not None:
-        a = src.fn(a)
+def _read(p: names.Placement, info: safetensors_io.TensorInfo) -> np.ndarray:
+    """One stored tensor after its host words; NaN/inf refused: there is no checksum, trained
+    weights are finite, and a NaN/inf is what corrupt bytes often become."""
+    a = names.host_value(p, safetensors_io.read(info))
     finite = np.isfinite(a)
     if not finite.all():
-        raise HFError(f"{info.file}: tensor {src.hf_name!r} holds {int((~finite).sum())} NaN/inf values "
+        raise HFError(f"{info.file}: tensor {p.name!r} holds {int((~finite).sum())} NaN/inf values "
                       "(corrupt file?)")
     return a
-
-
-def _part(src: _Source, slice_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the value's shape, with size-1 axes in front up to the slice's rank; its start offsets in
-    the slice) for a source that fills part of its (layer) slice, or the whole of it."""
-    if src.shape is None:
-        return tuple(slice_shape), (0,) * len(slice_shape)
-    full = (1,) * (len(slice_shape) - len(src.shape)) + tuple(src.shape)
-    return full, tuple(src.at) + (0,) * (len(slice_shape) - len(src.at))
-
-
-def _host_value(src: _Source, a: np.ndarray) -> np.ndarray:
-    a = a.T if src.transpose else a
-    return a.astype(np.float32) + 1.0 if src.add_one else a
 
 
 def read_params(folder: os.PathLike, cfg: ModelConfig,
@@ -692,23 +680,10 @@ def read_params(folder: os.PathLike, cfg: ModelConfig,
 
     For `jaxinfer convert`; `load_params` places tensors on devices without a host copy of the model.
     """
-    sources = _checked_sources(Path(folder), cfg)
-    specs = prm.param_specs(cfg)
-    out: dict = {"layers": {}}
-    for done, (src, info) in enumerate(sources, 1):
-        dest = out["layers"] if src.layer is not None else out
-        if src.key not in dest:
-            spec = specs["layers"][src.key] if src.layer is not None else specs[src.key]
-            dest[src.key] = np.empty(spec.shape, np.float32)
-        v = _host_value(src, _read(src, info)).astype(np.float32)
-        if src.layer is None:
-            dest[src.key][...] = v.reshape(dest[src.key].shape)
-        else:
-            shape, at = _part(src, dest[src.key].shape[1:])
-            dest[src.key][src.layer][tuple(slice(o, o + n) for o, n in zip(at, shape))] = v.reshape(shape)
-        if progress:
-            progress(done, len(sources))
-    return out
+    checked = _checked_placements(Path(folder), cfg)
+    infos = {p.name: info for p, info in checked}
+    return names.fill_host([p for p, _ in checked], lambda p: _read(p, infos[p.name]),
+                           model_params.param_specs(cfg), progress)
 
 
 HOST_STACK_BYTES = 16 * 2**20  # weights up to this size are shaped and stacked on the host (no compile)
@@ -716,12 +691,12 @@ _BITS = {2: jnp.uint16, 4: jnp.uint32}  # large stacked weights are filled as ra
 
 
 @functools.lru_cache(maxsize=None)
-def _transform(transpose: bool, add_one: bool, shape: tuple, dt, sharding):
+def _transform(transpose: bool, plus_one: bool, shape: tuple, dt, sharding):
     """A jitted stored tensor -> jaxinfer value (transpose, + 1, reshape, cast) for large tensors:
     XLA transposes bf16 faster than numpy does."""
     def f(x):
         x = x.T if transpose else x
-        if add_one:
+        if plus_one:
             x = x.astype(jnp.float32) + 1.0
         return x.reshape(shape).astype(dt)
 
@@ -770,12 +745,12 @@ def load_params(folder: os.PathLike, cfg: ModelConfig, shardings=None,
     Returns:
       The params pytree of jax arrays.
     """
-    sources = _checked_sources(Path(folder), cfg)
-    specs = prm.param_specs(cfg)
+    placements = _checked_placements(Path(folder), cfg)
+    specs = model_params.param_specs(cfg)
     dt = np.dtype(jnp.dtype(cfg.dtype))
     groups: dict[tuple[bool, str], list] = {}
-    for src, info in sources:
-        groups.setdefault((src.layer is not None, src.key), []).append((src, info))
+    for p, info in placements:
+        groups.setdefault((p.layer is not None, p.key), []).append((p, info))
     out: dict = {"layers": {}}
     done = 0
     for (stacked, key), group in groups.items():
@@ -785,24 +760,24 @@ def load_params(folder: os.PathLike, cfg: ModelConfig, shardings=None,
         large = int(np.prod(spec.shape)) * dt.itemsize > host_stack_bytes
         host = np.empty(spec.shape, dt) if stacked and not large else None
         buf = jax.jit(lambda: jnp.zeros(spec.shape, _BITS[dt.itemsize]), out_shardings=sh)() if stacked and large else None
-        for src, info in group:
-            part, at = _part(src, shape)  # an expert's tensor fills part of its layer's slice
+        for p, info in group:
+            part, at = names.part(p, shape)  # an expert's tensor fills part of its layer's slice
             # a large tensor goes to the device at once, so its host copy is freed before reshaping
-            x = jax.device_put(_read(src, info)) if large else _read(src, info)
+            x = jax.device_put(_read(p, info)) if large else _read(p, info)
             if not large:
-                value = _host_value(src, x).reshape(part).astype(dt, copy=False)
+                value = names.finish(p, x).reshape(part).astype(dt, copy=False)
                 host = value if not stacked else host
                 if stacked:
-                    host[src.layer][tuple(slice(o, o + n) for o, n in zip(at, part))] = value
+                    host[p.layer][tuple(slice(o, o + n) for o, n in zip(at, part))] = value
             elif stacked:
-                value = _transform(src.transpose, src.add_one, part, jnp.dtype(dt), None)(x)
-                buf = jax.block_until_ready(_fill(sh)(buf, value, (src.layer,) + at))
+                value = _transform(p.transpose, p.plus_one, part, jnp.dtype(dt), None)(x)
+                buf = jax.block_until_ready(_fill(sh)(buf, value, (p.layer,) + at))
             else:
-                value = host = _transform(src.transpose, src.add_one, shape, jnp.dtype(dt), sh)(x)
+                value = host = _transform(p.transpose, p.plus_one, shape, jnp.dtype(dt), sh)(x)
             del x, value
             done += 1
             if progress:
-                progress(done, len(sources))
+                progress(done, len(placements))
         arr = _as_dtype(jnp.dtype(dt), sh)(buf) if buf is not None else jax.device_put(host, sh)
         (out["layers"] if stacked else out)[key] = jax.block_until_ready(arr)
         del host, buf

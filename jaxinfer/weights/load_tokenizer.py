@@ -21,7 +21,7 @@ import shutil
 from typing import Optional
 
 from jaxinfer.text import bpe, chat, hf_tokenizer, spm
-from jaxinfer.text import tokenizer as tok
+from jaxinfer.text import tokenizer as tokenizers
 from jaxinfer.weights import gguf as gguf_io
 from jaxinfer.weights.source import Source, classify
 
@@ -34,7 +34,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", chat.TEMPLATE_F
                       "config.json")
 
 
-def load_tokenizer(name_or_path: str, *, cache: Optional[str] = None) -> tok.Tokenizer:
+def load_tokenizer(name_or_path: str, *, cache: Optional[str] = None) -> tokenizers.Tokenizer:
     """The tokenizer of a model file, folder or name -- the AutoTokenizer habit.
 
     Args:
@@ -54,10 +54,10 @@ def load_tokenizer(name_or_path: str, *, cache: Optional[str] = None) -> tok.Tok
     return t
 
 
-def tokenizer_of(src: Source) -> Optional[tok.Tokenizer]:
+def tokenizer_of(src: Source) -> Optional[tokenizers.Tokenizer]:
     """The tokenizer a classified source holds; None for a model folder without one."""
     if src.kind == "openai":
-        return tok.openai_tokenizer(src.path)
+        return tokenizers.openai_tokenizer(src.path)
     if src.kind == "gguf":
         return gguf_tokenizer(gguf_io.read_tokenizer(gguf_io.open_gguf(src.path)), src.name)
     if src.kind == "tokenizer_json":
@@ -69,17 +69,17 @@ def tokenizer_of(src: Source) -> Optional[tok.Tokenizer]:
     return hf_file_tokenizer(os.path.join(src.path, "tokenizer.json"))
 
 
-def gguf_tokenizer(data: tok.TokenizerData, name: str) -> tok.Tokenizer:
+def gguf_tokenizer(data: tokenizers.TokenizerData, name: str) -> tokenizers.Tokenizer:
     """The tokenizer for a GGUF's tokenizer data: SentencePiece ("llama") or byte-level BPE."""
     if data.model == "llama":
         return spm.from_gguf(data, name=name)
     if data.model == "gpt2":
         return bpe.from_gguf(data, name=name)
-    raise tok.TokenizerError(f"GGUF tokenizer model {data.model!r} is not implemented (jaxinfer reads 'gpt2', "
+    raise tokenizers.TokenizerError(f"GGUF tokenizer model {data.model!r} is not implemented (jaxinfer reads 'gpt2', "
                              "byte-level BPE, and 'llama', SentencePiece BPE)")
 
 
-def _checkpoint_tokenizer(src: Source) -> Optional[tok.Tokenizer]:
+def _checkpoint_tokenizer(src: Source) -> Optional[tokenizers.Tokenizer]:
     hf_dir = os.path.join(src.path, HF_TOKENIZER_DIR)
     if os.path.isdir(hf_dir):
         return hf_file_tokenizer(os.path.join(hf_dir, "tokenizer.json"), name=src.name)
@@ -87,7 +87,7 @@ def _checkpoint_tokenizer(src: Source) -> Optional[tok.Tokenizer]:
     return None if data is None else gguf_tokenizer(data, src.name)
 
 
-def read_tokenizer_data(path: str) -> Optional[tok.TokenizerData]:
+def read_tokenizer_data(path: str) -> Optional[tokenizers.TokenizerData]:
     """A checkpoint's stored GGUF tokenizer data, or None if the file is absent.
 
     Raises:
@@ -103,7 +103,7 @@ def read_tokenizer_data(path: str) -> Optional[tok.TokenizerData]:
             # Written before the field existed, when the one SentencePiece vocabulary jaxinfer read
             # was Gemma's, whose GGUF says add_space_prefix = false: keep tokenizing as it did.
             raw["add_space_prefix"] = False
-        return tok.TokenizerData(**raw)
+        return tokenizers.TokenizerData(**raw)
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid tokenizer data: {e}") from e
 
@@ -123,7 +123,7 @@ def copy_hf_tokenizer(folder: str, dest: str) -> list[str]:
     return names
 
 
-def hf_file_tokenizer(path: str, name: Optional[str] = None) -> tok.Tokenizer:
+def hf_file_tokenizer(path: str, name: Optional[str] = None) -> tokenizers.Tokenizer:
     """A tokenizer.json, with tokenizer_config.json, chat_template.jinja and generation_config.json
     (else config.json's eos_token_id) from the same folder when present.
 
