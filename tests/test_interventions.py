@@ -16,6 +16,7 @@ from jaxinfer import interventions as I
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.model import layout
+from jaxinfer.model.model import Model
 from tests.tolerances import assert_close
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
@@ -310,3 +311,63 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
     got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
     got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
     assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)
+
+
+# ---- what the audit of edge cases found: each a named error, never a silent answer -----------------
+
+def _overflows(m, D):
+    """add at layer 0 whose residual is finite but whose squares overflow float32 in the next norm."""
+    return [I.add("resid_post", 0, np.ones(D, np.float32), 1e19)]
+
+
+def test_rms_norm_is_nan_when_the_squares_overflow_and_unchanged_otherwise():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model import forward
+
+    def before(x, w, eps):  # rms_norm as it was: what every finite result must still be, bit for bit
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(64).astype(np.float32)
+    for scale in (1e-30, 1e-3, 1.0, 1e3, 1e17):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            x = jnp.asarray(rng.standard_normal((3, 64)) * scale, dtype)
+            np.testing.assert_array_equal(np.asarray(forward.rms_norm(x, w, 1e-5)), np.asarray(before(x, w, 1e-5)))
+            jitted = jax.jit(forward.rms_norm, static_argnums=2)(x, w, 1e-5)
+            np.testing.assert_array_equal(np.asarray(jitted), np.asarray(jax.jit(before, static_argnums=2)(x, w, 1e-5)))
+    x = np.full((2, 64), 1e19, np.float32)  # finite, its mean square is not: NaN, not the 0 that rsqrt(inf) gives
+    x[1] = 1.0
+    got = np.asarray(forward.rms_norm(x, w, 1e-5))
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma3"))
+def test_overflow_in_the_forward_is_an_error_never_a_uniform_answer(models, family):
+    """A finite steering scale large enough that the next norm's squares overflow float32 made every
+    logit 0: a uniform distribution served as an answer (greedy token 0, random tokens at
+    temperature > 0, logits all zeros). Every entry point now ends in a named error."""
+    from jaxinfer.decode.core import InvalidLogitsError
+    from jaxinfer.inspect.activations import NonFiniteActivations
+
+    m = models["stacked", family]
+    ivs = _overflows(m, m.config.d_model)
+    for sampling, seed in ((GREEDY, None), (SamplingParams(temperature=0.7), 3)):
+        with pytest.raises(InvalidLogitsError, match="overflowed float32"):
+            jaxinfer.generate(m, [IDS], max_new_tokens=3, sampling=sampling, seed=seed, interventions=ivs)
+    with pytest.raises(InvalidLogitsError, match="position 0 hold NaN or inf"):
+        jaxinfer.logits(m, IDS, interventions=ivs)
+    with pytest.raises(InvalidLogitsError, match="pair 0"):
+        jaxinfer.score(m, [(IDS[:4], IDS[4:6])], interventions=ivs)
+    with pytest.raises(NonFiniteActivations, match="resid_post activations at layer 1"):
+        jaxinfer.activations(m, [IDS], "resid_post", interventions=ivs)
+    with pytest.raises(NonFiniteActivations, match="logit lens"):
+        jaxinfer.logit_lens(m, IDS, interventions=ivs)
+    # the softcapped head (Gemma 2's final_logit_softcap): tanh keeps NaN, so the same error
+    capped = Model(config=m.config.replace(final_logit_softcap=30.0), params=m.params, tokenizer=m.tokenizer)
+    with pytest.raises(InvalidLogitsError):
+        jaxinfer.logits(capped, IDS, interventions=ivs)
+    assert np.isfinite(np.asarray(jaxinfer.logits(capped, IDS))).all()

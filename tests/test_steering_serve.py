@@ -276,3 +276,21 @@ def test_the_server_steers_as_generate_does_and_returns_hidden_states(model, eng
                                       "steering": [{"layer": 0, "vector": [1.0] * (D + 1)}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "steering[0].vector", r.text[:300]
     assert engine.compiles_while_serving == before
+
+
+def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(model, engine, served):
+    """A finite scale whose residual's squares overflow float32 was served as HTTP 200, finish "stop",
+    every logprob -ln(V) (the norm scaled the residual to 0). Now the request fails as a NaN makes
+    it fail: 500 engine_error, generating or scoring; the server goes on serving."""
+    post, _ = served
+    D = model.config.d_model
+    steer = [{"layer": 0, "vector": [1.0] * D, "scale": 1e19}]
+    for path, body in (("/v1/completions", {"prompt": P1, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+                       ("/v1/completions", {"prompt": P1, "echo": True, "max_tokens": 0, "logprobs": 0})):
+        r = post(path, body | {"steering": steer})
+        assert r.status_code == 500, (path, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == "engine_error" and "overflowed float32" in err["message"], err
+    r = post("/v1/completions", {"prompt": P1, "max_tokens": 4, "steering": [{"layer": 0, "vector": [1.0] * D}]})
+    assert r.status_code == 200, r.text[:300]

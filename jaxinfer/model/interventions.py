@@ -46,6 +46,10 @@ from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.config import ModelConfig
 
 Layers = Union[int, Sequence[int], None]
+# What the error says where a forward's logits or activations hold NaN or inf (`rms_norm` turns a
+# residual whose squares overflow float32 into NaN, so overflow is reported, never served).
+NON_FINITE = ("the forward overflowed float32 or met a NaN; an intervention's values (a steering scale or "
+              "vector, patched or mean values) may be too large for this model")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
