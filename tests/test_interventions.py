@@ -371,3 +371,51 @@ def test_overflow_in_the_forward_is_an_error_never_a_uniform_answer(models, fami
     with pytest.raises(InvalidLogitsError):
         jaxinfer.logits(capped, IDS, interventions=ivs)
     assert np.isfinite(np.asarray(jaxinfer.logits(capped, IDS))).all()
+
+
+def test_patch_positions_beyond_the_context_are_refused_not_wrapped(models):
+    m = models["per_layer", "llama"]
+    D = m.config.d_model
+    for positions in ([2 ** 32 + 1], [2 ** 31], [-1]):  # 2**32 + 1 ran as position 1
+        with pytest.raises(ValueError, match=r"positions must be 1 ints in \[0, the model's context length\)"):
+            I.patch("resid_post", 0, np.ones((1, D)), positions)
+    with CompileCounter() as compiles, pytest.raises(ValueError, match=r"positions must be in \[0, 512\).*\[3, 512\]"):
+        jaxinfer.generate(m, [IDS], max_new_tokens=2, interventions=[I.patch("resid_post", 0, np.ones((2, D)),
+                                                                             [3, 512])])
+    assert compiles.count == 0
+
+
+def _to_complex(x, p, positions):
+    return x.astype(np.complex64) * 1j
+
+
+def _to_int(x, p, positions):
+    return x.astype(np.int32)
+
+
+def test_a_function_that_changes_the_dtype_is_refused(models):
+    m = models["per_layer", "llama"]
+    for fn, dtype in ((_to_complex, "complex64"), (_to_int, "int32")):
+        iv = I.Intervention(site="mlp_out", layers=(0,), fn=fn)
+        with CompileCounter() as compiles, pytest.raises(ValueError, match=f"must return real floats .*got {dtype}"):
+            jaxinfer.generate(m, [IDS], max_new_tokens=2, interventions=[iv])
+        assert compiles.count == 0
+
+
+def test_ablating_over_complete_or_dependent_directions_is_refused(models):
+    m = models["per_layer", "llama"]
+    D = m.config.d_model
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=f"{D + 1} directions in {D} dimensions are linearly dependent"):
+        I.ablate("resid_post", 0, directions=rng.standard_normal((D + 1, D)))
+    u = rng.standard_normal((3, D))
+    for bad in (np.stack([u[0], u[1], u[0] + 2 * u[1]]), np.stack([u[0], np.zeros(D)]), u[:1] * 0):
+        with pytest.raises(ValueError, match="linearly dependent or zero"):
+            I.ablate("resid_post", 0, directions=bad)
+    # the rank is judged relative to the directions' scale: tiny or huge independent ones are fine,
+    # and the basis is the one their unscaled form gives
+    want = I.project_out("resid_post", 0, u).params["basis"]
+    for scale in (1e-30, 1e30):
+        np.testing.assert_allclose(I.project_out("resid_post", 0, u * scale).params["basis"], want, atol=1e-6)
+    np.testing.assert_allclose(I.project_out("resid_post", 0, np.stack([u[0] * 1e-20, u[1], u[2] * 1e20])
+                                             ).params["basis"], want, atol=1e-5)

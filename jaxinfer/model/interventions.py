@@ -233,8 +233,12 @@ def patch(site: str, layer: Layers, values, positions: Optional[Sequence[int]] =
         raise ValueError(f"patch: values must be [P, *site shape], got shape {vals.shape}")
     P = vals.shape[0]
     pos = np.arange(P) if positions is None else np.asarray(positions)
-    if pos.shape != (P,) or not np.issubdtype(pos.dtype, np.integer) or (P and pos.min() < 0):
-        raise ValueError(f"patch: positions must be {P} non-negative ints (one per row of values), got {positions!r}")
+    if (pos.shape != (P,) or not np.issubdtype(pos.dtype, np.integer)
+            or (P and (pos.min() < 0 or pos.max() > np.iinfo(np.int32).max))):
+        # (positions run as int32: a larger one would wrap onto another position; `_check` then
+        # holds them below the model's context length)
+        raise ValueError(f"patch: positions must be {P} ints in [0, the model's context length) (one per row of "
+                         f"values), got {positions!r}")
     if len(set(pos.tolist())) != P:
         raise ValueError("patch: positions repeat a position")
     width = 1 << max(0, (P - 1).bit_length())
@@ -257,9 +261,20 @@ def _basis(directions, what: str) -> np.ndarray:
     d = d[None] if d.ndim == 1 else d
     if d.ndim != 2 or d.shape[0] == 0:
         raise ValueError(f"{what} must be [D] or [k, D], got shape {np.shape(directions)}")
-    q, r = np.linalg.qr(d.T.astype(np.float64))  # [D, k]
-    if np.min(np.abs(np.diag(r))) <= 1e-6 * max(1.0, float(np.max(np.abs(np.diag(r))))):
-        raise ValueError(f"{what}: the directions are (nearly) linearly dependent or zero")
+    k, D = d.shape
+    if k > D:
+        raise ValueError(f"{what}: {k} directions in {D} dimensions are linearly dependent (over-complete); "
+                         f"pass at most {D} linearly independent directions")
+    d64 = d.astype(np.float64)
+    norms = np.linalg.norm(d64, axis=1)
+    # The rank is judged on the directions scaled to length 1: independent of their scale (1e-30
+    # or 1e30 alike), and a short direction beside a long one counts as much.
+    sv = np.linalg.svd(d64 / np.where(norms > 0, norms, 1.0)[:, None], compute_uv=False)
+    if not norms.all() or sv.min() <= 1e-6 * sv.max():
+        raise ValueError(f"{what}: the directions are (nearly) linearly dependent or zero (scaled to length 1, their "
+                         f"singular values run from {sv.min():.3g} to {sv.max():.3g}); pass linearly independent "
+                         "directions")
+    q, _ = np.linalg.qr(d64.T)  # [D, k]
     return q.T.astype(np.float32)
 
 
@@ -313,6 +328,10 @@ def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
             raise ValueError(f"{iv!r}: params hold NaN or inf")
     if iv.fn is _replace_heads and int(np.max(iv.params["heads"])) >= cfg.n_heads:
         raise ValueError(f"{iv!r}: heads must be in [0, {cfg.n_heads}), got {iv.params['heads'].tolist()}")
+    if iv.fn is _patch and int(np.max(iv.params["positions"])) >= cfg.max_seq_len:
+        listed = iv.params["positions"][iv.params["positions"] >= 0].tolist()
+        raise ValueError(f"{iv!r}: positions must be in [0, {cfg.max_seq_len}) (the model's context length), "
+                         f"got {listed}")
     if iv.key() in traced:
         return
     traced.add(iv.key())
@@ -325,6 +344,9 @@ def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
     if not hasattr(out, "shape") or out.shape != x.shape:
         raise ValueError(f"{iv!r}: its function must return x's shape (T, {', '.join(map(str, shape))}), "
                          f"got {getattr(out, 'shape', type(out).__name__)}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):  # `sites.apply` casts to x's dtype: complex would lose a part
+        raise ValueError(f"{iv!r}: its function must return real floats (x's dtype {jnp.dtype(cfg.dtype).name} "
+                         f"or float32), got {out.dtype}")
 
 
 def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows: int,
