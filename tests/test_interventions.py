@@ -402,6 +402,26 @@ def test_a_function_that_changes_the_dtype_is_refused(models):
         assert compiles.count == 0
 
 
+def test_layers_are_ints_or_sequences_of_distinct_ints_everywhere(models):
+    m = models["per_layer", "llama"]
+    v = _vec(m.config.d_model, 0)
+    for layer in (np.bool_(True), 3.0, True, np.float32(1.0), [0, 1.0], [True], "1", object()):
+        with pytest.raises(TypeError, match=r"must be a layer index \(an int\) or a sequence of them \(bools and "
+                                            r"floats are not layer indices\)"):
+            I.add("resid_post", layer, v)
+        with pytest.raises(TypeError, match="bools and floats are not layer indices"):
+            jaxinfer.activations(m, [IDS], "resid_post", layers=layer)
+    assert I.add("resid_post", np.int64(1), v).layers == (1,)
+    assert I.add("resid_post", np.arange(2), v).layers == (0, 1)
+    for make in (lambda: I.add("resid_post", [1, 1], v), lambda: I.ablate("mlp_out", (0, 1, 0)),
+                 lambda: jaxinfer.Capture(layers=[1, 1]),
+                 lambda: jaxinfer.activations(m, [IDS], "resid_post", layers=[0, 0])):
+        with pytest.raises(ValueError, match="names a layer twice"):
+            make()
+    with pytest.raises(ValueError, match="is empty; name at least one layer"):
+        I.add("resid_post", [], v)
+
+
 def test_ablating_over_complete_or_dependent_directions_is_refused(models):
     m = models["per_layer", "llama"]
     D = m.config.d_model

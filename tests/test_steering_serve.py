@@ -217,6 +217,21 @@ def test_the_steering_field_is_refused_naming_the_field(model, engine, chat):
         assert e.value.param == "steering"
 
 
+def test_a_layer_named_twice_is_refused_in_the_steering_field_as_in_python(model):
+    """`"layer": [1, 1]` was merged into one add, where hidden_states refuses a repeated layer."""
+    D = model.config.d_model
+    ext = proto.Extensions(steering=steering.Steering(slots=2))
+    with pytest.raises(proto.ApiError, match="names a layer twice") as e:
+        proto.parse({"prompt": P1, "max_tokens": 2, "steering": [{"layer": [1, 1], "vector": [1.0] * D}]}, model,
+                    chat=False, extensions=ext)
+    assert (e.value.status, e.value.param) == (400, "steering[0].layer")
+    with pytest.raises(ValueError, match="names a layer twice"):
+        I.add("resid_post", [1, 1], _vec(D, 0))
+    job = proto.parse({"prompt": P1, "max_tokens": 2, "steering": [{"layer": [1, 0], "vector": [1.0] * D}]}, model,
+                      chat=False, extensions=ext)
+    assert job.interventions[0].layers == (0, 1)
+
+
 def test_the_hidden_states_field_is_refused_naming_the_field(model, engine):
     ext = _ext(engine)
     score = {"prompt": P1, "echo": True, "max_tokens": 0}

@@ -75,11 +75,7 @@ class Intervention:
         if not callable(self.fn):
             raise TypeError(f"Intervention.fn must be callable, got {type(self.fn).__name__}")
         if self.layers is not None:
-            layers = (self.layers,) if isinstance(self.layers, (int, np.integer)) else tuple(self.layers)
-            if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) for x in layers) or not layers:
-                raise TypeError(f"{self.name}: layers must be an int, a non-empty sequence of ints or None, "
-                                f"got {self.layers!r}")
-            object.__setattr__(self, "layers", tuple(int(x) for x in layers))
+            object.__setattr__(self, "layers", sites_lib.layer_indices(self.layers, f"{self.name}: layers"))
         params = jax.tree.map(_host_array, self.params)
         object.__setattr__(self, "params", params)
 
