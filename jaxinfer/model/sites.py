@@ -53,7 +53,11 @@ def check_site(site) -> str:
 
 
 def _is_index(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # NumPy integers too; np.bool_ is not one
+    """An int, a NumPy integer or a 0-d integer array (np.bool_ and bool are not)."""
+    if isinstance(x, numbers.Integral):
+        return not isinstance(x, bool)
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and getattr(x, "ndim", None) == 0 and jnp.issubdtype(dtype, jnp.integer)
 
 
 def layer_indices(layers, what: str = "layers") -> tuple[int, ...]:
