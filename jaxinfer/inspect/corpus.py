@@ -192,21 +192,22 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
 
     report = progress or (lambda done, total: None)
     buffer: list[tuple[int, dict]] = []  # (text index, {site: [T, n, ...]}) of processed texts
-    state = {"rows": 0, "covered": start, "done": start}  # rows buffered; texts processed (the shard's
-    #                                                     end_text); texts read or skipped, for `progress`
+    # rows in the buffer; texts processed (the shard's end_text); texts read or skipped, for `progress`
+    state = {"buffered_rows": 0, "covered": start, "done": start}
 
     def flush(end_text: int) -> None:
-        rows = sum(len(r["text_index"]) for _, r in buffer)
-        if rows:
+        buffer_rows = sum(len(r["text_index"]) for _, r in buffer)
+        if buffer_rows:
             arrays = {k: np.concatenate([r[k] for _, r in buffer]) for k in buffer[0][1]}
             i = len(manifest["shards"])
             files = _write_shard(folder, i, arrays, format)
-            manifest["shards"].append({"files": files, "rows": rows, "first_text": buffer[0][0], "end_text": end_text})
+            manifest["shards"].append({"files": files, "rows": buffer_rows, "first_text": buffer[0][0],
+                                       "end_text": end_text})
         manifest["texts_done"] = end_text
-        manifest["rows"] += rows
+        manifest["rows"] += buffer_rows
         _atomic_write(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
         buffer.clear()
-        state["rows"] = 0
+        state["buffered_rows"] = 0
 
     def advance(n: int) -> None:
         state["done"] += n
@@ -220,10 +221,10 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
             row["text_index"] = np.full((n,), t, np.int64)
             row["position"] = np.arange(n, dtype=np.int32)
             buffer.append((t, row))
-            state["rows"] += n
+            state["buffered_rows"] += n
         state["covered"] = batch[-1][0] + 1
         advance(len(batch))
-        if state["rows"] >= shard_rows:
+        if state["buffered_rows"] >= shard_rows:
             flush(state["covered"])
 
     pending: list[tuple[int, list[int]]] = []

@@ -54,7 +54,7 @@ class Live:
     error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
     error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
     packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner.pack_row`)
-    steering: Optional[Any] = None  # its steering as slot rows (`steering.Rows`), or None
+    steering: Optional[Any] = None  # its steering as slot rows (`steering.RequestSteering`), or None
     hidden: Optional[tuple] = None  # (site, layers): hidden states to return per prompt token (scoring only)
     hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
     # No constraint, stop strings, penalties or top alternatives: a token needs no work of its own

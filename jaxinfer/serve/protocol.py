@@ -406,7 +406,7 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
     Here only the JSON's shape is checked (objects, known fields, `vector` xor `name`, numbers);
     the values are checked by `interventions.add` and `steering.check`, the engine's own checks.
     Every fault is a 400 naming the entry's field (steering[i].vector, ...), before admission."""
-    from jaxinfer.model import interventions as iv
+    from jaxinfer.model import interventions
     from jaxinfer.serve import steering as steer
 
     v = body.get("steering")
@@ -455,7 +455,7 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
             raise bad(f"{at}.scale", f"{at}.scale must be a finite number, got {_show(scale)}", "invalid_type")
         try:
             with np.errstate(over="ignore"):  # beyond float32: inf, which add refuses by name
-                out.append(iv.add(e.get("site", "resid_post"), sorted(flat), vec, _as_float(scale)))
+                out.append(interventions.add(e.get("site", "resid_post"), sorted(flat), vec, _as_float(scale)))
         except ValueError as err:  # add's own checks: the site, the vector, the scale, then the layers
             field = next((f for f, start in (("vector", "add: vector"), ("scale", "add: scale"),
                                              ("layer", "add: layers")) if str(err).startswith(start)), "site")
