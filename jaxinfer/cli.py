@@ -270,13 +270,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--hidden-states", default=None, metavar="SITES",
                    help="comma-separated sites the scoring call may return at chosen layers (the 'hidden_states' "
                         "extension field, e.g. resid_post; default off)")
+    p.add_argument("--max-hidden-states-bytes", default="64MiB", metavar="SIZE",
+                   help="the most bytes one response's hidden states may take, encoded (e.g. 256MiB; default "
+                        "64MiB); a scoring call asking for more is refused with a 400 before it runs")
 
 
 MAX_KV_MEMORY = 1 << 50  # 1 PiB: more than any device holds; a larger --kv-memory is a typo
 
 
-def _parse_bytes(text: str) -> int:
-    """--kv-memory: '2GiB', '512MiB', '1.5GB', '1000000' -> bytes (finite, >= 1 byte, <= 1 PiB)."""
+def _parse_bytes(text: str, flag: str = "--kv-memory") -> int:
+    """A size flag (--kv-memory): '2GiB', '512MiB', '1.5GB', '1000000' -> bytes (finite, >= 1 byte, <= 1 PiB)."""
     import math
 
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -288,7 +291,7 @@ def _parse_bytes(text: str) -> int:
     except (ValueError, KeyError):
         value = math.nan
     if not 1 <= value <= MAX_KV_MEMORY:  # also refuses nan and inf ("1e400")
-        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or a byte count, at least 1 byte and at "
+        raise ValueError(f"{flag} must be a size like 2GiB, 512MiB or a byte count, at least 1 byte and at "
                          f"most 1PiB, got {text!r}")
     return int(value)
 
@@ -304,8 +307,6 @@ def _check_serve_flags(args):
     check_int("--max-body-bytes", args.max_body_bytes, 1)
     if args.steering_slots is not None:
         check_int("--steering-slots", args.steering_slots, 0)
-    if args.steering_vectors is not None and not os.path.isfile(args.steering_vectors):
-        raise ValueError(f"--steering-vectors {args.steering_vectors!r}: no such file")
     from jaxinfer.model.sites import SITES
 
     for flag, value in (("--steering-sites", args.steering_sites), ("--hidden-states", args.hidden_states)):
@@ -328,7 +329,9 @@ def _check_serve_flags(args):
 
 def _serve(args) -> int:
     """`jaxinfer serve`: check the flags and bind the port, then load, warm up and serve until SIGTERM /
-    Ctrl-C. Everything that can be refused without the model is refused before the (slow) load."""
+    Ctrl-C. Everything that can be refused without the model is refused before the (slow) load.
+    SIGTERM or SIGINT at any point after the flags are checked (the load, the warm-up, serving)
+    stops it with exit status 0 and a line saying so (`_StopSignals`)."""
     try:
         import uvicorn
 
@@ -340,11 +343,21 @@ def _serve(args) -> int:
     import jaxinfer
 
     kv_memory, mesh = _check_serve_flags(args)
+    hidden_bytes = _parse_bytes(args.max_hidden_states_bytes, "--max-hidden-states-bytes")
+    vectors = None
+    if args.steering_vectors is not None:  # the file checked before the model loads; its widths after
+        from jaxinfer.serve import steering
+
+        if not os.path.isfile(args.steering_vectors):
+            raise ValueError(f"--steering-vectors {args.steering_vectors!r}: no such file")
+        vectors = steering.read_vectors(args.steering_vectors)
     sock = server.bind_socket(args.host, args.port)  # a busy port or a foreign address fails here
     handler = logging.StreamHandler(sys.stderr)  # refused requests, one line each
     handler.setFormatter(logging.Formatter("jaxinfer serve: %(message)s"))
     engine = None
+    signals = _StopSignals()
     try:
+        signals.install()
         import threading
         import time
 
@@ -357,11 +370,8 @@ def _serve(args) -> int:
         model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=args.layout)
         memory.release()  # what the load freed (a layout conversion's first copy of the weights)
         print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
-        vectors = None
-        if args.steering_vectors is not None:
-            from jaxinfer.serve.steering import load_vectors
-
-            vectors = load_vectors(args.steering_vectors, model.config.d_model)
+        if vectors is not None:
+            steering.check_widths(vectors, model.config.d_model, args.steering_vectors)
         slots = args.steering_slots if args.steering_slots is not None else (4 if vectors else 0)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len,
                                     steering_slots=slots,
@@ -382,12 +392,14 @@ def _serve(args) -> int:
                 engine.wait_warm()
             except Exception as e:  # noqa: BLE001 - the engine goes on with the programs it has
                 print(f"jaxinfer serve: warning: warmup failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            print(f"jaxinfer serve: {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
-                  file=sys.stderr, flush=True)
+            if not signals.received:
+                print(f"jaxinfer serve: {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
+                      file=sys.stderr, flush=True)
 
         threading.Thread(target=announce, name="jaxinfer-announce", daemon=True).start()
         limits = server.Limits(max_slots=args.max_slots, max_waiting=args.max_waiting,
-                               max_body_bytes=args.max_body_bytes)
+                               max_body_bytes=args.max_body_bytes,
+                               max_hidden_states_bytes=hidden_bytes)
         name = args.served_name or args.model
         app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits,
                                 steering_vectors=vectors)
@@ -397,14 +409,88 @@ def _serve(args) -> int:
         server.log.propagate = False  # the handler above prints them; not twice through the root logger
         print(f"jaxinfer serve: {server.url_of(sock)}/v1 (model '{name}', at most {server.context_limit(engine)} "
               "tokens per request)", file=sys.stderr)
+        # uvicorn handles SIGTERM and SIGINT while it serves (it finishes the running requests),
+        # then raises the signal again with our handlers back in place: `_Stopped` below.
         uvicorn.Server(config).run(sockets=[sock])
+    except _Stopped:
+        pass
     finally:
         server.log.removeHandler(handler)
         server.log.propagate = True
         sock.close()
-        if engine is not None:
-            engine.cancel_warmup()  # no compile outlives the server
+        try:
+            if engine is not None:
+                _end_warmup(engine, signals)  # no compile outlives the server
+            elif signals.received is not None:
+                print(f"jaxinfer serve: stopped by {signals.received} before serving", file=sys.stderr, flush=True)
+        finally:
+            signals.restore()
     return 0
+
+
+# A stopping server waits this long for the compiles under way to finish (and be stored) before it
+# leaves them: one can take tens of seconds on a real model, and XLA cannot interrupt one.
+STOP_WAIT_SECONDS = 2.0
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached `jaxinfer serve` (raised in the main thread by `_StopSignals`)."""
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT handlers for `jaxinfer serve`: the first one raises `_Stopped` in the main
+    thread (while uvicorn serves, its own handlers hold them and raise them again once it has
+    shut down); later ones are ignored while the server stops. Without them SIGTERM killed the
+    process by the signal (uvicorn raises it again under the default handler) and SIGINT left a
+    KeyboardInterrupt traceback after waiting for the warm-up's compiles."""
+
+    def __init__(self) -> None:
+        self.received: Optional[str] = None  # the signal's name, once one came
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():  # cli.main on a thread: no handlers
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, sig, frame) -> None:
+        import signal
+
+        if self.received is None:
+            self.received = signal.Signals(sig).name
+            raise _Stopped(self.received)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def _end_warmup(engine, signals: _StopSignals) -> None:
+    """Cancel the engine's background warm-up. Stopped by a signal: say so, and where compiles
+    are still under way after STOP_WAIT_SECONDS, leave them (exit status 0 at once) rather than
+    wait for them."""
+    import threading
+
+    if signals.received is None:
+        engine.cancel_warmup()
+        return
+    warming, report = engine.warming, engine.startup_report()
+    waiter = threading.Thread(target=engine.cancel_warmup, name="jaxinfer-cancel-warmup", daemon=True)
+    waiter.start()
+    waiter.join(STOP_WAIT_SECONDS)
+    stage = (f" during warm-up ({report.programs} of {report.programs + report.pending} programs built, the rest "
+             "cancelled)" if warming else "")
+    print(f"jaxinfer serve: stopped by {signals.received}{stage}", file=sys.stderr, flush=True)
+    if waiter.is_alive():  # a compile XLA cannot interrupt: the interpreter's exit would wait for it
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _add_convert(sub) -> None:

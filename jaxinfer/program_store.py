@@ -44,6 +44,7 @@ import secrets
 import tempfile
 import threading
 import time
+import types
 import weakref
 import zlib
 from pathlib import Path
@@ -122,6 +123,25 @@ def context() -> str:
     ])
 
 
+def _structure(treedef) -> str:
+    """str(treedef) with each of jaxinfer's module-level functions in its nodes' static data (a
+    steering hook's `fn`) named by its module and qualified name rather than its address, which
+    differs in every process. Only jaxinfer's own: the key's source hash covers their code, not
+    that of another module's function (a script's `__main__.f` may differ from run to run), which
+    keeps its address and with it no key."""
+    text = str(treedef)
+    todo = [treedef]
+    while todo:
+        node = todo.pop()
+        todo += node.children()
+        data = node.node_data()
+        for value in (data[1] if data is not None and isinstance(data[1], tuple) else ()):
+            if (isinstance(value, types.FunctionType) and value.__module__.startswith("jaxinfer.")
+                    and "<" not in value.__qualname__):  # not a lambda or a local function
+                text = text.replace(repr(value), f"<function {value.__module__}.{value.__qualname__}>")
+    return text
+
+
 def _describe(leaf) -> str:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return (f"{tuple(leaf.shape)} {leaf.dtype} weak={getattr(leaf, 'weak_type', False)} "
@@ -152,7 +172,7 @@ class ProgramStore:
         the program is neither loaded nor stored."""
         name = f"{getattr(jitted, '__module__', '')}.{getattr(jitted, '__qualname__', repr(jitted))}"
         tree = (args, kwargs) if kwargs else args
-        parts = [self._context, name, repr(sorted(static.items())), str(jax.tree.structure(tree))]
+        parts = [self._context, name, repr(sorted(static.items())), _structure(jax.tree.structure(tree))]
         parts += [_describe(leaf) for leaf in jax.tree.leaves(tree)]
         text = "\n".join(parts)
         if " at 0x" in text:

@@ -6,9 +6,11 @@ import functools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +99,7 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda event, secs, fun_name=None, **k: event == TRACE_EVENT and traced.append(fun_name))
 cfg = config.tiny(name="tiny-startup-cache")
 engine = Engine(Model(config=cfg, params=init_params(cfg, jax.random.key(0))), **json.loads({small!r}))
-engine.warmup()
+engine.warmup(scoring=engine.hidden_sites != ())
 r = engine.startup_report()
 out = engine.submit([5, 6, 7, 8], max_new_tokens=6, sampling=SamplingParams(temperature=0.8), seed=3).result(300)
 print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded, cache=r.compile_cache,
@@ -127,6 +129,43 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
     assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
+
+
+def test_an_engine_with_steering_slots_and_hidden_states_stores_its_programs(tmp_path):
+    """The steering slots' hook function (a static part of the programs' arguments) is named by
+    its module, not its address: an Engine with steering slots and hidden states stores every
+    program, and a second process loads them all (none compiled, none traced)."""
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    options = dict(SMALL, steering_slots=2, hidden_sites=["resid_post"])
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _PROCESS.format(small=json.dumps(options))], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
+    assert len(stored) == first["programs"] > 0 and "scoring_program" in stored, stored
+    assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
+    assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
+
+
+def test_a_programs_key_names_jaxinfer_s_hook_functions_and_no_other(tmp_path):
+    """A hook function of jaxinfer's (whose code the key's source hash covers) is named in the key
+    by module and name; another module's function (a script's, which may differ from run to run
+    under the same name) leaves the program without a key: never stored, never loaded."""
+    from jaxinfer.model import interventions, sites
+
+    store = program_store.ProgramStore(tmp_path)
+
+    def hooks(fn):
+        slot = sites.Slot(params={"vector": jnp.zeros((2, 4))}, gate=jnp.zeros((2, 3), bool), site="resid_post", fn=fn)
+        return (jax.ShapeDtypeStruct((4,), jnp.float32), sites.Hooks(slots=(slot,)))
+
+    key = store.key(_affine, hooks(interventions.add_vector), dict(scale=2.0))
+    assert key is not None and key == store.key(_affine, hooks(interventions.add_vector), dict(scale=2.0))
+    assert store.key(_affine, hooks(_affine), dict(scale=2.0)) is None
 
 
 _GENERATE = """
@@ -459,3 +498,44 @@ def test_a_call_waiting_on_a_cancelled_build_builds_the_program_itself():
         waiter.join(30)
         gate.set()
     assert got == ["built here"] and programs.get("k") == "built here"
+
+
+TINY_HF = os.path.join(ROOT, "tests", "golden", "tiny_hf", "llama")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_warm_up_stops_the_server_with_exit_status_0(tmp_path, sig):
+    """`jaxinfer serve` with an empty compile cache, signalled while /health says it is warming
+    up: it stops the warm-up, says so, and exits with status 0 within a bound (it neither dies by
+    the signal nor waits for every compile under way)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", TINY_HF, "--host", "127.0.0.1", "--port", "0",
+           "--max-len", "256", "--max-slots", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        url, health, t_end = None, None, time.monotonic() + 300
+        while time.monotonic() < t_end and proc.poll() is None:
+            url = url or next((ln.split()[2][:-3] for ln in list(lines) if "/v1 (model" in ln), None)
+            if url is not None:
+                try:
+                    health = httpx.get(url + "/health", timeout=5).json()
+                except httpx.HTTPError:
+                    health = None
+                if health and (health["status"] == "warming" or health.get("warming")):
+                    break
+            time.sleep(0.05)
+        assert health and (health["status"] == "warming" or health.get("warming")), (health, lines)
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    reader.join(timeout=10)
+    assert rc == 0, (rc, lines[-5:])
+    assert any(f"stopped by {sig.name} during warm-up" in ln for ln in lines), lines[-5:]

@@ -8,6 +8,13 @@ without steering bit for bit, new vectors, scales and layers compile nothing, an
 `hidden_states` equal `jaxinfer.activations`.
 """
 
+import base64
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import types
+
 import numpy as np
 import pytest
 
@@ -173,6 +180,33 @@ def test_steering_vectors_files(tmp_path):
         steering.load_vectors(str(tmp_path / "v.txt"), 8)
 
 
+def test_serve_checks_the_steering_vectors_file_before_loading_the_model(tmp_path, monkeypatch, capsys, model):
+    """`jaxinfer serve --steering-vectors`: a file that cannot serve (an object array, a wrong
+    extension, a matrix, not an archive) is refused before the model loads, naming the file's
+    entry; the vectors' width is checked against the model once it is loaded."""
+    from jaxinfer import cli
+
+    loads = []
+    monkeypatch.setattr(jaxinfer, "load", lambda *a, **k: loads.append(a) or model)
+    np.savez(tmp_path / "objects.npz", good=_vec(8, 0), odd=np.array([{"a": 1}], dtype=object))
+    np.savez(tmp_path / "matrix.npz", grid=np.zeros((2, 8), np.float32))
+    np.savez(tmp_path / "vectors.txt", happy=_vec(8, 0))  # numpy adds .npz: rename it below
+    (tmp_path / "vectors.txt.npz").rename(tmp_path / "vectors.txt")
+    (tmp_path / "text.npz").write_text("happy 1 2 3")
+    for name, words in [("objects.npz", "entry 'odd'"), ("vectors.txt", ".npz or .safetensors"),
+                        ("matrix.npz", "entry 'grid' has shape (2, 8)"), ("text.npz", "text.npz")]:
+        assert cli.main(["serve", "--port", "0", "--steering-vectors", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert words in err and str(tmp_path / name) in err, err
+    assert loads == []
+    D = model.config.d_model
+    np.savez(tmp_path / "wide.npz", fine=_vec(D, 0), wide=_vec(D + 1, 1))
+    assert cli.main(["serve", "--port", "0", "--steering-vectors", str(tmp_path / "wide.npz")]) == 2
+    err = capsys.readouterr().err
+    assert f"entry 'wide' has shape ({D + 1},)" in err and f"[{D}]" in err, err
+    assert len(loads) == 1
+
+
 # ---- the server ----------------------------------------------------------------------------------
 
 def _ext(engine, vectors=None):
@@ -236,19 +270,55 @@ def test_the_hidden_states_field_is_refused_naming_the_field(model, engine):
     ext = _ext(engine)
     score = {"prompt": P1, "echo": True, "max_tokens": 0}
     job = proto.parse(score | {"hidden_states": {"layers": [1, 0]}}, model, chat=False, extensions=ext)
-    assert job.hidden_states == ("resid_post", (0, 1))
+    assert job.hidden_states == proto.HiddenStates(site="resid_post", layers=(0, 1), encoding_format="float",
+                                                   dtype="float32")
+    compact = {"layers": [1], "encoding_format": "base64", "dtype": "float16"}
+    job = proto.parse(score | {"hidden_states": compact}, model, chat=False, extensions=ext)
+    assert (job.hidden_states.encoding_format, job.hidden_states.dtype) == ("base64", "float16")
     for body, param, message in [
         ({"prompt": P1, "max_tokens": 2, "hidden_states": {"layers": [0]}}, "hidden_states", "scoring call"),
         (score | {"hidden_states": {"layers": [2]}}, "hidden_states.layers", r"\[0, 2\)"),
         (score | {"hidden_states": {"layers": []}}, "hidden_states.layers", "non-empty"),
         (score | {"hidden_states": {"layers": [0], "site": "mlp_out"}}, "hidden_states.site", "returns resid_post"),
-        (score | {"hidden_states": {"layers": [0], "dtype": "f16"}}, "hidden_states.dtype", "unknown field"),
+        (score | {"hidden_states": {"layers": [0], "format": "b64"}}, "hidden_states.format", "unknown field"),
+        (score | {"hidden_states": {"layers": [0], "encoding_format": "hex"}}, "hidden_states.encoding_format",
+         "'float' .* or 'base64'"),
+        (score | {"hidden_states": {"layers": [0], "encoding_format": "base64", "dtype": "f16"}},
+         "hidden_states.dtype", "'float32' or"),
+        (score | {"hidden_states": {"layers": [0], "dtype": "float16"}}, "hidden_states.dtype",
+         "with encoding_format 'float'"),
     ]:
         with pytest.raises(proto.ApiError, match=message) as e:
             proto.parse(body, model, chat=False, extensions=ext)
         assert (e.value.status, e.value.param) == (400, param)
     with pytest.raises(proto.ApiError, match="--hidden-states") as e:
         proto.parse(score | {"hidden_states": {"layers": [0]}}, model, chat=False, extensions=proto.Extensions())
+
+
+def test_hidden_states_beyond_the_size_limit_are_refused_before_admission(model, engine):
+    """tokens x layers x site width x bytes per value (in the asked encoding) over
+    `max_hidden_states_bytes`: a 400 naming the limit and its flag; the same request in a
+    compact encoding (or with fewer layers) fits."""
+    D, P = model.config.d_model, len(P1)
+    limit = P * 2 * D * 4 * 4 // 3  # two layers' base64 float32 values, exactly
+    ext = dataclasses.replace(_ext(engine), max_hidden_states_bytes=limit)
+    score = {"prompt": P1, "echo": True, "max_tokens": 0}
+    for spec in ({"layers": [0, 1]}, {"layers": [0, 1], "encoding_format": "base64", "dtype": "float32"}):
+        with pytest.raises(proto.ApiError, match="--max-hidden-states-bytes") as e:
+            proto.parse(score | {"hidden_states": spec, "n": 2}, model, chat=False, extensions=ext)
+        assert (e.value.status, e.value.param, e.value.code) == (400, "hidden_states", "hidden_states_too_large")
+        assert f"{limit:,} bytes" in e.value.message and f"{2 * P} prompt tokens x 2 layers x {D}" in e.value.message
+    fits = {"layers": [0, 1], "encoding_format": "base64", "dtype": "float32"}
+    job = proto.parse(score | {"hidden_states": fits}, model, chat=False, extensions=ext)
+    assert job.hidden_states.layers == (0, 1)
+    assert proto.MAX_HIDDEN_STATES_BYTES == proto.Extensions().max_hidden_states_bytes == 64 << 20
+
+
+def test_serve_refuses_a_bad_hidden_states_limit(capsys):
+    from jaxinfer import cli
+
+    assert cli.main(["serve", "--port", "0", "--max-hidden-states-bytes", "lots"]) == 2
+    assert "--max-hidden-states-bytes must be a size" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -260,13 +330,15 @@ def served(model, engine):
     vectors = {"happy": _vec(model.config.d_model, 11)}
     app = srv.create_app(engine, model, model_name="tiny", steering_vectors=vectors)
     server, thread, url = srv.serve_in_thread(app)
-    yield (lambda path, body: httpx.post(url + path, json=body, timeout=120)), vectors
+    yield types.SimpleNamespace(post=lambda path, body: httpx.post(url + path, json=body, timeout=120),
+                                get=lambda path, timeout=120: httpx.get(url + path, timeout=timeout),
+                                vectors=vectors, app=app)
     server.should_exit = True
     thread.join(timeout=60)
 
 
 def test_the_server_steers_as_generate_does_and_returns_hidden_states(model, engine, served):
-    post, vectors = served
+    post, vectors = served.post, served.vectors
     D = model.config.d_model
     v = _vec(D, 12)
     before = engine.compiles_while_serving
@@ -293,11 +365,61 @@ def test_the_server_steers_as_generate_does_and_returns_hidden_states(model, eng
     assert engine.compiles_while_serving == before
 
 
+def test_hidden_states_in_base64_are_the_float_values_bytes(model, served):
+    """encoding_format "base64": the little-endian bytes of the same values (float32: bit for
+    bit the "float" lists' values; float16: those values rounded to float16), with their shape."""
+    score = {"prompt": [P2, P3], "echo": True, "max_tokens": 0}
+    plain = served.post("/v1/completions", score | {"hidden_states": {"layers": [0, 1]}})
+    assert plain.status_code == 200, plain.text[:300]
+    for dtype in ("float32", "float16"):
+        r = served.post("/v1/completions", score | {"hidden_states": {"layers": [0, 1], "encoding_format": "base64",
+                                                                      "dtype": dtype}})
+        assert r.status_code == 200, r.text[:300]
+        for choice, want in zip(r.json()["choices"], plain.json()["choices"]):
+            hs, want = choice["hidden_states"], np.asarray(want["hidden_states"]["data"], np.float32)
+            assert (hs["encoding_format"], hs["dtype"], hs["shape"]) == ("base64", dtype, list(want.shape))
+            got = np.frombuffer(base64.b64decode(hs["data"]), np.dtype(dtype).newbyteorder("<")).reshape(hs["shape"])
+            assert np.array_equal(got, want.astype(dtype)), dtype
+    over = dataclasses.replace(served.app.state.server.extensions, max_hidden_states_bytes=1000)
+    kept, served.app.state.server.extensions = served.app.state.server.extensions, over
+    try:
+        r = served.post("/v1/completions", score | {"hidden_states": {"layers": [0, 1]}})
+    finally:
+        served.app.state.server.extensions = kept
+    assert r.status_code == 400 and r.json()["error"]["code"] == "hidden_states_too_large", r.text[:300]
+
+
+def test_a_response_is_encoded_off_the_event_loop(served, monkeypatch):
+    """While one response's JSON is being written (held here until /health has answered), /health
+    and other requests are served: the encoding runs on a worker thread, not the event loop."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Held(json.JSONEncoder):
+        def encode(self, o):
+            if isinstance(o, dict) and any("hidden_states" in c for c in o.get("choices", ())):
+                entered.set()
+                release.wait(30)
+            return super().encode(o)
+
+    monkeypatch.setattr(json, "JSONEncoder", Held)
+    body = {"prompt": P1, "echo": True, "max_tokens": 0, "hidden_states": {"layers": [0]}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scored = pool.submit(served.post, "/v1/completions", body)
+        try:
+            assert entered.wait(60), "the scoring response was never encoded"
+            health = served.get("/health", timeout=10)
+            assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+            assert not scored.done()
+        finally:
+            release.set()
+        assert scored.result(60).status_code == 200
+
+
 def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(model, engine, served):
     """A finite scale whose residual's squares overflow float32 was served as HTTP 200, finish "stop",
     every logprob -ln(V) (the norm scaled the residual to 0). Now the request fails as a NaN makes
     it fail: 500 engine_error, generating or scoring; the server goes on serving."""
-    post, _ = served
+    post = served.post
     D = model.config.d_model
     steer = [{"layer": 0, "vector": [1.0] * D, "scale": 1e19}]
     for path, body in (("/v1/completions", {"prompt": P1, "max_tokens": 4}),

@@ -2,7 +2,9 @@
 
   pages.py      host-side page allocator and prefix cache (pure Python)
   scheduler.py  admission, chunked prefill, preemption, the chunks of one call (pure Python)
-  runner.py     the device side: the pool, the core's mixed, decode and scoring calls, warmup
+  runner.py     the device side: the pool, the core's mixed, decode and scoring calls
+  buckets.py, slot_tables.py, call_programs.py, warmup.py, step_results.py   its parts: call shapes,
+                packed slot tables, the jitted programs, building them ahead of time, the results
   live.py       a running request's host state: tokens, detokenizing, stop strings, deltas
   request.py    Request (stream / async stream / result / cancel) and Delta
   engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery

@@ -458,7 +458,7 @@ class Engine:
         # them are retried, or recomputed if the pool was lost); a fault in the scan, all it decodes.
         self._touched = {ch.seq.rid for ch in chunks}
         t0 = time.perf_counter()
-        pending = self.runner.dispatch(chunks, chunk_lives, budgets, seqs, lives, steps,
+        pending = self.runner.dispatch(chunks, chunk_lives, join_budgets=budgets, seqs=seqs, lives=lives, steps=steps,
                                        on_scan=lambda: self._touched.update(seq.rid for _, seq, _, _ in rows))
         self.scans += 1
         return _Flight(pending=pending, chunks=chunks, chunk_lives=chunk_lives, rows=rows,

@@ -9,7 +9,8 @@ the engine and keeps the counters. The `jaxinfer serve` command itself is in jax
 One number bounds a request: `context_limit(engine)`, the most tokens (prompt + max_tokens) it
 may hold; the chat default for max_tokens, validation and /v1/models' max_model_len all use it.
 
-Faults: a bad body is a 400 with OpenAI's error object (one that can never fit, too); a body
+Faults: a bad body is a 400 with OpenAI's error object (one that can never fit, too, and a
+scoring call whose hidden states would take more than `max_hidden_states_bytes`); a body
 over `max_body_bytes` a 413; without the bearer token (when an api key is set) a 401; more
 requests than `max_slots + max_waiting` in flight a 429 with Retry-After; a client that goes
 away mid-request has its engine requests cancelled; a request that fails inside the engine fails
@@ -17,7 +18,8 @@ alone (500 / an error event): code "constraint_failed" naming the parameter when
 engine gave up mid-generation, else "engine_error". A constraint that cannot be served at all is
 a 400 before admission (`_compile_constraint`). Every refusal is logged (one line on the
 `jaxinfer.serve` logger) and counted in /metrics by status and code. On SIGTERM uvicorn stops accepting connections and
-finishes the running requests before the engine stops.
+finishes the running requests before the engine stops. A response body is built and encoded on a
+worker thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Limits:
     max_slots: int = 8  # requests the engine runs at once
     max_waiting: int = 64  # requests admitted beyond max_slots before a 429
     max_body_bytes: int = 1 << 20
+    max_hidden_states_bytes: int = proto.MAX_HIDDEN_STATES_BYTES  # one response's hidden states, encoded
 
 
 class ServerState:
@@ -70,7 +73,8 @@ class ServerState:
         self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
         # the `steering` and `hidden_states` extensions, as far as the engine was built for them
         self.extensions = proto.Extensions(steering=getattr(engine, "steering", None), vectors=steering_vectors or {},
-                                           hidden_sites=tuple(getattr(engine, "hidden_sites", ())))
+                                           hidden_sites=tuple(getattr(engine, "hidden_sites", ())),
+                                           max_hidden_states_bytes=limits.max_hidden_states_bytes)
         self.in_flight = 0  # engine requests submitted and not finished
         self.ttft, self.tpot = mx.Histogram(mx.TTFT_BUCKETS), mx.Histogram(mx.TPOT_BUCKETS)
         self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
@@ -178,7 +182,7 @@ def _extensions(job: proto.Job) -> dict:
     if job.interventions:
         out["interventions"] = list(job.interventions)
     if job.hidden_states is not None:
-        out["hidden_states"] = job.hidden_states
+        out["hidden_states"] = (job.hidden_states.site, job.hidden_states.layers)
     return out
 
 
@@ -259,8 +263,16 @@ async def _generate(http: HttpRequest, chat: bool):
         watcher.cancel()
     if any(c.finish_reason == "cancelled" for c in comps):
         st.counts["requests_cancelled_total"] += 1
-    body = await asyncio.to_thread(rsp.full_response, st.model, st.model_name, job, comps)
-    return JSONResponse(body)
+    # Built and encoded on a worker thread: a large body (hidden states) never holds up /health
+    # or the other requests' streams.
+    body = await asyncio.to_thread(_encoded_response, st, job, comps)
+    return Response(body, media_type="application/json")
+
+
+def _encoded_response(st: ServerState, job: proto.Job, comps) -> bytes:
+    """The non-streamed body as JSONResponse writes it (UTF-8, compact, no NaN)."""
+    body = rsp.full_response(st.model, st.model_name, job, comps)
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 async def _stream(st: ServerState, job: proto.Job, reqs, trackers):

@@ -11,6 +11,9 @@ A second Engine of the same shapes finds every program built (in this process); 
 load them whole from the program store (`jaxinfer.program_store`, in the compile cache's folder:
 no tracing; over a mesh, from JAX's persistent cache, `jaxinfer.compile_cache`).
 
+`abstract(args)` is what a program is lowered for, `compile_for` lowers and compiles it (or
+loads it from the store).
+
 `report()` says what the programs cost: how many, compiled afresh or loaded from the compile
 cache's folder (the program store or JAX's cache), and the seconds their builds took (summed over
 threads, and the wall time of the last `wait`).
@@ -24,7 +27,29 @@ import threading
 import time
 from typing import Callable, Hashable, Optional
 
+import jax
+import numpy as np
+
 from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.program_store import ProgramStore
+
+
+def abstract(tree):
+    """ShapeDtypeStructs of a pytree of arrays (what a program is lowered for), shardings kept
+    for committed device arrays."""
+    def one(a):
+        if isinstance(a, jax.Array) and getattr(a, "committed", False):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+    return jax.tree.map(one, tree)
+
+
+def compile_for(jitted, args, static: dict, store: Optional[ProgramStore] = None):
+    """`jitted` lowered for `args` (abstract) with its static arguments `static`, compiled, or
+    loaded from `store`."""
+    if store is None:
+        return jitted.lower(*args, **static).compile()
+    return store.compile(jitted, args, static)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import secrets
 from typing import Any, Optional
 
 import numpy as np
 
-from jaxinfer.decode import penalties as pen
+from jaxinfer.decode import penalties
 from jaxinfer.decode.inputs import SEED_LIMIT, chat_ids, check_token_ids
 from jaxinfer.decode.sampling import MIN_TOKENS_WITH_CONSTRAINT, SamplingParams
 from jaxinfer.serve import structured
@@ -34,7 +35,13 @@ MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (vLLM's too)
 MAX_N = 16
 CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a tool call's id (and a tool message's tool_call_id)
-MAX_LOGIT_BIAS = pen.MAX_LOGIT_BIAS  # entries: the engine's fixed bias width (no size compiles a program)
+MAX_LOGIT_BIAS = penalties.MAX_LOGIT_BIAS  # entries: the engine's fixed bias width (no size compiles a program)
+# The `hidden_states` of one response, encoded: refused beyond this size (`--max-hidden-states-bytes`).
+MAX_HIDDEN_STATES_BYTES = 64 << 20
+# Bytes one hidden-state value takes in a response, by (encoding_format, dtype): base64 is 4
+# characters per 3 bytes; a JSON float has up to 17 significant digits, a sign, a point, an
+# exponent and a comma ("-1.2345678901234567e-05,"), 24 characters at most.
+HIDDEN_VALUE_BYTES = {("float", "float32"): 24, ("base64", "float32"): 4 * 4 / 3, ("base64", "float16"): 2 * 4 / 3}
 
 # Accepted and without effect on the tokens (or validated below).
 _HARMLESS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream",
@@ -81,7 +88,7 @@ class Job:
     constraint_param: Optional[str] = None  # the parameter the sampling constraint came from
     tool_format: Optional[str] = None  # chat with tools: how replies are read into tool_calls (None: plain text)
     interventions: tuple = ()  # the `steering` extension: jaxinfer.interventions.add(...) per entry
-    hidden_states: Optional[tuple] = None  # the `hidden_states` extension: (site, layers) (scoring call only)
+    hidden_states: Optional["HiddenStates"] = None  # the `hidden_states` extension (scoring call only)
 
 
 # ---- typed field readers ---------------------------------------------------------------------
@@ -189,10 +196,10 @@ def _logit_bias(body: dict, vocab: int) -> tuple:
         if not re.fullmatch(r"[0-9]{1,9}", k) or int(k) >= vocab:
             raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab}) written as strings, "
                       f"got {_show(k)}")
-        if not _is_number(v) or not pen.BIAS_RANGE[0] <= v <= pen.BIAS_RANGE[1]:
+        if not _is_number(v) or not penalties.BIAS_RANGE[0] <= v <= penalties.BIAS_RANGE[1]:
             raise bad("logit_bias", f"logit_bias[{k!r}] must be a number in [-100, 100], got {_show(v)}")
     try:
-        return pen.check_logit_bias({int(k): float(v) for k, v in lb.items()})
+        return penalties.check_logit_bias({int(k): float(v) for k, v in lb.items()})
     except ValueError as e:
         raise bad("logit_bias", str(e)) from None
 
@@ -211,8 +218,8 @@ def _sampling(body: dict, vocab: int, constraint) -> SamplingParams:
                   "unsupported_value")
     return SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
                           top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 0.999),
-                          frequency_penalty=_number(body, "frequency_penalty", 0.0, *pen.PENALTY_RANGE),
-                          presence_penalty=_number(body, "presence_penalty", 0.0, *pen.PENALTY_RANGE),
+                          frequency_penalty=_number(body, "frequency_penalty", 0.0, *penalties.PENALTY_RANGE),
+                          presence_penalty=_number(body, "presence_penalty", 0.0, *penalties.PENALTY_RANGE),
                           repetition_penalty=float(rep), min_tokens=min_tokens,
                           ignore_eos=bool(_get(body, "ignore_eos", (bool,), False, "a boolean")),
                           logit_bias=_logit_bias(body, vocab), constraint=constraint)
@@ -395,6 +402,17 @@ class Extensions:
     steering: Any = None  # serve.steering.Steering, or None (no steering)
     vectors: Any = dataclasses.field(default_factory=dict)  # name -> [D] float32 (`--steering-vectors`)
     hidden_sites: tuple = ()
+    max_hidden_states_bytes: int = MAX_HIDDEN_STATES_BYTES  # one response's hidden states, encoded
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenStates:
+    """The `hidden_states` extension of one scoring request: what to return and how."""
+
+    site: str
+    layers: tuple[int, ...]  # sorted, distinct
+    encoding_format: str = "float"  # "float": nested JSON lists; "base64": little-endian bytes [T, layers, *site]
+    dtype: str = "float32"  # of the base64 bytes: "float32" or "float16" ("float" is always float32)
 
 
 _STEER_KEYS = {"layer", "site", "vector", "name", "scale"}
@@ -407,7 +425,7 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
     the values are checked by `interventions.add` and `steering.check`, the engine's own checks.
     Every fault is a 400 naming the entry's field (steering[i].vector, ...), before admission."""
     from jaxinfer.model import interventions
-    from jaxinfer.serve import steering as steer
+    from jaxinfer.serve import steering
 
     v = body.get("steering")
     if v is None:
@@ -461,8 +479,8 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
                                              ("layer", "add: layers")) if str(err).startswith(start)), "site")
             raise bad(f"{at}.{field}", f"{at}.{field}: {err}") from None
     try:
-        steer.check(out, st, cfg, what="steering")
-    except steer.SteeringError as err:
+        steering.check(out, st, cfg, what="steering")
+    except steering.SteeringError as err:
         param = "steering" if err.index is None else f"steering[{err.index}]" + (f".{err.field}" if err.field else "")
         raise bad(param, str(err)) from None
     return tuple(out)
@@ -476,8 +494,12 @@ def _as_float(x) -> float:
         return float("inf")
 
 
-def _hidden_states(body: dict, model, ext: Extensions, chat: bool, echo: bool, max_tokens_asked) -> Optional[tuple]:
-    """The `hidden_states` extension of the scoring call: {"layers": [...], "site": ...} -> (site, layers)."""
+def _hidden_states(body: dict, model, ext: Extensions, chat: bool, echo: bool, max_tokens_asked,
+                   values: int) -> Optional[HiddenStates]:
+    """The `hidden_states` extension of the scoring call: {"layers": [...], "site": ...,
+    "encoding_format": "float" | "base64", "dtype": "float32" | "float16"}. `values`: the prompt
+    tokens the response returns (every prompt, n times); their hidden states, encoded, must fit
+    `ext.max_hidden_states_bytes`, checked here, before anything runs."""
     v = body.get("hidden_states")
     if v is None:
         return None
@@ -489,10 +511,11 @@ def _hidden_states(body: dict, model, ext: Extensions, chat: bool, echo: bool, m
                   "(e.g. resid_post)", "unsupported_parameter")
     if not isinstance(v, dict):
         raise bad("hidden_states", "'hidden_states' must be an object {layers: [...], site: ...}", "invalid_type")
-    unknown = sorted(set(v) - {"layers", "site"})
+    fields = ("layers", "site", "encoding_format", "dtype")
+    unknown = sorted(set(v) - set(fields))
     if unknown:
         raise bad(f"hidden_states.{unknown[0]}", f"hidden_states has an unknown field {unknown[0]!r}; its fields are "
-                  "layers and site", "unknown_parameter")
+                  f"{', '.join(fields)}", "unknown_parameter")
     site = v.get("site", ext.hidden_sites[0])
     if site not in ext.hidden_sites:
         raise bad("hidden_states.site", f"hidden_states.site {_show(site)}: this server returns "
@@ -503,7 +526,26 @@ def _hidden_states(body: dict, model, ext: Extensions, chat: bool, echo: bool, m
     if not ints or not layers or any(not 0 <= x < n for x in layers) or len(set(layers)) != len(layers):
         raise bad("hidden_states.layers", f"hidden_states.layers must be a non-empty list of distinct layer indices "
                   f"in [0, {n}), got {_show(layers)}")
-    return site, tuple(sorted(layers))
+    encoding = v.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise bad("hidden_states.encoding_format", f"hidden_states.encoding_format must be 'float' (JSON numbers) or "
+                  f"'base64' (little-endian bytes), got {_show(encoding)}")
+    dtype = v.get("dtype", "float32")
+    if dtype not in ("float32", "float16") or (encoding == "float" and dtype != "float32"):
+        raise bad("hidden_states.dtype", f"hidden_states.dtype must be 'float32' or, with encoding_format 'base64', "
+                  f"'float16', got {_show(dtype)}" + (" with encoding_format 'float'" if dtype == "float16" else ""))
+    from jaxinfer.model.sites import site_shape
+
+    width = math.prod(site_shape(site, model.config))
+    size = math.ceil(values * len(layers) * width * HIDDEN_VALUE_BYTES[encoding, dtype])
+    if size > ext.max_hidden_states_bytes:
+        smaller = "" if dtype == "float16" else "; base64 float16 takes " + (
+            f"{math.ceil(values * len(layers) * width * HIDDEN_VALUE_BYTES['base64', 'float16']):,} bytes")
+        raise bad("hidden_states", f"hidden_states of {values} prompt tokens x {len(layers)} layers x {width} values "
+                  f"as {encoding} {dtype} take {size:,} bytes, over this server's limit of "
+                  f"{ext.max_hidden_states_bytes:,} bytes (--max-hidden-states-bytes){smaller}; ask for fewer "
+                  "layers or tokens", "hidden_states_too_large")
+    return HiddenStates(site=site, layers=tuple(sorted(layers)), encoding_format=encoding, dtype=dtype)
 
 
 def parse(body: Any, model, *, chat: bool, context: Optional[int] = None,
@@ -576,13 +618,13 @@ def parse(body: Any, model, *, chat: bool, context: Optional[int] = None,
         raise bad(constraint_param, f"'{constraint_param}' constrains generated text; the scoring call "
                   "(max_tokens: 0) generates none")
     ext = extensions if extensions is not None else Extensions()
-    interventions = _steering(body, model, ext)
-    hidden = _hidden_states(body, model, ext, chat, echo, asked)
+    steers = _steering(body, model, ext)
+    hidden = _hidden_states(body, model, ext, chat, echo, asked, sum(map(len, prompts)) * n)
     return Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling,
                seed=seed if seed is not None else secrets.randbits(31),
                n=n, stop=_stop(body), logprobs=logprobs, echo=echo, stream=stream,
                include_usage=include_usage, chat=chat, constraint_param=constraint_param,
-               tool_format=tools.reply_format if tools is not None else None, interventions=interventions,
+               tool_format=tools.reply_format if tools is not None else None, interventions=steers,
                hidden_states=hidden)
 
 

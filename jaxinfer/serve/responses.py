@@ -15,10 +15,13 @@ normally has finish_reason "tool_calls".
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
 from typing import Optional
+
+import numpy as np
 
 from jaxinfer.decode.outputs import Completion
 from jaxinfer.serve.protocol import Job
@@ -132,11 +135,22 @@ def full_response(model, model_name: str, job: Job, comps: list[Completion]) -> 
 
 
 def hidden_states(job: Job, comp: Completion) -> dict:
-    """A scoring choice's `hidden_states` (the extension): {"site", "layers", "data"}, data
-    [prompt tokens][layers][D] float32 values, row j the site at prompt token j."""
-    site, layers = job.hidden_states
-    values = (comp.prompt_activations or {}).get(site)
-    return {"site": site, "layers": list(layers), "data": None if values is None else values.tolist()}
+    """A scoring choice's `hidden_states` (the extension): {"site", "layers", "encoding_format",
+    "data"}, the values [prompt tokens][layers][*site shape] with row j the site at prompt token j:
+    nested lists of float32 values, or (encoding_format "base64") the base64 of their
+    little-endian bytes in `dtype` (float32, or float16: values beyond its range become inf),
+    with their "shape" and "dtype"."""
+    hs = job.hidden_states
+    values = (comp.prompt_activations or {}).get(hs.site)
+    out = {"site": hs.site, "layers": list(hs.layers), "encoding_format": hs.encoding_format}
+    if values is None:
+        return {**out, "data": None}
+    values = np.asarray(values, np.float32)
+    if hs.encoding_format == "float":
+        return {**out, "data": values.tolist()}
+    with np.errstate(over="ignore"):  # float16: beyond its range is inf, as the docstring says
+        raw = np.ascontiguousarray(values, np.dtype(hs.dtype).newbyteorder("<")).tobytes()
+    return {**out, "dtype": hs.dtype, "shape": list(values.shape), "data": base64.b64encode(raw).decode("ascii")}
 
 
 class StreamHead:

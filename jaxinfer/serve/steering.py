@@ -176,6 +176,64 @@ def write_row(hooks: sites_lib.Hooks, row: int, request: Optional[RequestSteerin
             slot.params["scale"][row] = request.scales[s, k]
 
 
+VECTOR_FILES = (".npz", ".safetensors")  # what --steering-vectors reads
+_VECTOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def read_vectors(path: str) -> dict[str, np.ndarray]:
+    """Named steering vectors from a file, checked without the model: name -> [D] float32.
+
+    Args:
+      path: a .npz (numpy.savez: one array per name; object arrays are refused, never unpickled)
+        or a .safetensors file (one tensor per name).
+    Returns:
+      {name: vector}, each one finite float vector (rank 1). Raises ValueError naming the file and
+      the entry at fault. `check_widths` checks them against the model's width.
+    """
+    if not path.endswith(VECTOR_FILES):
+        raise ValueError(f"steering vectors file {path!r}: expected a {' or '.join(VECTOR_FILES)} file of "
+                         "name -> [D] vectors")
+    raw = {}
+    try:
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as f:
+                if not hasattr(f, "files"):  # a lone .npy array under a .npz name
+                    raise ValueError("it is one .npy array, not a .npz archive of named arrays (numpy.savez)")
+                for name in f.files:
+                    try:
+                        raw[name] = f[name]
+                    except ValueError as e:  # an object array: loading it would unpickle
+                        raise ValueError(f"entry {name!r} cannot be read without unpickling it ({e}); save float "
+                                         "arrays (numpy.savez(path, name=vector))") from None
+        else:
+            from safetensors.numpy import load_file
+
+            raw = load_file(path)
+    except Exception as e:  # noqa: BLE001 - a file that is not what its name says: one message naming it
+        raise ValueError(f"steering vectors file {path!r}: {e}") from None
+    if not raw:
+        raise ValueError(f"steering vectors file {path!r} holds no vectors")
+    out = {}
+    for name, a in raw.items():
+        a = np.asarray(a)
+        if a.ndim != 1 or a.dtype.name not in _VECTOR_DTYPES:
+            raise ValueError(f"steering vectors file {path!r}: entry {name!r} has shape {a.shape} ({a.dtype}); every "
+                             f"entry must be one [D] vector of floats ({', '.join(_VECTOR_DTYPES)})")
+        a = a.astype(np.float32)
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"steering vectors file {path!r}: entry {name!r} holds NaN or inf")
+        out[name] = a
+    return out
+
+
+def check_widths(vectors: dict[str, np.ndarray], d_model: int, path: str) -> None:
+    """Every vector of `read_vectors(path)` is [D] = [d_model]; else ValueError naming the entry."""
+    for name, a in vectors.items():
+        if a.shape != (d_model,):
+            raise ValueError(f"steering vectors file {path!r}: entry {name!r} has shape {a.shape}; every vector "
+                             f"must be [D] = [{d_model}] floats (the model's width)")
+
+
 def load_vectors(path: str, d_model: int) -> dict[str, np.ndarray]:
     """Named steering vectors from a file: name -> [D] float32 (`jaxinfer serve --steering-vectors`).
 
@@ -185,25 +243,6 @@ def load_vectors(path: str, d_model: int) -> dict[str, np.ndarray]:
     Returns:
       {name: vector}. Raises ValueError naming the file and the bad entry.
     """
-    if path.endswith(".npz"):
-        with np.load(path, allow_pickle=False) as f:
-            raw = {k: f[k] for k in f.files}
-    elif path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
-
-        raw = load_file(path)
-    else:
-        raise ValueError(f"steering vectors file {path!r}: expected a .npz or .safetensors file of name -> [D] vectors")
-    if not raw:
-        raise ValueError(f"steering vectors file {path!r} holds no vectors")
-    out = {}
-    for name, a in raw.items():
-        a = np.asarray(a)
-        if a.shape != (d_model,) or a.dtype.name not in ("float16", "bfloat16", "float32", "float64"):
-            raise ValueError(f"steering vectors file {path!r}: {name!r} has shape {a.shape} ({a.dtype}); every vector "
-                             f"must be [D] = [{d_model}] floats (the model's width)")
-        a = a.astype(np.float32)
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"steering vectors file {path!r}: {name!r} holds NaN or inf")
-        out[name] = a
-    return out
+    vectors = read_vectors(path)
+    check_widths(vectors, d_model, path)
+    return vectors
