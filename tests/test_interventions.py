@@ -16,6 +16,7 @@ from jaxinfer import interventions as I
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.model import layout
+from jaxinfer.model.model import Model
 from tests.tolerances import assert_close
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
@@ -310,3 +311,181 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
     got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
     got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
     assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)
+
+
+# ---- what the audit of edge cases found: each a named error, never a silent answer -----------------
+
+def _overflows(m, D):
+    """add at layer 0 whose residual is finite but whose squares overflow float32 in the next norm."""
+    return [I.add("resid_post", 0, np.ones(D, np.float32), 1e19)]
+
+
+def test_rms_norm_is_nan_when_the_squares_overflow_and_unchanged_otherwise():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model import forward
+
+    def before(x, w, eps):  # rms_norm as it was: what every finite result must still be, bit for bit
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(64).astype(np.float32)
+    for scale in (1e-30, 1e-3, 1.0, 1e3, 1e17):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            x = jnp.asarray(rng.standard_normal((3, 64)) * scale, dtype)
+            np.testing.assert_array_equal(np.asarray(forward.rms_norm(x, w, 1e-5)), np.asarray(before(x, w, 1e-5)))
+            jitted = jax.jit(forward.rms_norm, static_argnums=2)(x, w, 1e-5)
+            np.testing.assert_array_equal(np.asarray(jitted), np.asarray(jax.jit(before, static_argnums=2)(x, w, 1e-5)))
+    x = np.full((2, 64), 1e19, np.float32)  # finite, its mean square is not: NaN, not the 0 that rsqrt(inf) gives
+    x[1] = 1.0
+    got = np.asarray(forward.rms_norm(x, w, 1e-5))
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma3"))
+def test_overflow_in_the_forward_is_an_error_never_a_uniform_answer(models, family):
+    """A finite steering scale large enough that the next norm's squares overflow float32 made every
+    logit 0: a uniform distribution served as an answer (greedy token 0, random tokens at
+    temperature > 0, logits all zeros). Every entry point now ends in a named error."""
+    from jaxinfer.decode.core import InvalidLogitsError
+    from jaxinfer.inspect.activations import NonFiniteActivations
+
+    m = models["stacked", family]
+    ivs = _overflows(m, m.config.d_model)
+    for sampling, seed in ((GREEDY, None), (SamplingParams(temperature=0.7), 3)):
+        with pytest.raises(InvalidLogitsError, match="overflowed float32"):
+            jaxinfer.generate(m, [IDS], max_new_tokens=3, sampling=sampling, seed=seed, interventions=ivs)
+    with pytest.raises(InvalidLogitsError, match="position 0 hold NaN or inf"):
+        jaxinfer.logits(m, IDS, interventions=ivs)
+    with pytest.raises(InvalidLogitsError, match="pair 0"):
+        jaxinfer.score(m, [(IDS[:4], IDS[4:6])], interventions=ivs)
+    with pytest.raises(NonFiniteActivations, match="resid_post activations at layer 1"):
+        jaxinfer.activations(m, [IDS], "resid_post", interventions=ivs)
+    with pytest.raises(NonFiniteActivations, match="logit lens"):
+        jaxinfer.logit_lens(m, IDS, interventions=ivs)
+    # the softcapped head (Gemma 2's final_logit_softcap): tanh keeps NaN, so the same error
+    capped = Model(config=m.config.replace(final_logit_softcap=30.0), params=m.params, tokenizer=m.tokenizer)
+    with pytest.raises(InvalidLogitsError):
+        jaxinfer.logits(capped, IDS, interventions=ivs)
+    assert np.isfinite(np.asarray(jaxinfer.logits(capped, IDS))).all()
+
+
+def test_patch_positions_beyond_the_context_are_refused_not_wrapped(models):
+    m = models["per_layer", "llama"]
+    D = m.config.d_model
+    for positions in ([2 ** 32 + 1], [2 ** 31], [-1]):  # 2**32 + 1 ran as position 1
+        with pytest.raises(ValueError, match=r"positions must be 1 ints in \[0, the model's context length\)"):
+            I.patch("resid_post", 0, np.ones((1, D)), positions)
+    with CompileCounter() as compiles, pytest.raises(ValueError, match=r"positions must be in \[0, 512\).*\[3, 512\]"):
+        jaxinfer.generate(m, [IDS], max_new_tokens=2, interventions=[I.patch("resid_post", 0, np.ones((2, D)),
+                                                                             [3, 512])])
+    assert compiles.count == 0
+
+
+def _to_complex(x, p, positions):
+    return x.astype(np.complex64) * 1j
+
+
+def _to_int(x, p, positions):
+    return x.astype(np.int32)
+
+
+def test_a_function_that_changes_the_dtype_is_refused(models):
+    m = models["per_layer", "llama"]
+    for fn, dtype in ((_to_complex, "complex64"), (_to_int, "int32")):
+        iv = I.Intervention(site="mlp_out", layers=(0,), fn=fn)
+        with CompileCounter() as compiles, pytest.raises(ValueError, match=f"must return real floats .*got {dtype}"):
+            jaxinfer.generate(m, [IDS], max_new_tokens=2, interventions=[iv])
+        assert compiles.count == 0
+
+
+def test_layers_are_ints_or_sequences_of_distinct_ints_everywhere(models):
+    m = models["per_layer", "llama"]
+    v = _vec(m.config.d_model, 0)
+    for layer in (np.bool_(True), 3.0, True, np.float32(1.0), [0, 1.0], [True], "1", object()):
+        with pytest.raises(TypeError, match=r"must be a layer index \(an int\) or a sequence of them \(bools and "
+                                            r"floats are not layer indices\)"):
+            I.add("resid_post", layer, v)
+        with pytest.raises(TypeError, match="bools and floats are not layer indices"):
+            jaxinfer.activations(m, [IDS], "resid_post", layers=layer)
+    assert I.add("resid_post", np.int64(1), v).layers == (1,)
+    assert I.add("resid_post", np.arange(2), v).layers == (0, 1)
+    for make in (lambda: I.add("resid_post", [1, 1], v), lambda: I.ablate("mlp_out", (0, 1, 0)),
+                 lambda: jaxinfer.Capture(layers=[1, 1]),
+                 lambda: jaxinfer.activations(m, [IDS], "resid_post", layers=[0, 0])):
+        with pytest.raises(ValueError, match="names a layer twice"):
+            make()
+    with pytest.raises(ValueError, match="is empty; name at least one layer"):
+        I.add("resid_post", [], v)
+
+
+def test_ablating_over_complete_or_dependent_directions_is_refused(models):
+    m = models["per_layer", "llama"]
+    D = m.config.d_model
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=f"{D + 1} directions in {D} dimensions are linearly dependent"):
+        I.ablate("resid_post", 0, directions=rng.standard_normal((D + 1, D)))
+    u = rng.standard_normal((3, D))
+    for bad in (np.stack([u[0], u[1], u[0] + 2 * u[1]]), np.stack([u[0], np.zeros(D)]), u[:1] * 0):
+        with pytest.raises(ValueError, match="linearly dependent or zero"):
+            I.ablate("resid_post", 0, directions=bad)
+    # the rank is judged relative to the directions' scale: tiny or huge independent ones are fine,
+    # and the basis is the one their unscaled form gives
+    want = I.project_out("resid_post", 0, u).params["basis"]
+    for scale in (1e-30, 1e30):
+        np.testing.assert_allclose(I.project_out("resid_post", 0, u * scale).params["basis"], want, atol=1e-6)
+    np.testing.assert_allclose(I.project_out("resid_post", 0, np.stack([u[0] * 1e-20, u[1], u[2] * 1e20])
+                                             ).params["basis"], want, atol=1e-5)
+
+
+def test_random_finite_steering_is_an_error_or_finite_logits_that_are_not_all_equal(models):
+    """Property: any finite vector and scale, from denormals to 3e38, through `generate` and `logits`
+    ends in a named error or in finite logits that are not all equal (never the uniform answer that
+    an overflowed norm gave). Values vary, shapes do not: one program for every example."""
+    import math
+
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from jaxinfer.decode.core import InvalidLogitsError
+
+    m = models["per_layer", "llama"]
+    D, V = m.config.d_model, m.config.vocab_size
+    magnitudes = st.one_of(st.sampled_from([0.0, 1e-45, 1e-40, 1e-38, 1e-3, 1.0, 1e17, 1e19, 1e30, 3e38]),
+                           st.floats(-float(np.float32(3e38)), float(np.float32(3e38)), width=32, allow_nan=False,
+                                     allow_infinity=False))
+    rng = np.random.default_rng(0)
+    directions = [rng.standard_normal(D).astype(np.float32), np.ones(D, np.float32),
+                  np.eye(D, dtype=np.float32)[5]]
+
+    @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(direction=st.sampled_from(range(len(directions))), size=magnitudes, scale=magnitudes,
+           layer=st.sampled_from([0, 1]))
+    def check(direction, size, scale, layer):
+        with np.errstate(over="ignore"):
+            vector = (directions[direction] * np.float32(size)).astype(np.float32)
+        if not np.isfinite(vector).all():
+            return  # refused by add by name (tested above): not this property's subject
+        ivs = [I.add("resid_post", layer, vector, scale)]
+        try:
+            lp = jaxinfer.generate(m, [IDS], max_new_tokens=3, stop_at_eos=False, interventions=ivs
+                                   ).completions[0].logprobs
+        except InvalidLogitsError:
+            pass
+        else:  # greedy: a token's log p is -ln V exactly when every logit is equal
+            assert np.isfinite(lp).all() and min(lp) > -math.log(V) + 1e-3, (size, scale, lp)
+        try:
+            logits = np.asarray(jaxinfer.logits(m, IDS, interventions=ivs))
+        except InvalidLogitsError:
+            return
+        assert np.isfinite(logits).all() and (np.ptp(logits, axis=-1) > 0).all(), (size, scale)
+
+    warm = [I.add("resid_post", 0, directions[0])]  # the one program every example runs
+    jaxinfer.generate(m, [IDS], max_new_tokens=3, stop_at_eos=False, interventions=warm)
+    jaxinfer.logits(m, IDS, interventions=warm)
+    with CompileCounter() as compiles:
+        check()
+    assert compiles.count == 0, f"{compiles.count} programs compiled for new values"

@@ -182,7 +182,7 @@ def test_logit_lens_paris(smollm2):
 
 def _texts(n=40, seed=0):
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 256, size=int(rng.integers(0, 30))).tolist() for _ in range(n)]
+    return [rng.integers(3, 256, size=int(rng.integers(1, 30))).tolist() for _ in range(n)]
 
 
 def _read(folder):
@@ -199,7 +199,7 @@ def test_corpus_writer_equals_activations(tiny, tmp_path, fmt):
     n_rows = sum(len(t) for t in texts)
     assert man["rows"] == n_rows and man["texts_done"] == len(texts) and len(man["shards"]) > 2
     got = _read(tmp_path / "a")
-    want = jaxinfer.activations(m, [t for t in texts if t], ["resid_post", "attn_out"], layers=[1])
+    want = jaxinfer.activations(m, texts, ["resid_post", "attn_out"], layers=[1])
     for site in ("resid_post", "attn_out"):
         assert_close(got[site], np.concatenate([w[site] for w in want]), what=f"writer {site}")
     np.testing.assert_array_equal(got["text_index"], np.concatenate([[i] * len(t) for i, t in enumerate(texts)]))
@@ -236,6 +236,22 @@ def test_corpus_writer_resumes_after_an_interruption(tiny, tmp_path):
     (run / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="notes.txt"):
         jaxinfer.write_activations(m, texts, run, layers=[0])
+
+
+def test_corpus_writer_refuses_an_empty_text_as_activations_does(tiny, tmp_path):
+    """One rule for both: an empty text wrote no rows, a silent gap, where activations refuses it."""
+    from experiments._common import tiny_model
+
+    tok = jaxinfer.load_tokenizer(os.path.join(GOLDEN, "hf_text", "smollm2", "tokenizer.json.xz"))
+    m = tiny_model(tok, name="corpus-text")
+    for texts, message in ((["a", "", "b"], "text 1 is empty"), ([[5, 6], []], "text 1 is empty"),
+                           (["a\ud800"], "text 0 holds a lone surrogate")):
+        with pytest.raises(ValueError, match=message):
+            jaxinfer.write_activations(m, texts, tmp_path / f"w{len(texts)}", layers=[0])
+        with pytest.raises(ValueError, match="is empty|lone surrogate"):
+            jaxinfer.activations(m, texts, layers=[0])
+    man = jaxinfer.write_activations(m, ["a", "b"], tmp_path / "ok", layers=[0])
+    assert man["texts_done"] == 2 and man["rows"] == sum(len(m.tokenizer.encode_prompt(t)) for t in "ab")
 
 
 def test_activations_and_logit_lens_refuse_prompts_beyond_the_context(tiny):

@@ -251,6 +251,21 @@ def test_the_steering_field_is_refused_naming_the_field(model, engine, chat):
         assert e.value.param == "steering"
 
 
+def test_a_layer_named_twice_is_refused_in_the_steering_field_as_in_python(model):
+    """`"layer": [1, 1]` was merged into one add, where hidden_states refuses a repeated layer."""
+    D = model.config.d_model
+    ext = proto.Extensions(steering=steering.Steering(slots=2))
+    with pytest.raises(proto.ApiError, match="names a layer twice") as e:
+        proto.parse({"prompt": P1, "max_tokens": 2, "steering": [{"layer": [1, 1], "vector": [1.0] * D}]}, model,
+                    chat=False, extensions=ext)
+    assert (e.value.status, e.value.param) == (400, "steering[0].layer")
+    with pytest.raises(ValueError, match="names a layer twice"):
+        I.add("resid_post", [1, 1], _vec(D, 0))
+    job = proto.parse({"prompt": P1, "max_tokens": 2, "steering": [{"layer": [1, 0], "vector": [1.0] * D}]}, model,
+                      chat=False, extensions=ext)
+    assert job.interventions[0].layers == (0, 1)
+
+
 def test_the_hidden_states_field_is_refused_naming_the_field(model, engine):
     ext = _ext(engine)
     score = {"prompt": P1, "echo": True, "max_tokens": 0}
@@ -398,3 +413,21 @@ def test_a_response_is_encoded_off_the_event_loop(served, monkeypatch):
         finally:
             release.set()
         assert scored.result(60).status_code == 200
+
+
+def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(model, engine, served):
+    """A finite scale whose residual's squares overflow float32 was served as HTTP 200, finish "stop",
+    every logprob -ln(V) (the norm scaled the residual to 0). Now the request fails as a NaN makes
+    it fail: 500 engine_error, generating or scoring; the server goes on serving."""
+    post = served.post
+    D = model.config.d_model
+    steer = [{"layer": 0, "vector": [1.0] * D, "scale": 1e19}]
+    for path, body in (("/v1/completions", {"prompt": P1, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+                       ("/v1/completions", {"prompt": P1, "echo": True, "max_tokens": 0, "logprobs": 0})):
+        r = post(path, body | {"steering": steer})
+        assert r.status_code == 500, (path, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == "engine_error" and "overflowed float32" in err["message"], err
+    r = post("/v1/completions", {"prompt": P1, "max_tokens": 4, "steering": [{"layer": 0, "vector": [1.0] * D}]})
+    assert r.status_code == 200, r.text[:300]

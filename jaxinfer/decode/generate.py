@@ -335,7 +335,8 @@ def _check_drawable(tokens: np.ndarray, done) -> None:
         step = int(np.broadcast_to(done, (tokens.shape[0],))[b]) + int(steps[0])
         raise core.InvalidLogitsError(
             f"row {b}: no token could be sampled at step {step}: the logits the sampler received (after the "
-            "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN")
+            "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN "
+            f"(a NaN: {iv.NON_FINITE})")
 
 
 def _with_activations(c, b: int, batch: Batch, prompt_cap: dict, out_cap: list[dict], whole_prompt: bool):
@@ -379,11 +380,18 @@ def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Seque
       interventions: optional list of `jaxinfer.interventions` applied in the pass.
     Returns:
       [T, V] float32 logits.
+    Raises:
+      core.InvalidLogitsError: the logits hold NaN or inf (the forward overflowed float32, e.g. under
+        an intervention's too large values, or met a NaN), naming the first such position.
     """
     ids = check_sequence(token_ids, model.config)
     hooks = iv.hooks_for(iv.per_row(interventions, 1), model.config, 1)
     padded, _ = pack_prompts([ids])  # [1, bucket(T)]
-    return uncached_logits_jit(model.params, jnp.asarray(padded), model.config, hooks)[0, :len(ids)]
+    out = uncached_logits_jit(model.params, jnp.asarray(padded), model.config, hooks)[0, :len(ids)]
+    bad = np.flatnonzero(~np.asarray(jnp.all(jnp.isfinite(out), axis=-1)))
+    if bad.size:
+        raise core.InvalidLogitsError(f"the logits at position {int(bad[0])} hold NaN or inf: {iv.NON_FINITE}")
+    return out
 
 
 def routing(model: Model, token_ids: Sequence[int]) -> tuple[jax.Array, Routing]:

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.decode import core
 from jaxinfer.decode.inputs import bucket, check_int, check_text, check_token_ids, pack_prompts
 from jaxinfer.model import forward as mdl
 from jaxinfer.model import interventions as iv
@@ -182,6 +183,9 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
         pairs at a time. Needs a Model, not an Engine.
     Returns:
       One Score per pair, in order.
+    Raises:
+      core.InvalidLogitsError: with interventions, a pair's log-probabilities hold NaN or inf
+        (the steered forward overflowed float32).
     """
     from jaxinfer.serve.engine import Engine
 
@@ -312,6 +316,8 @@ def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], int
         for j, i in enumerate(idx):
             ctx, cont = jobs[i]
             at = slice(len(ctx) - 1, len(ctx) + len(cont) - 1)
+            if not np.all(np.isfinite(lp[j, at])):
+                raise core.InvalidLogitsError(f"pair {i}: its log-probabilities hold NaN or inf: {iv.NON_FINITE}")
             lps = [float(x) for x in lp[j, at]]
             out[i] = Score(logprob=float(sum(lps)), token_logprobs=lps, is_greedy=bool(top[j, at].all()),
                            context_ids=list(ctx), continuation_ids=list(cont))

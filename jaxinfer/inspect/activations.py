@@ -30,6 +30,20 @@ from jaxinfer.model.params import Params
 Sites = Union[str, Sequence[str]]
 
 
+class NonFiniteActivations(FloatingPointError):
+    """Captured sites (or a logit lens's probabilities) that hold NaN or inf: the forward
+    overflowed float32 or met a NaN; never returned as values."""
+
+
+def _check_finite(values: np.ndarray, layers: Sequence[int], what: str) -> None:
+    """values [T, n, ...] (n = len(layers)): raise NonFiniteActivations naming `what` and the
+    first layer whose values are not all finite."""
+    finite = np.isfinite(values).reshape(values.shape[0], values.shape[1], -1).all(axis=(0, 2))  # [n]
+    if not finite.all():
+        layer = layers[int(np.argmin(finite))]
+        raise NonFiniteActivations(f"{what} at layer {layer} hold NaN or inf: {iv.NON_FINITE}")
+
+
 def _capture(params: Params, tokens: jax.Array, hooks: sites_lib.Hooks, cfg: ModelConfig) -> dict:
     """The captured sites {site: [B, T, n, ...]} of one uncached pass (no logits are computed:
     they are not returned, so the compiler drops the unembedding)."""
@@ -73,6 +87,8 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
     Returns:
       One dict per prompt: site -> float32 [T, n, D] ([T, n, N, H] for attn_heads) over the
       prompt's T tokens, layers in ascending order.
+    Raises:
+      NonFiniteActivations: a captured site holds NaN or inf (naming the prompt, site and layer).
     """
     cfg = model.config
     capture = capture_of(sites, layers, cfg)
@@ -89,6 +105,8 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
         host = {k: np.asarray(v) for k, v in cap.items()}
         for j, i in enumerate(idx):
             out[i] = {k: v[j, :len(ids[i])].astype(np.float32) for k, v in host.items()}
+            for k, v in out[i].items():
+                _check_finite(v, capture.layers, f"prompt {i}'s {k} activations")
     return out
 
 
@@ -146,6 +164,8 @@ def logit_lens(model: Model, prompt, layers=None, top_k: int = 5, *,
       allow_special: as in `generate`.
     Returns:
       A LogitLens.
+    Raises:
+      NonFiniteActivations: a layer's probabilities hold NaN (its residual overflowed float32).
     """
     cfg = model.config
     check_int("top_k", top_k, 1)
@@ -162,6 +182,7 @@ def logit_lens(model: Model, prompt, layers=None, top_k: int = 5, *,
     probs, top = _lens_jit(model.params, jnp.asarray(tokens), hooks, cfg, top_k)
     T = len(ids)
     top_ids = np.asarray(top)[:, :T]
+    _check_finite(np.moveaxis(np.asarray(probs)[:, :T], 0, 1), capture.layers, "the logit lens's probabilities")
     texts = None
     if model.tokenizer is not None:
         texts = [[[model.tokenizer.decode([int(t)]) for t in pos] for pos in layer] for layer in top_ids]

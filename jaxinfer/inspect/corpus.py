@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxinfer.decode.inputs import bucket, check_int, check_token_ids
+from jaxinfer.decode.inputs import bucket, check_int, check_text, check_token_ids
 from jaxinfer.inspect.activations import Sites, capture_batch, capture_of
 from jaxinfer.model.model import Model
 
@@ -151,7 +151,8 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
 
     Args:
       model: a loaded Model.
-      texts: an iterable of strings (encoded as `generate` encodes a prompt) or token-id lists;
+      texts: an iterable of strings (encoded as `generate` encodes a prompt) or token-id lists,
+        none empty (refused as `activations` refuses an empty prompt, when the writer reaches it);
         resuming needs the same texts in the same order.
       folder: the store: created if missing, continued if it holds a manifest of the same settings;
         a folder without a manifest must be empty (nothing in it is ever deleted).
@@ -191,21 +192,22 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
 
     report = progress or (lambda done, total: None)
     buffer: list[tuple[int, dict]] = []  # (text index, {site: [T, n, ...]}) of processed texts
-    state = {"rows": 0, "covered": start, "done": start}  # rows buffered; texts processed (the shard's
-    #                                                     end_text); texts read or skipped, for `progress`
+    # rows in the buffer; texts processed (the shard's end_text); texts read or skipped, for `progress`
+    state = {"buffered_rows": 0, "covered": start, "done": start}
 
     def flush(end_text: int) -> None:
-        rows = sum(len(r["text_index"]) for _, r in buffer)
-        if rows:
+        buffer_rows = sum(len(r["text_index"]) for _, r in buffer)
+        if buffer_rows:
             arrays = {k: np.concatenate([r[k] for _, r in buffer]) for k in buffer[0][1]}
             i = len(manifest["shards"])
             files = _write_shard(folder, i, arrays, format)
-            manifest["shards"].append({"files": files, "rows": rows, "first_text": buffer[0][0], "end_text": end_text})
+            manifest["shards"].append({"files": files, "rows": buffer_rows, "first_text": buffer[0][0],
+                                       "end_text": end_text})
         manifest["texts_done"] = end_text
-        manifest["rows"] += rows
+        manifest["rows"] += buffer_rows
         _atomic_write(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
         buffer.clear()
-        state["rows"] = 0
+        state["buffered_rows"] = 0
 
     def advance(n: int) -> None:
         state["done"] += n
@@ -219,10 +221,10 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
             row["text_index"] = np.full((n,), t, np.int64)
             row["position"] = np.arange(n, dtype=np.int32)
             buffer.append((t, row))
-            state["rows"] += n
+            state["buffered_rows"] += n
         state["covered"] = batch[-1][0] + 1
         advance(len(batch))
-        if state["rows"] >= shard_rows:
+        if state["buffered_rows"] >= shard_rows:
             flush(state["covered"])
 
     pending: list[tuple[int, list[int]]] = []
@@ -242,9 +244,6 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
         if t < start:
             continue
         ids = _ids(model, text, t, allow_special)[:max_tokens]
-        if not ids:
-            advance(1)
-            continue
         longest = max([len(ids)] + [len(p) for _, p in pending])
         if pending and bucket(len(pending) + 1, 1) * bucket(longest) > batch_tokens:
             dispatch()
@@ -259,10 +258,12 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
 
 
 def _ids(model: Model, text, t: int, allow_special: bool) -> list[int]:
+    """Text t's token ids, refused as `activations` refuses a prompt: empty (no rows to write, and
+    a silent gap in the store), invalid Unicode, bytes, ids outside the vocabulary."""
     if isinstance(text, str):
         if model.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token-id lists")
-        return model.tokenizer.encode_prompt(text, allow_special=allow_special) if text else []
+        return model.tokenizer.encode_prompt(check_text(text, f"text {t}"), allow_special=allow_special)
     if isinstance(text, (bytes, bytearray)):
         raise TypeError(f"text {t} is bytes; decode it first")
-    return check_token_ids(text, model.config.vocab_size, f"text {t}") if len(text) else []
+    return check_token_ids(text, model.config.vocab_size, f"text {t}")

@@ -81,7 +81,10 @@ def project(x: jax.Array, w, int8_kernel: Optional[str] = None) -> jax.Array:
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in float32: x / rms(x) * w."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    # A finite x whose squares overflow float32 has ms = inf, and rsqrt would scale it to 0 (equal
+    # logits served as an answer): NaN instead, which every caller reports as an error.
+    xf = xf * jnp.where(jnp.isinf(ms), jnp.nan, jax.lax.rsqrt(ms + eps))
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 

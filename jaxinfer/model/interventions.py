@@ -24,9 +24,9 @@ programs. Define a custom fn once (at module level), not as a new lambda per cal
 
 At one site and layer the slots apply in one order, consistent with each row's own list (a
 row's later intervention sees its earlier one's result); rows that order the same two slots
-differently at a site are refused. The decode engine's fixed form (the server, item 6 of
-issue 46) keeps a fixed set of slots, e.g. one `add` per enabled site with its gate off by
-default, so requests only change data.
+differently at a site are refused. The serving engine keeps a fixed set of slots (`add`s
+per steering site, gates off by default: `jaxinfer.serve.steering`), so its requests only
+change data.
 
 Built in: `add` (steering: x + scale * vector), `ablate` (zero or mean ablation of the whole
 site, of chosen heads at attn_heads, or of chosen directions), `patch` (values captured from
@@ -46,6 +46,10 @@ from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.config import ModelConfig
 
 Layers = Union[int, Sequence[int], None]
+# What the error says where a forward's logits or activations hold NaN or inf (`rms_norm` turns a
+# residual whose squares overflow float32 into NaN, so overflow is reported, never served).
+NON_FINITE = ("the forward overflowed float32 or met a NaN; an intervention's values (a steering scale or "
+              "vector, patched or mean values) may be too large for this model")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,11 +75,7 @@ class Intervention:
         if not callable(self.fn):
             raise TypeError(f"Intervention.fn must be callable, got {type(self.fn).__name__}")
         if self.layers is not None:
-            layers = (self.layers,) if isinstance(self.layers, (int, np.integer)) else tuple(self.layers)
-            if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) for x in layers) or not layers:
-                raise TypeError(f"{self.name}: layers must be an int, a non-empty sequence of ints or None, "
-                                f"got {self.layers!r}")
-            object.__setattr__(self, "layers", tuple(int(x) for x in layers))
+            object.__setattr__(self, "layers", sites_lib.layer_indices(self.layers, f"{self.name}: layers"))
         params = jax.tree.map(_host_array, self.params)
         object.__setattr__(self, "params", params)
 
@@ -118,20 +118,20 @@ def _replace(x, p, positions):
     return jnp.broadcast_to(p["value"], x.shape)
 
 
-def _replace_heads(x, p, positions):  # x [T, N, H]; p["heads"] [k] head indices, p["value"] [N, H] or []
+def _replace_heads(x, p, positions):  # x [T, N, H]; p["heads"] [n_ablated] head indices, p["value"] [N, H] or []
     on = jnp.any(jnp.arange(x.shape[1])[:, None] == p["heads"][None, :], axis=-1)  # [N]
     return jnp.where(on[None, :, None], jnp.broadcast_to(p["value"], x.shape[1:])[None].astype(jnp.float32),
                      x.astype(jnp.float32))
 
 
-def _set_directions(x, p, positions):  # p["basis"] [k, D] orthonormal rows, p["coef"] [k]
+def _set_directions(x, p, positions):  # p["basis"] [n_dirs, D] orthonormal rows, p["coef"] [n_dirs]
     xf = x.astype(jnp.float32)
-    coef = jnp.einsum("TD,KD->TK", xf, p["basis"])
-    return xf + jnp.einsum("TK,KD->TD", p["coef"][None, :] - coef, p["basis"])
+    coef = jnp.einsum("TD,JD->TJ", xf, p["basis"])  # J: the directions
+    return xf + jnp.einsum("TJ,JD->TD", p["coef"][None, :] - coef, p["basis"])
 
 
-def _patch(x, p, positions):  # p["values"] [P, *site shape], p["positions"] [P] (-1: unused)
-    eq = positions[:, None] == p["positions"][None, :]  # [T, P]
+def _patch(x, p, positions):  # p["values"] [n_pos, *site shape], p["positions"] [n_pos] (-1: unused)
+    eq = positions[:, None] == p["positions"][None, :]  # [T, n_pos]
     hit = jnp.any(eq, axis=-1)
     src = p["values"][jnp.argmax(eq, axis=-1)]
     return jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 1)), src, x.astype(src.dtype))
@@ -168,7 +168,7 @@ def ablate(site: str, layer: Layers, *, heads: Optional[Sequence[int]] = None, d
         outputs before the output projection).
       layer: a layer index, several, or None for every layer.
       heads: query-head indices whose outputs are replaced (at attn_heads).
-      directions: [k, D] or [D]: only the components along these directions (orthonormalized
+      directions: [n_dirs, D] or [D]: only the components along these directions (orthonormalized
         here) are replaced; not with `heads`.
       mean: the replacement: None for zeros, else the mean activation of the site (its per-token
         shape: [D], or [N, H] at attn_heads), e.g. from `jaxinfer.activations` over a dataset.
@@ -200,7 +200,7 @@ def ablate(site: str, layer: Layers, *, heads: Optional[Sequence[int]] = None, d
 
 
 def project_out(site: str, layer: Layers, direction) -> Intervention:
-    """Remove a direction (or several, [k, D]): x - (x . u) u for the orthonormalized u.
+    """Remove a direction (or several, [n_dirs, D]): x - (x . u) u for the orthonormalized u.
 
     As in the refusal-direction papers (ablating the direction at every layer and position).
     """
@@ -217,27 +217,31 @@ def patch(site: str, layer: Layers, values, positions: Optional[Sequence[int]] =
     Args:
       site: any site.
       layer: a layer index (or several: the same values at each).
-      values: [P, *site shape], e.g. `jaxinfer.activations(...)[i][site][:, j]` for layer j.
-      positions: [P] the positions (in the sequence, from 0) the values go to; default 0..P-1.
+      values: [n_pos, *site shape], e.g. `jaxinfer.activations(...)[i][site][:, j]` for layer j.
+      positions: [n_pos] the positions (in the sequence, from 0) the values go to; default 0..n_pos-1.
         A token whose position is not listed keeps its value; in `generate` a listed position
         past the prompt is patched when that token is decoded.
     Returns:
-      An Intervention (P is padded to a power of two, so patches of similar lengths share programs).
+      An Intervention (n_pos is padded to a power of two, so patches of similar lengths share programs).
     """
     vals = _float_vector(values, "patch: values")
     if vals.ndim < 2:
-        raise ValueError(f"patch: values must be [P, *site shape], got shape {vals.shape}")
-    P = vals.shape[0]
-    pos = np.arange(P) if positions is None else np.asarray(positions)
-    if pos.shape != (P,) or not np.issubdtype(pos.dtype, np.integer) or (P and pos.min() < 0):
-        raise ValueError(f"patch: positions must be {P} non-negative ints (one per row of values), got {positions!r}")
-    if len(set(pos.tolist())) != P:
+        raise ValueError(f"patch: values must be [n_pos, *site shape], got shape {vals.shape}")
+    n_pos = vals.shape[0]
+    pos = np.arange(n_pos) if positions is None else np.asarray(positions)
+    if (pos.shape != (n_pos,) or not np.issubdtype(pos.dtype, np.integer)
+            or (n_pos and (pos.min() < 0 or pos.max() > np.iinfo(np.int32).max))):
+        # (positions run as int32: a larger one would wrap onto another position; `_check` then
+        # holds them below the model's context length)
+        raise ValueError(f"patch: positions must be {n_pos} ints in [0, the model's context length) (one per row of "
+                         f"values), got {positions!r}")
+    if len(set(pos.tolist())) != n_pos:
         raise ValueError("patch: positions repeat a position")
-    width = 1 << max(0, (P - 1).bit_length())
+    width = 1 << max(0, (n_pos - 1).bit_length())
     padded = np.zeros((width,) + vals.shape[1:], np.float32)
-    padded[:P] = vals
+    padded[:n_pos] = vals
     ppos = np.full((width,), -1, np.int32)
-    ppos[:P] = pos
+    ppos[:n_pos] = pos
     return Intervention(site=site, layers=layer, fn=_patch, params={"values": padded, "positions": ppos},
                         site_params=("values",), name="patch")
 
@@ -252,10 +256,21 @@ def _basis(directions, what: str) -> np.ndarray:
     d = _float_vector(directions, what)
     d = d[None] if d.ndim == 1 else d
     if d.ndim != 2 or d.shape[0] == 0:
-        raise ValueError(f"{what} must be [D] or [k, D], got shape {np.shape(directions)}")
-    q, r = np.linalg.qr(d.T.astype(np.float64))  # [D, k]
-    if np.min(np.abs(np.diag(r))) <= 1e-6 * max(1.0, float(np.max(np.abs(np.diag(r))))):
-        raise ValueError(f"{what}: the directions are (nearly) linearly dependent or zero")
+        raise ValueError(f"{what} must be [D] or [n_dirs, D], got shape {np.shape(directions)}")
+    n_dirs, D = d.shape
+    if n_dirs > D:
+        raise ValueError(f"{what}: {n_dirs} directions in {D} dimensions are linearly dependent (over-complete); "
+                         f"pass at most {D} linearly independent directions")
+    d64 = d.astype(np.float64)
+    norms = np.linalg.norm(d64, axis=1)
+    # The rank is judged on the directions scaled to length 1: independent of their scale (1e-30
+    # or 1e30 alike), and a short direction beside a long one counts as much.
+    sv = np.linalg.svd(d64 / np.where(norms > 0, norms, 1.0)[:, None], compute_uv=False)
+    if not norms.all() or sv.min() <= 1e-6 * sv.max():
+        raise ValueError(f"{what}: the directions are (nearly) linearly dependent or zero (scaled to length 1, their "
+                         f"singular values run from {sv.min():.3g} to {sv.max():.3g}); pass linearly independent "
+                         "directions")
+    q, _ = np.linalg.qr(d64.T)  # [D, n_dirs]
     return q.T.astype(np.float32)
 
 
@@ -309,6 +324,10 @@ def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
             raise ValueError(f"{iv!r}: params hold NaN or inf")
     if iv.fn is _replace_heads and int(np.max(iv.params["heads"])) >= cfg.n_heads:
         raise ValueError(f"{iv!r}: heads must be in [0, {cfg.n_heads}), got {iv.params['heads'].tolist()}")
+    if iv.fn is _patch and int(np.max(iv.params["positions"])) >= cfg.max_seq_len:
+        listed = iv.params["positions"][iv.params["positions"] >= 0].tolist()
+        raise ValueError(f"{iv!r}: positions must be in [0, {cfg.max_seq_len}) (the model's context length), "
+                         f"got {listed}")
     if iv.key() in traced:
         return
     traced.add(iv.key())
@@ -321,35 +340,38 @@ def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
     if not hasattr(out, "shape") or out.shape != x.shape:
         raise ValueError(f"{iv!r}: its function must return x's shape (T, {', '.join(map(str, shape))}), "
                          f"got {getattr(out, 'shape', type(out).__name__)}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):  # `sites.apply` casts to x's dtype: complex would lose a part
+        raise ValueError(f"{iv!r}: its function must return real floats (x's dtype {jnp.dtype(cfg.dtype).name} "
+                         f"or float32), got {out.dtype}")
 
 
-def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows: int,
+def hooks_for(row_interventions: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows: int,
               capture: Optional[sites_lib.Capture] = None) -> Optional[sites_lib.Hooks]:
     """The forward's `sites.Hooks` for a batch: its rows' interventions as slots, and a capture.
 
     Args:
-      rows: one list of Interventions per row (`per_row`), or None.
+      row_interventions: one list of Interventions per row (`per_row`), or None.
       cfg: the model's config (sites' shapes, layer count).
-      n_rows: B, the batch's rows (rows past len(rows) get no interventions: padding rows).
+      n_rows: B, the batch's rows (rows past len(row_interventions) get none: padding rows).
       capture: what to read, or None.
     Returns:
       Hooks (host arrays), or None when there is nothing to change or read.
     """
-    rows = [list(r) for r in rows] if rows is not None else []
-    if len(rows) > n_rows:
-        raise ValueError(f"{len(rows)} rows of interventions for a batch of {n_rows}")
-    rows += [[] for _ in range(n_rows - len(rows))]
+    row_lists = [list(r) for r in row_interventions] if row_interventions is not None else []
+    if len(row_lists) > n_rows:
+        raise ValueError(f"{len(row_lists)} rows of interventions for a batch of {n_rows}")
+    row_lists += [[] for _ in range(n_rows - len(row_lists))]
     cap_sites, cap_layers = (), ()
     if capture is not None:
         cap_sites, cap_layers = capture.sites, sites_lib.check_layers(capture.layers, cfg, "capture layers")
-    if not any(rows) and not cap_sites:
+    if not any(row_lists) and not cap_sites:
         return None
     checked: set[int] = set()
     traced: set[tuple] = set()
-    keys: list[tuple] = []  # slot -> (key, k)
+    keys: list[tuple] = []  # slot -> (key, its i-th use in the row)
     owner: list[Intervention] = []  # slot -> its first intervention (its template)
     row_slots: list[list[int]] = []
-    for r in rows:
+    for r in row_lists:
         seen: dict[tuple, int] = {}
         ids = []
         for iv in r:
@@ -357,12 +379,12 @@ def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows
                 _check(iv, cfg, traced)
                 checked.add(id(iv))
             key = iv.key()
-            k = seen.get(key, 0)
-            seen[key] = k + 1
-            if (key, k) not in keys:
-                keys.append((key, k))
+            i = seen.get(key, 0)
+            seen[key] = i + 1
+            if (key, i) not in keys:
+                keys.append((key, i))
                 owner.append(iv)
-            ids.append(keys.index((key, k)))
+            ids.append(keys.index((key, i)))
         row_slots.append(ids)
     order = _slot_order(len(keys), [[(owner[s].site, s) for s in ids] for ids in row_slots])
     slots = []
@@ -371,7 +393,7 @@ def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows
         leaves_t, tree = jax.tree.flatten(template.params)
         stacked = [np.zeros((n_rows,) + leaf.shape, leaf.dtype) for leaf in leaves_t]
         gate = np.zeros((n_rows, cfg.n_layers), bool)
-        for b, (r, ids) in enumerate(zip(rows, row_slots)):
+        for b, (r, ids) in enumerate(zip(row_lists, row_slots)):
             for iv, sid in zip(r, ids):
                 if sid != s:
                     continue
@@ -383,10 +405,10 @@ def hooks_for(rows: Optional[list[list[Intervention]]], cfg: ModelConfig, n_rows
     return sites_lib.Hooks(slots=tuple(slots), capture=cap_sites, capture_layers=cap_layers)
 
 
-def _slot_order(n: int, rows: list[list[tuple[str, int]]]) -> list[int]:
+def _slot_order(n: int, row_sites: list[list[tuple[str, int]]]) -> list[int]:
     """Slots in an order that keeps every row's own order at each site (first appearance breaks ties)."""
     after: dict[int, set[int]] = {s: set() for s in range(n)}
-    for r in rows:
+    for r in row_sites:
         for i, (site, a) in enumerate(r):
             for site_b, b in r[i + 1:]:
                 if site_b == site and b != a:

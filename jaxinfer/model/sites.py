@@ -52,23 +52,49 @@ def check_site(site) -> str:
     return site
 
 
+def _is_index(x) -> bool:
+    """An int, a NumPy integer or a 0-d integer array (np.bool_ and bool are not)."""
+    if isinstance(x, numbers.Integral):
+        return not isinstance(x, bool)
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and getattr(x, "ndim", None) == 0 and jnp.issubdtype(dtype, jnp.integer)
+
+
+def layer_indices(layers, what: str = "layers") -> tuple[int, ...]:
+    """An int or a non-empty sequence of distinct ints (NumPy integers too) -> a tuple, in order.
+
+    One rule for every list of layers (interventions, captures, hidden states, the server's
+    steering): a bool or a float is no layer index (TypeError), and a layer named twice is refused
+    (ValueError) rather than merged, as a site named twice is."""
+    if _is_index(layers):
+        return (int(layers),)
+    items = None
+    if not isinstance(layers, (str, bytes)):
+        try:
+            items = list(layers)
+        except TypeError:
+            pass
+    if items is None or not all(_is_index(x) for x in items):
+        raise TypeError(f"{what} must be a layer index (an int) or a sequence of them (bools and floats are not "
+                        f"layer indices), got {layers!r}")
+    out = tuple(int(x) for x in items)
+    if not out:
+        raise ValueError(f"{what} is empty; name at least one layer (or None for every layer)")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what} names a layer twice: {list(out)}; name each layer once")
+    return out
+
+
 def check_layers(layers, cfg: ModelConfig, what: str = "layers") -> tuple[int, ...]:
-    """None (every layer), an int or a sequence of ints in [0, L) -> a sorted tuple without repeats."""
+    """None (every layer), an int or a sequence of distinct ints in [0, L) -> a sorted tuple
+    (`layer_indices`' rule, and the range)."""
     if layers is None:
         return tuple(range(cfg.n_layers))
-    if isinstance(layers, numbers.Integral) and not isinstance(layers, bool):
-        layers = [layers]
-    try:
-        out = [int(x) for x in layers]
-    except TypeError:
-        raise TypeError(f"{what} must be None, an int or a sequence of ints, got {type(layers).__name__}") from None
-    if any(isinstance(x, bool) for x in layers):
-        raise TypeError(f"{what} must be ints, got a bool")
-    bad = [x for x in out if not 0 <= x < cfg.n_layers]
-    if bad or not out:
+    out = layer_indices(layers, what)
+    if any(not 0 <= x < cfg.n_layers for x in out):
         raise ValueError(f"{what} must be layer indices in [0, {cfg.n_layers}) (the model has {cfg.n_layers} "
-                         f"layers), got {list(layers)!r}")
-    return tuple(sorted(set(out)))
+                         f"layers), got {list(out)!r}")
+    return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +120,7 @@ class Capture:
             raise ValueError(f"Capture.sites names a site twice: {sites}")
         object.__setattr__(self, "sites", sites)
         if self.layers is not None:
-            layers = ((int(self.layers),) if isinstance(self.layers, numbers.Integral)
-                      else tuple(int(x) for x in self.layers))
-            object.__setattr__(self, "layers", layers)
+            object.__setattr__(self, "layers", layer_indices(self.layers, "Capture.layers"))
 
 
 def as_capture(capture) -> Optional[Capture]:

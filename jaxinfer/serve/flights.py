@@ -240,7 +240,9 @@ class Flights:
                 for j in range(min(ch.n, len(seq.prompt) - ch.start)):
                     lv.hidden_values[ch.start + j] = out.hidden[site][i, j, list(layers)].astype(np.float32)
             self.scheduler.prefilled(ch)
-            if ch.last:
+            if ch.last and lv.scores_hold_nan():
+                self.held.fail(lv, lv.error)
+            elif ch.last:
                 if seq.max_new_tokens == 0:
                     self.held.finish(lv, "length")
                 else:

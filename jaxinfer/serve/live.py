@@ -20,6 +20,7 @@ from jaxinfer.decode import penalties as pen
 from jaxinfer.decode import outputs
 from jaxinfer.decode import sampling as smp
 from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.model.interventions import NON_FINITE
 from jaxinfer.serve.request import ConstraintFailed, EngineError, Request
 from jaxinfer.serve.scheduler import Seq
 from jaxinfer.text.stream import Detokenizer, StopStrings
@@ -53,7 +54,7 @@ class Live:
     error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
     error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
     packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner.pack_row`)
-    steering: Optional[Any] = None  # its steering as slot rows (`steering.Rows`), or None
+    steering: Optional[Any] = None  # its steering as slot rows (`steering.RequestSteering`), or None
     hidden: Optional[tuple] = None  # (site, layers): hidden states to return per prompt token (scoring only)
     hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
     # No constraint, stop strings, penalties or top alternatives: a token needs no work of its own
@@ -105,7 +106,7 @@ class Live:
                 break
             if t < 0:
                 self.error = (f"no token could be sampled after {done + len(kept)} tokens: the logits were all "
-                              "-inf or NaN")
+                              f"-inf or NaN (a NaN: {NON_FINITE})")
                 reason = "error"
                 break
             kept.append(t)
@@ -141,7 +142,8 @@ class Live:
         left, stops = self.seq.max_new_tokens - done, self.stop_ids
         for i, t in enumerate(tokens):
             if t < 0:
-                self.error = f"no token could be sampled after {done + i} tokens: the logits were all -inf or NaN"
+                self.error = (f"no token could be sampled after {done + i} tokens: the logits were all -inf or NaN "
+                              f"(a NaN: {NON_FINITE})")
                 reason, end = "error", i
                 break
             if t in stops:
@@ -178,6 +180,14 @@ class Live:
         out = self.text[self.sent:len(self.text) - hold]
         self.sent += len(out)
         return list(tokens), out, list(logprobs), finish_reason, list(tops) if self.n_top else []
+
+    def scores_hold_nan(self) -> bool:
+        """Whether a scored prompt position's log-probability is NaN (the forward overflowed float32
+        or met a NaN): then `error` says so and the engine fails the request, never answering NaN."""
+        if any(lp != lp for lp, _ in self.prompt_lps.values()):
+            self.error = f"the prompt's log-probabilities hold NaN: {NON_FINITE}"
+            return True
+        return False
 
     def completion(self, reason: str) -> outputs.Completion:
         """The request's Completion, once it has ended for `reason`."""

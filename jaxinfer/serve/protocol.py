@@ -473,9 +473,10 @@ def _steering(body: dict, model, ext: Extensions) -> tuple:
             raise bad(f"{at}.scale", f"{at}.scale must be a finite number, got {_show(scale)}", "invalid_type")
         try:
             with np.errstate(over="ignore"):  # beyond float32: inf, which add refuses by name
-                out.append(interventions.add(e.get("site", "resid_post"), sorted(set(flat)), vec, _as_float(scale)))
-        except ValueError as err:  # add's own checks: the site, then the vector, then the scale
-            field = next((f for f in ("vector", "scale") if str(err).startswith(f"add: {f}")), "site")
+                out.append(interventions.add(e.get("site", "resid_post"), sorted(flat), vec, _as_float(scale)))
+        except ValueError as err:  # add's own checks: the site, the vector, the scale, then the layers
+            field = next((f for f, start in (("vector", "add: vector"), ("scale", "add: scale"),
+                                             ("layer", "add: layers")) if str(err).startswith(start)), "site")
             raise bad(f"{at}.{field}", f"{at}.{field}: {err}") from None
     try:
         steering.check(out, st, cfg, what="steering")

@@ -6,9 +6,11 @@
 The engine's programs are built once (`Engine.warmup`) for fixed shapes, so a request cannot
 bring a function, a site or a params shape of its own (`jaxinfer.interventions` would make each
 of those a new program). What it can bring is data: the engine keeps, for every decode slot,
-K = `steering_slots` `add` slots at each of `Steering.sites` (default resid_post only):
+n_adds = `steering_slots` `add` slots at each of `Steering.sites` (default resid_post only):
 
-    vectors [S, K, D] float32, scales [S, K] float32, gates [S, K, L] bool  (per site)
+    vectors [B, n_adds, D] float32, scales [B, n_adds] float32, gates [B, n_adds, L] bool  (per site)
+
+(B the engine's decode slots).
 
 These are the `sites.Slot`s of `jaxinfer.interventions.add` (the same function, so the same
 program as `generate(interventions=[add(...)])` traces), with the rows stacked over the slots.
@@ -19,7 +21,7 @@ the programs of an engine without steering (no hooks at all).
 
 What does not fit the fixed form is refused by `check` before the request is admitted, naming
 what is wrong: anything but `add` (ablate, patch, project_out, a custom function), a site the
-engine has no slots at, more adds at a site than its K slots.
+engine has no slots at, more adds at a site than its n_adds slots.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxinfer.model import interventions as iv
+from jaxinfer.model.interventions import Intervention, add_vector
 from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.config import ModelConfig
 
@@ -61,12 +63,12 @@ class Steering:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class RequestSteering:
     """One request's steering as the engine's slot rows (per site, in `Steering.sites` order)."""
 
-    vectors: np.ndarray  # [n_sites, K, D] float32
-    scales: np.ndarray  # [n_sites, K] float32
-    gates: np.ndarray  # [n_sites, K, L] bool
+    vectors: np.ndarray  # [n_sites, n_adds, D] float32
+    scales: np.ndarray  # [n_sites, n_adds] float32
+    gates: np.ndarray  # [n_sites, n_adds, L] bool
 
     def salt(self) -> bytes:
         """A key of this steering for the prefix cache: steered keys/values are shared only
@@ -88,7 +90,7 @@ class SteeringError(ValueError):
 
 
 def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfig,
-          what: str = "interventions") -> Optional[Rows]:
+          what: str = "interventions") -> Optional[RequestSteering]:
     """A request's interventions as its slot rows, or None when it has none.
 
     Args:
@@ -97,13 +99,13 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
       cfg: the model's config (D, L).
       what: the list's name in error messages (the HTTP server's is "steering").
     Returns:
-      Rows, or None for no interventions.
+      RequestSteering, or None for no interventions.
     Raises:
       TypeError / SteeringError (a ValueError) naming what does not fit, before anything runs.
     """
     if interventions is None:
         return None
-    if isinstance(interventions, iv.Intervention):
+    if isinstance(interventions, Intervention):
         raise TypeError("interventions must be a list of jaxinfer.interventions.add(...) (one request's)")
     items = list(interventions)
     if not items:
@@ -111,16 +113,16 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
     if not steering.on:
         raise ValueError("this engine has no steering slots: build it with Engine(steering_slots=K) "
                          "(jaxinfer serve --steering-slots K) to steer requests")
-    K, D, L = steering.slots, cfg.d_model, cfg.n_layers
+    n_adds, D, L = steering.slots, cfg.d_model, cfg.n_layers
     n = len(steering.sites)
-    rows = Rows(vectors=np.zeros((n, K, D), np.float32), scales=np.zeros((n, K), np.float32),
-                gates=np.zeros((n, K, L), bool))
+    request = RequestSteering(vectors=np.zeros((n, n_adds, D), np.float32), scales=np.zeros((n, n_adds), np.float32),
+                              gates=np.zeros((n, n_adds, L), bool))
     used = [0] * n
     for i, x in enumerate(items):
         at = f"{what}[{i}]"
-        if not isinstance(x, iv.Intervention):
+        if not isinstance(x, Intervention):
             raise TypeError(f"{at} is a {type(x).__name__}, not an Intervention")
-        if x.fn is not iv.add_vector:
+        if x.fn is not add_vector:
             raise SteeringError(f"{at} is {x!r}: the engine applies only add(...) (steering vectors) in "
                                 "its fixed programs; ablate, patch, project_out and custom functions run in "
                                 "jaxinfer.generate(..., interventions=...)", i)
@@ -136,14 +138,14 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
             raise SteeringError(f"{at}: the vector must be {D} numbers (the model's width), got shape {v.shape}",
                                 i, "vector")
         s = steering.sites.index(x.site)
-        if used[s] == K:
-            raise SteeringError(f"{sum(it.site == x.site for it in items if isinstance(it, iv.Intervention))} adds "
-                                f"at {x.site}: this engine has {K} steering slots per request at each site")
+        if used[s] == n_adds:
+            raise SteeringError(f"{sum(it.site == x.site for it in items if isinstance(it, Intervention))} adds "
+                                f"at {x.site}: this engine has {n_adds} steering slots per request at each site")
         k = used[s]
         used[s] += 1
-        rows.vectors[s, k], rows.scales[s, k] = v, np.float32(x.params["scale"])
-        rows.gates[s, k, list(layers)] = True
-    return rows
+        request.vectors[s, k], request.scales[s, k] = v, np.float32(x.params["scale"])
+        request.gates[s, k, list(layers)] = True
+    return request
 
 
 def idle_hooks(steering: Steering, cfg: ModelConfig, n_rows: int) -> Optional[sites_lib.Hooks]:
@@ -154,24 +156,24 @@ def idle_hooks(steering: Steering, cfg: ModelConfig, n_rows: int) -> Optional[si
     D, L = cfg.d_model, cfg.n_layers
     slots = tuple(sites_lib.Slot(params={"scale": np.zeros((n_rows,), np.float32),
                                          "vector": np.zeros((n_rows, D), np.float32)},
-                                 gate=np.zeros((n_rows, L), bool), site=site, fn=iv.add_vector)
+                                 gate=np.zeros((n_rows, L), bool), site=site, fn=add_vector)
                   for site in steering.sites for _ in range(steering.slots))
     return sites_lib.Hooks(slots=slots)
 
 
-def write_row(hooks: sites_lib.Hooks, row: int, rows: Optional[Rows], steering: Steering) -> None:
-    """Write one request's rows (None: gates off) into row `row` of host `hooks` (in place)."""
-    K = steering.slots
+def write_row(hooks: sites_lib.Hooks, row: int, request: Optional[RequestSteering], steering: Steering) -> None:
+    """Write one request's steering (None: gates off) into row `row` of host `hooks` (in place)."""
+    n_adds = steering.slots
     for j, slot in enumerate(hooks.slots):
-        s, k = divmod(j, K)
-        if rows is None:
+        s, k = divmod(j, n_adds)
+        if request is None:
             slot.gate[row] = False
             slot.params["vector"][row] = 0
             slot.params["scale"][row] = 0
         else:
-            slot.gate[row] = rows.gates[s, k]
-            slot.params["vector"][row] = rows.vectors[s, k]
-            slot.params["scale"][row] = rows.scales[s, k]
+            slot.gate[row] = request.gates[s, k]
+            slot.params["vector"][row] = request.vectors[s, k]
+            slot.params["scale"][row] = request.scales[s, k]
 
 
 VECTOR_FILES = (".npz", ".safetensors")  # what --steering-vectors reads
