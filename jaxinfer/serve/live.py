@@ -199,7 +199,7 @@ class Live:
 
 
 def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int,
-               key_size: int, spare: Optional[pen.TokenCounts] = None, raw_keys: bool = False
+               key_size: int, *, spare: Optional[pen.TokenCounts] = None, raw_keys: bool = False
                ) -> tuple[core.Rows, pen.TokenCounts]:
     """core.Rows and TokenCounts for a device call whose row i runs lives[i] (None: an idle row);
     constrained rows get their grammar's mask of allowed next tokens.
@@ -210,19 +210,19 @@ def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab
     rows of a 128k vocabulary). `raw_keys`: the keys as raw key data [R, k] uint32 (the program
     wraps them), not typed keys."""
     R, V = len(lives), vocab_size
-    rows = slot_rows(lives, budgets, eos_ids, vocab_size, key_size, raw_keys=raw_keys)
-    mask = np.asarray(rows.mask)
+    row_state = slot_rows(lives, budgets, eos_ids, vocab_size, key_size, raw_keys=raw_keys)
+    mask = np.asarray(row_state.mask)
     for i, lv in enumerate(lives):
         if lv is not None and lv.matcher is not None:
             lv.matcher.fill_bitmask(mask[i])
     reuse = spare is not None and all(lv is None or lv.counts is None for lv in lives)
     if reuse:
-        return rows, spare
+        return row_state, spare
     counts, in_prompt = np.zeros((R, V), np.int32), np.zeros((R, V), bool)
     for i, lv in enumerate(lives):
         if lv is not None and lv.counts is not None:
             counts[i], in_prompt[i] = lv.counts, lv.in_prompt
-    return rows, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=np.asarray(rows.steps))
+    return row_state, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=np.asarray(row_state.steps))
 
 
 def slot_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int, key_size: int,

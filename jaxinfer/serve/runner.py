@@ -190,20 +190,37 @@ class Slots:
     top: jax.Array  # [S] bool: the slot's request wants its top alternatives
 
 
-def _state(cache: kv.KVCache, counts, slots: Slots, mask, hooks=None) -> core.DecodeState:
-    """The decode core's state from a call's arguments (inside a program); `hooks`: the slots'
-    steering (`steering.idle_hooks`'s form), or None."""
-    rows = slots.rows.replace(keys=jax.random.wrap_key_data(slots.rows.keys), mask=mask)
-    return core.DecodeState(cache=cache.with_rows(slots.page_table, slots.lengths), tokens=slots.tokens, rows=rows,
+@struct.dataclass(kw_only=True)
+class SlotInputs:
+    """What a slots program (`mixed_program`, `decode_program`) takes of every slot besides the
+    pool and the token counts (those two are donated; these are not: the mask and the steering
+    stay on the device from call to call)."""
+
+    ints: jax.Array  # [S, n_i] int32: the packed `Slots` (`Packing`)
+    floats: jax.Array  # [S, n_f] float32
+    mask: jax.Array  # [S, U] int32: allowed next tokens, packed bits
+    table: jax.Array  # [S, W] int32: the slots' page tables for this call
+    cap: jax.Array  # [S] int32: tokens a slot may sample in this call
+    limit: jax.Array  # [S] int32: tokens a slot may have sampled in all (budget: min(cap, limit - steps))
+    hooks: Optional[sites.Hooks] = None  # the slots' steering (`steering.idle_hooks`'s form)
+
+
+def _state(cache: kv.KVCache, counts, slots: Slots, inputs: SlotInputs) -> core.DecodeState:
+    """The decode core's state from a call's arguments (inside a program): the unpacked `slots`
+    with the mask and steering of `inputs`; counts: (counts, in_prompt) [S, V]."""
+    slot_rows = slots.rows.replace(keys=jax.random.wrap_key_data(slots.rows.keys), mask=inputs.mask)
+    return core.DecodeState(cache=cache.with_rows(slots.page_table, slots.lengths), tokens=slots.tokens,
+                            rows=slot_rows,
                             counts=pen.TokenCounts(counts=counts[0], in_prompt=counts[1], generated=slots.generated),
-                            hooks=hooks)
+                            hooks=inputs.hooks, top=slots.top)
 
 
-def _slots(state: core.DecodeState, top) -> Slots:
-    rows = state.rows
+def _slots(state: core.DecodeState) -> Slots:
+    """The packable `Slots` of a decode state (keys as raw key data, no mask)."""
+    slot_rows = state.rows
     return Slots(tokens=state.tokens, lengths=state.cache.lengths, page_table=state.cache.page_table,
-                 rows=rows.replace(keys=jax.random.key_data(rows.keys), mask=rows.mask[:, :0]),
-                 generated=state.counts.generated, top=top)
+                 rows=slot_rows.replace(keys=jax.random.key_data(slot_rows.keys), mask=slot_rows.mask[:, :0]),
+                 generated=state.counts.generated, top=state.top)
 
 
 @functools.lru_cache(maxsize=64)
@@ -231,45 +248,46 @@ def _pack_emitted(em: core.Emitted, steps: int, n_top: int):
     return _emitted_packing(steps, em.tokens.shape[1], n_top).pack(em)
 
 
+def _budgeted(slots: Slots, inputs: SlotInputs) -> Slots:
+    """The slots with this call's page tables and budgets: min(cap, limit - steps), at least 0."""
+    budget = jnp.maximum(jnp.minimum(inputs.cap, inputs.limit - slots.rows.steps), 0)
+    return slots.replace(page_table=inputs.table, rows=slots.rows.replace(budget=budget))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "packing"), donate_argnums=(1, 2))
-def mixed_program(params, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_ints,
-                  chunk_floats, hooks=None, *, cfg, n_top: int, packing: Packing):
+def mixed_program(params, cache, counts, inputs: SlotInputs, chunks: core.Chunks, chunk_rows: tuple, *, cfg,
+                  n_top: int, packing: Packing):
     """`core.mixed_step` over packed slots: (cache, counts, ints, floats, the decode rows'
     Emitted [1, S] packed, the chunks' first tokens [1, R] packed).
 
-    The chunks' requests' packed rows (chunk_ints [R, n_i], chunk_floats [R, n_f]) are written
+    The chunks' requests' packed rows (`chunk_rows`: ints [R, n_i], floats [R, n_f]) are written
     into their slots first (a padding row's slot, S, is dropped), and the slots' page tables and
-    budgets are `table` [S, W] and min(cap, limit - steps) [S], as in `decode_program`: so the
-    call may go on from the last call's slots on the device (`Runner.dispatch`), the host
-    sending only the rows of the requests that take a slot. `hooks`: the slots' steering."""
-    ints = ints.at[chunks.slots].set(chunk_ints, mode="drop")
-    floats = floats.at[chunks.slots].set(chunk_floats, mode="drop")
-    slots = packing.unpack(ints, floats)
-    budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
-    lengths = slots.lengths.at[chunks.slots].set(chunks.starts, mode="drop")  # a chunk row's: its chunk's start
-    slots = slots.replace(lengths=lengths, page_table=table, rows=slots.rows.replace(budget=budget))
-    state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask, hooks), chunks, cfg, n_top,
-                                       slots.top)
-    ints, floats = packing.pack(_slots(state, slots.top))
+    budgets come from `inputs` as in `decode_program`: so the call may go on from the last
+    call's slots on the device (`Runner.dispatch`), the host sending only the rows of the
+    requests that take a slot."""
+    chunk_ints, chunk_floats = chunk_rows
+    ints = inputs.ints.at[chunks.slots].set(chunk_ints, mode="drop")
+    floats = inputs.floats.at[chunks.slots].set(chunk_floats, mode="drop")
+    slots = _budgeted(packing.unpack(ints, floats), inputs)
+    slots = slots.replace(lengths=slots.lengths.at[chunks.slots].set(chunks.starts, mode="drop"))  # its chunk's start
+    state, em, first = core.mixed_step(params, _state(cache, counts, slots, inputs), chunks,
+                                       options=core.DecodeOptions(cfg=cfg, n_top=n_top))
+    ints, floats = packing.pack(_slots(state))
     em, first = jax.tree.map(lambda a: a[None], (em, first))
     return (state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats,
             _pack_emitted(em, 1, n_top), _pack_emitted(first, 1, n_top))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_top", "packing"), donate_argnums=(1, 2))
-def decode_program(params, cache, counts, ints, floats, mask, table, cap, limit, hooks=None, *, cfg, n_steps: int,
-                   n_top: int, packing: Packing):
+def decode_program(params, cache, counts, inputs: SlotInputs, *, cfg, n_steps: int, n_top: int, packing: Packing):
     """`core.decode` (until a row ends) over packed slots: (cache, counts, ints, floats, Emitted
-    [n_steps, S] packed). The slots' page tables are `table` [S, W] and their budgets
-    min(cap, limit - steps) [S] (at least 0): so the slots of the last call, still on the device,
-    decode on with new pages (`Runner.chain`) without the host knowing their last tokens.
-    `hooks`: the slots' steering."""
-    slots = packing.unpack(ints, floats)
-    budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
-    slots = slots.replace(page_table=table, rows=slots.rows.replace(budget=budget))
-    state, em = core.decode(params, _state(cache, counts, slots, mask, hooks), cfg, n_steps, n_top, top=slots.top,
-                            until_a_row_ends=jnp.asarray(True))
-    ints, floats = packing.pack(_slots(state, slots.top))
+    [n_steps, S] packed). The slots' page tables and budgets come from `inputs`: so the slots of
+    the last call, still on the device, decode on with new pages (`Runner.chain`) without the
+    host knowing their last tokens."""
+    slots = _budgeted(packing.unpack(inputs.ints, inputs.floats), inputs)
+    state, em = core.decode(params, _state(cache, counts, slots, inputs), n_steps=n_steps,
+                            options=core.DecodeOptions(cfg=cfg, n_top=n_top, until_a_row_ends=True))
+    ints, floats = packing.pack(_slots(state))
     return state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats, _pack_emitted(em, n_steps, n_top)
 
 
@@ -418,16 +436,16 @@ class Runner:
             return jitted(*args, **static)
         return self.programs.get(key, lambda: _compile(jitted, _abstract(args), static, self.store))(*args)
 
-    def _mixed(self, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_rows):
+    def _mixed(self, cache, counts, inputs: SlotInputs, chunks: core.Chunks, chunk_rows: tuple):
         R, C = chunks.tokens.shape
         return self._program(("mixed", R, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
                                                                   packing=self.packing), self.model.params, cache,
-                             counts, ints, floats, mask, table, cap, limit, chunks, *chunk_rows, self._steer_hooks())
+                             counts, inputs.replace(hooks=self._steer_hooks()), chunks, chunk_rows)
 
-    def _decode(self, *args):
+    def _decode(self, cache, counts, inputs: SlotInputs):
         return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
                                                               n_top=MAX_TOP_LOGPROBS, packing=self.packing),
-                             self.model.params, *args, self._steer_hooks())
+                             self.model.params, cache, counts, inputs.replace(hooks=self._steer_hooks()))
 
     def _steer_hooks(self):
         """The slots' steering hooks on the device (None without steering slots), sent again
@@ -450,13 +468,12 @@ class Runner:
                                                      capture_layers=tuple(range(self.cfg.n_layers)))
         return hooks
 
-    def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, hooks=None, hidden=False):
-        R, C = tokens.shape
-        cache = self.cache.with_rows(table, starts)
+    def _prefill(self, work: core.PrefillWork, table, hidden: bool = False):
+        R, C = work.tokens.shape
+        cache = self.cache.with_rows(table, work.starts)
         cache, _, out = self._program(("hidden" if hidden else "prefill", R, C), scoring_program,
                                       dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden),
-                                      self.model.params, cache, tokens, starts, n_real, last, rows, counts, next_tokens,
-                                      hooks)
+                                      self.model.params, cache, work)
         # The pool as the slots' programs take it: [S, W] rows (theirs come in the packed tables).
         S = self.max_slots
         self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
@@ -605,11 +622,12 @@ class Runner:
             nxt = ch.seq.context[ch.start + 1:ch.start + ch.n + 1]
             next_tokens[i, :len(nxt)] = nxt
         padded = lives + [None] * (R - len(lives))
-        rows, counts = batch_rows(padded, np.ones((R,), np.int32), self.eos_ids, self.cfg.vocab_size, self.key_size,
-                                  raw_keys=True)
+        chunk_rows, counts = batch_rows(padded, np.ones((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
+                                        self.key_size, raw_keys=True)
         hidden = any(lv is not None and lv.hidden is not None for lv in lives)
-        out = self._prefill(rows, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table, next_tokens,
-                            self._scoring_hooks(padded, hidden), hidden)
+        work = core.PrefillWork(tokens=arr.tokens, starts=arr.starts, n_real=arr.n_real, last=arr.last, rows=chunk_rows,
+                                counts=counts, next_tokens=next_tokens, hooks=self._scoring_hooks(padded, hidden))
+        out = self._prefill(work, arr.page_table, hidden)
         first = out.first
         return PrefillOut(first=shd.to_host(first.tokens)[:, 0], first_logprob=shd.to_host(first.logprobs)[:, 0],
                           first_top=(shd.to_host(first.top_ids)[:, 0], shd.to_host(first.top_logprobs)[:, 0]),
@@ -659,16 +677,16 @@ class Runner:
             arr = self._chunk_arrays(chunks)
             R = arr.tokens.shape[0]
             self.cache, counts, ints, floats, em, pending.first = self._mixed(
-                self.cache, counts, ints, floats, mask, table, moving[2], self._no_limit, arr,
-                self._chunk_rows(chunks, chunk_lives, R))
+                self.cache, counts, SlotInputs(ints=ints, floats=floats, mask=mask, table=table, cap=moving[2],
+                                               limit=self._no_limit), arr, self._chunk_rows(chunks, chunk_lives, R))
             pending.rows = R
             pending.results.append((1, em))
         if not chunks or max(budgets, default=0) > 1:
             on_scan()
             # Budgets as limits on the tokens sampled in all: the scan goes on from the mixed
             # call's slots, whose rows have sampled one token of their budget there already.
-            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
-                                                                self._no_limit, moving[3] + moving[2])
+            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, SlotInputs(
+                ints=ints, floats=floats, mask=mask, table=table, cap=self._no_limit, limit=moving[3] + moving[2]))
             pending.results.append((steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = (ints, floats, mask)
@@ -693,8 +711,8 @@ class Runner:
         tokens, and stops at limits[s] tokens in all (its request's max_new_tokens); `steps`: the
         largest cap."""
         ints, floats, mask = self._carry
-        self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, ints, floats, mask,
-                                                            table, caps, limits)
+        self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, SlotInputs(
+            ints=ints, floats=floats, mask=mask, table=table, cap=caps, limit=limits))
         self.spare_counts, self._carry = counts, (ints, floats, mask)
         pending = Pending(want_top=want_top)
         pending.results.append((steps, em))
@@ -761,27 +779,29 @@ class Runner:
         ints, floats = self._table
         counts = (z((S, self.cfg.vocab_size), np.int32), z((S, self.cfg.vocab_size), bool))
         mask = core.no_mask(S, self.cfg.vocab_size)
-        base = _abstract((self.model.params, self.cache, counts, ints, floats, mask))
-        hooks = _abstract(self._steer)
+        base = _abstract((self.model.params, self.cache, counts))
+        inputs = _abstract(SlotInputs(ints=ints, floats=floats, mask=mask, table=z((S, self.width), np.int32),
+                                      cap=z((S,), np.int32), limit=z((S,), np.int32), hooks=self._steer))
         out = []
         if decode:
             static = dict(cfg=self.cfg, n_steps=self.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
-            args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32))) + (hooks,)
+            args = base + (inputs,)
             out.append((("decode",), functools.partial(_compile, decode_program, args, static, self.store)))
         for R, C in shapes:
             static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, packing=self.packing)
-            args = base + _abstract((z((S, self.width), np.int32), z((S,), np.int32), z((S,), np.int32),
-                                     self._chunk_arrays([], (R, C))) + self._chunk_rows([], [], R)) + (hooks,)
+            args = base + (inputs,) + _abstract((self._chunk_arrays([], (R, C)), self._chunk_rows([], [], R)))
             out.append((("mixed", R, C), functools.partial(_compile, mixed_program, args, static, self.store)))
             if scoring and R == 1:  # scoring calls take one chunk (`pick`)
-                rows, pcounts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids, self.cfg.vocab_size,
-                                           self.key_size, raw_keys=True)
+                chunk_rows, chunk_counts = batch_rows([None] * R, z((R,), np.int32), self.eos_ids,
+                                                      self.cfg.vocab_size, self.key_size, raw_keys=True)
                 cache = self.cache.with_rows(z((R, self.width), np.int32), z((R,), np.int32))
-                args = _abstract((self.model.params, cache, z((R, C), np.int32), z((R,), np.int32),
-                                  z((R,), np.int32), z((R,), bool), rows, pcounts, z((R, C), np.int32)))
                 for hidden in (False, True) if self.hidden_sites else (False,):
                     static = dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden)
-                    a = args + (_abstract(self._scoring_hooks([None] * R, hidden)),)
+                    work = core.PrefillWork(tokens=z((R, C), np.int32), starts=z((R,), np.int32),
+                                            n_real=z((R,), np.int32), last=z((R,), bool), rows=chunk_rows,
+                                            counts=chunk_counts, next_tokens=z((R, C), np.int32),
+                                            hooks=self._scoring_hooks([None] * R, hidden))
+                    a = _abstract((self.model.params, cache, work))
                     out.append((("hidden" if hidden else "prefill", R, C),
                                 functools.partial(_compile, scoring_program, a, static, self.store)))
         return out
@@ -893,8 +913,9 @@ class Runner:
                 ints, floats = self._tables(idle, np.zeros((4, S), np.int32), np.zeros((S, self.width), np.int32))
                 counts, mask = self._counts(idle), self._mask(idle)
                 t0 = time.perf_counter()
-                self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask,
-                                                                 np.zeros((S, self.width), np.int32), z, z,
+                inputs = SlotInputs(ints=ints, floats=floats, mask=mask, table=np.zeros((S, self.width), np.int32),
+                                    cap=z, limit=z)
+                self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, inputs,
                                                                  self._chunk_arrays([], (R, C)),
                                                                  self._chunk_rows([], [], R))
                 jax.block_until_ready(first)
@@ -920,10 +941,9 @@ def _compile(jitted, args, static, store: Optional[ProgramStore] = None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "capture"), donate_argnums=(1,))
-def scoring_program(params, cache, tokens, starts, n_real, last, rows: core.Rows, counts, next_tokens, hooks=None, *,
-                    cfg, n_top: int, capture: bool = False):
-    """`core.prefill` with prompt logprobs, its rows' keys as raw key data; `hooks`: the rows'
-    steering and (`capture`) the sites captured at every chunk position."""
-    rows = rows.replace(keys=jax.random.wrap_key_data(rows.keys))
-    return core.prefill(params, cache, tokens, starts, n_real, last, rows, counts, next_tokens, cfg, n_top, True,
-                        hooks=hooks, capture_prompt=capture)
+def scoring_program(params, cache, work: core.PrefillWork, *, cfg, n_top: int, capture: bool = False):
+    """`core.prefill` with prompt logprobs, its rows' keys as raw key data; `work.hooks`: the
+    rows' steering and (`capture`) the sites captured at every chunk position."""
+    work = work.replace(rows=work.rows.replace(keys=jax.random.wrap_key_data(work.rows.keys)))
+    return core.prefill(params, cache, work, options=core.PrefillOptions(cfg=cfg, n_top=n_top, prompt_logprobs=True,
+                                                                          capture_prompt=capture))
