@@ -171,7 +171,8 @@ class MixedStepTest(chex.TestCase):
         assert np.asarray(em0.count).tolist() == [1, 0, 0]  # slot 2 did not decode in its chunk's step
         assert np.asarray(state.rows.steps).tolist() == [2, 0, 1]
         assert np.asarray(state.cache.lengths).tolist() == [len(old) + 1, 0, len(new)]
-        state, em = self.variant(lambda s: core.decode(PARAMS, s, options=core.DecodeOptions(cfg=CFG), n_steps=n))(state)
+        decode = self.variant(lambda s: core.decode(PARAMS, s, options=core.DecodeOptions(cfg=CFG), n_steps=n))
+        state, em = decode(state)
         got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
         got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
         assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)

@@ -94,7 +94,7 @@ class DecodeState:
 
     cache: KVCache
     tokens: jax.Array  # [B] int32: each row's last sampled token, its next input
-    rows: Rows
+    rows: Rows  # per-row settings and progress
     counts: penalties.TokenCounts  # [B, V] tokens generated and in the prompt (what the penalties read)
     history: Optional[jax.Array] = None  # [B, S] int32 each row's tokens by position (logits processors only)
     hooks: Optional[sites.Hooks] = None  # the rows' interventions and captures (params [B, ...], gates [B, L])
@@ -212,27 +212,27 @@ def host_counts(prompts: list[list[int]], vocab_size: int, generated: Optional[l
     return penalties.TokenCounts(counts=counts, in_prompt=in_prompt, generated=n)
 
 
-def _controlled(logits: jax.Array, rows: Rows, counts: penalties.TokenCounts) -> jax.Array:
+def _controlled(logits: jax.Array, row_state: Rows, counts: penalties.TokenCounts) -> jax.Array:
     """The logits the sampler sees: penalties and bias, then the constraint's mask, each skipped
     (`lax.cond`) when no row uses it. [B, V] -> [B, V] float32."""
-    c = rows.controls
+    c = row_state.controls
     penalized = jnp.any((c.frequency_penalty != 0) | (c.presence_penalty != 0) | (c.repetition_penalty != 1)
                         | (c.min_tokens > 0) | c.ignore_eos | jnp.any(c.bias_values != 0, axis=-1))
     logits = logits.astype(jnp.float32)
     logits = jax.lax.cond(penalized, lambda x: penalties.apply_penalties(x, counts, c), lambda x: x, logits)
-    masked = jnp.any(rows.mask != -1)
-    return jax.lax.cond(masked, lambda x: apply_token_bitmask(x, rows.mask), lambda x: x, logits)
+    masked = jnp.any(row_state.mask != -1)
+    return jax.lax.cond(masked, lambda x: apply_token_bitmask(x, row_state.mask), lambda x: x, logits)
 
 
-def select_tokens(logits: jax.Array, rows: Rows, counts: penalties.TokenCounts,
-                processor: Optional[LogitsProcessor] = None, processor_input: Optional[ProcessorInput] = None):
+def select_tokens(logits: jax.Array, row_state: Rows, counts: penalties.TokenCounts,
+                  processor: Optional[LogitsProcessor] = None, processor_input: Optional[ProcessorInput] = None):
     """Each row's next token from its logits [B, V]: controls, the logits processor, the sampler.
 
     Returns (tokens [B] int32, logprobs [B] of the sampled distribution's logits, those logits [B, V]);
     a row whose logits leave nothing to draw gets INVALID_TOKEN. Raises ValueError (at trace
     time) when the processor returns another shape than [B, V].
     """
-    x = _controlled(logits, rows, counts)
+    x = _controlled(logits, row_state, counts)
     if processor is not None:
         with jax.named_scope("logits_processor"):
             y = processor(x, processor_input)
@@ -240,7 +240,7 @@ def select_tokens(logits: jax.Array, rows: Rows, counts: penalties.TokenCounts,
             raise ValueError(f"the logits processor must return logits [B, V] = {tuple(x.shape)}, "
                              f"got {getattr(y, 'shape', type(y).__name__)}")
         x = y.astype(jnp.float32)
-    tok, lp = sampling.sample(x, sampling.step_keys(rows.keys, rows.steps), rows.sampling)
+    tok, lp = sampling.sample(x, sampling.step_keys(row_state.keys, row_state.steps), row_state.sampling)
     drawable = jnp.any(x > -jnp.inf, axis=-1) & ~jnp.any(jnp.isnan(x), axis=-1)  # [B]
     return jnp.where(drawable, tok, INVALID_TOKEN), lp, x
 
@@ -478,9 +478,10 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: D
     # Joining slots: as a decode step leaves a row that has just sampled `ftok`.
     j = jnp.where(chunks.last, chunks.slots, B)  # B: dropped
     slot_rows = state.rows
+    stopped = is_stop(ftok, chunk_rows.stop_ids)
     slot_rows = slot_rows.replace(steps=slot_rows.steps.at[j].add(1, mode="drop"),
                                   budget=slot_rows.budget.at[j].add(-1, mode="drop"),
-                                  finished=slot_rows.finished.at[j].set(is_stop(ftok, chunk_rows.stop_ids), mode="drop"))
+                                  finished=slot_rows.finished.at[j].set(stopped, mode="drop"))
     joined = jnp.zeros((B,), bool).at[j].set(True, mode="drop")
     tok_at = jnp.zeros((B,), jnp.int32).at[j].set(ftok, mode="drop")
     lengths = state.cache.lengths.at[j].set(chunks.starts + chunks.n_real, mode="drop")

@@ -232,9 +232,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if constrained is not None:
             row_state = row_state.replace(mask=constrained.masks(np.ones((B,), bool)))
         history = _history(batch, np.zeros((B,), np.int32)) if logits_processor is not None else None
-        pre = prefill_prompts(model.params, new_cache(model, B, batch.max_len),
-                              PromptWork(tokens=batch.tokens, lengths=batch.lengths, rows=row_state, counts=batch.counts,
-                                         history=history, hooks=hooks),
+        prompts_work = PromptWork(tokens=batch.tokens, lengths=batch.lengths, rows=row_state, counts=batch.counts,
+                                  history=history, hooks=hooks)
+        pre = prefill_prompts(model.params, new_cache(model, B, batch.max_len), prompts_work,
                               options=core.PrefillOptions(cfg=cfg, processor=logits_processor,
                                                           capture_prompt=capture_prompt, routing=return_routing),
                               chunk=batch.chunk, progress=on_prefill)
