@@ -155,11 +155,12 @@ def main(argv=None, model=None) -> dict:
         return request.initial_rows(smp.row_keys(np.arange(B)), smp.GREEDY, (), steps + 1, vocab_size=cfg.vocab_size)
 
     def prefill_args():
-        return (model.params, kv.init_cache_jit(cfg, B, T + steps + 1), ids, np.zeros((B,), np.int32),
-                np.full((B,), T, np.int32), np.ones((B,), bool), rows(), counts, np.zeros_like(ids))
+        work = core.PrefillWork(tokens=ids, starts=np.zeros((B,), np.int32), n_real=np.full((B,), T, np.int32),
+                                last=np.ones((B,), bool), rows=rows(), counts=counts, next_tokens=np.zeros_like(ids))
+        return model.params, kv.init_cache_jit(cfg, B, T + steps + 1), work
 
     # each program compiled once, ahead of time: its HLO names the ops' stages, and the trace runs it
-    prefill = core.prefill_jit.lower(*prefill_args(), cfg).compile()
+    prefill = core.prefill_jit.lower(*prefill_args(), options=core.PrefillOptions(cfg=cfg)).compile()
 
     def decode_state():
         cache, _, out = prefill(*prefill_args())
@@ -167,7 +168,8 @@ def main(argv=None, model=None) -> dict:
         return core.DecodeState(cache=cache, tokens=np.asarray(out.first.tokens[:, 0]), counts=counts,
                                 rows=r.replace(steps=r.steps + 1, budget=r.budget - 1))
 
-    decode = core.decode_jit.lower(model.params, decode_state(), cfg, steps).compile()
+    decode = core.decode_jit.lower(model.params, decode_state(), options=core.DecodeOptions(cfg=cfg),
+                                   n_steps=steps).compile()
 
     def run():
         return jax.block_until_ready(decode(model.params, decode_state())[1])

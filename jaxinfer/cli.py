@@ -161,7 +161,7 @@ def _generate(args) -> int:
         sys.stdout.flush()
         print("[interrupted]", file=sys.stderr)
         return 130
-    return _report(args, model, texts, out, streaming, shown, load_s)
+    return _report(args, texts, out, streaming=streaming, shown=shown, load_s=load_s)
 
 
 def _run(args, model, prompts, sampling, on_tokens, long_prompt: bool = False):
@@ -192,7 +192,10 @@ def _run(args, model, prompts, sampling, on_tokens, long_prompt: bool = False):
                                  on_prefill=on_prefill if long_prompt else None)
 
 
-def _report(args, model, prompts, out, streaming: bool, shown: str, load_s: float) -> int:
+def _report(args, prompts, out, *, streaming: bool, shown: str, load_s: float) -> int:
+    """Print the completions (JSON Lines with --json) and the timings; the shell's status (0).
+
+    `shown`: the text already streamed to stdout (`streaming`); `load_s`: the model's load time."""
     t = out.timings
     if args.json:  # JSON Lines: one compact object per prompt, then the timings
         for p, c in zip(prompts, out.completions):

@@ -44,8 +44,9 @@ class CoreTest(chex.TestCase):
         rows = _rows(smp.GREEDY)
         counts = core.host_counts(PROMPTS, CFG.vocab_size)
         cache = kv.init_cache(CFG, 2, 64)
-        prefill = self.variant(lambda c, t, s, n, l: core.prefill(PARAMS, c, t, s, n, l, rows, counts,
-                                                                    jnp.zeros_like(t), CFG))
+        prefill = self.variant(lambda c, t, s, n, l: core.prefill(
+            PARAMS, c, core.PrefillWork(tokens=t, starts=s, n_real=n, last=l, rows=rows, counts=counts,
+                                        next_tokens=jnp.zeros_like(t)), options=core.PrefillOptions(cfg=CFG)))
         first = np.zeros((2,), np.int32)
         for lo in (0, 4):  # two chunks of 4: row 1's prompt ends in the first
             n_real = np.clip(lengths - lo, 0, 4).astype(np.int32)
@@ -56,7 +57,7 @@ class CoreTest(chex.TestCase):
         chex.assert_trees_all_equal(np.asarray(cache.lengths), lengths)
         state = core.DecodeState(cache=cache, tokens=first, counts=counts,
                                  rows=rows.replace(steps=rows.steps + 1, budget=np.full((2,), 5, np.int32)))
-        decode = self.variant(lambda s: core.decode(PARAMS, s, CFG, 5))
+        decode = self.variant(lambda s: core.decode(PARAMS, s, options=core.DecodeOptions(cfg=CFG), n_steps=5))
         state, em = decode(state)
         chex.assert_shape(em.tokens, (5, 2, 1))
         for b, p in enumerate(PROMPTS):
@@ -101,12 +102,13 @@ def _alone(prompt, n, sampling, key):
     counts = core.host_counts([prompt], CFG.vocab_size)
     cache = kv.init_cache(CFG, 1, 64)
     t = np.asarray([prompt], np.int32)
-    cache, counts, out = core.prefill(PARAMS, cache, t, np.zeros((1,), np.int32), np.asarray([len(prompt)], np.int32),
-                                      np.ones((1,), bool), rows, counts, jnp.zeros_like(t), CFG)
+    cache, counts, out = core.prefill(PARAMS, cache, core.PrefillWork(
+        tokens=t, starts=np.zeros((1,), np.int32), n_real=np.asarray([len(prompt)], np.int32), last=np.ones((1,), bool),
+        rows=rows, counts=counts, next_tokens=jnp.zeros_like(t)), options=core.PrefillOptions(cfg=CFG))
     first = np.asarray(out.first.tokens[:, 0])
     state = core.DecodeState(cache=cache, tokens=first, counts=counts,
                              rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1))
-    _, em = core.decode(PARAMS, state, CFG, n - 1)
+    _, em = core.decode(PARAMS, state, options=core.DecodeOptions(cfg=CFG), n_steps=n - 1)
     return [int(first[0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
 
 
@@ -148,8 +150,11 @@ class MixedStepTest(chex.TestCase):
         t = np.zeros((3, 8), np.int32)
         t[0, :len(old)] = old
         cache, counts, out = core.prefill(PARAMS, pool.with_rows(table * np.array([[1], [0], [0]]), np.zeros(3, np.int32)),
-                                          t, np.zeros(3, np.int32), np.asarray([len(old), 0, 0], np.int32),
-                                          np.asarray([True, False, False]), rows, counts, jnp.zeros_like(t), CFG)
+                                          core.PrefillWork(tokens=t, starts=np.zeros(3, np.int32),
+                                                           n_real=np.asarray([len(old), 0, 0], np.int32),
+                                                           last=np.asarray([True, False, False]), rows=rows,
+                                                           counts=counts, next_tokens=jnp.zeros_like(t)),
+                                          options=core.PrefillOptions(cfg=CFG))
         assert int(out.first.tokens[0, 0]) == want_old[0]
         rows = rows.replace(steps=np.asarray([1, 0, 0], np.int32), budget=np.asarray([n, 0, n], np.int32))
         counts = counts.replace(counts=np.asarray(counts.counts) * np.array([[1], [0], [0]]),
@@ -160,13 +165,14 @@ class MixedStepTest(chex.TestCase):
         chunk[0, :len(new)] = new
         chunks = core.Chunks(tokens=chunk, starts=np.zeros((1,), np.int32), n_real=np.asarray([len(new)], np.int32),
                              last=np.ones((1,), bool), slots=np.asarray([2], np.int32), page_table=table[2:])
-        step = self.variant(lambda s, c: core.mixed_step(PARAMS, s, c, CFG))
+        step = self.variant(lambda s, c: core.mixed_step(PARAMS, s, c, options=core.DecodeOptions(cfg=CFG)))
         state, em0, first = step(state, chunks)
         assert int(first.count[0]) == 1 and int(first.tokens[0, 0]) == want_new[0]
         assert np.asarray(em0.count).tolist() == [1, 0, 0]  # slot 2 did not decode in its chunk's step
         assert np.asarray(state.rows.steps).tolist() == [2, 0, 1]
         assert np.asarray(state.cache.lengths).tolist() == [len(old) + 1, 0, len(new)]
-        state, em = self.variant(lambda s: core.decode(PARAMS, s, CFG, n))(state)
+        decode = self.variant(lambda s: core.decode(PARAMS, s, options=core.DecodeOptions(cfg=CFG), n_steps=n))
+        state, em = decode(state)
         got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
         got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
         assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)

@@ -292,9 +292,11 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
     t = np.zeros((3, 8), np.int32)
     t[0, :len(old)] = old
     cache, counts, out = core.prefill(params, pool.with_rows(table * np.array([[1], [0], [0]]), np.zeros(3, np.int32)),
-                                      t, np.zeros(3, np.int32), np.asarray([len(old), 0, 0], np.int32),
-                                      np.asarray([True, False, False]), rows, counts, jnp.zeros_like(t), cfg,
-                                      hooks=hooks)
+                                      core.PrefillWork(tokens=t, starts=np.zeros(3, np.int32),
+                                                       n_real=np.asarray([len(old), 0, 0], np.int32),
+                                                       last=np.asarray([True, False, False]), rows=rows, counts=counts,
+                                                       next_tokens=jnp.zeros_like(t), hooks=hooks),
+                                      options=core.PrefillOptions(cfg=cfg))
     assert int(out.first.tokens[0, 0]) == want_old[0]
     rows = rows.replace(steps=np.asarray([1, 0, 0], np.int32), budget=np.asarray([n, 0, n], np.int32))
     counts = counts.replace(counts=np.asarray(counts.counts) * np.array([[1], [0], [0]]),
@@ -305,9 +307,9 @@ def test_mixed_step_gives_chunk_rows_and_decode_rows_their_interventions():
     chunk[0, :len(new)] = new
     chunks = core.Chunks(tokens=chunk, starts=np.zeros((1,), np.int32), n_real=np.asarray([len(new)], np.int32),
                          last=np.ones((1,), bool), slots=np.asarray([2], np.int32), page_table=table[2:])
-    state, em0, first = core.mixed_step_jit(params, state, chunks, cfg)
+    state, em0, first = core.mixed_step_jit(params, state, chunks, options=core.DecodeOptions(cfg=cfg))
     assert int(first.tokens[0, 0]) == want_new[0]
-    state, em = core.decode_jit(params, state, cfg, n)
+    state, em = core.decode_jit(params, state, options=core.DecodeOptions(cfg=cfg), n_steps=n)
     got_old = [want_old[0], int(em0.tokens[0, 0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
     got_new = [want_new[0]] + [int(x) for x in np.asarray(em.tokens[:, 2, 0])[np.asarray(em.count[:, 2]) == 1]]
     assert got_old[:n + 1] == want_old and got_new == want_new, (got_old, want_old, got_new, want_new)

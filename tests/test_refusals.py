@@ -405,8 +405,8 @@ def test_steps_past_max_new_tokens_run_nothing_and_only_kept_tokens_count(tiny_m
     calls = []
     real = core.decode_jit
 
-    def spy(params, state, cfg, n_steps, n_top=0, **kw):
-        state, em = real(params, state, cfg, n_steps, n_top, **kw)
+    def spy(params, state, *, options, n_steps):
+        state, em = real(params, state, options=options, n_steps=n_steps)
         count = np.asarray(em.count)  # [n_steps, B]
         calls.append((n_steps, int(count.any(axis=1).sum()), int(count.sum())))
         return state, em

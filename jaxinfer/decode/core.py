@@ -24,14 +24,20 @@ chunks are sampled by the prefill's own `select_tokens`).
 Row b samples its t-th token with fold_in(key_b, t) through `sampling.sample`, whatever runs
 beside it, so a request's tokens do not depend on its neighbours, on when it arrived, or on how
 its prompt was chunked. Interventions and captures (`jaxinfer.model.sites.Hooks`) travel with the
-rows: the prefill takes them as an argument, the decode scan carries them in its state, so a
+rows: the prefill's `PrefillWork` and the decode scan's `DecodeState` carry them, so a
 steered row is steered in every step of the one compiled loop and captured sites come back
 beside each emitted token. Shape letters as in `jaxinfer.model.config`; E is tokens emitted per
 step (1 for plain decoding, k + 1 for a speculative round), M stop ids per row.
+
+What passes between the programs and their clients is named: a prefill call's per-row arrays are
+a `PrefillWork` and its static options a `PrefillOptions`; a decode or mixed call's static options
+a `DecodeOptions`; per-row state lives in `Rows` and `DecodeState`. A new per-row feature adds a
+field to one of them, not a parameter to every signature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -40,8 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.decode import penalties as pen
-from jaxinfer.decode import sampling as smp
+from jaxinfer.decode import penalties, sampling
 from jaxinfer.decode.bitmask import apply_token_bitmask, mask_words
 from jaxinfer.model import cache as kv
 from jaxinfer.model import forward as mdl
@@ -59,9 +64,8 @@ INVALID_TOKEN = -1
 MIN_BIAS_SLOTS = 16  # logit_bias entries per row are padded to a power of two >= this
 # A closed batch of one row checks whether it is live once per this many decode steps, not every
 # step: on XLA's CPU backend the per-step `lax.cond` around a one-row step copies the KV pool.
-# Wider batches and the serving engine (`until_a_row_ends`) check every step, where the grouped
-# check measured slower (docs/notes/cpu_decode.md). A finished row runs at most this many - 1
-# masked steps.
+# Wider batches and the serving engine (`until_a_row_ends`) check every step (there the grouped
+# check is the slower one). A finished row runs at most this many - 1 masked steps.
 LIVE_CHECK_STEPS = 8
 
 
@@ -69,13 +73,13 @@ LIVE_CHECK_STEPS = 8
 class Rows:
     """Per-row settings and progress, all [B] arrays (stop_ids [B, M], mask [B, U])."""
 
-    sampling: smp.RowParams  # temperature, top_k, top_p, min_p per row
+    sampling: sampling.RowParams  # temperature, top_k, top_p, min_p per row
     keys: jax.Array  # [B] typed PRNG keys, one per request (the step is folded in when sampling)
     steps: jax.Array  # [B] int32: tokens this row has sampled (the fold-in index of the next one)
     stop_ids: jax.Array  # [B, M] int32: token ids that end the row (-1 pads)
     budget: jax.Array  # [B] int32: tokens the row may still sample
     finished: jax.Array  # [B] bool: the row sampled a stop token
-    controls: pen.PenaltyRows  # logit bias, penalties, min_tokens, ignore_eos per row
+    controls: penalties.PenaltyRows  # logit bias, penalties, min_tokens, ignore_eos per row
     mask: jax.Array  # [B, U] int32: allowed next tokens, packed bits (all ones: unconstrained)
 
     @property
@@ -90,10 +94,26 @@ class DecodeState:
 
     cache: KVCache
     tokens: jax.Array  # [B] int32: each row's last sampled token, its next input
-    rows: Rows
-    counts: pen.TokenCounts  # [B, V] tokens generated and in the prompt (what the penalties read)
+    rows: Rows  # per-row settings and progress
+    counts: penalties.TokenCounts  # [B, V] tokens generated and in the prompt (what the penalties read)
     history: Optional[jax.Array] = None  # [B, S] int32 each row's tokens by position (logits processors only)
     hooks: Optional[sites.Hooks] = None  # the rows' interventions and captures (params [B, ...], gates [B, L])
+    top: Optional[jax.Array] = None  # [B] bool: the rows that want their n_top alternatives (None: every row)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeOptions:
+    """The static options of a decode or mixed-step call (hashable: one compiled program per value)."""
+
+    cfg: ModelConfig
+    n_top: int = 0  # top alternatives returned per sampled token
+    # A logits processor traced into the program (an equal processor shares it); decode only.
+    processor: Optional[LogitsProcessor] = None
+    routing: bool = False  # each Emitted holds the router's choices at its input token (MoE models; decode only)
+    # Skip the steps after one where a row that was live at the start stopped, so the host can give
+    # its slot to a new request at once (the serving engine). Off: a batch of one row checks
+    # liveness once per LIVE_CHECK_STEPS steps.
+    until_a_row_ends: bool = False
 
 
 @struct.dataclass
@@ -145,16 +165,16 @@ def stop_array(stop_ids: list[tuple[int, ...]], width: Optional[int] = None) -> 
 class _WithStops:
     """A row's SamplingParams with its extra stop ids: the attributes `penalties.stack` reads."""
 
-    def __init__(self, sampling: smp.SamplingParams, stop_token_ids: tuple[int, ...]):
-        self.sampling, self.stop_token_ids = sampling, stop_token_ids
+    def __init__(self, settings: sampling.SamplingParams, stop_token_ids: tuple[int, ...]):
+        self.sampling, self.stop_token_ids = settings, stop_token_ids
 
     def __getattr__(self, name: str):
         return getattr(self.sampling, name)
 
 
-def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[int, ...]], eos_ids: tuple[int, ...],
+def controls_for(samplings: list[sampling.SamplingParams], extra_stops: list[tuple[int, ...]], eos_ids: tuple[int, ...],
                  vocab_size: int, *, bias_slots: Optional[int] = None,
-                 stop_slots: Optional[int] = None) -> pen.PenaltyRows:
+                 stop_slots: Optional[int] = None) -> penalties.PenaltyRows:
     """Per-row logit controls from each row's SamplingParams and extra stop ids (host side).
 
     Widths are padded to MIN_BIAS_SLOTS / MIN_STOP_SLOTS buckets so requests rarely change the
@@ -162,15 +182,15 @@ def controls_for(samplings: list[smp.SamplingParams], extra_stops: list[tuple[in
     request changes them)."""
     settings = [_WithStops(sp, tuple(st)) for sp, st in zip(samplings, extra_stops)]  # `stack` checks them
     m = max([MIN_BIAS_SLOTS] + [len(sp.logit_bias) for sp in samplings])
-    rows = pen.stack(settings, eos_ids, vocab_size, bias_slots=bias_slots or 1 << (m - 1).bit_length(),
-                     stop_slots=stop_slots)
-    stops = np.asarray(rows.stop_ids)
+    controls = penalties.stack(settings, eos_ids, vocab_size, bias_slots=bias_slots or 1 << (m - 1).bit_length(),
+                               stop_slots=stop_slots)
+    stops = np.asarray(controls.stop_ids)
     wide = np.full((stops.shape[0], max(MIN_STOP_SLOTS, stops.shape[1])), -1, np.int32)
     wide[:, :stops.shape[1]] = stops
-    eos = np.asarray(rows.eos_ids)
+    eos = np.asarray(controls.eos_ids)
     eos_wide = np.full((eos.shape[0], max(MIN_STOP_SLOTS, eos.shape[1])), -1, np.int32)
     eos_wide[:, :eos.shape[1]] = eos
-    return rows.replace(stop_ids=wide, eos_ids=eos_wide)
+    return controls.replace(stop_ids=wide, eos_ids=eos_wide)
 
 
 def no_mask(batch: int, vocab_size: int) -> np.ndarray:
@@ -179,7 +199,7 @@ def no_mask(batch: int, vocab_size: int) -> np.ndarray:
 
 
 def host_counts(prompts: list[list[int]], vocab_size: int, generated: Optional[list[list[int]]] = None
-                ) -> pen.TokenCounts:
+                ) -> penalties.TokenCounts:
     """TokenCounts of host numpy arrays: each row's prompt tokens and generated tokens so far."""
     B = len(prompts)
     counts = np.zeros((B, vocab_size), np.int32)
@@ -189,30 +209,30 @@ def host_counts(prompts: list[list[int]], vocab_size: int, generated: Optional[l
         for t in (generated[b] if generated else ()):
             counts[b, t] += 1
     n = np.array([len(g) for g in generated] if generated else [0] * B, np.int32)
-    return pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=n)
+    return penalties.TokenCounts(counts=counts, in_prompt=in_prompt, generated=n)
 
 
-def _controlled(logits: jax.Array, rows: Rows, counts: pen.TokenCounts) -> jax.Array:
+def _controlled(logits: jax.Array, row_state: Rows, counts: penalties.TokenCounts) -> jax.Array:
     """The logits the sampler sees: penalties and bias, then the constraint's mask, each skipped
     (`lax.cond`) when no row uses it. [B, V] -> [B, V] float32."""
-    c = rows.controls
+    c = row_state.controls
     penalized = jnp.any((c.frequency_penalty != 0) | (c.presence_penalty != 0) | (c.repetition_penalty != 1)
                         | (c.min_tokens > 0) | c.ignore_eos | jnp.any(c.bias_values != 0, axis=-1))
     logits = logits.astype(jnp.float32)
-    logits = jax.lax.cond(penalized, lambda x: pen.apply_penalties(x, counts, c), lambda x: x, logits)
-    masked = jnp.any(rows.mask != -1)
-    return jax.lax.cond(masked, lambda x: apply_token_bitmask(x, rows.mask), lambda x: x, logits)
+    logits = jax.lax.cond(penalized, lambda x: penalties.apply_penalties(x, counts, c), lambda x: x, logits)
+    masked = jnp.any(row_state.mask != -1)
+    return jax.lax.cond(masked, lambda x: apply_token_bitmask(x, row_state.mask), lambda x: x, logits)
 
 
-def select_tokens(logits: jax.Array, rows: Rows, counts: pen.TokenCounts,
-                processor: Optional[LogitsProcessor] = None, processor_input: Optional[ProcessorInput] = None):
+def select_tokens(logits: jax.Array, row_state: Rows, counts: penalties.TokenCounts,
+                  processor: Optional[LogitsProcessor] = None, processor_input: Optional[ProcessorInput] = None):
     """Each row's next token from its logits [B, V]: controls, the logits processor, the sampler.
 
     Returns (tokens [B] int32, logprobs [B] of the sampled distribution's logits, those logits [B, V]);
     a row whose logits leave nothing to draw gets INVALID_TOKEN. Raises ValueError (at trace
     time) when the processor returns another shape than [B, V].
     """
-    x = _controlled(logits, rows, counts)
+    x = _controlled(logits, row_state, counts)
     if processor is not None:
         with jax.named_scope("logits_processor"):
             y = processor(x, processor_input)
@@ -220,7 +240,7 @@ def select_tokens(logits: jax.Array, rows: Rows, counts: pen.TokenCounts,
             raise ValueError(f"the logits processor must return logits [B, V] = {tuple(x.shape)}, "
                              f"got {getattr(y, 'shape', type(y).__name__)}")
         x = y.astype(jnp.float32)
-    tok, lp = smp.sample(x, smp.step_keys(rows.keys, rows.steps), rows.sampling)
+    tok, lp = sampling.sample(x, sampling.step_keys(row_state.keys, row_state.steps), row_state.sampling)
     drawable = jnp.any(x > -jnp.inf, axis=-1) & ~jnp.any(jnp.isnan(x), axis=-1)  # [B]
     return jnp.where(drawable, tok, INVALID_TOKEN), lp, x
 
@@ -238,11 +258,11 @@ def _emitted(tokens, logprobs, count, logits, n_top: int, top: Optional[jax.Arra
     With `top` ([B] bool, rows that asked for alternatives) the n_top alternatives are computed
     only when some row asked (`lax.cond`), so one program serves requests with and without them."""
     if n_top and top is not None:
-        ids, lps = jax.lax.cond(jnp.any(top), lambda x: smp.top_logprobs(x, n_top),
+        ids, lps = jax.lax.cond(jnp.any(top), lambda x: sampling.top_logprobs(x, n_top),
                                 lambda x: (jnp.zeros(x.shape[:1] + (n_top,), jnp.int32),
                                            jnp.zeros(x.shape[:1] + (n_top,), jnp.float32)), logits)
     elif n_top:
-        ids, lps = smp.top_logprobs(logits, n_top)
+        ids, lps = sampling.top_logprobs(logits, n_top)
     else:
         ids = jnp.zeros(tokens.shape + (0,), jnp.int32)
         lps = jnp.zeros(tokens.shape + (0,), jnp.float32)
@@ -251,6 +271,33 @@ def _emitted(tokens, logprobs, count, logits, n_top: int, top: Optional[jax.Arra
 
 
 # Prefill --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefillOptions:
+    """The static options of a prefill call (hashable: one compiled program per value)."""
+
+    cfg: ModelConfig
+    n_top: int = 0  # top alternatives per sampled / scored position
+    prompt_logprobs: bool = False  # also score `next_tokens` at every chunk position
+    processor: Optional[LogitsProcessor] = None  # a logits processor traced into the program
+    capture_prompt: bool = False  # captured sites at every chunk position, not only at each row's last
+    routing: bool = False  # also return the router's choices at every chunk position (MoE models)
+
+
+@struct.dataclass(kw_only=True)
+class PrefillWork:
+    """One prefill call's per-row arrays: a chunk of C prompt positions for each of B rows."""
+
+    tokens: jax.Array  # [B, C] int32, right-padded; row b's real tokens are tokens[b, :n_real[b]]
+    starts: jax.Array  # [B] int32: position of each row's first chunk token (the row's filled length)
+    n_real: jax.Array  # [B] int32: real tokens per row (0 for a row that only pads the batch)
+    last: jax.Array  # [B] bool: the row's prompt ends in this chunk (its sample is kept, its counts advance)
+    rows: Rows  # per-row sampling state; the sample after the chunk uses fold_in(key, steps)
+    counts: penalties.TokenCounts  # [B, V] prompt tokens seen (what the penalties read)
+    next_tokens: Optional[jax.Array] = None  # [B, C] int32: the token after each chunk position (prompt logprobs)
+    history: Optional[jax.Array] = None  # [B, S] int32 each row's tokens by position (logits processors only)
+    hooks: Optional[sites.Hooks] = None  # the rows' interventions and captures
+
 
 @struct.dataclass
 class PrefillOut:
@@ -266,34 +313,20 @@ class PrefillOut:
     routing: Optional[Routing] = None  # [B, C, L, k]: experts chosen at every chunk position (`routing`)
 
 
-def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array, n_real: jax.Array,
-            last: jax.Array, rows: Rows, counts: pen.TokenCounts, next_tokens: jax.Array, cfg: ModelConfig,
-            n_top: int = 0, prompt_logprobs: bool = False, processor: Optional[LogitsProcessor] = None,
-            history: Optional[jax.Array] = None, hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False,
-            routing: bool = False):
+def prefill(params: Params, cache: KVCache, work: PrefillWork, *, options: PrefillOptions):
     """Write a chunk of prompt tokens into the cache and sample each row's next token.
 
     Args:
       params: params pytree.
       cache: the KV cache, its page_table rows being these B rows (donated by the jitted form).
-      tokens: [B, C] chunk tokens, right-padded; row b's real tokens are tokens[b, :n_real[b]].
-      starts: [B] position of each row's first chunk token (the row's filled length).
-      n_real: [B] real tokens per row (0 for a row that only pads the batch).
-      last: [B] bool: the row's prompt ends in this chunk (its sample is kept, its counts advance).
-      rows: per-row sampling state; the sample after the chunk uses fold_in(key, steps).
-      counts: the rows' TokenCounts (prompt tokens seen; what the penalties read).
-      next_tokens: [B, C] the token that follows each chunk position (for prompt logprobs only).
-      cfg: model config (static).
-      n_top: top alternatives per sampled / scored position (static).
-      prompt_logprobs: also score next_tokens at every chunk position (static).
-      processor, history: a logits processor (static) and the rows' tokens by position [B, S].
-      hooks: the rows' interventions and captures (`sites.Hooks`), or None.
-      capture_prompt: return captured sites at every chunk position, not only each row's last (static).
-      routing: also return the router's choices at every chunk position (static; MoE models).
+      work: the chunk [B, C] and the rows' state (`PrefillWork`).
+      options: static (`PrefillOptions`).
     Returns:
       (cache with lengths starts + n_real, counts, PrefillOut). The sample is valid for rows
       with `last`; the caller keeps it for those only.
     """
+    tokens, starts, n_real, hooks = work.tokens, work.starts, work.n_real, work.hooks
+    cfg, routing, prompt_logprobs, n_top = options.cfg, options.routing, options.prompt_logprobs, options.n_top
     B, C = tokens.shape
     cache = cache.replace(lengths=starts.astype(jnp.int32))
     positions = mdl.default_positions(B, C, starts)
@@ -303,18 +336,20 @@ def prefill(params: Params, cache: KVCache, tokens: jax.Array, starts: jax.Array
                                                           routing=routing,
                                                           logit_index=None if prompt_logprobs else lastpos,
                                                           n_new=n_real)
-    if captured and not capture_prompt:
+    if captured and not options.capture_prompt:
         captured = {k: jnp.take_along_axis(v, lastpos.reshape((B, 1) + (1,) * (v.ndim - 2)), axis=1)
                     for k, v in captured.items()}
     final = (jnp.take_along_axis(logits, lastpos[:, None, None], axis=1)[:, 0] if prompt_logprobs
              else logits[:, 0])
-    pin = None if processor is None else ProcessorInput(tokens=history, lengths=starts + n_real, steps=rows.steps)
-    tok, lp, x = select_tokens(final, rows, counts, processor, pin)
-    first = _emitted(tok, lp, last.astype(jnp.int32), x, n_top)
-    counts = counts.update(tok, last)
+    processor = options.processor
+    pin = None if processor is None else ProcessorInput(tokens=work.history, lengths=starts + n_real,
+                                                        steps=work.rows.steps)
+    tok, lp, x = select_tokens(final, work.rows, work.counts, processor, pin)
+    first = _emitted(tok, lp, work.last.astype(jnp.int32), x, n_top)
+    counts = work.counts.update(tok, work.last)
     if prompt_logprobs:
         logp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]
-        plp = jnp.take_along_axis(logp, next_tokens[..., None], axis=-1)[..., 0]
+        plp = jnp.take_along_axis(logp, work.next_tokens[..., None], axis=-1)[..., 0]
         ptop_lp, ptop = jax.lax.top_k(logp, n_top) if n_top else (jnp.zeros((B, C, 0)), jnp.zeros((B, C, 0), jnp.int32))
     else:
         plp, ptop, ptop_lp = jnp.zeros((B, 0)), jnp.zeros((B, 0, 0), jnp.int32), jnp.zeros((B, 0, 0))
@@ -332,43 +367,41 @@ def _by_row(route) -> Optional[Routing]:
 
 # Decode ---------------------------------------------------------------------------------------
 
-def decode_step(params: Params, state: DecodeState, cfg: ModelConfig, n_top: int = 0,
-                processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
-                routing: bool = False):
+def decode_step(params: Params, state: DecodeState, *, options: DecodeOptions):
     """One token per live row: forward each row's last token, sample the next.
 
     Rows that are not live still run (fixed shapes) but keep their token, length and counters.
-    `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
-    `routing`: the Emitted also holds the router's choices at each row's input token (MoE models).
+    `state.top` ([B] bool): the rows that want their n_top alternatives (None: all, when n_top > 0).
+    `options.routing`: the Emitted also holds the router's choices at each row's input token.
     Returns (state, Emitted with E = 1).
     """
+    cfg, routing = options.cfg, options.routing
     live = state.rows.live
     at = state.cache.lengths  # [B] position of each row's input token
     logits, cache, captured, route = mdl.forward_full(params, state.tokens[:, None], at[:, None], state.cache, cfg,
                                                       state.hooks, routing=routing, n_new=live.astype(jnp.int32))
-    state, em = _advance(state, cache, logits[:, 0], live, n_top, processor, top)
+    state, em = _advance(state, cache, logits[:, 0], live, options)
     return state, em.replace(captured=captured or None, routing=_by_row(route))
 
 
-def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, n_top: int,
-             processor: Optional[LogitsProcessor], top: Optional[jax.Array]):
-    """The rest of a decode step once the forward has run: sample each live row's next token from
-    logits [B, V] and advance its counters. Returns (state with `cache`, Emitted)."""
-    rows = state.rows
+def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, options: DecodeOptions):
+    """The rest of a decode step once the forward has run: sample each live row ([B] bool) next
+    token from logits [B, V] and advance its counters. Returns (state with `cache`, Emitted)."""
+    row_state, processor = state.rows, options.processor
     at = state.cache.lengths
-    pin = None if processor is None else ProcessorInput(tokens=state.history, lengths=at + 1, steps=rows.steps)
-    tok, lp, x = select_tokens(logits, rows, state.counts, processor, pin)
+    pin = None if processor is None else ProcessorInput(tokens=state.history, lengths=at + 1, steps=row_state.steps)
+    tok, lp, x = select_tokens(logits, row_state, state.counts, processor, pin)
     tok = jnp.where(live, tok, state.tokens)
     history = state.history
     if history is not None:  # the sampled token goes to the position after the input's
         B = tok.shape[0]
         history = history.at[jnp.arange(B), jnp.minimum(at + 1, history.shape[1] - 1)].set(
             jnp.where(live, tok, history[jnp.arange(B), jnp.minimum(at + 1, history.shape[1] - 1)]))
-    rows = rows.replace(steps=rows.steps + live, budget=rows.budget - live,
-                        finished=rows.finished | (live & is_stop(tok, rows.stop_ids)))
-    state = DecodeState(cache=cache, tokens=tok, rows=rows, counts=state.counts.update(tok, live), history=history,
-                        hooks=state.hooks)
-    return state, _emitted(tok, lp, live.astype(jnp.int32), x, n_top, top)
+    row_state = row_state.replace(steps=row_state.steps + live, budget=row_state.budget - live,
+                                  finished=row_state.finished | (live & is_stop(tok, row_state.stop_ids)))
+    state = state.replace(cache=cache, tokens=tok, rows=row_state, counts=state.counts.update(tok, live),
+                          history=history)
+    return state, _emitted(tok, lp, live.astype(jnp.int32), x, options.n_top, state.top)
 
 
 # Mixed: new prompts' chunks beside the decode rows -----------------------------------------------
@@ -385,13 +418,12 @@ class Chunks:
     page_table: jax.Array  # [R, W] int32: the row's pages (its slot's pages)
 
 
-def mixed_step(params: Params, state: DecodeState, chunks: Chunks, cfg: ModelConfig, n_top: int = 0,
-               top: Optional[jax.Array] = None):
+def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: DecodeOptions):
     """One decode step over the B slots and R prompt chunks of new requests, in one forward.
 
     The decode rows [B, 1] and the chunks [R, C] go through `forward_segments` together, so the
-    weights are read once for both (on a CPU a decode step's 8 rows cost nearly what a 40-row
-    matmul costs). Slots named in `chunks.slots` do not decode in this step; a chunk that ends
+    weights are read once for both (a decode step's few rows cost little more than the weights'
+    read). Slots named in `chunks.slots` do not decode in this step; a chunk that ends
     its context samples the request's first token (fold_in(key, steps) as in `prefill`) and its
     slot joins the decode rows: token, length, steps, budget and stop flag as a decode step would
     leave them, so the scan that follows decodes it on.
@@ -399,19 +431,23 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, cfg: ModelCon
     Args:
       params: params pytree.
       state: the decode state of every slot; a joining slot carries its request's settings, key,
-        steps (tokens sampled so far), budget (including the first token) and page table.
+        steps (tokens sampled so far), budget (including the first token) and page table;
+        `state.top` [B] bool: the slots that want their n_top alternatives.
       chunks: the chunks of this step.
-      cfg: model config (static).
-      n_top: alternatives per token (static); `top` [B] bool: the slots that want them.
+      options: static (`DecodeOptions`: cfg and n_top; no processor, no routing).
     Returns:
       (state, Emitted of the decode rows [B, 1], Emitted of the chunk rows' first tokens [R, 1]
       (count 1 where sampled)).
     """
+    if options.processor is not None or options.routing:  # at trace time, before anything runs
+        raise ValueError("mixed_step takes no logits processor and returns no routing; got "
+                         f"processor={options.processor!r}, routing={options.routing}")
+    cfg, n_top, top = options.cfg, options.n_top, state.top
     B = state.tokens.shape[0]
     R, C = chunks.tokens.shape
-    rows, cache = state.rows, state.cache
+    cache = state.cache
     prefilling = jnp.zeros((B,), bool).at[chunks.slots].set(True, mode="drop")
-    live = rows.live & ~prefilling
+    live = state.rows.live & ~prefilling
     # A prefilling slot's decode row reads and writes the trash page only (its pages are the
     # chunk's), at position 0 (so it does not make the decode rows read up to its chunk's position).
     at = jnp.where(prefilling, 0, cache.lengths)
@@ -431,24 +467,26 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, cfg: ModelCon
     with jax.named_scope("mixed"):
         (dec_logits, pre_logits), (dec_cache, _) = mdl.forward_segments(params, segments, cache, cfg, hooks)
     state, em = _advance(state, dec_cache.with_rows(cache.page_table, dec_cache.lengths), dec_logits[:, 0], live,
-                         n_top, None, top)
+                         options)
     # The chunks' rows: their slots' settings, sampled as `prefill` samples them.
     at_slot = jnp.minimum(chunks.slots, B - 1)
-    prow = jax.tree.map(lambda a: a[at_slot], state.rows)
-    pcounts = jax.tree.map(lambda a: a[at_slot], state.counts)
-    ftok, flp, fx = select_tokens(pre_logits[:, 0], prow, pcounts)
+    chunk_rows = jax.tree.map(lambda a: a[at_slot], state.rows)
+    chunk_counts = jax.tree.map(lambda a: a[at_slot], state.counts)
+    ftok, flp, fx = select_tokens(pre_logits[:, 0], chunk_rows, chunk_counts)
     first = _emitted(ftok, flp, chunks.last.astype(jnp.int32), fx, n_top,
                      None if top is None else top[at_slot])
     # Joining slots: as a decode step leaves a row that has just sampled `ftok`.
     j = jnp.where(chunks.last, chunks.slots, B)  # B: dropped
-    r = state.rows
-    r = r.replace(steps=r.steps.at[j].add(1, mode="drop"), budget=r.budget.at[j].add(-1, mode="drop"),
-                  finished=r.finished.at[j].set(is_stop(ftok, prow.stop_ids), mode="drop"))
+    slot_rows = state.rows
+    stopped = is_stop(ftok, chunk_rows.stop_ids)
+    slot_rows = slot_rows.replace(steps=slot_rows.steps.at[j].add(1, mode="drop"),
+                                  budget=slot_rows.budget.at[j].add(-1, mode="drop"),
+                                  finished=slot_rows.finished.at[j].set(stopped, mode="drop"))
     joined = jnp.zeros((B,), bool).at[j].set(True, mode="drop")
     tok_at = jnp.zeros((B,), jnp.int32).at[j].set(ftok, mode="drop")
     lengths = state.cache.lengths.at[j].set(chunks.starts + chunks.n_real, mode="drop")
     state = state.replace(cache=state.cache.replace(lengths=lengths.astype(jnp.int32)),
-                          tokens=jnp.where(joined, tok_at, state.tokens), rows=r,
+                          tokens=jnp.where(joined, tok_at, state.tokens), rows=slot_rows,
                           counts=state.counts.update(tok_at, joined))
     return state, em, first
 
@@ -486,33 +524,27 @@ def decode_loop(step_fn: Callable, state, n_steps: int, live: Optional[Callable]
     return state, jax.tree.map(lambda a: a.reshape((n_steps,) + a.shape[2:]), outs)
 
 
-def decode(params: Params, state: DecodeState, cfg: ModelConfig, n_steps: int, n_top: int = 0,
-           processor: Optional[LogitsProcessor] = None, top: Optional[jax.Array] = None,
-           until_a_row_ends: Optional[jax.Array] = None, routing: bool = False):
-    """`n_steps` decode steps on device. Returns (state, Emitted stacked [n_steps, B, 1]).
+def decode(params: Params, state: DecodeState, *, options: DecodeOptions, n_steps: int):
+    """`n_steps` decode steps on device (`decode_step`, with `options`; both static).
 
-    `top` ([B] bool): the rows that want their n_top alternatives (default all, when n_top > 0).
-    `until_a_row_ends` (bool scalar): when true, the steps after one where a row that was live at
-    the start stopped are skipped, so the host can give its slot to a new request at once (the
-    serving engine; a row that only used up this call's budget stops with the others, at the end).
-    Without it, a batch of one row checks liveness once per LIVE_CHECK_STEPS steps.
-    `routing` (static): each step's Emitted holds the router's choices (`decode_step`).
+    With `options.until_a_row_ends` the steps after one where a row that was live at the start
+    stopped are skipped (a row that only used up this call's budget stops with the others, at the
+    end); without it, a batch of one row checks liveness once per LIVE_CHECK_STEPS steps.
+    Returns (state, Emitted stacked [n_steps, B, 1]).
     """
     started = state.rows.live
 
     def live(s):
         going = jnp.any(s.rows.live)
-        if until_a_row_ends is None:
+        if not options.until_a_row_ends:
             return going
-        return going & ~(until_a_row_ends & jnp.any(started & ~s.rows.live))
+        return going & ~jnp.any(started & ~s.rows.live)
 
+    every = LIVE_CHECK_STEPS if not options.until_a_row_ends and state.tokens.shape[0] == 1 else 1
     with jax.named_scope("decode"):
-        return decode_loop(lambda s: decode_step(params, s, cfg, n_top, processor, top, routing), state, n_steps,
-                           live=live, every=LIVE_CHECK_STEPS if until_a_row_ends is None and state.tokens.shape[0] == 1 else 1)
+        return decode_loop(lambda s: decode_step(params, s, options=options), state, n_steps, live=live, every=every)
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("cfg", "n_top", "prompt_logprobs", "processor", "capture_prompt",
-                                               "routing"), donate_argnames=("cache",))
-decode_jit = jax.jit(decode, static_argnames=("cfg", "n_steps", "n_top", "processor", "routing"),
-                     donate_argnames=("state",))
-mixed_step_jit = jax.jit(mixed_step, static_argnames=("cfg", "n_top"), donate_argnames=("state",))
+prefill_jit = jax.jit(prefill, static_argnames=("options",), donate_argnames=("cache",))
+decode_jit = jax.jit(decode, static_argnames=("options", "n_steps"), donate_argnames=("state",))
+mixed_step_jit = jax.jit(mixed_step, static_argnames=("options",), donate_argnames=("state",))

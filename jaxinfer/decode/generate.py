@@ -22,26 +22,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import program_store
-from jaxinfer import sharding as shd
+from jaxinfer import sharding
 from jaxinfer.compile_cache import CompileCounter
-from jaxinfer.decode import constraints, core
-from jaxinfer.decode import sampling as smp
+from jaxinfer.decode import constraints, core, penalties
 from jaxinfer.decode.inputs import Prompts, check_int, check_sequence, pack_prompts
 from jaxinfer.decode.request import Batch, prepare, read_emitted
 from jaxinfer.decode.outputs import Output, Timings, completion_for
-from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.model import cache as kv
-from jaxinfer.model import forward as mdl
-from jaxinfer.model import interventions as iv
+from jaxinfer.model import forward
+from jaxinfer.model.interventions import NON_FINITE, Intervention, PerRow, hooks_for, per_row
 from jaxinfer.model import sites
-from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
 from jaxinfer.model.moe import Routing
 from jaxinfer.model.params import Params
@@ -51,77 +49,85 @@ PREFILL_CHUNK = 512  # prompts padded beyond this many tokens are read in chunks
 
 def new_cache(model: Model, batch: int, max_len: int) -> kv.KVCache:
     """An empty closed-batch cache for `model`, on the model's mesh when its params are sharded."""
-    mesh = shd.params_mesh(model.params)
+    mesh = sharding.params_mesh(model.params)
     if mesh is None:
         return program_store.call(kv.init_cache_jit, (), dict(cfg=model.config, batch_size=batch, max_len=max_len))
-    return shd.init_cache(model.config, mesh, batch, max_len)
+    return sharding.init_cache(model.config, mesh, batch, max_len)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptWork:
+    """What `prefill_prompts` reads into the cache: B right-padded prompts and their rows' state."""
+
+    tokens: np.ndarray  # [B, Tb] int32 right-padded prompts
+    lengths: np.ndarray  # [B] int32 prompt lengths
+    rows: core.Rows  # the rows' sampling state; each row's first token is sampled with it
+    counts: penalties.TokenCounts  # [B, V] what the penalties read
+    history: Optional[np.ndarray] = None  # [B, S] int32 each row's tokens by position (logits processors only)
+    hooks: Optional[sites.Hooks] = None  # the rows' interventions and captures
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Prefilled:
     """What `prefill_prompts` leaves: the filled cache and each row's first token."""
 
     cache: kv.KVCache  # every prompt written
-    counts: Any  # `penalties.TokenCounts` [B, V]: what the penalties read, after the first tokens
+    counts: penalties.TokenCounts  # [B, V] what the penalties read, after the first tokens
     first: np.ndarray  # [B] int32 each row's first generated token
     first_lp: np.ndarray  # [B] float32 its logprob
     captured: dict  # {site: [B, Tb, n, ...]} over every position (capture_prompt), else {site: [B, n, ...]}
     #                 at each row's last prompt token; {} without captures
+    routes: Optional[list] = None  # each chunk's router choices, numpy `Routing` [B, C, L, k] (options.routing)
 
 
-def prefill_prompts(params: Params, cache: kv.KVCache, tokens: np.ndarray, lengths: np.ndarray, rows: core.Rows,
-                    counts, cfg: ModelConfig, chunk: int, progress: Optional[Callable[[int, int], None]] = None,
-                    processor: Optional[core.LogitsProcessor] = None, history=None,
-                    hooks: Optional[sites.Hooks] = None, capture_prompt: bool = False,
-                    routes: Optional[list] = None) -> Prefilled:
-    """Read right-padded prompts tokens [B, Tb] into the cache, `chunk` positions per program call.
+def prefill_prompts(params: Params, cache: kv.KVCache, prompts: PromptWork, *, options: core.PrefillOptions,
+                    chunk: int, progress: Optional[Callable[[int, int], None]] = None) -> Prefilled:
+    """Read right-padded prompts [B, Tb] into the cache, `chunk` positions per program call.
 
     Row b's first token is sampled in the chunk that holds its last prompt token.
 
     Args:
-      params, cache, cfg: the model's params, an empty cache with room for the prompts, its config.
-      tokens, lengths: the prompts [B, Tb] (right-padded) and their lengths [B].
-      rows, counts: the rows' sampling state (`core.Rows`) and penalty counts.
+      params, cache: the model's params and an empty cache with room for the prompts.
+      prompts: the prompts and their rows' state (`PromptWork`).
+      options: every chunk's static options (`core.PrefillOptions`); with capture_prompt the
+        captured sites cover every prompt position.
       chunk: prompt positions per program call.
       progress: optional callback(done, total) after each chunk, in prompt positions read.
-      processor, history: a logits processor and the rows' tokens by position, as `generate`'s.
-      hooks, capture_prompt: interventions and captures (`sites.Hooks`); with capture_prompt the
-        captured sites cover every prompt position.
-      routes: a list to which each chunk's router choices (numpy `Routing` [B, C, L, k], MoE
-        models) are appended, or None.
     Returns:
-      Prefilled (numpy first tokens, logprobs and captures).
+      Prefilled (numpy first tokens, logprobs, captures and router choices).
     """
+    tokens, lengths, counts = prompts.tokens, prompts.lengths, prompts.counts
     B, Tb = tokens.shape
     total = int(lengths.max())
     first = np.zeros((B,), np.int32)
     first_lp = np.zeros((B,), np.float32)
     zeros = np.zeros((B, chunk), np.int32)
     captured: dict = {}
+    routes = [] if options.routing else None
     for lo in range(0, Tb, chunk):
         if lo >= total:
             break  # only padding left
         n_real = np.clip(lengths - lo, 0, chunk).astype(np.int32)
         starts = np.minimum(lengths, lo).astype(np.int32)
         ends_here = (lengths > lo) & (lengths <= lo + chunk)
-        cache, counts, out = program_store.call(
-            core.prefill_jit, (params, cache, tokens[:, lo:lo + chunk], starts, n_real, ends_here, rows, counts, zeros),
-            dict(cfg=cfg, processor=processor, capture_prompt=capture_prompt, routing=routes is not None),
-            dict(history=history, hooks=hooks))
+        work = core.PrefillWork(tokens=tokens[:, lo:lo + chunk], starts=starts, n_real=n_real, last=ends_here,
+                                rows=prompts.rows, counts=counts, next_tokens=zeros, history=prompts.history,
+                                hooks=prompts.hooks)
+        cache, counts, out = program_store.call(core.prefill_jit, (params, cache, work), dict(options=options))
         if routes is not None:
-            routes.append(jax.tree.map(shd.to_host, out.routing))
-        first = np.where(ends_here, shd.to_host(out.first.tokens)[:, 0], first)
-        first_lp = np.where(ends_here, shd.to_host(out.first.logprobs)[:, 0], first_lp)
+            routes.append(jax.tree.map(sharding.to_host, out.routing))
+        first = np.where(ends_here, sharding.to_host(out.first.tokens)[:, 0], first)
+        first_lp = np.where(ends_here, sharding.to_host(out.first.logprobs)[:, 0], first_lp)
         for site, v in (out.captured or {}).items():
-            v = np.asarray(shd.to_host(v))
-            if capture_prompt:  # [B, chunk, n, ...]: the chunks end to end
+            v = np.asarray(sharding.to_host(v))
+            if options.capture_prompt:  # [B, chunk, n, ...]: the chunks end to end
                 captured[site] = v if site not in captured else np.concatenate([captured[site], v], axis=1)
             else:  # [B, 1, n, ...] at each row's last chunk token: kept where the prompt ends
                 keep = ends_here.reshape((B,) + (1,) * (v.ndim - 2))
                 captured[site] = np.where(keep, v[:, 0], captured.get(site, np.zeros_like(v[:, 0])))
         if progress:
             progress(min(lo + chunk, total), total)
-    return Prefilled(cache=cache, counts=counts, first=first, first_lp=first_lp, captured=captured)
+    return Prefilled(cache=cache, counts=counts, first=first, first_lp=first_lp, captured=captured, routes=routes)
 
 
 def _history(batch: Batch, first: np.ndarray) -> np.ndarray:
@@ -161,12 +167,12 @@ class _Constrained:
 
 def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
-             sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True,
+             sampling: SamplingParams = GREEDY, stop_at_eos: bool = True,
              stop_tokens: Sequence[int] = (), chunk_size: int = 32,
              on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
              on_prefill: Optional[Callable[[int, int], None]] = None,
-             logits_processor: Optional[core.LogitsProcessor] = None, interventions: iv.PerRow = None,
+             logits_processor: Optional[core.LogitsProcessor] = None, interventions: PerRow = None,
              capture=None, return_routing: bool = False) -> Output:
     """Generate continuations of a batch of prompts.
 
@@ -219,17 +225,19 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if return_routing and cfg.moe is None:
             raise ValueError(f"return_routing needs a mixture-of-experts model; {cfg.name} has dense MLPs only")
         capture = sites.as_capture(capture)
-        hooks = iv.hooks_for(iv.per_row(interventions, B), cfg, B, capture)
+        hooks = hooks_for(per_row(interventions, B), cfg, B, capture)
         capture_prompt = capture is not None and capture.prompt
         constrained = _Constrained(model, batch, sampling.constraint) if sampling.constraint is not None else None
-        rows = batch.rows
+        row_state = batch.rows
         if constrained is not None:
-            rows = rows.replace(mask=constrained.masks(np.ones((B,), bool)))
+            row_state = row_state.replace(mask=constrained.masks(np.ones((B,), bool)))
         history = _history(batch, np.zeros((B,), np.int32)) if logits_processor is not None else None
-        routes = [] if return_routing else None
-        pre = prefill_prompts(model.params, new_cache(model, B, batch.max_len), batch.tokens, batch.lengths, rows,
-                              batch.counts, cfg, batch.chunk, on_prefill, logits_processor, history, hooks,
-                              capture_prompt, routes)
+        prompts_work = PromptWork(tokens=batch.tokens, lengths=batch.lengths, rows=row_state, counts=batch.counts,
+                                  history=history, hooks=hooks)
+        pre = prefill_prompts(model.params, new_cache(model, B, batch.max_len), prompts_work,
+                              options=core.PrefillOptions(cfg=cfg, processor=logits_processor,
+                                                          capture_prompt=capture_prompt, routing=return_routing),
+                              chunk=batch.chunk, progress=on_prefill)
         cache, counts, first, first_lp, prompt_cap = pre.cache, pre.counts, pre.first, pre.first_lp, pre.captured
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
@@ -241,11 +249,13 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
             for b in range(B):
                 constrained.consume(b, int(first[b]))
         state = core.DecodeState(cache=cache, tokens=first, counts=counts,
-                                 rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1, finished=finished),
+                                 rows=row_state.replace(steps=row_state.steps + 1, budget=row_state.budget - 1,
+                                                        finished=finished),
                                  history=_history(batch, first) if logits_processor is not None else None,
                                  hooks=hooks)
-        out_tokens, out_lps, out_cap, out_routes = _decode(model, state, batch, constrained, first, first_lp,
-                                                           chunk_size, on_tokens, logits_processor, return_routing)
+        decoded = _decode(model, state, batch, constrained, pre, options=core.DecodeOptions(
+            cfg=cfg, processor=logits_processor, routing=return_routing), chunk_size=chunk_size, on_tokens=on_tokens)
+        out_tokens, out_lps, out_cap, out_routes = decoded
         t_end = time.perf_counter()
 
     completions = [completion_for(model, batch.ids[b], out_tokens[b][:batch.max_new_tokens],
@@ -256,11 +266,11 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         completions = [_with_activations(c, b, batch, prompt_cap, out_cap, capture_prompt)
                        for b, c in enumerate(completions)]
     if return_routing:
-        completions = [dataclasses.replace(c, routing=_row_routing(routes, b, out_routes[b], int(batch.lengths[b]),
-                                                                   len(c.token_ids)))
+        completions = [dataclasses.replace(c, routing=_row_routing(pre.routes, b, out_routes[b],
+                                                                   int(batch.lengths[b]), len(c.token_ids)))
                        for b, c in enumerate(completions)]
-    timings = Timings.of_run(t0, t_first, t_end, int(batch.lengths.sum()), completions, None, compiles.count,
-                             compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
+    timings = Timings.of_run(t0=t0, t_first=t_first, t_end=t_end, prompt_tokens=int(batch.lengths.sum()),
+                             completions=completions, n_compilations=compiles.count, compile_s=compiles.seconds, decode_compile_s=compiles.seconds - prefill_compile_s,
                              n_cache_loads=compiles.cache_hits)
     return Output(completions=completions, timings=timings)
 
@@ -276,13 +286,14 @@ def _row_routing(prompt_routes: list, b: int, steps: list, n_prompt: int, n_new:
 
 
 def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Optional[_Constrained],
-            first: np.ndarray, first_lp: np.ndarray, chunk_size: int, on_tokens, processor,
-            with_routing: bool = False):
-    """Decode scans until every row is done. Unconstrained: `chunk_size` steps per scan. With a
-    constraint: one step per scan, each row's mask computed on the host from its grammar.
+            pre: Prefilled, *, options: core.DecodeOptions, chunk_size: int, on_tokens):
+    """Decode scans from the prefill's first tokens (`pre`) until every row is done. Unconstrained:
+    `chunk_size` steps per scan. With a constraint: one step per scan, each row's mask computed on
+    the host from its grammar.
     Returns (tokens per row, logprobs per row, captured per row: {site: list of [n, ...] per token},
-    and with `with_routing` the router's choices: per row a list of numpy (ids, weights) [L, k], one per
-    decode step in which the row emitted, else None)."""
+    and with `options.routing` the router's choices: per row a list of numpy (ids, weights) [L, k],
+    one per decode step in which the row emitted, else None)."""
+    first, first_lp, with_routing = pre.first, pre.first_lp, options.routing
     B = len(batch.ids)
     out_tokens = [[int(t)] for t in first]
     out_lps = [[float(x)] for x in first_lp]
@@ -297,15 +308,14 @@ def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Op
             state = state.replace(rows=state.rows.replace(mask=constrained.masks(live), finished=~live,
                                                           budget=np.minimum(remaining, 1)))
         steps = 1 if constrained is not None else chunk_size
-        state, em = program_store.call(core.decode_jit, (model.params, state), dict(
-            cfg=model.config, n_steps=steps, processor=processor, routing=with_routing))
-        toks, step_count = shd.to_host(em.tokens), shd.to_host(em.count)  # [n, B, 1], [n, B]
-        new, new_lps = read_emitted(toks, shd.to_host(em.logprobs), step_count)
+        state, em = program_store.call(core.decode_jit, (model.params, state), dict(options=options, n_steps=steps))
+        toks, step_count = sharding.to_host(em.tokens), sharding.to_host(em.count)  # [n, B, 1], [n, B]
+        new, new_lps = read_emitted(toks, sharding.to_host(em.logprobs), step_count)
         count = step_count.T  # [B, n]: 1 where the row emitted at that step
         _check_drawable(np.where(count > 0, toks[:, :, 0].T, 0), np.array([len(t) for t in out_tokens]))
-        cap = {k: np.asarray(shd.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
+        cap = {k: np.asarray(sharding.to_host(v))[:, :, 0] for k, v in (em.captured or {}).items()}  # [n, B, ...]
         if with_routing:  # [n, B, 1, L, k]: the choices at each step's input token
-            r_ids, r_w = shd.to_host(em.routing.ids)[:, :, 0], shd.to_host(em.routing.weights)[:, :, 0]
+            r_ids, r_w = sharding.to_host(em.routing.ids)[:, :, 0], sharding.to_host(em.routing.weights)[:, :, 0]
             for b in range(B):
                 out_routes[b] += [(r_ids[j, b], r_w[j, b]) for j in np.flatnonzero(count[b])]
         for b in range(B):
@@ -317,7 +327,7 @@ def _decode(model: Model, state: core.DecodeState, batch: Batch, constrained: Op
                 for t in new[b]:
                     constrained.consume(b, t)
         remaining -= count.sum(axis=1).astype(np.int32)
-        finished = shd.to_host(state.rows.finished)
+        finished = sharding.to_host(state.rows.finished)
         live = ~finished & ~complete & (remaining > 0)
         if on_tokens:
             on_tokens(new)
@@ -329,14 +339,14 @@ def _check_drawable(tokens: np.ndarray, done) -> None:
 
     tokens: [B, n] this call's tokens (0 where a row emitted nothing); done: an int or [B], the
     tokens each row had before this call."""
-    rows, steps = np.nonzero(tokens == core.INVALID_TOKEN)
-    if rows.size:
-        b = int(rows[0])
+    bad_rows, steps = np.nonzero(tokens == core.INVALID_TOKEN)
+    if bad_rows.size:
+        b = int(bad_rows[0])
         step = int(np.broadcast_to(done, (tokens.shape[0],))[b]) + int(steps[0])
         raise core.InvalidLogitsError(
             f"row {b}: no token could be sampled at step {step}: the logits the sampler received (after the "
             "logit controls, the constraint's mask and any logits_processor) were all -inf or held a NaN "
-            f"(a NaN: {iv.NON_FINITE})")
+            f"(a NaN: {NON_FINITE})")
 
 
 def _with_activations(c, b: int, batch: Batch, prompt_cap: dict, out_cap: list[dict], whole_prompt: bool):
@@ -353,21 +363,21 @@ def _with_activations(c, b: int, batch: Batch, prompt_cap: dict, out_cap: list[d
 
 
 def _uncached_logits(params, tokens, cfg, hooks=None):
-    return mdl.forward_with_hooks(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, hooks)[0]
+    return forward.forward_with_hooks(params, tokens, forward.default_positions(*tokens.shape), None, cfg, hooks)[0]
 
 
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
 def _uncached_routing(params, tokens, cfg):
-    logits, _, r = mdl.forward_routed(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)
+    logits, _, r = forward.forward_routed(params, tokens, forward.default_positions(*tokens.shape), None, cfg)
     return logits, r
 
 
 uncached_routing_jit = jax.jit(_uncached_routing, static_argnames=("cfg",))
 
 
-def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Sequence[iv.Intervention]] = None
+def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Sequence[Intervention]] = None
            ) -> jax.Array:
     """One uncached forward pass over `token_ids`: next-token logits [T, V] float32.
 
@@ -385,12 +395,12 @@ def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Seque
         an intervention's too large values, or met a NaN), naming the first such position.
     """
     ids = check_sequence(token_ids, model.config)
-    hooks = iv.hooks_for(iv.per_row(interventions, 1), model.config, 1)
+    hooks = hooks_for(per_row(interventions, 1), model.config, 1)
     padded, _ = pack_prompts([ids])  # [1, bucket(T)]
     out = uncached_logits_jit(model.params, jnp.asarray(padded), model.config, hooks)[0, :len(ids)]
     bad = np.flatnonzero(~np.asarray(jnp.all(jnp.isfinite(out), axis=-1)))
     if bad.size:
-        raise core.InvalidLogitsError(f"the logits at position {int(bad[0])} hold NaN or inf: {iv.NON_FINITE}")
+        raise core.InvalidLogitsError(f"the logits at position {int(bad[0])} hold NaN or inf: {NON_FINITE}")
     return out
 
 

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.decode import sampling as smp
-from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.decode.sampling import SamplingParams, row_keys
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
 from jaxinfer.text.tool_calls import detect_format
@@ -330,7 +329,7 @@ def request_keys(n: int, key: Optional[jax.Array], seed, sampling: SamplingParam
             raise ValueError("sampling with temperature > 0 needs a key or a seed (there is no default "
                              "PRNG key); pass seed=0 for reproducible samples")
         seed = 0  # greedy decoding draws no random numbers; the keys are never used
-    return smp.row_keys(check_seed(seed, n))
+    return row_keys(check_seed(seed, n))
 
 
 def check_sequence(token_ids: Sequence[int], cfg: ModelConfig) -> list[int]:

@@ -68,8 +68,8 @@ class Timings:
     decode_tokens: int = 0  # kept tokens from the decode loop (new_tokens minus the prefill's first)
 
     @classmethod
-    def of_run(cls, t0: float, t_first: float, t_end: float, prompt_tokens: int,
-               completions: Sequence[Completion], decode_tokens: Optional[int], n_compilations: int,
+    def of_run(cls, *, t0: float, t_first: float, t_end: float, prompt_tokens: int,
+               completions: Sequence[Completion], decode_tokens: Optional[int] = None, n_compilations: int,
                compile_s: float = 0.0, decode_compile_s: float = 0.0, n_cache_loads: int = 0) -> "Timings":
         """From the clock at the call's start, at the first token on host and at the end.
 

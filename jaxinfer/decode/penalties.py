@@ -1,8 +1,8 @@
 """Logit bias and penalties: per-row logits processors, pure functions of (logits, row state).
 
-B batch rows, V vocabulary; in this module only (not the letters of `jaxinfer.model.config`):
-M logit-bias entries per row, E end-of-generation ids per row, S extra stop ids per row. Every setting is a [B] array, so rows with different settings (and rows
-with none) share one compiled program; the defaults leave a row's logits unchanged::
+B batch rows, V vocabulary, M extra stop ids per row; n_bias logit-bias entries per row and
+n_eos end-of-generation ids per row. Every setting is a [B] array, so rows with different
+settings (and rows with none) share one compiled program; the defaults leave a row's logits unchanged::
 
   logit_bias          OpenAI: logit[t] += bias[t], bias in [-100, 100]
   repetition_penalty  transformers' RepetitionPenaltyLogitsProcessor, over prompt and generated
@@ -17,11 +17,11 @@ with none) share one compiled program; the defaults leave a row's logits unchang
 nothing lifts them). The token state they read, `TokenCounts`, is carried in the decode state
 and advanced by `TokenCounts.update(tokens)`.
 
-Logit bias is sparse: M (id, value) pairs per row, padded with (V, 0.0), which the scatter
-drops. A request carries at most MAX_LOGIT_BIAS of them; the serving engine always sends M =
-MAX_LOGIT_BIAS slots, so no bias size means a new program after its warm-up (`generate` pads M
-to a power of two). Dense [B, V] float32 at V = 152k, B = 64 would be 39 MB to build on the host
-and upload whenever a row changes; the sparse form with M = 1024 is 524 kB.
+Logit bias is sparse: n_bias (id, value) pairs per row, padded with (V, 0.0), which the scatter
+drops. A request carries at most MAX_LOGIT_BIAS of them; the serving engine always sends
+n_bias = MAX_LOGIT_BIAS slots, so no bias size means a new program after its warm-up (`generate`
+pads n_bias to a power of two). A dense [B, V] bias would be built on the host and uploaded
+whenever a row changes, at a size that grows with the vocabulary.
 """
 
 from __future__ import annotations
@@ -132,26 +132,26 @@ class PenaltyRows:
     repetition_penalty: jax.Array  # [B] float32, 1 = off
     min_tokens: jax.Array  # [B] int32, 0 = off
     ignore_eos: jax.Array  # [B] bool
-    bias_ids: jax.Array  # [B, M] int32, padded with V (out of range: dropped)
-    bias_values: jax.Array  # [B, M] float32, padded with 0.0
-    eos_ids: jax.Array  # [B, E] int32 end-of-generation ids, padded with -1
-    stop_ids: jax.Array  # [B, S] int32 extra stop ids of the request, padded with -1
+    bias_ids: jax.Array  # [B, n_bias] int32, padded with V (out of range: dropped)
+    bias_values: jax.Array  # [B, n_bias] float32, padded with 0.0
+    eos_ids: jax.Array  # [B, n_eos] int32 end-of-generation ids, padded with -1
+    stop_ids: jax.Array  # [B, M] int32 extra stop ids of the request, padded with -1
 
 
 def apply_logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
-    """logits[b, bias_ids[b, m]] += bias_values[b, m] (OpenAI's logit_bias).
+    """logits[b, bias_ids[b, i]] += bias_values[b, i] (OpenAI's logit_bias).
 
     Args:
       logits: float32 [B, V].
-      bias_ids: int32 [B, M], distinct per row except the padding (V, or 0 with value 0.0);
+      bias_ids: int32 [B, n_bias], distinct per row except the padding (V, or 0 with value 0.0);
         ids outside [0, V) are dropped.
-      bias_values: float32 [B, M].
+      bias_values: float32 [B, n_bias].
     Returns:
       float32 [B, V].
     """
     B, V = logits.shape
-    M = bias_ids.shape[1]
-    chex.assert_shape([bias_ids, bias_values], (B, M))
+    n_bias = bias_ids.shape[1]
+    chex.assert_shape([bias_ids, bias_values], (B, n_bias))
     return logits.at[jnp.arange(B)[:, None], bias_ids].add(bias_values.astype(logits.dtype), mode="drop")
 
 
@@ -206,24 +206,24 @@ def ban_tokens(logits: jax.Array, ids: jax.Array, ban: jax.Array) -> jax.Array:
     return logits.at[jnp.arange(B)[:, None], at].set(jnp.asarray(-jnp.inf, logits.dtype), mode="drop")
 
 
-def apply_penalties(logits: jax.Array, state: TokenCounts, rows: PenaltyRows) -> jax.Array:
+def apply_penalties(logits: jax.Array, state: TokenCounts, controls: PenaltyRows) -> jax.Array:
     """All of the above in order: bias, repetition, frequency/presence, min_tokens and ignore_eos.
 
     Args:
       logits: float32 [B, V].
       state: the rows' TokenCounts.
-      rows: the rows' PenaltyRows.
+      controls: the rows' PenaltyRows.
     Returns:
       float32 [B, V].
     """
     chex.assert_rank(logits, 2)
     chex.assert_type(logits, float)
-    logits = apply_logit_bias(logits, rows.bias_ids, rows.bias_values)
-    logits = apply_repetition_penalty(logits, state.seen, rows.repetition_penalty)
-    logits = apply_frequency_presence(logits, state.counts, rows.frequency_penalty, rows.presence_penalty)
-    too_early = state.generated < rows.min_tokens
-    logits = ban_tokens(logits, rows.eos_ids, too_early | rows.ignore_eos)
-    return ban_tokens(logits, rows.stop_ids, too_early)
+    logits = apply_logit_bias(logits, controls.bias_ids, controls.bias_values)
+    logits = apply_repetition_penalty(logits, state.seen, controls.repetition_penalty)
+    logits = apply_frequency_presence(logits, state.counts, controls.frequency_penalty, controls.presence_penalty)
+    too_early = state.generated < controls.min_tokens
+    logits = ban_tokens(logits, controls.eos_ids, too_early | controls.ignore_eos)
+    return ban_tokens(logits, controls.stop_ids, too_early)
 
 
 # -- host side: validation and stacking ---------------------------------------------------------
@@ -299,9 +299,9 @@ def check_logit_bias(logit_bias: Union[Mapping[Any, Any], Sequence[tuple[int, fl
 
 def _already_checked(pairs: Any, vocab_size: Optional[int]) -> bool:
     """Whether `pairs` is what check_logit_bias returns, for these ids: a tuple of (int id, float
-    bias) with ids increasing in [0, V) and biases in range. Checked in C loops and NumPy (every
-    engine iteration re-reads each request's): 1024 entries in ~0.1 ms, not the ~10 ms of the
-    checks that also name a bad entry."""
+    bias) with ids increasing in [0, V) and biases in range. Checked in C loops and NumPy, not
+    entry by entry: every engine iteration re-reads each request's (`check_logit_bias` is the
+    slower check that also names a bad entry)."""
     if not isinstance(pairs, tuple) or set(map(type, pairs)) != {tuple} or set(map(len, pairs)) != {2}:
         return False
     ids, values = zip(*pairs)
@@ -350,8 +350,8 @@ def stack(settings: Sequence[Any], eos_ids: Sequence[int], vocab_size: int, *,
         ones take the defaults), e.g. the sampling settings of a request.
       eos_ids: the model's end-of-generation ids (the tokenizer's stop ids).
       vocab_size: V, to check logit_bias and stop ids against.
-      bias_slots: M; default the largest row's entry count rounded up to a power of two.
-      stop_slots: S; default the largest row's stop_token_ids count rounded up to a power of two.
+      bias_slots: n_bias; default the largest row's entry count rounded up to a power of two.
+      stop_slots: M; default the largest row's stop_token_ids count rounded up to a power of two.
     Returns:
       PenaltyRows for these B rows.
     Raises:
@@ -367,23 +367,24 @@ def stack(settings: Sequence[Any], eos_ids: Sequence[int], vocab_size: int, *,
         bad = [t for t in st if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"row {b}: stop_token_ids {bad[:5]} are outside [0, {vocab_size})")
-    M = bias_slots if bias_slots is not None else _bucket(max([len(x) for x in biases] + [1]))
-    if any(len(x) > M for x in biases):
-        raise ValueError(f"a row has {max(len(x) for x in biases)} logit_bias entries, more than bias_slots={M}")
-    bias_ids = np.full((B, M), vocab_size, np.int32)
-    bias_values = np.zeros((B, M), np.float32)
+    n_bias = bias_slots if bias_slots is not None else _bucket(max([len(x) for x in biases] + [1]))
+    if any(len(x) > n_bias for x in biases):
+        raise ValueError(f"a row has {max(len(x) for x in biases)} logit_bias entries, more than "
+                         f"bias_slots={n_bias}")
+    bias_ids = np.full((B, n_bias), vocab_size, np.int32)
+    bias_values = np.zeros((B, n_bias), np.float32)
     for b, x in enumerate(biases):
         if x:
             bias_ids[b, :len(x)], bias_values[b, :len(x)] = zip(*x)
     eos = np.array(sorted(set(eos_ids)) or [-1], np.int32)
-    S = stop_slots if stop_slots is not None else _bucket(max([len(x) for x in stops] + [1]))
-    if any(len(x) > S for x in stops):
-        raise ValueError(f"a row has {max(len(x) for x in stops)} stop_token_ids, more than stop_slots={S}")
-    stop_ids = np.full((B, S), -1, np.int32)
+    M = stop_slots if stop_slots is not None else _bucket(max([len(x) for x in stops] + [1]))
+    if any(len(x) > M for x in stops):
+        raise ValueError(f"a row has {max(len(x) for x in stops)} stop_token_ids, more than stop_slots={M}")
+    stop_ids = np.full((B, M), -1, np.int32)
     for b, st in enumerate(stops):
         stop_ids[b, :len(st)] = st
     # Host numpy arrays, sent with the call that takes them: `jnp.asarray` here would dispatch a
-    # copy program per field (9 per engine iteration, ~0.4 ms each on an H200's host).
+    # copy program per field, in every engine iteration.
     col = lambda name, check, dtype: np.array([check(get(s, name)) for s in settings], dtype).reshape(B)
     return PenaltyRows(
         frequency_penalty=col("frequency_penalty", lambda v: check_penalty("frequency_penalty", v), np.float32),

@@ -17,18 +17,16 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from jaxinfer.decode import constraints, core
-from jaxinfer.decode import penalties as pen
-from jaxinfer.decode import sampling as smp
+from jaxinfer.decode import constraints, core, penalties
 from jaxinfer.decode.inputs import (Prompts, bucket, check_context, check_int, check_sampling, check_token_ids,
                                     eos_ids_for, pack_prompts, prompt_ids, request_keys, stop_ids_for)
-from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.decode.sampling import SamplingParams, row_params
 from jaxinfer.model.model import Model
 
 MIN_KV_BUCKET = 64  # smallest cache (positions per row)
 
 
-def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int,
+def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int, ...], budget: int, *,
                  eos_ids: tuple[int, ...] = (), extra_stops: tuple[int, ...] = (), vocab_size: int = 1) -> core.Rows:
     """Rows of a closed batch: one setting, one stop set, one budget for every row (host arrays:
     they travel with the first call, no device op compiles for them).
@@ -45,7 +43,7 @@ def initial_rows(keys: jax.Array, sampling: SamplingParams, stop_ids: tuple[int,
       core.Rows of numpy arrays, [B, ...] each.
     """
     B = keys.shape[0]
-    return core.Rows(sampling=smp.row_params(sampling, B), keys=keys, steps=np.zeros((B,), np.int32),
+    return core.Rows(sampling=row_params(sampling, B), keys=keys, steps=np.zeros((B,), np.int32),
                      stop_ids=core.stop_array([stop_ids] * B), budget=np.full((B,), budget, np.int32),
                      finished=np.zeros((B,), bool),
                      controls=core.controls_for([sampling] * B, [tuple(extra_stops)] * B, eos_ids, vocab_size),
@@ -64,7 +62,7 @@ class Batch:
     chunk: int  # prefill chunk
     max_len: int  # S: positions per row in the cache
     rows: core.Rows
-    counts: pen.TokenCounts
+    counts: penalties.TokenCounts
     compiler: Optional[constraints.Compiler] = None  # the constraint's, compiled and walked (`Compiler.compile`)
 
 
@@ -111,12 +109,12 @@ def prepare(model: Model, prompts: Prompts, *, key, seed, max_new_tokens: int, s
     keys = request_keys(len(ids), key, seed, sampling)
     tokens, lengths = pack_prompts(ids)
     Tb = tokens.shape[1]
-    rows = initial_rows(keys, sampling, stop_ids, max_new_tokens, eos_ids_for(model), tuple(stop_tokens),
-                        cfg.vocab_size)
+    row_state = initial_rows(keys, sampling, stop_ids, max_new_tokens, eos_ids=eos_ids_for(model),
+                             extra_stops=tuple(stop_tokens), vocab_size=cfg.vocab_size)
     extra = working_slots + 1 if working_slots else 0  # the verify window, and the slot after it
     return Batch(ids=ids, tokens=tokens, lengths=lengths, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
                  chunk=Tb if prefill_chunk_size is None else min(Tb, prefill_chunk_size),
-                 max_len=bucket(max(Tb, int(lengths.max()) + max_new_tokens + extra), MIN_KV_BUCKET), rows=rows,
+                 max_len=bucket(max(Tb, int(lengths.max()) + max_new_tokens + extra), MIN_KV_BUCKET), rows=row_state,
                  counts=core.host_counts(ids, cfg.vocab_size), compiler=compiler)
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.decode import penalties as pen
+from jaxinfer.decode import penalties
 from jaxinfer.decode.constraints import Constraint
 
 _NEG_INF = -jnp.inf
@@ -77,10 +77,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (number(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
-        pen.PenaltySettings(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+        penalties.PenaltySettings(frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                             ignore_eos=self.ignore_eos)  # each checked, the error names it
-        object.__setattr__(self, "logit_bias", pen.check_logit_bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", penalties.check_logit_bias(self.logit_bias))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise TypeError(f"constraint must be built by jaxinfer.constraints (json_schema, regex, grammar, "
                             f"choice, json_object), got {type(self.constraint).__name__}")

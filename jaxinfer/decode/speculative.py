@@ -36,17 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer import sharding as shd
+from jaxinfer import sharding
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode import core
-from jaxinfer.decode import sampling as smp
-from jaxinfer.decode.generate import new_cache, prefill_prompts
+from jaxinfer.decode.generate import PromptWork, new_cache, prefill_prompts
 from jaxinfer.decode.request import prepare, read_emitted
 from jaxinfer.decode.inputs import Prompts, check_int, check_sampling
 from jaxinfer.decode.outputs import Output, Timings, completion_for
-from jaxinfer.decode.sampling import SamplingParams
+from jaxinfer.decode.sampling import GREEDY, RowParams, SamplingParams, probs, row_params, sample, step_keys
 from jaxinfer.model import cache as kv
-from jaxinfer.model import forward as mdl
+from jaxinfer.model import forward
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
@@ -141,34 +140,36 @@ def lookup_proposals(hist: jax.Array, n: jax.Array, k: int, max_ngram: int) -> j
 
 
 
-def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: jax.Array, n: jax.Array,
-                    keys: jax.Array, k: int, sampling: smp.RowParams):
+def draft_proposals(draft: Draft, cache: kv.KVCache, hist: jax.Array, n: jax.Array, *, keys: jax.Array,
+                    settings: RowParams, k: int):
     """k tokens from the draft model, fed [hist[n-1], hist[n]] first, then its own proposals.
 
     Re-feeding position n-1 costs nothing extra in a T=2 forward and covers the case where the
     previous round accepted everything (the draft never saw its own last proposal).
     Args:
-      params, cfg: the draft model.
+      draft: the draft model (its params may be traced; its config is static).
       cache: draft cache holding positions < n - 1 (or more; later slots are overwritten).
-      hist: [B, S]; n: [B] pending position; keys: [B] this round's keys; sampling: per-row settings.
+      hist: [B, S]; n: [B] pending position.
+      keys: [B] this round's keys; settings: the rows' sampling settings; k: proposals per row.
     Returns:
       (proposals [B, k] int32, draft probabilities [B, k, V], cache).
     """
+    params, cfg = draft.params, draft.config
     B = hist.shape[0]
-    rows = jnp.arange(B)
-    first = jnp.stack([hist[rows, n - 1], hist[rows, n]], axis=1)  # [B, 2]
+    at = jnp.arange(B)
+    first = jnp.stack([hist[at, n - 1], hist[at, n]], axis=1)  # [B, 2]
     cache = kv.rewind(cache, n - 1)  # the draft re-reads position n - 1 (see above)
-    logits, cache = mdl.forward(params, first, mdl.default_positions(B, 2, n - 1), cache, cfg,
+    logits, cache = forward.forward(params, first, forward.default_positions(B, 2, n - 1), cache, cfg,
                                 logit_index=jnp.ones((B,), jnp.int32))
 
     def pick(lg, i):  # lg [B, V] -> a draw from q [B], and q [B, V]
-        tok, _ = smp.sample(lg, smp.step_keys(keys, i), sampling)
-        return tok, smp.probs(lg, sampling)
+        tok, _ = sample(lg, step_keys(keys, i), settings)
+        return tok, probs(lg, settings)
 
     tok, q = pick(logits[:, 0], 0)
     toks, qs = [tok], [q]
     for i in range(1, k):  # k is small and static: unrolled T=1 steps
-        logits, cache = mdl.forward(params, tok[:, None], mdl.default_positions(B, 1, n + i), cache, cfg)
+        logits, cache = forward.forward(params, tok[:, None], forward.default_positions(B, 1, n + i), cache, cfg)
         tok, q = pick(logits[:, 0], i)
         toks.append(tok)
         qs.append(q)
@@ -178,7 +179,7 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
 # Verification -------------------------------------------------------------------------------
 
 def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Array], keys: jax.Array,
-           sampling: Union[SamplingParams, smp.RowParams]):
+           sampling: Union[SamplingParams, RowParams]):
     """The rejection rule: how many proposals to keep and the token that follows them.
 
     Args:
@@ -192,17 +193,17 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
     """
     B, k1, V = logits.shape
     k = k1 - 1
-    rp = smp.row_params(sampling, B) if isinstance(sampling, SamplingParams) else sampling
+    rp = row_params(sampling, B) if isinstance(sampling, SamplingParams) else sampling
     # Greedy rows: accept while d_i == argmax p_i, then the argmax after the accepted prefix.
     target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
     g_acc = jnp.sum(jnp.cumprod(proposals == target[:, :k], axis=1), axis=1).astype(jnp.int32)
     g_next = jnp.take_along_axis(target, g_acc[:, None], 1)[:, 0]
     # Sampled rows: the rejection rule.
-    p = smp.probs(logits, rp)  # [B, k+1, V]
+    p = probs(logits, rp)  # [B, k+1, V]
     q = draft_probs if draft_probs is not None else jax.nn.one_hot(proposals, V, dtype=p.dtype)
     p_d = jnp.take_along_axis(p[:, :k], proposals[..., None], -1)[..., 0]  # [B, k]
     q_d = jnp.take_along_axis(q, proposals[..., None], -1)[..., 0]
-    u_keys = smp.step_keys(keys, _ACCEPT_SALT)
+    u_keys = step_keys(keys, _ACCEPT_SALT)
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(u_keys)
     ok = u * q_d < p_d  # u < p/q without dividing by a zero q
     n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
@@ -212,7 +213,7 @@ def accept(logits: jax.Array, proposals: jax.Array, draft_probs: Optional[jax.Ar
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p[:, :k])
     dists = jnp.concatenate([residual, p[:, k:]], axis=1)  # [B, k+1, V]
     dist = jnp.take_along_axis(dists, n_acc[:, None, None], 1)[:, 0]
-    r_keys = smp.step_keys(keys, _RESAMPLE_SALT)
+    r_keys = step_keys(keys, _RESAMPLE_SALT)
     nxt = jax.vmap(jax.random.categorical)(r_keys, jnp.log(dist)).astype(jnp.int32)
     greedy = jnp.asarray(rp.greedy)
     return jnp.where(greedy, g_acc, n_acc), jnp.where(greedy, g_next, nxt)
@@ -222,21 +223,21 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
                draft_cfg: Optional[ModelConfig], method: str, k: int, max_ngram: int):
     """One propose-verify-accept round for every row. Returns (state, core.Emitted with E = k + 1)."""
     B, S = state.hist.shape
-    rows = state.rows
+    row_state = state.rows
     idx = jnp.arange(B)
     n = state.cache.lengths  # [B]
     cur = state.hist[idx, n]
-    live = rows.live
-    round_keys = smp.step_keys(rows.keys, state.round + 1)
+    live = row_state.live
+    round_keys = step_keys(row_state.keys, state.round + 1)
     draft_cache = state.draft_cache
     if method == "lookup":
         proposals, q = lookup_proposals(state.hist, n, k, max_ngram), None
     else:
-        proposals, q, draft_cache = draft_proposals(draft_params, draft_cfg, draft_cache, state.hist, n,
-                                                    round_keys, k, rows.sampling)
+        proposals, q, draft_cache = draft_proposals(Draft(config=draft_cfg, params=draft_params), draft_cache,
+                                                    state.hist, n, keys=round_keys, settings=row_state.sampling, k=k)
     tokens = jnp.concatenate([cur[:, None], proposals], axis=1)  # [B, k+1]
-    logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, k + 1, n), state.cache, cfg)
-    n_acc, nxt = accept(logits, proposals, q, round_keys, rows.sampling)
+    logits, cache = forward.forward(params, tokens, forward.default_positions(B, k + 1, n), state.cache, cfg)
+    n_acc, nxt = accept(logits, proposals, q, round_keys, row_state.sampling)
 
     # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a; cut after a stop token
     # and at the row's budget.
@@ -244,17 +245,17 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
     emitted = jnp.where(i < n_acc[:, None], jnp.pad(proposals, ((0, 0), (0, 1))), nxt[:, None])
     logp = jax.nn.log_softmax(logits, -1)  # the target's own log p of each emitted token
     emitted_lp = jnp.take_along_axis(logp, emitted[..., None], -1)[..., 0]  # [B, k+1]
-    stop = core.is_stop(emitted, rows.stop_ids) & (i <= n_acc[:, None])
+    stop = core.is_stop(emitted, row_state.stop_ids) & (i <= n_acc[:, None])
     first_stop = jnp.where(stop.any(1), jnp.argmax(stop, axis=1), k + 1)  # index of the first stop, or k+1
-    count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), rows.budget)
+    count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), row_state.budget)
     count = jnp.where(live, count, 0).astype(jnp.int32)
 
     write = jax.vmap(lambda h, e, s: jax.lax.dynamic_update_slice(h, e, (s,)))
     hist = jnp.where(live[:, None], write(state.hist, emitted, n + 1), state.hist)
     new_len = jnp.where(live, n + 1 + n_acc, n).astype(jnp.int32)
-    rows = rows.replace(steps=rows.steps + count, budget=rows.budget - count,
-                        finished=rows.finished | (live & (first_stop < count)))
-    state = SpecState(cache=kv.rewind(cache, new_len), draft_cache=draft_cache, hist=hist, rows=rows,
+    row_state = row_state.replace(steps=row_state.steps + count, budget=row_state.budget - count,
+                                  finished=row_state.finished | (live & (first_stop < count)))
+    state = SpecState(cache=kv.rewind(cache, new_len), draft_cache=draft_cache, hist=hist, rows=row_state,
                       round=state.round + 1, proposed=state.proposed + jnp.where(live, k, 0),
                       accepted=state.accepted + jnp.where(live, n_acc, 0),
                       target_calls=state.target_calls + live.astype(jnp.int32))
@@ -295,8 +296,8 @@ class SpecOutput(Output):
     stats: Optional[SpecStats] = None
 
 
-def _check(model: Model, method: str, draft: Optional[Draft], k, max_ngram, max_new_tokens, rounds_per_chunk,
-           sampling) -> tuple[int, int, int, int]:
+def _check(model: Model, sampling: SamplingParams, *, method: str, draft: Optional[Draft], k, max_ngram,
+           max_new_tokens, rounds_per_chunk) -> tuple[int, int, int, int]:
     """Validate the arguments before anything is compiled."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -317,7 +318,7 @@ def _check(model: Model, method: str, draft: Optional[Draft], k, max_ngram, max_
 def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: Optional[Draft] = None,
              k: int = 4, max_ngram: int = 3, key: Optional[jax.Array] = None,
              seed: Union[int, Sequence[int], None] = None, max_new_tokens: int = 64,
-             sampling: SamplingParams = smp.GREEDY, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
+             sampling: SamplingParams = GREEDY, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
              rounds_per_chunk: int = 16, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              allow_special: bool = False, interventions=None, capture=None) -> SpecOutput:
     """Generate with speculative decoding; same arguments and output as `jaxinfer.generate`, plus:
@@ -341,28 +342,30 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
                          "jaxinfer.generate(..., interventions=..., capture=...)")
     t0 = time.perf_counter()
     cfg = model.config
-    k, max_ngram, max_new_tokens, rounds_per_chunk = _check(model, method, draft, k, max_ngram, max_new_tokens,
-                                                            rounds_per_chunk, sampling)
+    k, max_ngram, max_new_tokens, rounds_per_chunk = _check(model, sampling, method=method, draft=draft, k=k,
+                                                            max_ngram=max_ngram, max_new_tokens=max_new_tokens,
+                                                            rounds_per_chunk=rounds_per_chunk)
     batch = prepare(model, prompts, key=key, seed=seed, max_new_tokens=max_new_tokens, sampling=sampling,
                     stop_at_eos=stop_at_eos, stop_tokens=stop_tokens, allow_special=allow_special,
                     working_slots=2 * k + 1)  # a round may run k + 1 slots past the end
-    ids, tokens, lengths, stop_ids, rows, counts = (batch.ids, batch.tokens, batch.lengths, batch.stop_ids,
-                                                    batch.rows, batch.counts)
+    ids, tokens, lengths, stop_ids, row_state = batch.ids, batch.tokens, batch.lengths, batch.stop_ids, batch.rows
     B, S, chunk = len(ids), batch.max_len, batch.chunk
+    prompts_work = PromptWork(tokens=tokens, lengths=lengths, rows=row_state, counts=batch.counts)
     with CompileCounter() as compiles:
-        pre = prefill_prompts(model.params, new_cache(model, B, S), tokens, lengths, rows, counts, cfg, chunk)
+        pre = prefill_prompts(model.params, new_cache(model, B, S), prompts_work,
+                              options=core.PrefillOptions(cfg=cfg), chunk=chunk)
         cache, first, first_lp = pre.cache, pre.first, pre.first_lp
         draft_cache = None
         if method == "draft":
-            draft_cache = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), tokens, lengths, rows,
-                                          counts, draft.config, chunk).cache
+            draft_cache = prefill_prompts(draft.params, kv.init_cache_jit(draft.config, B, S), prompts_work,
+                                          options=core.PrefillOptions(cfg=draft.config), chunk=chunk).cache
         hist = np.zeros((B, S), np.int32)
         hist[:, :tokens.shape[1]] = tokens
         hist[np.arange(B), lengths] = first
         zeros = lambda: np.zeros((B,), np.int32)  # host arrays: no device op compiles for them
         state = SpecState(cache=cache, draft_cache=draft_cache, hist=hist,
-                          rows=rows.replace(steps=rows.steps + 1, budget=rows.budget - 1,
-                                            finished=np.isin(first, stop_ids)),
+                          rows=row_state.replace(steps=row_state.steps + 1, budget=row_state.budget - 1,
+                                                 finished=np.isin(first, stop_ids)),
                           round=np.zeros((), np.int32), proposed=zeros(), accepted=zeros(), target_calls=zeros())
         t_first = time.perf_counter()
         if on_tokens:
@@ -370,9 +373,9 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
         static = dict(cfg=cfg, draft_cfg=draft.config if method == "draft" else None, method=method, k=k,
                       max_ngram=max_ngram, n_rounds=rounds_per_chunk)
         out_tokens, out_lps = [[int(t)] for t in first], [[float(x)] for x in first_lp]
-        while (~shd.to_host(state.rows.finished) & (shd.to_host(state.rows.budget) > 0)).any():
+        while (~sharding.to_host(state.rows.finished) & (sharding.to_host(state.rows.budget) > 0)).any():
             state, em = spec_chunk_jit(model.params, draft.params if method == "draft" else None, state, **static)
-            new, new_lps = read_emitted(shd.to_host(em.tokens), shd.to_host(em.logprobs), shd.to_host(em.count))
+            new, new_lps = read_emitted(sharding.to_host(em.tokens), sharding.to_host(em.logprobs), sharding.to_host(em.count))
             for b in range(B):
                 out_tokens[b] += new[b]
                 out_lps[b] += new_lps[b]
@@ -382,10 +385,10 @@ def generate(model: Model, prompts: Prompts, *, method: str = "lookup", draft: O
 
     completions = [completion_for(model, ids[b], out_tokens[b], out_lps[b], stop_ids) for b in range(B)]
     emitted = sum(len(t) - 1 for t in out_tokens)
-    calls = shd.to_host(state.target_calls)
-    stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(shd.to_host(state.proposed))),
-                      accepted=int(np.sum(shd.to_host(state.accepted))),
+    calls = sharding.to_host(state.target_calls)
+    stats = SpecStats(method=method, k=k, rounds=int(state.round), proposed=int(np.sum(sharding.to_host(state.proposed))),
+                      accepted=int(np.sum(sharding.to_host(state.accepted))),
                       tokens_per_call=emitted / max(int(calls.sum()), 1))
-    timings = Timings.of_run(t0, t_first, t_end, int(lengths.sum()), completions, None, compiles.count,
-                             compile_s=compiles.seconds, n_cache_loads=compiles.cache_hits)
+    timings = Timings.of_run(t0=t0, t_first=t_first, t_end=t_end, prompt_tokens=int(lengths.sum()),
+                             completions=completions, n_compilations=compiles.count, compile_s=compiles.seconds, n_cache_loads=compiles.cache_hits)
     return SpecOutput(completions=completions, timings=timings, stats=stats)

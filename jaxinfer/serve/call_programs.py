@@ -17,6 +17,7 @@ the slots and R for a call's chunk rows.)
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.decode import core
-from jaxinfer.decode import penalties as pen  # (the name the programs' bodies use)
+from jaxinfer.decode import penalties
 from jaxinfer.model import cache as kv
+from jaxinfer.model import sites
 from jaxinfer.serve.packed import Packing
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position the programs return when asked (OpenAI's limit)
@@ -45,20 +47,37 @@ class Slots:
     top: jax.Array  # [S] bool: the slot's request wants its top alternatives
 
 
-def _state(cache: kv.KVCache, counts, slots: Slots, mask, hooks=None) -> core.DecodeState:
-    """The decode core's state from a call's arguments (inside a program); `hooks`: the slots'
-    steering (`steering.idle_hooks`'s form), or None."""
-    rows = slots.rows.replace(keys=jax.random.wrap_key_data(slots.rows.keys), mask=mask)
-    return core.DecodeState(cache=cache.with_rows(slots.page_table, slots.lengths), tokens=slots.tokens, rows=rows,
-                            counts=pen.TokenCounts(counts=counts[0], in_prompt=counts[1], generated=slots.generated),
-                            hooks=hooks)
+@struct.dataclass(kw_only=True)
+class SlotInputs:
+    """What a slots program (`mixed_program`, `decode_program`) takes of every slot besides the
+    pool and the token counts (those two are donated; these are not: the mask and the steering
+    stay on the device from call to call)."""
+
+    ints: jax.Array  # [S, n_i] int32: the packed `Slots` (`Packing`)
+    floats: jax.Array  # [S, n_f] float32
+    mask: jax.Array  # [S, U] int32: allowed next tokens, packed bits
+    table: jax.Array  # [S, W] int32: the slots' page tables for this call
+    cap: jax.Array  # [S] int32: tokens a slot may sample in this call
+    limit: jax.Array  # [S] int32: tokens a slot may have sampled in all (budget: min(cap, limit - steps))
+    hooks: Optional[sites.Hooks] = None  # the slots' steering (`steering.idle_hooks`'s form)
 
 
-def _slots(state: core.DecodeState, top) -> Slots:
-    rows = state.rows
+def _state(cache: kv.KVCache, counts, slots: Slots, inputs: SlotInputs) -> core.DecodeState:
+    """The decode core's state from a call's arguments (inside a program): the unpacked `slots`
+    with the mask and steering of `inputs`; counts: (counts, in_prompt) [S, V]."""
+    slot_rows = slots.rows.replace(keys=jax.random.wrap_key_data(slots.rows.keys), mask=inputs.mask)
+    return core.DecodeState(cache=cache.with_rows(slots.page_table, slots.lengths), tokens=slots.tokens,
+                            rows=slot_rows,
+                            counts=penalties.TokenCounts(counts=counts[0], in_prompt=counts[1], generated=slots.generated),
+                            hooks=inputs.hooks, top=slots.top)
+
+
+def _slots(state: core.DecodeState) -> Slots:
+    """The packable `Slots` of a decode state (keys as raw key data, no mask)."""
+    slot_rows = state.rows
     return Slots(tokens=state.tokens, lengths=state.cache.lengths, page_table=state.cache.page_table,
-                 rows=rows.replace(keys=jax.random.key_data(rows.keys), mask=rows.mask[:, :0]),
-                 generated=state.counts.generated, top=top)
+                 rows=slot_rows.replace(keys=jax.random.key_data(slot_rows.keys), mask=slot_rows.mask[:, :0]),
+                 generated=state.counts.generated, top=state.top)
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,53 +105,53 @@ def _pack_emitted(em: core.Emitted, steps: int, n_top: int):
     return _emitted_packing(steps, em.tokens.shape[1], n_top).pack(em)
 
 
+def _budgeted(slots: Slots, inputs: SlotInputs) -> Slots:
+    """The slots with this call's page tables and budgets: min(cap, limit - steps), at least 0."""
+    budget = jnp.maximum(jnp.minimum(inputs.cap, inputs.limit - slots.rows.steps), 0)
+    return slots.replace(page_table=inputs.table, rows=slots.rows.replace(budget=budget))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "packing"), donate_argnums=(1, 2))
-def mixed_program(params, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_ints,
-                  chunk_floats, hooks=None, *, cfg, n_top: int, packing: Packing):
+def mixed_program(params, cache, counts, inputs: SlotInputs, chunks: core.Chunks, chunk_rows: tuple, *, cfg,
+                  n_top: int, packing: Packing):
     """`core.mixed_step` over packed slots: (cache, counts, ints, floats, the decode rows'
     Emitted [1, S] packed, the chunks' first tokens [1, R] packed).
 
-    The chunks' requests' packed rows (chunk_ints [R, n_i], chunk_floats [R, n_f]) are written
+    The chunks' requests' packed rows (`chunk_rows`: ints [R, n_i], floats [R, n_f]) are written
     into their slots first (a padding row's slot, S, is dropped), and the slots' page tables and
-    budgets are `table` [S, W] and min(cap, limit - steps) [S], as in `decode_program`: so the
-    call may go on from the last call's slots on the device (`Runner.dispatch`), the host
-    sending only the rows of the requests that take a slot. `hooks`: the slots' steering."""
-    ints = ints.at[chunks.slots].set(chunk_ints, mode="drop")
-    floats = floats.at[chunks.slots].set(chunk_floats, mode="drop")
-    slots = packing.unpack(ints, floats)
-    budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
-    lengths = slots.lengths.at[chunks.slots].set(chunks.starts, mode="drop")  # a chunk row's: its chunk's start
-    slots = slots.replace(lengths=lengths, page_table=table, rows=slots.rows.replace(budget=budget))
-    state, em, first = core.mixed_step(params, _state(cache, counts, slots, mask, hooks), chunks, cfg, n_top,
-                                       slots.top)
-    ints, floats = packing.pack(_slots(state, slots.top))
+    budgets come from `inputs` as in `decode_program`: so the call may go on from the last
+    call's slots on the device (`Runner.dispatch`), the host sending only the rows of the
+    requests that take a slot."""
+    chunk_ints, chunk_floats = chunk_rows
+    ints = inputs.ints.at[chunks.slots].set(chunk_ints, mode="drop")
+    floats = inputs.floats.at[chunks.slots].set(chunk_floats, mode="drop")
+    slots = _budgeted(packing.unpack(ints, floats), inputs)
+    slots = slots.replace(lengths=slots.lengths.at[chunks.slots].set(chunks.starts, mode="drop"))  # its chunk's start
+    state, em, first = core.mixed_step(params, _state(cache, counts, slots, inputs), chunks,
+                                       options=core.DecodeOptions(cfg=cfg, n_top=n_top))
+    ints, floats = packing.pack(_slots(state))
     em, first = jax.tree.map(lambda a: a[None], (em, first))
     return (state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats,
             _pack_emitted(em, 1, n_top), _pack_emitted(first, 1, n_top))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_top", "packing"), donate_argnums=(1, 2))
-def decode_program(params, cache, counts, ints, floats, mask, table, cap, limit, hooks=None, *, cfg, n_steps: int,
-                   n_top: int, packing: Packing):
+def decode_program(params, cache, counts, inputs: SlotInputs, *, cfg, n_steps: int, n_top: int, packing: Packing):
     """`core.decode` (until a row ends) over packed slots: (cache, counts, ints, floats, Emitted
-    [n_steps, S] packed). The slots' page tables are `table` [S, W] and their budgets
-    min(cap, limit - steps) [S] (at least 0): so the slots of the last call, still on the device,
-    decode on with new pages (`Runner.chain`) without the host knowing their last tokens.
-    `hooks`: the slots' steering."""
-    slots = packing.unpack(ints, floats)
-    budget = jnp.maximum(jnp.minimum(cap, limit - slots.rows.steps), 0)
-    slots = slots.replace(page_table=table, rows=slots.rows.replace(budget=budget))
-    state, em = core.decode(params, _state(cache, counts, slots, mask, hooks), cfg, n_steps, n_top, top=slots.top,
-                            until_a_row_ends=jnp.asarray(True))
-    ints, floats = packing.pack(_slots(state, slots.top))
+    [n_steps, S] packed). The slots' page tables and budgets come from `inputs`: so the slots of
+    the last call, still on the device, decode on with new pages (`Runner.chain`) without the
+    host knowing their last tokens."""
+    slots = _budgeted(packing.unpack(inputs.ints, inputs.floats), inputs)
+    state, em = core.decode(params, _state(cache, counts, slots, inputs), n_steps=n_steps,
+                            options=core.DecodeOptions(cfg=cfg, n_top=n_top, until_a_row_ends=True))
+    ints, floats = packing.pack(_slots(state))
     return state.cache, (state.counts.counts, state.counts.in_prompt), ints, floats, _pack_emitted(em, n_steps, n_top)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_top", "capture"), donate_argnums=(1,))
-def scoring_program(params, cache, tokens, starts, n_real, last, rows: core.Rows, counts, next_tokens, hooks=None, *,
-                    cfg, n_top: int, capture: bool = False):
-    """`core.prefill` with prompt logprobs, its rows' keys as raw key data; `hooks`: the rows'
-    steering and (`capture`) the sites captured at every chunk position."""
-    rows = rows.replace(keys=jax.random.wrap_key_data(rows.keys))
-    return core.prefill(params, cache, tokens, starts, n_real, last, rows, counts, next_tokens, cfg, n_top, True,
-                        hooks=hooks, capture_prompt=capture)
+def scoring_program(params, cache, work: core.PrefillWork, *, cfg, n_top: int, capture: bool = False):
+    """`core.prefill` with prompt logprobs, its rows' keys as raw key data; `work.hooks`: the
+    rows' steering and (`capture`) the sites captured at every chunk position."""
+    work = work.replace(rows=work.rows.replace(keys=jax.random.wrap_key_data(work.rows.keys)))
+    return core.prefill(params, cache, work, options=core.PrefillOptions(cfg=cfg, n_top=n_top, prompt_logprobs=True,
+                                                                          capture_prompt=capture))

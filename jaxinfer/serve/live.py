@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from jaxinfer.decode import core
-from jaxinfer.decode import penalties as pen
+from jaxinfer.decode import penalties
 from jaxinfer.decode import outputs
-from jaxinfer.decode import sampling as smp
+from jaxinfer.decode import sampling
 from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model.interventions import NON_FINITE
 from jaxinfer.serve.request import ConstraintFailed, EngineError, Request
@@ -209,8 +209,8 @@ class Live:
 
 
 def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int,
-               key_size: int, spare: Optional[pen.TokenCounts] = None, raw_keys: bool = False
-               ) -> tuple[core.Rows, pen.TokenCounts]:
+               key_size: int, *, spare: Optional[penalties.TokenCounts] = None, raw_keys: bool = False
+               ) -> tuple[core.Rows, penalties.TokenCounts]:
     """core.Rows and TokenCounts for a device call whose row i runs lives[i] (None: an idle row);
     constrained rows get their grammar's mask of allowed next tokens.
 
@@ -220,19 +220,19 @@ def batch_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab
     rows of a 128k vocabulary). `raw_keys`: the keys as raw key data [R, k] uint32 (the program
     wraps them), not typed keys."""
     R, V = len(lives), vocab_size
-    rows = slot_rows(lives, budgets, eos_ids, vocab_size, key_size, raw_keys=raw_keys)
-    mask = np.asarray(rows.mask)
+    row_state = slot_rows(lives, budgets, eos_ids, vocab_size, key_size, raw_keys=raw_keys)
+    mask = np.asarray(row_state.mask)
     for i, lv in enumerate(lives):
         if lv is not None and lv.matcher is not None:
             lv.matcher.fill_bitmask(mask[i])
     reuse = spare is not None and all(lv is None or lv.counts is None for lv in lives)
     if reuse:
-        return rows, spare
+        return row_state, spare
     counts, in_prompt = np.zeros((R, V), np.int32), np.zeros((R, V), bool)
     for i, lv in enumerate(lives):
         if lv is not None and lv.counts is not None:
             counts[i], in_prompt[i] = lv.counts, lv.in_prompt
-    return rows, pen.TokenCounts(counts=counts, in_prompt=in_prompt, generated=np.asarray(rows.steps))
+    return row_state, penalties.TokenCounts(counts=counts, in_prompt=in_prompt, generated=np.asarray(row_state.steps))
 
 
 def slot_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_size: int, key_size: int,
@@ -241,7 +241,7 @@ def slot_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_
     (typed, or raw key data with `raw_keys`), steps so far, stop ids, budgets; every token
     allowed (constrained rows' masks are filled by the caller)."""
     R, V = len(lives), vocab_size
-    samplings = [lv.sampling if lv is not None else smp.GREEDY for lv in lives]
+    samplings = [lv.sampling if lv is not None else sampling.GREEDY for lv in lives]
     key_data = np.zeros((R, key_size), np.uint32)
     steps = np.zeros((R,), np.int32)
     for i, lv in enumerate(lives):
@@ -250,11 +250,11 @@ def slot_rows(lives: list, budgets: np.ndarray, eos_ids: tuple[int, ...], vocab_
     # Fixed widths (every request's stop ids, MAX_LOGIT_BIAS bias slots): no request's settings
     # change a program's shapes, so nothing compiles after `Engine.warmup`.
     stop_width = 1 << (len(eos_ids) + MAX_STOP_TOKENS - 1).bit_length()
-    return core.Rows(sampling=smp.row_params(samplings),
+    return core.Rows(sampling=sampling.row_params(samplings),
                      keys=key_data if raw_keys else jax.random.wrap_key_data(key_data), steps=steps,
                      stop_ids=core.stop_array([lv.stop_ids if lv is not None else () for lv in lives], stop_width),
                      budget=np.asarray(budgets, np.int32), finished=np.zeros((R,), bool),
                      controls=core.controls_for(samplings, [lv.extra_stops if lv is not None else ()
                                                             for lv in lives], eos_ids, V,
-                                                bias_slots=pen.MAX_LOGIT_BIAS, stop_slots=MAX_STOP_TOKENS),
+                                                bias_slots=penalties.MAX_LOGIT_BIAS, stop_slots=MAX_STOP_TOKENS),
                      mask=core.no_mask(R, V))

@@ -50,7 +50,7 @@ from jaxinfer.model.model import Model
 from jaxinfer.program_store import ProgramStore
 from jaxinfer.serve import steering as steer
 from jaxinfer.serve.buckets import CallShapes
-from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, decode_program, mixed_program, scoring_program
+from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, SlotInputs, decode_program, mixed_program, scoring_program
 from jaxinfer.serve.live import Live, batch_rows
 from jaxinfer.serve.programs import Programs, abstract, compile_for
 from jaxinfer.serve.scheduler import Chunk, Seq
@@ -169,17 +169,17 @@ class Runner:
         """(key, compile function) of the programs for these chunk shapes (`warmup.builds`)."""
         return builds(self, shapes, scoring, decode)
 
-    def _mixed(self, cache, counts, ints, floats, mask, table, cap, limit, chunks: core.Chunks, chunk_rows):
-        R, C = chunks.tokens.shape
-        return self._program(("mixed", R, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
+    def _mixed(self, cache, counts, inputs: SlotInputs, chunks: core.Chunks, chunk_rows: tuple):
+        B, C = chunks.tokens.shape
+        return self._program(("mixed", B, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
                                                                   packing=self.packing), self.model.params, cache,
-                             counts, ints, floats, mask, table, cap, limit, chunks, *chunk_rows, self._steer_hooks())
+                             counts, inputs.replace(hooks=self._steer_hooks()), chunks, chunk_rows)
 
 
-    def _decode(self, *args):
+    def _decode(self, cache, counts, inputs: SlotInputs):
         return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
                                                               n_top=MAX_TOP_LOGPROBS, packing=self.packing),
-                             self.model.params, *args, self._steer_hooks())
+                             self.model.params, cache, counts, inputs.replace(hooks=self._steer_hooks()))
 
     def _steer_hooks(self):
         """The slots' steering hooks on the device (`SlotTables.steer_hooks`)."""
@@ -198,13 +198,12 @@ class Runner:
                                                      capture_layers=tuple(range(self.cfg.n_layers)))
         return hooks
 
-    def _prefill(self, rows, counts, tokens, starts, n_real, last, table, next_tokens, hooks=None, hidden=False):
-        R, C = tokens.shape
-        cache = self.cache.with_rows(table, starts)
+    def _prefill(self, work: core.PrefillWork, table, hidden: bool = False):
+        R, C = work.tokens.shape
+        cache = self.cache.with_rows(table, work.starts)
         cache, _, out = self._program(("hidden" if hidden else "prefill", R, C), scoring_program,
                                       dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden),
-                                      self.model.params, cache, tokens, starts, n_real, last, rows, counts, next_tokens,
-                                      hooks)
+                                      self.model.params, cache, work)
         # The pool as the slots' programs take it: [S, W] rows (theirs come in the packed tables).
         S = self.max_slots
         self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
@@ -264,8 +263,9 @@ class Runner:
         settings, counts = batch_rows(padded, np.ones((B,), np.int32), self.eos_ids, self.cfg.vocab_size,
                                       self.key_size, raw_keys=True)
         hidden = any(lv is not None and lv.hidden is not None for lv in lives)
-        out = self._prefill(settings, counts, arr.tokens, arr.starts, arr.n_real, arr.last, arr.page_table,
-                            next_tokens, self.scoring_hooks(padded, hidden), hidden)
+        work = core.PrefillWork(tokens=arr.tokens, starts=arr.starts, n_real=arr.n_real, last=arr.last, rows=settings,
+                                counts=counts, next_tokens=next_tokens, hooks=self.scoring_hooks(padded, hidden))
+        out = self._prefill(work, arr.page_table, hidden)
         first, to_host = out.first, sharding.to_host
         return PrefillOut(first=to_host(first.tokens)[:, 0], first_logprob=to_host(first.logprobs)[:, 0],
                           first_top=(to_host(first.top_ids)[:, 0], to_host(first.top_logprobs)[:, 0]),
@@ -321,17 +321,18 @@ class Runner:
         pending = Pending(want_top=any(lv is not None and lv.n_top > 0 for lv in by_slot))
         if chunks:
             arr = self._chunk_arrays(chunks)
+            inputs = SlotInputs(ints=ints, floats=floats, mask=mask, table=table, cap=moves.budgets,
+                                limit=self._no_limit)
             self.cache, counts, ints, floats, em, first = self._mixed(
-                self.cache, counts, ints, floats, mask, table, moves.budgets, self._no_limit, arr,
-                self.tables.chunk_rows(chunks, chunk_lives, arr.tokens.shape[0]))
+                self.cache, counts, inputs, arr, self.tables.chunk_rows(chunks, chunk_lives, arr.tokens.shape[0]))
             pending.first = PackedEmitted.of(1, first)
             pending.results.append(PackedEmitted.of(1, em))
         if not chunks or max(budgets, default=0) > 1:
             on_scan()
             # Budgets as limits on the tokens sampled in all: the scan goes on from the mixed
             # call's slots, whose rows have sampled one token of their budget there already.
-            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, ints, floats, mask, table,
-                                                                self._no_limit, moves.steps + moves.budgets)
+            self.cache, counts, ints, floats, em = self._decode(self.cache, counts, SlotInputs(
+                ints=ints, floats=floats, mask=mask, table=table, cap=self._no_limit, limit=moves.steps + moves.budgets))
             pending.results.append(PackedEmitted.of(steps, em))
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = DeviceSlots(ints=ints, floats=floats, mask=mask)
@@ -356,8 +357,8 @@ class Runner:
         tokens, and stops at limits[b] tokens in all (its request's max_new_tokens); `steps`: the
         largest cap."""
         carry = self._carry
-        self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, carry.ints, carry.floats,
-                                                            carry.mask, table, caps, limits)
+        self.cache, counts, ints, floats, em = self._decode(self.cache, self.spare_counts, SlotInputs(
+            ints=carry.ints, floats=carry.floats, mask=carry.mask, table=table, cap=caps, limit=limits))
         self.spare_counts = counts
         self._carry = DeviceSlots(ints=ints, floats=floats, mask=carry.mask)
         pending = Pending(want_top=want_top)
@@ -378,7 +379,8 @@ class Runner:
         ints, floats = self._tables(idle, SlotMoves.idle(B), no_pages)
         counts, mask = self._counts(idle), self._mask(idle)
         t0 = time.perf_counter()
-        self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, ints, floats, mask, no_pages, z, z,
+        inputs = SlotInputs(ints=ints, floats=floats, mask=mask, table=no_pages, cap=z, limit=z)
+        self.cache, counts, _, _, _, first = self._mixed(self.cache, counts, inputs,
                                                          self._chunk_arrays([], (n_rows, C)),
                                                          self.tables.chunk_rows([], [], n_rows))
         jax.block_until_ready(first)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from jaxinfer.decode import core
-from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, decode_program, mixed_program, scoring_program
+from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, SlotInputs, decode_program, mixed_program, scoring_program
 from jaxinfer.serve.live import batch_rows
 from jaxinfer.serve.programs import abstract, compile_for
 from jaxinfer.serve.scheduler import call_rows
@@ -38,22 +38,21 @@ def builds(runner: "Runner", shapes: list[tuple[int, int]], scoring: bool, decod
     arguments shaped as serving passes them."""
     B, V, W, z = runner.max_slots, runner.cfg.vocab_size, runner.width, np.zeros
     counts = (z((B, V), np.int32), z((B, V), bool))
-    base = abstract((runner.model.params, runner.cache, counts, runner.tables.ints, runner.tables.floats,
-                     core.no_mask(B, V)))
-    hooks = abstract(runner.tables.steer_rows)
-    per_slot = abstract((z((B, W), np.int32), z((B,), np.int32), z((B,), np.int32)))  # page table, caps, limits
+    base = abstract((runner.model.params, runner.cache, counts))
+    inputs = abstract(SlotInputs(ints=runner.tables.ints, floats=runner.tables.floats, mask=core.no_mask(B, V),
+                                 table=z((B, W), np.int32), cap=z((B,), np.int32), limit=z((B,), np.int32),
+                                 hooks=runner.tables.steer_rows))
     out = []
     if decode:
         static = dict(cfg=runner.cfg, n_steps=runner.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=runner.packing)
-        out.append((("decode",), functools.partial(compile_for, decode_program, base + per_slot + (hooks,), static,
+        out.append((("decode",), functools.partial(compile_for, decode_program, base + (inputs,), static,
                                                    runner.store)))
     for n_rows, C in shapes:
         static = dict(cfg=runner.cfg, n_top=MAX_TOP_LOGPROBS, packing=runner.packing)
-        chunk_args = abstract((runner.call_shapes.chunk_arrays([], (n_rows, C)),)
-                              + runner.tables.chunk_rows([], [], n_rows))
-        out.append((("mixed", n_rows, C), functools.partial(compile_for, mixed_program,
-                                                            base + per_slot + chunk_args + (hooks,), static,
-                                                            runner.store)))
+        chunk_args = abstract((runner.call_shapes.chunk_arrays([], (n_rows, C)),
+                               runner.tables.chunk_rows([], [], n_rows)))
+        out.append((("mixed", n_rows, C), functools.partial(compile_for, mixed_program, base + (inputs,) + chunk_args,
+                                                            static, runner.store)))
         if scoring and n_rows == 1:  # scoring calls take one chunk (`CallShapes.pick`)
             out += _scoring_builds(runner, C)
     return out
@@ -65,14 +64,15 @@ def _scoring_builds(runner: "Runner", C: int) -> list[tuple[tuple, Callable]]:
     settings, counts = batch_rows([None], z((1,), np.int32), runner.eos_ids, runner.cfg.vocab_size,
                                   runner.key_size, raw_keys=True)
     cache = runner.cache.with_rows(z((1, runner.width), np.int32), z((1,), np.int32))
-    args = abstract((runner.model.params, cache, z((1, C), np.int32), z((1,), np.int32), z((1,), np.int32),
-                     z((1,), bool), settings, counts, z((1, C), np.int32)))
     out = []
     for hidden in (False, True) if runner.hidden_sites else (False,):
         static = dict(cfg=runner.cfg, n_top=MAX_TOP_LOGPROBS, capture=hidden)
-        hooks = abstract(runner.scoring_hooks([None], hidden))
+        work = core.PrefillWork(tokens=z((1, C), np.int32), starts=z((1,), np.int32), n_real=z((1,), np.int32),
+                                last=z((1,), bool), rows=settings, counts=counts, next_tokens=z((1, C), np.int32),
+                                hooks=runner.scoring_hooks([None], hidden))
+        args = abstract((runner.model.params, cache, work))
         out.append((("hidden" if hidden else "prefill", 1, C),
-                    functools.partial(compile_for, scoring_program, args + (hooks,), static, runner.store)))
+                    functools.partial(compile_for, scoring_program, args, static, runner.store)))
     return out
 
 
