@@ -352,15 +352,15 @@ def _with_activations(c, b: int, batch: Batch, prompt_cap: dict, out_cap: list[d
 
 
 def _uncached_logits(params, tokens, cfg, hooks=None):
-    return mdl.forward_with_hooks(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, hooks)[0]
+    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, hooks=hooks).logits
 
 
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
 def _uncached_routing(params, tokens, cfg):
-    logits, _, r = mdl.forward_routed(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)
-    return logits, r
+    out = mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, routing=True)
+    return out.logits, out.routing
 
 
 uncached_routing_jit = jax.jit(_uncached_routing, static_argnames=("cfg",))

@@ -158,8 +158,9 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
     rows = jnp.arange(B)
     first = jnp.stack([hist[rows, n - 1], hist[rows, n]], axis=1)  # [B, 2]
     cache = kv.rewind(cache, n - 1)  # the draft re-reads position n - 1 (see above)
-    logits, cache = mdl.forward(params, first, mdl.default_positions(B, 2, n - 1), cache, cfg,
-                                logit_index=jnp.ones((B,), jnp.int32))
+    out = mdl.forward(params, first, mdl.default_positions(B, 2, n - 1), cache, cfg,
+                      logit_index=jnp.ones((B,), jnp.int32))
+    logits, cache = out.logits, out.cache
 
     def pick(lg, i):  # lg [B, V] -> a draw from q [B], and q [B, V]
         tok, _ = smp.sample(lg, smp.step_keys(keys, i), sampling)
@@ -168,7 +169,8 @@ def draft_proposals(params: Params, cfg: ModelConfig, cache: kv.KVCache, hist: j
     tok, q = pick(logits[:, 0], 0)
     toks, qs = [tok], [q]
     for i in range(1, k):  # k is small and static: unrolled T=1 steps
-        logits, cache = mdl.forward(params, tok[:, None], mdl.default_positions(B, 1, n + i), cache, cfg)
+        out = mdl.forward(params, tok[:, None], mdl.default_positions(B, 1, n + i), cache, cfg)
+        logits, cache = out.logits, out.cache
         tok, q = pick(logits[:, 0], i)
         toks.append(tok)
         qs.append(q)
@@ -235,7 +237,8 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
         proposals, q, draft_cache = draft_proposals(draft_params, draft_cfg, draft_cache, state.hist, n,
                                                     round_keys, k, rows.sampling)
     tokens = jnp.concatenate([cur[:, None], proposals], axis=1)  # [B, k+1]
-    logits, cache = mdl.forward(params, tokens, mdl.default_positions(B, k + 1, n), state.cache, cfg)
+    out = mdl.forward(params, tokens, mdl.default_positions(B, k + 1, n), state.cache, cfg)
+    logits, cache = out.logits, out.cache
     n_acc, nxt = accept(logits, proposals, q, round_keys, rows.sampling)
 
     # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a; cut after a stop token

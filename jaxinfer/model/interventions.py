@@ -24,9 +24,9 @@ programs. Define a custom fn once (at module level), not as a new lambda per cal
 
 At one site and layer the slots apply in one order, consistent with each row's own list (a
 row's later intervention sees its earlier one's result); rows that order the same two slots
-differently at a site are refused. The decode engine's fixed form (the server, item 6 of
-issue 46) keeps a fixed set of slots, e.g. one `add` per enabled site with its gate off by
-default, so requests only change data.
+differently at a site are refused. The decode engine's fixed form (the server) keeps a fixed
+set of slots, e.g. one `add` per enabled site with its gate off by default, so requests only
+change data.
 
 Built in: `add` (steering: x + scale * vector), `ablate` (zero or mean ablation of the whole
 site, of chosen heads at attn_heads, or of chosen directions), `patch` (values captured from
