@@ -590,12 +590,12 @@ def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, colle
         out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale,
                             sinks)
         return [out], None, probs
-    own_rows = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
+    carried_view = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
     for k, v, seg in zip(ks, vs, segs):  # every segment's keys first: none reads another's pages
         view = cache.with_rows(seg.page_table, seg.lengths)
         cache = (update_latent(view, k, layer, seg.lengths) if cache.latent
                  else view.update_layer(k, v, layer, seg.lengths))
-    cache = cache.with_rows(*own_rows)
+    cache = cache.with_rows(*carried_view)
     if collect:  # the probes' path: every table position, one softmax
         (q,), (seg,) = qs, segs
         keys, values = _read_all(cache, layer, q.dtype)
