@@ -142,11 +142,11 @@ def test_int8_kv_cache_logits_close_on_real_model(smollm2, heldout_ids):
     out = {}
     for dt in ("float32", "int8"):
         c = kv.init_cache(cfg, 1, 64, dt)
-        out = step(smollm2.params, c, ids[:, :32], pos[:, :32])  # prefill 32, then decode 8 one by one
-        rows = [out.logits]
+        res = step(smollm2.params, c, ids[:, :32], pos[:, :32])  # prefill 32, then decode 8 one by one
+        rows = [res.logits]
         for t in range(32, 40):
-            out = step(smollm2.params, out.cache, ids[:, t:t + 1], pos[:, t:t + 1])
-            rows.append(out.logits)
+            res = step(smollm2.params, res.cache, ids[:, t:t + 1], pos[:, t:t + 1])
+            rows.append(res.logits)
         out[dt] = np.asarray(jnp.concatenate(rows, 1)[0])
     top1, kl = _agreement_and_kl(out["float32"], out["int8"])
     diff = float(np.max(np.abs(out["float32"] - out["int8"])))
