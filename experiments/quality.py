@@ -60,7 +60,7 @@ def quantization(m, args) -> dict:
         params = m.params if wmode is None else jax.jit(Q.quantize, static_argnums=(1, 2))(m.params, m.config, wmode)
         cfg = m.config.replace(kv_dtype=kvmode)
         # the whole window through the cache, so an int8 cache's rounding is in the logits
-        fwd = jax.jit(lambda p, t, c, cfg=cfg: mdl.forward(p, t, mdl.default_positions(*t.shape), c, cfg)[0])
+        fwd = jax.jit(lambda p, t, c, cfg=cfg: mdl.forward(p, t, mdl.default_positions(*t.shape), c, cfg).logits)
         logp = np.concatenate([np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray(w)[None], kv.init_cache(cfg, 1, W))[0, :-1], -1))
                                for w in windows])  # [P, V]: predictions of tokens 1..W-1
         ref = logp if ref is None else ref

@@ -86,7 +86,7 @@ def distill(m, args) -> dict:
     held = jnp.asarray(np.asarray(_common.text_ids(m.tokenizer)[:4 * args.seq], np.int32).reshape(4, args.seq))
 
     def logp(params, tokens, c):
-        return jax.nn.log_softmax(mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, c)[0], -1)
+        return jax.nn.log_softmax(mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, c).logits, -1)
 
     def kl_top1(t_logp, d_logp):
         return (jnp.mean(jnp.sum(jnp.exp(t_logp) * (t_logp - d_logp), -1)),

@@ -149,7 +149,7 @@ def speed(args, m, layer: int) -> dict:
     tokens = jnp.asarray(np.asarray(prompts, np.int32))
     last = jnp.full((B,), T - 1, jnp.int32)
     plain_pass = jax.jit(lambda p, t: mdl.forward(p, t, mdl.default_positions(*t.shape), None, cfg,
-                                                  logit_index=last)[0])
+                                                  logit_index=last).logits)
     got, med = _side_by_side({"plain": timed(lambda: plain_pass(m.params, tokens)), "capture": timed(
         lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}, args.rounds)
     rows.append({"row": f"capture resid_post, all {cfg.n_layers} layers, {B} x {T} tokens / plain pass",

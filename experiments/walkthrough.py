@@ -234,8 +234,8 @@ def _memory(m) -> dict:
                      "bytes_per_token": bpt, "bytes_at_8192": bpt * 8192})
     ids = m.tokenizer.encode(DEFAULT_TEXT["sampling"])
     fwd = jax.jit(mdl.forward, static_argnames=("cfg",))
-    _, cache = fwd(m.params, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None],
-                   jaxinfer.init_cache(m.config, 1, 256), cfg=m.config)
+    cache = fwd(m.params, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None],
+                jaxinfer.init_cache(m.config, 1, 256), cfg=m.config).cache
     measured = int(cache.k.nbytes) + int(cache.v.nbytes)
     _, n_pages, page = cache.k.shape[:3]  # 256 positions in pages, plus page 0 (the trash page)
     formula = jaxinfer.bytes_per_token(m.config, cache.k.dtype) * n_pages * page

@@ -40,9 +40,13 @@ def test_abstract_cache_allocates_nothing():
     assert c.k.shape == (80, 1 + 8 * 512, 16, 8, 128)
 
 
+def _logits_and_cache(out: mdl.ForwardOut):
+    return out.logits, out.cache
+
+
 def _cached_vs_uncached(params, cfg, ids, wrap=lambda f: f):
     """Logits of decoding `ids` token by token through the cache vs one uncached pass."""
-    fwd = wrap(lambda p, t, pos, c: mdl.forward(p, t, pos, c, cfg))
+    fwd = wrap(lambda p, t, pos, c: _logits_and_cache(mdl.forward(p, t, pos, c, cfg)))
     T = len(ids)
     tokens = jnp.asarray([ids], jnp.int32)
     full, _ = fwd(params, tokens, jnp.arange(T)[None], None)
@@ -97,11 +101,11 @@ def test_paged_attention_equals_dense_attention(kv_dtype, layout, monkeypatch):
         cache = kv.init_cache(cfg, 2, 24, page_size=page_size).replace(block_pages=block_pages)
         # scatter each row's pages over the pool in reverse order: the table, not adjacency, decides
         cache = cache.replace(page_table=cache.page_table[:, ::-1].at[:, :].get())
-        lg1, cache = mdl.forward(params, ids[:, :5], pos[:, :5], cache, cfg, n_new=jnp.asarray([5, 3]))
-        lg2, cache = mdl.forward(params, ids[:, 5:], mdl.default_positions(2, 7, cache.lengths), cache, cfg)
+        lg1, cache = _logits_and_cache(mdl.forward(params, ids[:, :5], pos[:, :5], cache, cfg, n_new=jnp.asarray([5, 3])))
+        lg2, cache = _logits_and_cache(mdl.forward(params, ids[:, 5:], mdl.default_positions(2, 7, cache.lengths), cache, cfg))
         got = np.concatenate([np.asarray(lg1[0]), np.asarray(lg2[0])])  # row 0 is contiguous: 12 tokens
         if ref is None:
-            full, _ = mdl.forward(params, ids[:1], pos[:1], None, cfg)
+            full = mdl.forward(params, ids[:1], pos[:1], None, cfg).logits
             if kv_dtype == "float32":
                 assert_close(got, np.asarray(full[0]), what="paged vs dense attention")
             elif kv_dtype == "float16":  # keys and values stored in float16: one float16 rounding each
@@ -134,7 +138,7 @@ def test_decode_steps_over_big_and_small_blocks(window, table, monkeypatch):
     tokens = np.zeros((2, 17), np.int32)
     for b, n in enumerate(prompt):
         tokens[b, :n] = ids[b, :n]
-    step = jax.jit(lambda t, pos, c, n: mdl.forward(params, t, pos, c, cfg, n_new=n))
+    step = jax.jit(lambda t, pos, c, n: _logits_and_cache(mdl.forward(params, t, pos, c, cfg, n_new=n)))
     _, cache = step(jnp.asarray(tokens), mdl.default_positions(2, 17), cache, jnp.asarray(prompt))
     got = [[], []]
     for i in range(12):
@@ -144,7 +148,7 @@ def test_decode_steps_over_big_and_small_blocks(window, table, monkeypatch):
             got[b].append(np.asarray(lg[b, 0]))
     for b in range(2):
         n = prompt[b] + 12
-        full, _ = mdl.forward(params, jnp.asarray(ids[b:b + 1, :n]), jnp.arange(n)[None], None, cfg)
+        full = mdl.forward(params, jnp.asarray(ids[b:b + 1, :n]), jnp.arange(n)[None], None, cfg).logits
         assert_close(np.stack(got[b]), np.asarray(full[0, prompt[b]:n]), what=f"row {b}, window {window}")
 
 
@@ -154,11 +158,11 @@ def test_forward_is_the_one_writer_of_lengths():
     params = init_params(cfg, jax.random.key(0))
     ids = jnp.asarray([[5, 17, 99, 3], [8, 1, 2, 250]], jnp.int32)
     cache = kv.init_cache(cfg, 2, 16)
-    _, cache = mdl.forward(params, ids, mdl.default_positions(2, 4), cache, cfg, n_new=jnp.asarray([4, 2]))
+    cache = mdl.forward(params, ids, mdl.default_positions(2, 4), cache, cfg, n_new=jnp.asarray([4, 2])).cache
     np.testing.assert_array_equal(cache.lengths, [4, 2])
     # The next token of each row lands at its own length (row 1 overwrites its padding slot 2).
     nxt = jnp.asarray([[7], [7]], jnp.int32)
-    _, after = mdl.forward(params, nxt, mdl.default_positions(2, 1, cache.lengths), cache, cfg)
+    after = mdl.forward(params, nxt, mdl.default_positions(2, 1, cache.lengths), cache, cfg).cache
     np.testing.assert_array_equal(after.lengths, [5, 3])
     page = int(cache.page_table[1, 0])  # row 1's first page holds its positions 0..page_size-1
     np.testing.assert_array_equal(after.k[:, page, 3], cache.k[:, page, 3])  # row 1's slot 3 untouched
@@ -173,8 +177,8 @@ def test_writes_off_the_table_land_on_the_trash_page():
     pool = kv.init_pool(cfg, 5, 4, batch_size=2, width=2)
     table = jnp.asarray([[1, 2], [0, 0]], jnp.int32)  # row 0 owns pages 1, 2; row 1 is idle
     cache = pool.with_rows(table, jnp.asarray([6, 0], jnp.int32))
-    _, after = mdl.forward(params, jnp.asarray([[3, 4, 5], [3, 4, 5]]), mdl.default_positions(2, 3, cache.lengths),
-                           cache, cfg)  # row 0 writes positions 6, 7 (page 2) and 8 (off the table)
+    after = mdl.forward(params, jnp.asarray([[3, 4, 5], [3, 4, 5]]), mdl.default_positions(2, 3, cache.lengths),
+                        cache, cfg).cache  # row 0 writes positions 6, 7 (page 2) and 8 (off the table)
     changed = [p for p in range(5) if not np.array_equal(np.asarray(after.k[:, p]), np.asarray(pool.k[:, p]))]
     assert changed == [0, 2]
 

@@ -22,7 +22,7 @@ def test_eval_shape_of_70b_forward_allocates_nothing():
     cfg = C.llama3_70b(dtype="bfloat16")
     params = prm.abstract_params(cfg)
     tokens = jax.ShapeDtypeStruct((2, 16), "int32")
-    logits, _ = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens)
+    logits = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens).logits
     assert logits.shape == (2, 16, 128256)
     assert prm.nbytes(params) == 2 * cfg.n_params  # bf16
 
@@ -36,7 +36,7 @@ def test_new_family_presets_eval_shape(preset, billions):
     assert cfg.n_params / 1e9 == pytest.approx(billions, rel=3e-3)
     params = prm.abstract_params(cfg)
     tokens = jax.ShapeDtypeStruct((2, 16), "int32")
-    logits, _ = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens)
+    logits = jax.eval_shape(lambda p, t: forward(p, t, t, None, cfg), params, tokens).logits
     assert logits.shape == (2, 16, cfg.vocab_size)
     assert prm.nbytes(params) == 2 * cfg.n_params
     hash(cfg)

@@ -25,7 +25,7 @@ def _greedy_reference(prompt, n):
     """Greedy tokens by rerunning the uncached forward on the growing sequence."""
     seq = list(prompt)
     for _ in range(n):
-        logits, _ = mdl.forward(PARAMS, jnp.asarray([seq]), jnp.arange(len(seq))[None], None, CFG)
+        logits = mdl.forward(PARAMS, jnp.asarray([seq]), jnp.arange(len(seq))[None], None, CFG).logits
         seq.append(int(jnp.argmax(logits[0, -1])))
     return seq[len(prompt):]
 
@@ -112,7 +112,7 @@ def _alone(prompt, n, sampling, key):
     return [int(first[0])] + [int(x) for x in np.asarray(em.tokens[:, 0, 0])]
 
 
-def test_forward_segments_equal_each_segment_alone():
+def test_forward_of_segments_equals_each_segment_alone():
     """A decode segment [2, 1] and a prompt chunk [1, 5] in one forward: the same logits and the
     same keys on the same pages as two forwards."""
     pool = kv.init_pool(CFG, 12, 4, batch_size=2, width=4)
@@ -121,10 +121,13 @@ def test_forward_segments_equal_each_segment_alone():
     pre = mdl.Segment(tokens=jnp.asarray([[4, 8, 15, 16, 23]]), positions=jnp.arange(5)[None],
                       page_table=jnp.asarray([[6, 7, 0, 0]]), lengths=jnp.zeros((1,), jnp.int32),
                       logit_index=jnp.asarray([4]))
-    (l_dec, l_pre), (c_dec, c_pre) = jax.jit(lambda p, c: mdl.forward_segments(p, (dec, pre), c, CFG))(PARAMS, pool)
-    a, ca = mdl.forward(PARAMS, dec.tokens, dec.positions, pool.with_rows(dec.page_table, dec.lengths), CFG)
-    b, cb = mdl.forward(PARAMS, pre.tokens, pre.positions, ca.with_rows(pre.page_table, pre.lengths), CFG,
+    both = jax.jit(lambda p, c: mdl.forward(p, None, None, c, CFG, segments=(dec, pre)))(PARAMS, pool)
+    (l_dec, c_dec), (l_pre, c_pre) = ((o.logits, o.cache) for o in both)
+    alone = mdl.forward(PARAMS, dec.tokens, dec.positions, pool.with_rows(dec.page_table, dec.lengths), CFG)
+    a, ca = alone.logits, alone.cache
+    alone = mdl.forward(PARAMS, pre.tokens, pre.positions, ca.with_rows(pre.page_table, pre.lengths), CFG,
                         logit_index=pre.logit_index)
+    b, cb = alone.logits, alone.cache
     chex.assert_trees_all_close((l_dec, l_pre), (a, b), atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close((c_pre.k, c_pre.v), (cb.k, cb.v), atol=1e-5, rtol=1e-5)
     assert c_dec.k is c_pre.k or np.array_equal(np.asarray(c_dec.k), np.asarray(c_pre.k))  # one pool

@@ -51,19 +51,19 @@ def test_int8_kernel_in_bfloat16_accumulates_in_float32():
 
 def test_int8_kernel_choice_by_backend_dtype_and_shape():
     # default: the kernel only on a GPU, for bf16/fp16 rows of decode size, where a tiling divides the shape
-    assert not km.use_kernel(None, 1, jnp.bfloat16, 4096, 4096, backend="cpu")
-    assert km.use_kernel(None, 1, jnp.bfloat16, 4096, 4096, backend="gpu")
-    assert km.use_kernel(None, 64, jnp.float16, 4096, 14336, "IO", backend="gpu")
-    assert not km.use_kernel(None, 65, jnp.bfloat16, 4096, 4096, backend="gpu")  # a prefill chunk: XLA's GEMM
-    assert not km.use_kernel(None, 1, jnp.float32, 4096, 4096, backend="gpu")
-    assert not km.use_kernel(None, 1, jnp.bfloat16, 4096, 100, backend="gpu")  # no Triton tile divides 100
-    assert km.use_kernel("pallas", km.MAX_ROWS, jnp.float32, 64, 64, backend="cpu")  # the config forces it
+    assert not km.use_kernel(None, 1, jnp.bfloat16, I=4096, O=4096, backend="cpu")
+    assert km.use_kernel(None, 1, jnp.bfloat16, I=4096, O=4096, backend="gpu")
+    assert km.use_kernel(None, 64, jnp.float16, I=4096, O=14336, w_layout="IO", backend="gpu")
+    assert not km.use_kernel(None, 65, jnp.bfloat16, I=4096, O=4096, backend="gpu")  # a prefill chunk: XLA's GEMM
+    assert not km.use_kernel(None, 1, jnp.float32, I=4096, O=4096, backend="gpu")
+    assert not km.use_kernel(None, 1, jnp.bfloat16, I=4096, O=100, backend="gpu")  # no Triton tile divides 100
+    assert km.use_kernel("pallas", km.MAX_ROWS, jnp.float32, I=64, O=64, backend="cpu")  # the config forces it
     # ... where it applies: the kernel holds every row in one tile, so a prefill chunk stays on XLA's GEMM
-    assert not km.use_kernel("pallas", km.MAX_ROWS + 1, jnp.bfloat16, 4096, 4096, backend="gpu")
-    assert not km.use_kernel("pallas", 512, jnp.float32, 64, 64, backend="cpu")
-    assert not km.use_kernel("xla", 1, jnp.bfloat16, 4096, 4096, backend="gpu")
+    assert not km.use_kernel("pallas", km.MAX_ROWS + 1, jnp.bfloat16, I=4096, O=4096, backend="gpu")
+    assert not km.use_kernel("pallas", 512, jnp.float32, I=64, O=64, backend="cpu")
+    assert not km.use_kernel("xla", 1, jnp.bfloat16, I=4096, O=4096, backend="gpu")
     with pytest.raises(ValueError, match="int8 matmul kernel must be one of"):
-        km.use_kernel("triton", 1, jnp.bfloat16, 64, 64)
+        km.use_kernel("triton", 1, jnp.bfloat16, I=64, O=64)
     with pytest.raises(ValueError, match="int8_matmul must be None or one of"):
         C.tiny(int8_matmul="triton")
     # many programs for a narrow matrix: 4,096 outputs in blocks of 64 are 64 programs, inputs split 4 ways
@@ -88,7 +88,7 @@ def test_int8_kernel_compiled_for_the_gpu_equals_xla(rows):
     k1, k2 = jax.random.split(jax.random.key(2))
     qw = Q.quantize_int8(jax.random.normal(k1, (4096, 4096)).astype(jnp.bfloat16), (-1,))
     x = jax.random.normal(k2, (rows, 4096)).astype(jnp.bfloat16)
-    assert km.use_kernel(None, rows, x.dtype, 4096, 4096)
+    assert km.use_kernel(None, rows, x.dtype, I=4096, O=4096)
     got = km.int8_matmul(x, qw.q, qw.scale)
     want = qw.einsum("...I,OI->...O", x)
     assert_close(got.astype(jnp.float32), want.astype(jnp.float32), dtype="bfloat16", what="Triton int8 vs XLA")
@@ -111,9 +111,9 @@ def test_forward_with_the_int8_kernel_equals_xla(layout, monkeypatch):
     qp, cfg = lay.convert(qp, cfg, layout), cfg.replace(layout=layout)
     tokens = jax.random.randint(jax.random.key(1), (2, 3), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(3), (2, 3))
-    want = mdl.forward(qp, tokens, pos, None, cfg.replace(int8_matmul="xla"))[0]
+    want = mdl.forward(qp, tokens, pos, None, cfg.replace(int8_matmul="xla")).logits
     assert not calls  # "xla" never runs the kernel
-    got = mdl.forward(qp, tokens, pos, None, cfg.replace(int8_matmul="pallas"))[0]
+    got = mdl.forward(qp, tokens, pos, None, cfg.replace(int8_matmul="pallas")).logits
     assert calls  # the MLP matrices (stacked), every matrix (per_layer), and the head go through it
     assert_close(got, want, what=f"{layout}: int8 forward, Pallas kernel vs XLA")
 
@@ -126,11 +126,11 @@ def _chunked_logits(cfg, params, firsts=(40, 29), chunk=24, batch=2):
     tokens = jax.random.randint(jax.random.key(2), (batch, max(firsts) + chunk), 0, cfg.vocab_size)
     first = max(firsts)
     pos = jnp.broadcast_to(jnp.arange(first), (batch, first))
-    _, cache = mdl.forward(params, tokens[:, :first], pos, cache, cfg)
+    cache = mdl.forward(params, tokens[:, :first], pos, cache, cfg).cache
     cache = kv.rewind(cache, jnp.array(firsts, jnp.int32))  # row 1 keeps fewer positions
     pos = cache.lengths[:, None] + jnp.arange(chunk)
     rows = jnp.arange(batch)[:, None]
-    return mdl.forward(params, tokens[rows, pos], pos, cache, cfg)[0]
+    return mdl.forward(params, tokens[rows, pos], pos, cache, cfg).logits
 
 
 @pytest.mark.parametrize("family", ["gqa", "window", "window_per_layer", "one_block"])
@@ -172,7 +172,7 @@ def test_prefill_attention_choice_by_backend_dtype_and_shape():
         C.tiny(context_block=0)
     q = jnp.zeros((1, 4, 4, 16), jnp.float32)
     with pytest.raises(ValueError, match="cuDNN attention takes"):
-        pa.prefill_attention(q, q, q, jnp.zeros((1, 4), jnp.int32), None, 0, 1.0, implementation="cudnn")
+        pa.prefill_attention(q, q, q, jnp.zeros((1, 4), jnp.int32), None, 0, scale=1.0, implementation="cudnn")
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")

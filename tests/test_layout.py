@@ -51,18 +51,18 @@ def test_same_logits_uncached_and_cached(name, lay):
     fwd = jax.jit(lambda p, t, pos, c, cfg, n=None: mdl.forward(p, t, pos, c, cfg, n_new=n), static_argnums=4)
     ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [8, 1, 2, 250, 9, 31]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    ref, _ = fwd(params, ids, pos, None, cfg)
-    got, _ = fwd(fast, ids, pos, None, fast_cfg)
+    ref = fwd(params, ids, pos, None, cfg).logits
+    got = fwd(fast, ids, pos, None, fast_cfg).logits
     assert_close(got, ref, what=f"{name} {lay} vs stacked, uncached")
     # Rows at different lengths write different cache slots (the per-row cache write).
     lengths = jnp.asarray([4, 2])
     caches = []
     for p, c in ((params, cfg), (fast, fast_cfg)):
         cache = kv.init_cache(cfg, 2, 16)
-        _, cache = fwd(p, ids[:, :4], pos[:, :4], cache, c, lengths)  # row 1 keeps 2 of its 4 tokens
+        cache = fwd(p, ids[:, :4], pos[:, :4], cache, c, lengths).cache  # row 1 keeps 2 of its 4 tokens
         step_pos = lengths[:, None]
-        lg, cache = fwd(p, ids[:, 4:5], step_pos, cache, c)
-        caches.append((lg, cache))
+        out = fwd(p, ids[:, 4:5], step_pos, cache, c)
+        caches.append((out.logits, out.cache))
     assert_close(caches[1][0], caches[0][0], what=f"{name} {lay} vs stacked, cached step")
     assert_close(caches[1][1].k, caches[0][1].k, what=f"{name} {lay} vs stacked, cached keys")
     np.testing.assert_array_equal(caches[1][1].lengths, [5, 3])
@@ -152,8 +152,8 @@ def test_int8_weights_unstack_exactly_and_int4_is_refused_clearly():
         for tokens in ([[1, 5, 9, 3, 7, 2]], [[1, 5, 9], [3, 7, 2]]):  # one row (a dot), two (summed form)
             tokens = jnp.array(tokens)
             pos = default_positions(*tokens.shape)
-            ref, _ = forward(q, tokens, pos, None, cfg)
-            got, _ = forward(fast, tokens, pos, None, cpu)
+            ref = forward(q, tokens, pos, None, cfg).logits
+            got = forward(fast, tokens, pos, None, cpu).logits
             # The same products summed in another order: two float32 programs of a tiny model.
             assert_close(got, ref, what=f"int8 unstacked vs stacked, {cfg.name} {tokens.shape}")
             assert (got.argmax(-1) == ref.argmax(-1)).all()

@@ -79,11 +79,11 @@ def test_cached_path_logits_and_greedy_tokens(models, family):
     ids, want = ref["ids"].tolist(), ref["greedy"].tolist()
     fwd = jax.jit(F.forward, static_argnames=("cfg",))
     cache = jaxinfer.init_cache(m.config, 1, 64)
-    logits, cache = fwd(m.params, jnp.asarray([ids]), F.default_positions(1, len(ids)), cache, m.config)
-    steps = [logits[0, -1]]
+    out = fwd(m.params, jnp.asarray([ids]), F.default_positions(1, len(ids)), cache, m.config)
+    steps = [out.logits[0, -1]]
     for t in want[:-1]:
-        logits, cache = fwd(m.params, jnp.asarray([[t]]), cache.lengths[:, None], cache, m.config)
-        steps.append(logits[0, 0])
+        out = fwd(m.params, jnp.asarray([[t]]), out.cache.lengths[:, None], out.cache, m.config)
+        steps.append(out.logits[0, 0])
     assert_close(np.stack(steps), ref["tf_logits"], fp32_error=ref["logits_fp32_error"], what=f"{family} cached")
     out = jaxinfer.generate(m, [ids], max_new_tokens=32, sampling=GREEDY, stop_at_eos=False)
     assert out.completions[0].token_ids == want
@@ -183,7 +183,7 @@ def test_kernels_agree_in_the_forward(models):
     pos = F.default_positions(*ids.shape)
     fwd = jax.jit(F.forward, static_argnames=("cfg",))
     out = {k: np.asarray(fwd(m.params, ids, pos, None, m.config.replace(
-        moe=dataclasses.replace(m.config.moe, kernel=k)))[0]) for k in ("blocks", "ragged")}
+        moe=dataclasses.replace(m.config.moe, kernel=k))).logits) for k in ("blocks", "ragged")}
     assert_close(out["ragged"], out["blocks"], what="ragged vs blocks kernel")
 
 

@@ -41,7 +41,7 @@ def test_attention_equals_the_cached_prefill(tiny):
     cfg, T = tiny.config, len(IDS)
     cache = jaxinfer.init_cache(cfg, 1, 32)
     pos = jnp.arange(T, dtype=jnp.int32)[None]
-    _, _, probs = mdl.forward_attention(tiny.params, jnp.asarray([IDS]), pos, cache, cfg)
+    probs = mdl.forward(tiny.params, jnp.asarray([IDS]), pos, cache, cfg, attention=True).attention
     probs = np.asarray(probs[:, 0])  # [L, N, T, S]
     assert probs[..., T:].max() == 0.0  # empty slots get nothing
     assert_close(probs[..., :T], jaxinfer.attention(tiny, IDS), what="cached prefill's attention weights")

@@ -82,7 +82,7 @@ def test_quantized_forward_equals_forward_on_dequantized_weights(mode, head):
     qp = Q.quantize(p, cfg, mode, group_size=16, head=head)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
-    fwd = jax.jit(lambda params: mdl.forward(params, tokens, pos, None, cfg)[0])
+    fwd = jax.jit(lambda params: mdl.forward(params, tokens, pos, None, cfg).logits)
     got, want = fwd(qp), fwd(Q.dequantize(qp))
     assert_close(got, want, what=f"{mode}/{head}: quantized vs dequantized-float forward")
     # and the quantized tree is smaller and still one pytree the layer scan slices on L
@@ -142,11 +142,11 @@ def test_int8_kv_cache_logits_close_on_real_model(smollm2, heldout_ids):
     out = {}
     for dt in ("float32", "int8"):
         c = kv.init_cache(cfg, 1, 64, dt)
-        first, c = step(smollm2.params, c, ids[:, :32], pos[:, :32])  # prefill 32, then decode 8 one by one
-        rows = [first]
+        res = step(smollm2.params, c, ids[:, :32], pos[:, :32])  # prefill 32, then decode 8 one by one
+        rows = [res.logits]
         for t in range(32, 40):
-            lg, c = step(smollm2.params, c, ids[:, t:t + 1], pos[:, t:t + 1])
-            rows.append(lg)
+            res = step(smollm2.params, res.cache, ids[:, t:t + 1], pos[:, t:t + 1])
+            rows.append(res.logits)
         out[dt] = np.asarray(jnp.concatenate(rows, 1)[0])
     top1, kl = _agreement_and_kl(out["float32"], out["int8"])
     diff = float(np.max(np.abs(out["float32"] - out["int8"])))

@@ -123,7 +123,7 @@ def test_sampled_tokens_follow_the_target_distribution_on_a_small_model(method):
     # Exact target distribution of x2 given each row's x1, summed over rows.
     seqs = jnp.asarray([prompt + [int(a)] for a in x1])
     pos = jnp.broadcast_to(jnp.arange(len(prompt) + 1), seqs.shape)
-    logits = fwd.forward(params, seqs, pos, None, cfg)[0][:, -1]
+    logits = fwd.forward(params, seqs, pos, None, cfg).logits[:, -1]
     expected = np.asarray(jax.nn.softmax(logits, -1)).sum(0)
     observed = np.bincount(x2, minlength=cfg.vocab_size).astype(float)
     stat, df = _chi2(observed, expected)

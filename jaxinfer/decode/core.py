@@ -332,10 +332,9 @@ def prefill(params: Params, cache: KVCache, work: PrefillWork, *, options: Prefi
     positions = mdl.default_positions(B, C, starts)
     lastpos = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
     with jax.named_scope("prefill"):
-        logits, cache, captured, route = mdl.forward_full(params, tokens, positions, cache, cfg, hooks,
-                                                          routing=routing,
-                                                          logit_index=None if prompt_logprobs else lastpos,
-                                                          n_new=n_real)
+        out = mdl.forward(params, tokens, positions, cache, cfg, hooks=hooks, routing=routing,
+                          logit_index=None if prompt_logprobs else lastpos, n_new=n_real)
+    logits, cache, captured, route = out.logits, out.cache, out.captured, out.routing
     if captured and not options.capture_prompt:
         captured = {k: jnp.take_along_axis(v, lastpos.reshape((B, 1) + (1,) * (v.ndim - 2)), axis=1)
                     for k, v in captured.items()}
@@ -359,7 +358,7 @@ def prefill(params: Params, cache: KVCache, work: PrefillWork, *, options: Prefi
 
 
 def _by_row(route) -> Optional[Routing]:
-    """`forward_full`'s router choices [L, B, T, k] as [B, T, L, k] (None when not asked for)."""
+    """The forward's router choices [L, B, T, k] as [B, T, L, k] (None when not asked for)."""
     if route is None:
         return None
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2), route)
@@ -378,10 +377,10 @@ def decode_step(params: Params, state: DecodeState, *, options: DecodeOptions):
     cfg, routing = options.cfg, options.routing
     live = state.rows.live
     at = state.cache.lengths  # [B] position of each row's input token
-    logits, cache, captured, route = mdl.forward_full(params, state.tokens[:, None], at[:, None], state.cache, cfg,
-                                                      state.hooks, routing=routing, n_new=live.astype(jnp.int32))
-    state, em = _advance(state, cache, logits[:, 0], live, options)
-    return state, em.replace(captured=captured or None, routing=_by_row(route))
+    out = mdl.forward(params, state.tokens[:, None], at[:, None], state.cache, cfg, hooks=state.hooks,
+                      routing=routing, n_new=live.astype(jnp.int32))
+    state, em = _advance(state, out.cache, out.logits[:, 0], live, options)
+    return state, em.replace(captured=out.captured or None, routing=_by_row(out.routing))
 
 
 def _advance(state: DecodeState, cache: KVCache, logits: jax.Array, live: jax.Array, options: DecodeOptions):
@@ -421,9 +420,9 @@ class Chunks:
 def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: DecodeOptions):
     """One decode step over the B slots and R prompt chunks of new requests, in one forward.
 
-    The decode rows [B, 1] and the chunks [R, C] go through `forward_segments` together, so the
-    weights are read once for both (a decode step's few rows cost little more than the weights'
-    read). Slots named in `chunks.slots` do not decode in this step; a chunk that ends
+    The decode rows [B, 1] and the chunks [R, C] go through one `forward` (its `segments`) together, so the
+    weights are read once for both (on a CPU a decode step's 8 rows cost nearly what a 40-row
+    matmul costs). Slots named in `chunks.slots` do not decode in this step; a chunk that ends
     its context samples the request's first token (fold_in(key, steps) as in `prefill`) and its
     slot joins the decode rows: token, length, steps, budget and stop flag as a decode step would
     leave them, so the scan that follows decodes it on.
@@ -465,7 +464,8 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: D
         taken = jax.tree.map(lambda a: a[at_slot], state.hooks)
         hooks = (state.hooks, taken.replace(slots=tuple(s.replace(gate=s.gate & real[:, None]) for s in taken.slots)))
     with jax.named_scope("mixed"):
-        (dec_logits, pre_logits), (dec_cache, _) = mdl.forward_segments(params, segments, cache, cfg, hooks)
+        dec, pre = mdl.forward(params, None, None, cache, cfg, hooks=hooks, segments=segments)
+    (dec_logits, pre_logits), dec_cache = (dec.logits, pre.logits), dec.cache
     state, em = _advance(state, dec_cache.with_rows(cache.page_table, dec_cache.lengths), dec_logits[:, 0], live,
                          options)
     # The chunks' rows: their slots' settings, sampled as `prefill` samples them.

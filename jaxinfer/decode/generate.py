@@ -363,15 +363,15 @@ def _with_activations(c, b: int, batch: Batch, prompt_cap: dict, out_cap: list[d
 
 
 def _uncached_logits(params, tokens, cfg, hooks=None):
-    return forward.forward_with_hooks(params, tokens, forward.default_positions(*tokens.shape), None, cfg, hooks)[0]
+    return forward.forward(params, tokens, forward.default_positions(*tokens.shape), None, cfg, hooks=hooks).logits
 
 
 uncached_logits_jit = jax.jit(_uncached_logits, static_argnames=("cfg",))
 
 
 def _uncached_routing(params, tokens, cfg):
-    logits, _, r = forward.forward_routed(params, tokens, forward.default_positions(*tokens.shape), None, cfg)
-    return logits, r
+    out = forward.forward(params, tokens, forward.default_positions(*tokens.shape), None, cfg, routing=True)
+    return out.logits, out.routing
 
 
 uncached_routing_jit = jax.jit(_uncached_routing, static_argnames=("cfg",))

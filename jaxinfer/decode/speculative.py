@@ -159,8 +159,9 @@ def draft_proposals(draft: Draft, cache: kv.KVCache, hist: jax.Array, n: jax.Arr
     at = jnp.arange(B)
     first = jnp.stack([hist[at, n - 1], hist[at, n]], axis=1)  # [B, 2]
     cache = kv.rewind(cache, n - 1)  # the draft re-reads position n - 1 (see above)
-    logits, cache = forward.forward(params, first, forward.default_positions(B, 2, n - 1), cache, cfg,
-                                logit_index=jnp.ones((B,), jnp.int32))
+    out = forward.forward(params, first, forward.default_positions(B, 2, n - 1), cache, cfg,
+                      logit_index=jnp.ones((B,), jnp.int32))
+    logits, cache = out.logits, out.cache
 
     def pick(lg, i):  # lg [B, V] -> a draw from q [B], and q [B, V]
         tok, _ = sample(lg, step_keys(keys, i), settings)
@@ -169,7 +170,8 @@ def draft_proposals(draft: Draft, cache: kv.KVCache, hist: jax.Array, n: jax.Arr
     tok, q = pick(logits[:, 0], 0)
     toks, qs = [tok], [q]
     for i in range(1, k):  # k is small and static: unrolled T=1 steps
-        logits, cache = forward.forward(params, tok[:, None], forward.default_positions(B, 1, n + i), cache, cfg)
+        out = forward.forward(params, tok[:, None], forward.default_positions(B, 1, n + i), cache, cfg)
+        logits, cache = out.logits, out.cache
         tok, q = pick(logits[:, 0], i)
         toks.append(tok)
         qs.append(q)
@@ -236,7 +238,8 @@ def spec_round(params: Params, draft_params: Optional[Params], state: SpecState,
         proposals, q, draft_cache = draft_proposals(Draft(config=draft_cfg, params=draft_params), draft_cache,
                                                     state.hist, n, keys=round_keys, settings=row_state.sampling, k=k)
     tokens = jnp.concatenate([cur[:, None], proposals], axis=1)  # [B, k+1]
-    logits, cache = forward.forward(params, tokens, forward.default_positions(B, k + 1, n), state.cache, cfg)
+    out = forward.forward(params, tokens, forward.default_positions(B, k + 1, n), state.cache, cfg)
+    logits, cache = out.logits, out.cache
     n_acc, nxt = accept(logits, proposals, q, round_keys, row_state.sampling)
 
     # Emitted: d_1..d_a then the next token, at positions n+1 .. n+1+a; cut after a stop token

@@ -34,7 +34,7 @@ Length: a pair longer than `max_length` tokens loses tokens from the left of its
 the harness's Hugging Face model does); a continuation that leaves no context token is refused.
 
 With interventions (`jaxinfer.interventions`), the pairs are scored as closed batches of one
-uncached forward each (`forward_with_hooks`, no engine, no prefix sharing), every pair with its
+uncached forward each (`forward` with hooks, no engine, no prefix sharing), every pair with its
 own interventions; `interventions=[]` scores the plain model on that same path, for a baseline
 computed the same way.
 """
@@ -284,7 +284,7 @@ def _token_logprobs(params, tokens, hooks, cfg):
     """tokens [B, T] -> (log p(tokens[:, t + 1] | ..t) [B, T], whether it is the argmax [B, T]),
     the last column meaningless."""
     B, T = tokens.shape
-    logits = mdl.forward_with_hooks(params, tokens, mdl.default_positions(B, T), None, cfg, hooks)[0]
+    logits = mdl.forward(params, tokens, mdl.default_positions(B, T), None, cfg, hooks=hooks).logits
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return (jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0],

@@ -6,7 +6,7 @@
   logit_lens    every layer's resid_post read through the final norm and the unembedding (and
                 Gemma's softcap): the top tokens each layer would predict at each position.
 
-Both run `model.forward.forward_with_hooks`, the forward that generation runs. Shape letters as
+Both run `model.forward.forward` with hooks, the forward that generation runs. Shape letters as
 in `jaxinfer.model.config`; n is the number of layers selected.
 """
 
@@ -48,8 +48,8 @@ def _capture(params: Params, tokens: jax.Array, hooks: sites_lib.Hooks, cfg: Mod
     """The captured sites {site: [B, T, n, ...]} of one uncached pass (no logits are computed:
     they are not returned, so the compiler drops the unembedding)."""
     B, T = tokens.shape
-    return mdl.forward_with_hooks(params, tokens, mdl.default_positions(B, T), None, cfg, hooks,
-                                  logit_index=jnp.zeros((B,), jnp.int32))[2]
+    return mdl.forward(params, tokens, mdl.default_positions(B, T), None, cfg, hooks=hooks,
+                       logit_index=jnp.zeros((B,), jnp.int32)).captured
 
 
 capture_jit = jax.jit(_capture, static_argnames=("cfg",))

@@ -23,7 +23,7 @@ from jaxinfer.decode.sampling import SamplingParams
 
 
 def _attention_probs(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return mdl.forward_attention(params, tokens, mdl.default_positions(*tokens.shape), None, cfg)[2]
+    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, attention=True).attention
 
 
 _attention_jit = jax.jit(_attention_probs, static_argnames=("cfg",))
@@ -32,7 +32,7 @@ _attention_jit = jax.jit(_attention_probs, static_argnames=("cfg",))
 def attention(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     """Attention probabilities of one uncached forward pass over `token_ids`.
 
-    The same blocks that generation runs (`model.forward.forward_attention`). The sequence is
+    The same blocks that generation runs (`model.forward.forward` with `attention=True`). The sequence is
     padded to a bucket (padding after the last token cannot change earlier rows: attention is
     causal) and the padding is cut off again.
 

@@ -3,7 +3,7 @@
   config.py     ModelConfig (frozen, hashable), presets, and the shape letters
   params.py     param_specs: every weight described once (shape, logical axes, init)
   model.py      `Model`: config + params + tokenizer
-  forward.py    forward(params, tokens, positions, cache, cfg) -> (logits, cache)
+  forward.py    forward(params, tokens, positions, cache, cfg) -> ForwardOut (logits, cache, ...)
   sites.py      the named sites inside each layer; Hooks: what the forward captures and changes there
   interventions.py  Intervention and the built-ins (add, ablate, patch, project_out) -> Hooks
   attention.py  causal masks, dense attention, paged attention over the cache's blocks

@@ -103,7 +103,7 @@ def _as(x: jax.Array, src: str, dst: str) -> jax.Array:
     return x.reshape([x.shape[[a for a in dst if a in src].index(a)] if a in src else 1 for a in dst])
 
 
-def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale: float,
+def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, *, scale: float,
                     window: Optional[int] = None, local=True, sinks: Optional[jax.Array] = None) -> jax.Array:
     """Attention of new queries over their rows' cached context, read block by block.
 
@@ -123,8 +123,8 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, scale
         # Queries in tiles of one block: each tile reads the blocks up to its own last position
         # and masks only the blocks its positions cross, so a chunk of 2 blocks from position 0
         # scores 3 block pairs (2 masked) instead of 4 (all masked).
-        tiles = [paged_attention(q[:, i:i + cache.block], q_pos[:, i:i + cache.block], cache, layer, scale,
-                                 window, local, sinks) for i in range(0, T, cache.block)]
+        tiles = [paged_attention(q[:, i:i + cache.block], q_pos[:, i:i + cache.block], cache, layer,
+                                 scale=scale, window=window, local=local, sinks=sinks) for i in range(0, T, cache.block)]
         return jnp.concatenate(tiles, axis=1)
     K = cache.k.shape[3]
     G = N // K

@@ -290,15 +290,15 @@ def locate(page_table: jax.Array, page_size: int, starts: jax.Array, T: int) -> 
 
 def _scatter(pool: jax.Array, new: jax.Array, layer, pages: jax.Array, offsets: jax.Array, writes: str
              ) -> jax.Array:
-    """pool [L, P, ps, K, X] with new [B, T, K, X] written at (layer, pages[b, t], offsets[b, t]).
+    """pool [L, P, ps, K, Hc] with new [B, T, K, Hc] written at (layer, pages[b, t], offsets[b, t]).
 
     "slices": one in-place dynamic_update_slice per token. On XLA's CPU backend a scatter into the
     pool that the layer loop carries copies the whole pool in every layer; few tokens (decode)
     unroll, many (prefill) loop, so the program does not grow with the chunk.
     "scatter": one scatter of all B x T tokens. On a GPU each trip of that loop is a kernel launch
-    or more: a 2,048-token prefill of an 8B model looped 131,072 times per call, and a batch-64
-    decode step 4,096 times (the first H200 run: prefill at 3.5% of the matmul peak; batch 64 at
-    4x batch 1's step time). Padding rows may write the trash page twice: its contents are never read.
+    or more: a 2,048-token prefill of an 8B model would loop 131,072 times per call, and a batch-64
+    decode step 4,096 times (the runs: docs/notes/gpu_runs.md). Padding rows may write the trash
+    page twice: its contents are never read.
     """
     B, T = pages.shape
     if writes == "scatter":
@@ -307,7 +307,7 @@ def _scatter(pool: jax.Array, new: jax.Array, layer, pages: jax.Array, offsets: 
     pages, offsets = pages.reshape(-1), offsets.reshape(-1)
 
     def put(i, p):
-        row = jax.lax.dynamic_index_in_dim(new, i, keepdims=True)  # [1, 1, 1, K, X]
+        row = jax.lax.dynamic_index_in_dim(new, i, keepdims=True)  # [1, 1, 1, K, Hc]
         return jax.lax.dynamic_update_slice(p, row, (layer, pages[i], offsets[i], 0, 0))
 
     if B * T <= UNROLL_TOKENS:
@@ -374,7 +374,7 @@ def read_block(cache: KVCache, layer, block_index: jax.Array, dtype, block_pages
     pages = jax.lax.dynamic_slice_in_dim(cache.page_table, block_index * bp, bp, axis=1)  # [B, bp]
 
     def get(a):
-        x = a[layer, pages]  # [B, bp, ps, K, X]: one gather of the pages, never a copy of the layer
+        x = a[layer, pages]  # [B, bp, ps, K, Hc]: one gather of the pages, never a copy of the layer
         return x.reshape(B, bp * x.shape[2], *x.shape[3:])
 
     if cache.latent:

@@ -3,16 +3,19 @@
 Shape letters used across jaxinfer (defined once, here):
   model     D model width, N query heads, K kv heads, G query heads per kv head (N // K),
             H head dim, F ffn width, V vocab, L layers
-  batch     B rows (a batch of requests; the serving engine's slots), T new tokens in one call,
-            Tb a prompt padded to its bucket, R rows of one engine prefill call, C its chunk length
-  cache     S positions a row can hold (max_len), P pages in the pool, ps positions per page,
-            W page-table width (pages per row), X a stored vector's width (H, or 1 for int8 scales)
+  batch     B rows of one call (a batch; in the serving engine: its slots, or the rows of one
+            prefill call), T new tokens per row in one call, Tb a prompt padded to its bucket,
+            C an engine prefill call's chunk length
+  cache     S positions a row's cache holds (max_len; never slots), P pages in the pool,
+            ps positions per page, W page-table width (pages per row), Hc a stored cache vector's
+            width (H, or 1 for int8 scales)
   decode    M stop ids per row, E tokens one decode call emits per row,
             U words of a packed token bitmask (ceil(V / 32) int32)
-  experts   X routed experts per layer, k experts per token, Fe one expert's hidden width,
-            Fs the shared expert's hidden width, Q token-expert slots (tokens x k)
+  experts   X routed experts per layer (X names nothing else), k experts per token, Fe one
+            expert's hidden width, Fs the shared expert's hidden width, BT the tokens of a call
+            (B x T, flattened), Q token-expert slots (BT x k)
   latent    (multi-head latent attention, `MLAConfig`) R the compressed key-value latent's width
-            (kv_lora_rank), Rq the queries' (q_lora_rank), Hn a head's key width without RoPE
+            (kv_lora_rank; R names nothing else), Rq the queries' (q_lora_rank), Hn a head's key width without RoPE
             (qk_nope_head_dim), Hr the RoPE key width shared by all heads (qk_rope_head_dim), Hv a
             head's value width
 

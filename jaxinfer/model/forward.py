@@ -16,8 +16,16 @@ DeepSeek's multi-head latent attention (`jaxinfer.model.mla`, a latent KV cache)
 Shape letters are defined in `jaxinfer.model.config`.
 
 Every layer passes the named sites of `jaxinfer.model.sites` (resid_pre, attn_heads, attn_out,
-resid_mid, mlp_out, resid_post); `forward_with_hooks` reads them (capture) and changes them
+resid_mid, mlp_out, resid_post); `forward(..., hooks=...)` reads them (capture) and changes them
 (interventions) inside the same program. Without hooks nothing is added to the program.
+
+`forward` is the one entry: it returns a `ForwardOut` (logits, cache, and what was asked for:
+captured sites, the router's choices, attention probabilities), or with `segments` one per
+segment of rows. Each layer reads as its data path: `_Sites.at` at every named site,
+`_self_attention` (`_attention_inputs` or latent attention's `_latent_attention_inputs`, the
+cache writes and `_attention`), `_attention_output`, `_mlp_part`. Every weight product goes
+through `linear` or `project`, inside one function per projection (`qkv_projection`,
+`o_projection`, `mlp`, `unembed`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Callable, Optional, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxinfer.model import mla, moe
 from jaxinfer.model import rope as rope_lib
@@ -48,7 +57,7 @@ def linear(eq: str, x: jax.Array, w, int8_kernel: Optional[str] = None) -> jax.A
     (`ModelConfig.int8_matmul`; None: by backend) says so."""
     if isinstance(w, Int8Weight) and w.q.ndim == 2 and (lay := int8_matmul.matrix_layout(eq)):
         O, I = w.q.shape if lay == "OI" else w.q.shape[::-1]
-        if int8_matmul.use_kernel(int8_kernel, math.prod(x.shape[:-1]), x.dtype, I, O, lay):
+        if int8_matmul.use_kernel(int8_kernel, math.prod(x.shape[:-1]), x.dtype, I=I, O=O, w_layout=lay):
             return int8_matmul.int8_matmul(x, w.q, w.scale, w_layout=lay)
     if hasattr(w, "einsum"):  # quantized weight types carry their own dequantizing matmul
         return w.einsum(eq, x)
@@ -73,8 +82,8 @@ def project(x: jax.Array, w, int8_kernel: Optional[str] = None) -> jax.Array:
         return linear("...I,OI->...O", x, w, int8_kernel)
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     if 2 <= m <= FEW_ROWS and x.dtype == w.dtype == jnp.float32 and jax.default_backend() == "cpu":
-        rows = x.reshape(m, x.shape[-1])
-        return jnp.sum(w[:, None, :] * rows[None, :, :], axis=-1).T.reshape(*lead, w.shape[0])
+        flat = x.reshape(m, x.shape[-1])
+        return jnp.sum(w[:, None, :] * flat[None, :, :], axis=-1).T.reshape(*lead, w.shape[0])
     return jnp.einsum("...I,OI->...O", x, w)
 
 
@@ -113,21 +122,20 @@ def _out_projection(out: jax.Array, wo) -> jax.Array:
     """Attention output projection: out [B, T, N, H] x wo [N, H, D] -> [B, T, D].
 
     Plain weights are contracted as one [N*H] axis (both reshapes are free): contracting the two
-    axes N, H lets XLA's CPU backend pick a layout where it transposes (copies) all of wo on every
-    call, which measured as costly as the matmul itself.
+    axes N, H lets XLA's CPU backend pick a layout that copies all of wo on every call.
     """
     if hasattr(wo, "einsum"):
         return linear("BTNH,NHD->BTD", out, wo)
     B, T, N, H = out.shape
-    return jnp.einsum("BTE,ED->BTD", out.reshape(B, T, N * H), wo.reshape(N * H, wo.shape[-1]))
+    return linear("BTE,ED->BTD", out.reshape(B, T, N * H), wo.reshape(N * H, wo.shape[-1]))
 
 
-def _attention_output(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
-    """out [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "per_layer") wo_t [D, N*H]."""
+def o_projection(heads: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """heads [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "per_layer") wo_t [D, N*H]."""
     if cfg.layout == "per_layer":
-        B, T, N, H = out.shape
-        return project(out.reshape(B, T, N * H), lp["wo_t"], cfg.int8_matmul)
-    return _out_projection(out, lp["wo"])
+        B, T, N, H = heads.shape
+        return project(heads.reshape(B, T, N * H), lp["wo_t"], cfg.int8_matmul)
+    return _out_projection(heads, lp["wo"])
 
 
 def _activation(cfg: ModelConfig):
@@ -251,8 +259,9 @@ def default_positions(batch: int, length: int, start: jax.Array | int = 0) -> ja
 class Segment:
     """Rows of new tokens that share one shape, and where their keys and values go.
 
-    `forward_segments` runs several segments through one pass (their dense layers as one
-    matmul): the serving engine's decode rows [S, 1] beside a new request's prompt chunk [R, C].
+    `forward(..., segments=...)` runs several segments through one pass (their dense layers as one
+    matmul): the serving engine's decode slots [B, 1] beside a prefill call's prompt chunks [B, C]
+    (each segment has its own B).
     """
 
     tokens: jax.Array  # [B, T] int token ids
@@ -263,10 +272,26 @@ class Segment:
     n_new: Optional[jax.Array] = None  # [B] tokens each row keeps (default all T)
 
 
-def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-            cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
-            n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
-    """Run the model on new tokens, reading and extending the KV cache.
+@struct.dataclass
+class ForwardOut:
+    """What one forward pass returns for one segment of rows (a pytree: jitted functions return it).
+
+    What was not asked for is None (routing, attention) or {} (captured), so a plain pass carries
+    nothing extra.
+    """
+
+    logits: jax.Array  # [B, T, V] float32, or [B, 1, V] at logit_index
+    cache: Optional[KVCache]  # the cache with the rows' lengths grown by n_new (the rows' own page table); None uncached
+    captured: dict  # {site: [B, T, n, *site_shape]} (n: hooks.capture_layers, in order), after any intervention there
+    routing: Optional[moe.Routing]  # ids and weights [L, B, T, k]: the experts each token chose at each layer
+    attention: Optional[jax.Array]  # [L, B, N, T, S] probabilities; S = T uncached, else the cache's max_len
+
+
+def forward(params: Params, tokens: Optional[jax.Array], positions: Optional[jax.Array], cache: Optional[KVCache],
+            cfg: ModelConfig, *, hooks=None, routing: bool = False, attention: bool = False,
+            logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None,
+            segments: Optional[Sequence[Segment]] = None):
+    """Run the model on new tokens, reading and extending the KV cache: the one entry to the pass.
 
     Args:
       params: params pytree (see `jaxinfer.model.params`).
@@ -276,100 +301,42 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, cache: Opti
         cache.lengths[b] + t (`default_positions(B, T, cache.lengths)`).
       cache: a `KVCache`, or None for one uncached pass (keys are the T tokens themselves).
       cfg: model config (static).
+      hooks: a `sites.Hooks` (its slots' arrays are data; which sites, layers and functions are
+        static): interventions change the named sites, captures read them (`ForwardOut.captured`).
+        None adds nothing to the program.
+      routing: also return the router's choices at every layer (static; mixture-of-experts models).
+      attention: also return every layer's attention probabilities (static; for looking inside).
+        With a cache they are computed densely over all of each row's table positions.
       logit_index: optional [B] index into T; logits are computed only there ([B, 1, V]).
       n_new: with a cache, [B] how many of the T tokens each row keeps (right padding after them
         is written but not counted); default all T. The cache's lengths grow by n_new: `forward`
         is the one writer of lengths (besides `cache.rewind`, speculative decoding's rollback).
+      segments: instead of tokens, positions, logit_index and n_new (pass tokens = positions =
+        None): several `Segment`s of rows in one pass, all reading and writing the pool `cache`
+        (its own page_table and lengths are not used), each with its page_table and lengths.
+        Every weight matmul and norm runs once over all segments' tokens together (so a prompt
+        chunk and the decode rows beside it read the weights once); RoPE, the cache writes and
+        attention run per segment, each through its own page table. Every segment's keys are
+        written before any segment attends; segments must not share pages (except the trash
+        page). hooks is then one `sites.Hooks` or None per segment, interventions only.
     Returns:
-      (logits [B, T, V] float32, or [B, 1, V] with logit_index; the updated cache, or None).
-    """
-    return forward_full(params, tokens, positions, cache, cfg, logit_index=logit_index, n_new=n_new)[:2]
-
-
-def forward_with_hooks(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-                       cfg: ModelConfig, hooks: Optional[sites_lib.Hooks], *,
-                       logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None):
-    """`forward` with hooks at the named sites: interventions change them, captures read them.
-
-    Args:
-      params, tokens, positions, cache, cfg, logit_index, n_new: as `forward`.
-      hooks: a `sites.Hooks` (its slots' arrays are data; which sites, layers and functions are
-        static), or None (then this is `forward`).
-    Returns:
-      (logits, cache, captured): captured maps each site in hooks.capture to
-      [B, T, n, *site_shape] (n: hooks.capture_layers, in order), as the site was after any
-      intervention there; {} without captures.
-    """
-    logits, cache, captured, _ = forward_full(params, tokens, positions, cache, cfg, hooks,
-                                              logit_index=logit_index, n_new=n_new)
-    return logits, cache, captured
-
-
-def forward_routed(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-                   cfg: ModelConfig, *, logit_index: Optional[jax.Array] = None,
-                   n_new: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache], moe.Routing]:
-    """`forward` that also returns the router's choices at every layer (mixture-of-experts models).
-
-    Same arguments and the same blocks as `forward`. Returns (logits, cache or None, Routing with
-    ids and weights [L, B, T, k]: the experts each of the T tokens chose at each layer, and their
-    weights), whatever logit_index picks.
-    """
-    logits, cache, _, routing = forward_full(params, tokens, positions, cache, cfg, None, routing=True,
-                                             logit_index=logit_index, n_new=n_new)
-    return logits, cache, routing
-
-
-def forward_full(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-                 cfg: ModelConfig, hooks: Optional[sites_lib.Hooks] = None, *, routing: bool = False,
-                 logit_index: Optional[jax.Array] = None, n_new: Optional[jax.Array] = None):
-    """`forward` with hooks (`forward_with_hooks`) and, with `routing` (static), the router's choices
-    (`forward_routed`): the one entry the decode core calls, and the one place that builds the
-    single `Segment` of a plain pass (`forward`, `forward_with_hooks` and `forward_routed` call it).
-
-    Returns:
-      (logits, cache or None, captured {site: [B, T, n, ...]} ({} without captures), Routing
-      [L, B, T, k] or None without `routing`).
+      A `ForwardOut`; with `segments`, a tuple of one `ForwardOut` per segment, whose caches are
+      the pool seen through that segment's rows (all share the updated pages).
     """
     if routing and cfg.moe is None:
         raise ValueError(f"{cfg.name} has no mixture-of-experts layers: there is no router to report")
-    _check_inputs(tokens, positions, cache, logit_index, n_new)
-    seg = Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
-                  page_table=None if cache is None else cache.page_table,
-                  lengths=None if cache is None else cache.lengths)
-    (logits,), views, _, (captured,), route = _forward(params, (seg,), cache, cfg, collect_attention=False,
-                                                       hooks=(hooks,), collect_routing=routing)
-    return logits, (None if cache is None else views[0]), captured, route
-
-
-def forward_segments(params: Params, segments: Sequence[Segment], cache: KVCache, cfg: ModelConfig,
-                     hooks: Optional[Sequence[Optional[sites_lib.Hooks]]] = None
-                     ) -> tuple[tuple[jax.Array, ...], tuple[KVCache, ...]]:
-    """`forward` over several segments of rows in one pass, all reading and writing one pool.
-
-    Every weight matmul and norm runs once over all segments' tokens together (so a prompt chunk
-    and the decode rows beside it read the weights once); RoPE, the cache writes and attention
-    run per segment, each through its own page table. Every segment's keys are written before
-    any segment attends; segments must not share pages (except the trash page).
-
-    Args:
-      params: params pytree.
-      segments: Segments with page_table and lengths set (rows of the pool `cache`).
-      cache: the pool (its own page_table and lengths are not used).
-      cfg: model config (static).
-      hooks: optional interventions per segment (`sites.Hooks` with rows of that segment, or None);
-        captures are not returned here.
-    Returns:
-      (logits per segment, as `forward` returns them; per segment the cache seen through its
-      rows with lengths grown by n_new). All returned caches share the updated pages.
-    """
-    for s in segments:
-        if s.page_table is None or s.lengths is None:
-            raise ValueError("forward_segments needs every segment's page_table and lengths")
-        _check_inputs(s.tokens, s.positions, cache.with_rows(s.page_table, s.lengths), s.logit_index, s.n_new)
-    if hooks is not None and any(h is not None and h.capture for h in hooks):
-        raise ValueError("forward_segments applies interventions only; capture through forward_with_hooks")
-    logits, views, _, _, _ = _forward(params, tuple(segments), cache, cfg, collect_attention=False, hooks=hooks)
-    return logits, views
+    if segments is None:
+        _check_inputs(tokens, positions, cache, logit_index, n_new)
+        segs = (Segment(tokens=tokens, positions=positions, logit_index=logit_index, n_new=n_new,
+                        page_table=None if cache is None else cache.page_table,
+                        lengths=None if cache is None else cache.lengths),)
+        per_segment = (hooks,)
+    else:
+        segs = tuple(segments)
+        per_segment = (None,) * len(segs) if hooks is None else tuple(hooks)
+        _check_segments(segs, per_segment, cache, (tokens, positions, logit_index, n_new), routing or attention)
+    outs = _run(params, segs, cache, cfg, hooks=per_segment, routing=routing, attention=attention)
+    return outs[0] if segments is None else outs
 
 
 def _check_inputs(tokens, positions, cache, logit_index, n_new) -> None:
@@ -386,20 +353,197 @@ def _check_inputs(tokens, positions, cache, logit_index, n_new) -> None:
             chex.assert_shape(x, (B,))
 
 
-def forward_attention(params: Params, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache],
-                      cfg: ModelConfig):
-    """`forward` that also returns every layer's attention probabilities, for looking inside.
+def _check_segments(segs, hooks, cache, single_row_args, extras: bool) -> None:
+    """What `forward(..., segments=...)` needs: a pool, each segment's rows, interventions only."""
+    if any(a is not None for a in single_row_args):
+        raise ValueError("forward with segments takes tokens, positions, logit_index and n_new from each Segment; "
+                         "pass tokens=None and positions=None")
+    if cache is None:
+        raise ValueError("forward with segments needs the pool `cache` they read and write")
+    if extras:
+        raise ValueError("forward with segments returns logits and caches only; routing and attention need one segment")
+    if len(hooks) != len(segs):
+        raise ValueError(f"forward with segments takes one hooks entry per segment: {len(segs)} segments, "
+                         f"{len(hooks)} hooks")
+    for s in segs:
+        if s.page_table is None or s.lengths is None:
+            raise ValueError("forward with segments needs every segment's page_table and lengths")
+        _check_inputs(s.tokens, s.positions, cache.with_rows(s.page_table, s.lengths), s.logit_index, s.n_new)
+    if any(h is not None and h.capture for h in hooks):
+        raise ValueError("forward with segments applies interventions only; capture through a forward of one segment")
 
-    The same blocks as `forward` (for `jaxinfer.attention` and the walkthrough), same arguments;
-    with a cache, the probabilities are computed densely over all of each row's table positions.
-    Returns (logits [B, T, V], cache or None, probs [L, B, N, T, S]) where S is the T tokens
-    themselves without a cache, else the cache's max_len positions.
+
+# The pass ----------------------------------------------------------------------------------------
+
+class _Packing:
+    """Several segments' tokens laid end to end: [B_i, T_i, ...] arrays <-> one [1, sum B_i T_i, ...].
+
+    With one segment nothing moves: its arrays keep their [B, T, ...] shape."""
+
+    def __init__(self, shapes: Sequence[tuple[int, int]]):
+        self.shapes = list(shapes)
+
+    def join(self, parts: Sequence[jax.Array]) -> jax.Array:
+        if len(parts) == 1:
+            return parts[0]
+        return jnp.concatenate([p.reshape(1, -1, *p.shape[2:]) for p in parts], axis=1)
+
+    def split(self, x: jax.Array) -> list[jax.Array]:
+        if len(self.shapes) == 1:
+            return [x]
+        out, o = [], 0
+        for B, T in self.shapes:
+            out.append(x[0, o:o + B * T].reshape(B, T, *x.shape[2:]))
+            o += B * T
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """What every layer of one pass shares: its segments, how they are packed, their positions."""
+
+    segs: tuple[Segment, ...]
+    packing: _Packing
+    positions: jax.Array  # [B, T], or [1, sum B_i T_i] for several segments
+    cfg: ModelConfig
+    attention: bool  # every layer's probabilities are wanted (`forward(attention=True)`)
+
+
+class _Sites:
+    """The segments' hooks at the named sites: interventions change a site, captures record it.
+
+    Captured sites go to one buffer per site, [layers captured + 1, B, T, *site_shape]
+    (`sites.record`), carried through the layer loop. Without hooks a site returns its value and
+    the (empty) buffers unchanged: nothing is added to the program.
     """
-    _check_inputs(tokens, positions, cache, None, None)
-    seg = Segment(tokens=tokens, positions=positions, page_table=None if cache is None else cache.page_table,
-                  lengths=None if cache is None else cache.lengths)
-    (logits,), views, probs, _, _ = _forward(params, (seg,), cache, cfg, collect_attention=True)
-    return logits, (None if cache is None else views[0]), probs
+
+    def __init__(self, hooks: tuple, run: _Pass):
+        self.hooks, self.run = hooks, run
+        self.sites, self.layers = sites_lib.capture_buffers(hooks)
+        self.slot_of_layer = None if not self.sites else jnp.asarray(
+            [self.layers.index(i) if i in self.layers else len(self.layers) for i in range(run.cfg.n_layers)],
+            jnp.int32)
+
+    def buffers(self, x: jax.Array) -> dict:
+        """Empty capture buffers for the residual stream x [B, T, D]."""
+        return {s: jnp.zeros((len(self.layers) + 1,) + x.shape[:2] + sites_lib.site_shape(s, self.run.cfg), x.dtype)
+                for s in self.sites}
+
+    def at(self, name: str, x: jax.Array, layer, buf: dict) -> tuple[jax.Array, dict]:
+        """x at site `name` of `layer`: through the segments' interventions there, then recorded."""
+        run = self.run
+        if any(h is not None and h.changes(name) for h in self.hooks):
+            if len(run.segs) == 1:
+                x = sites_lib.apply(self.hooks[0], name, x, run.positions, layer)
+            else:
+                x = run.packing.join([sites_lib.apply(h, name, xi, s.positions, layer)
+                                      for h, xi, s in zip(self.hooks, run.packing.split(x), run.segs)])
+        return x, sites_lib.record(buf, name, x, layer, self.slot_of_layer)
+
+    def captured(self, buf: dict) -> tuple[dict, ...]:
+        """Per segment, {site: [B_i, T_i, n, *site_shape]} of the sites and layers it asked for."""
+        if not buf:
+            return tuple({} for _ in self.hooks)
+        n = len(self.layers)
+        # [n + 1, B, T, ...] -> per segment [B_i, T_i, n, ...]
+        split = {s: self.run.packing.split(jnp.moveaxis(b[:n], 0, 2)) for s, b in buf.items()}
+        out = []
+        for i, h in enumerate(self.hooks):
+            if h is None or not h.capture:
+                out.append({})
+                continue
+            pick = [self.layers.index(layer) for layer in h.capture_layers]
+            whole = pick == list(range(n))
+            out.append({s: split[s][i] if whole else split[s][i][:, :, jnp.asarray(pick)] for s in h.capture})
+        return tuple(out)
+
+
+def _run(params: Params, segs: tuple[Segment, ...], cache: Optional[KVCache], cfg: ModelConfig, *,
+         hooks: tuple, routing: bool, attention: bool) -> tuple[ForwardOut, ...]:
+    """The pass itself (`forward` is its one caller): embed, the layers, the logits, per segment."""
+    packing = _Packing([s.tokens.shape for s in segs])
+    run = _Pass(segs=segs, packing=packing, positions=packing.join([s.positions for s in segs]), cfg=cfg,
+                attention=attention)
+    with jax.named_scope("embed"):
+        x = params["embed"][packing.join([s.tokens for s in segs])] * jnp.asarray(cfg.embed_scale,
+                                                                                   params["embed"].dtype)
+    sites = _Sites(hooks, run)
+    layers, experts = moe.unscanned(params["layers"], cfg)  # stacked experts stay whole (read in place)
+
+    def block(carry, xs):
+        x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
+        lp, idx, inv_freq, local = xs
+        x, buf = sites.at("resid_pre", x, idx, buf)
+        with jax.named_scope("attention"):
+            heads, c, probs = _self_attention(rms_norm(x, lp["attn_norm"], cfg.norm_eps), c, lp, layer=idx,
+                                              inv_freq=inv_freq, local=local, run=run)
+            heads, buf = sites.at("attn_heads", heads, idx, buf)
+            attn, buf = sites.at("attn_out", _attention_output(heads, lp, cfg), idx, buf)
+            x, buf = sites.at("resid_mid", x + attn, idx, buf)
+        with jax.named_scope("mlp"):
+            h, route = _mlp_part(x, lp, idx, experts, cfg)
+            h, buf = sites.at("mlp_out", h, idx, buf)
+            x, buf = sites.at("resid_post", x + h, idx, buf)
+        return (x, c, buf), (probs if attention else None, route if routing else None)
+
+    (x, cache, buf), (probs, route) = run_layers(block, (x, cache, sites.buffers(x)), layers, _layer_meta(cfg), cfg)
+
+    with jax.named_scope("logits"):
+        picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
+                  for xi, s in zip(packing.split(x), segs)]  # [B, 1, D] where a logit_index is given
+        logit_packing = _Packing([p.shape[:2] for p in picked])
+        logits = unembed(params, logit_packing.join(picked), cfg)
+
+    caches = (None,) * len(segs)
+    if cache is not None:
+        caches = tuple(cache.with_rows(s.page_table, (s.lengths + (s.tokens.shape[1] if s.n_new is None else s.n_new)
+                                                      ).astype(jnp.int32)) for s in segs)
+    return tuple(ForwardOut(logits=lg, cache=c, captured=cap, routing=route, attention=probs)
+                 for lg, c, cap in zip(logit_packing.split(logits), caches, sites.captured(buf)))
+
+
+def _self_attention(h: jax.Array, cache: Optional[KVCache], lp: Params, *, layer, inv_freq: jax.Array, local,
+                    run: _Pass):
+    """One layer's attention from the normed residual h [B, T, D] to each query head's output.
+
+    Returns (heads [B, T, N, H] (H: the value width, Hv with latent attention), the cache with this
+    layer's keys and values written, probabilities [B, N, T, S] or None).
+    """
+    cfg, packing = run.cfg, run.packing
+    if cfg.mla is not None:  # latent attention: absorbed queries, one latent row per token
+        q, k = _latent_attention_inputs(h, run.positions, inv_freq, lp, cfg)
+        vs = None
+    else:
+        q, k, v = _attention_inputs(h, run.positions, inv_freq, lp, cfg)
+        vs = packing.split(v)
+    outs, cache, probs = _attention(packing.split(q), packing.split(k), vs, run.segs, cache, layer=layer,
+                                    local=local, cfg=cfg, collect=run.attention, sinks=lp.get("sinks"))
+    heads = packing.join(outs)
+    if cfg.mla is not None:
+        heads = _latent_heads(heads, lp, cfg)
+    return heads, cache, probs
+
+
+def _attention_inputs(h: jax.Array, positions: jax.Array, inv_freq: jax.Array, lp: Params, cfg: ModelConfig):
+    """Queries [B, T, N, H], keys and values [B, T, K, H] from normed h [B, T, D]: the projection,
+    Qwen2's biases (cfg.qkv_bias), QK-norm (cfg.qk_norm), then RoPE on queries and keys."""
+    q, k, v = qkv_projection(h, lp, cfg)
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if cfg.qk_norm:
+        q, k = _qk_norm(q, k, lp, cfg)
+    q = rope(q, positions, inv_freq, cfg.rope_attention_factor)
+    k = rope(k, positions, inv_freq, cfg.rope_attention_factor)
+    return q, k, v
+
+
+def _qk_norm(q: jax.Array, k: jax.Array, lp: Params, cfg: ModelConfig):
+    """RMSNorm of queries [B, T, N, H] and keys [B, T, K, H]: per head, or (cfg.qk_norm_whole,
+    OLMoE) over all of a token's query (key) values at once."""
+    if not cfg.qk_norm_whole:
+        return rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+    whole = lambda x, w: rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.norm_eps).reshape(x.shape)
+    return whole(q, lp["q_norm"]), whole(k, lp["k_norm"])
 
 
 def _latent_attention_inputs(h: jax.Array, positions: jax.Array, inv_freq: jax.Array, lp: Params,
@@ -434,7 +578,7 @@ def _latent_heads(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     return linear("BTNR,RNV->BTNV", mla.latent_values(out, cfg), lp["wv_b"])
 
 
-def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect, sinks=None):
+def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, collect: bool, sinks=None):
     """One layer's attention for each segment: write its k, v to the cache (if any), then attend.
 
     vs is None for latent attention (`jaxinfer.model.mla`): ks are the latent rows, which serve as
@@ -449,60 +593,60 @@ def _attention(qs, ks, vs, segs, cache, idx, local, cfg, collect, sinks=None):
         out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale,
                             sinks)
         return [out], None, probs
-    own_rows = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
+    carried_view = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
     for k, v, seg in zip(ks, vs, segs):  # every segment's keys first: none reads another's pages
         view = cache.with_rows(seg.page_table, seg.lengths)
-        cache = update_latent(view, k, idx, seg.lengths) if cache.latent else view.update_layer(k, v, idx, seg.lengths)
-    cache = cache.with_rows(*own_rows)
+        cache = (update_latent(view, k, layer, seg.lengths) if cache.latent
+                 else view.update_layer(k, v, layer, seg.lengths))
+    cache = cache.with_rows(*carried_view)
     if collect:  # the probes' path: every table position, one softmax
         (q,), (seg,) = qs, segs
-        keys, values = _read_all(cache, idx, q.dtype)
+        keys, values = _read_all(cache, layer, q.dtype)
         k_pos = jnp.arange(keys.shape[1], dtype=seg.positions.dtype)
         out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale,
                             sinks)
         return [out], cache, probs
     outs = []
     for q, k, v, seg in zip(qs, ks, vs, segs):
-        rows = cache.with_rows(seg.page_table, seg.lengths)
+        seg_cache = cache.with_rows(seg.page_table, seg.lengths)
         # attention sinks and latent rows are the paged attention's alone (the fused kernels have neither)
         kernel = ("paged" if sinks is not None or cache.latent else
                   prefill_attention.kernel_for(cfg, q.shape[1], q.dtype, window, local))
         if kernel == "paged":
-            outs.append(paged_attention(q, seg.positions, rows, idx, cfg.attn_scale, window, local, sinks))
+            outs.append(paged_attention(q, seg.positions, seg_cache, layer, scale=cfg.attn_scale, window=window,
+                                        local=local, sinks=sinks))
         else:  # a prompt chunk through fused attention (`kernels.prefill_attention`)
             outs.append(prefill_attention.prefill_attention(
-                q, k.astype(q.dtype), v.astype(q.dtype), seg.positions, rows, idx, cfg.attn_scale, window, local,
-                implementation=kernel, context_block=cfg.context_block))
+                q, k.astype(q.dtype), v.astype(q.dtype), seg.positions, seg_cache, layer, scale=cfg.attn_scale,
+                window=window, local=local, implementation=kernel, context_block=cfg.context_block))
     return outs, cache, None
 
 
 def _read_all(cache: KVCache, layer, dtype):
-    """Every position of every row's table, [B, W * page_size, K, H] (for looking inside only)."""
+    """Every position of every row's table, [B, W * ps, K, H] (for looking inside only)."""
     blocks = [read_block(cache, layer, i, dtype) for i in range(cache.page_table.shape[1] // cache.block_pages)]
     return jnp.concatenate([b[0] for b in blocks], axis=1), jnp.concatenate([b[1] for b in blocks], axis=1)
 
 
-class _Rows:
-    """Several segments' rows laid end to end: [B_i, T_i, ...] arrays <-> one [1, sum B_i T_i, ...].
+def _attention_output(heads: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """What attention adds to the residual stream: heads [B, T, N, H] -> [B, T, D] through the
+    output projection, its bias (cfg.o_bias) and the post-attention norm (cfg.post_norms)."""
+    attn = o_projection(heads, lp, cfg)
+    if cfg.o_bias:
+        attn = attn + lp["bo"]
+    if cfg.post_norms:
+        attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
+    return attn
 
-    With one segment nothing moves: its arrays keep their [B, T, ...] shape."""
 
-    def __init__(self, shapes: Sequence[tuple[int, int]]):
-        self.shapes = list(shapes)
-
-    def join(self, parts: Sequence[jax.Array]) -> jax.Array:
-        if len(parts) == 1:
-            return parts[0]
-        return jnp.concatenate([p.reshape(1, -1, *p.shape[2:]) for p in parts], axis=1)
-
-    def split(self, x: jax.Array) -> list[jax.Array]:
-        if len(self.shapes) == 1:
-            return [x]
-        out, o = [], 0
-        for B, T in self.shapes:
-            out.append(x[0, o:o + B * T].reshape(B, T, *x.shape[2:]))
-            o += B * T
-        return out
+def _mlp_part(x: jax.Array, lp: Params, layer, experts: Params, cfg: ModelConfig):
+    """What the MLP adds to the residual stream x [B, T, D]: the pre-norm, the dense or MoE MLP
+    (`feed_forward`), the post-feedforward norm (cfg.post_norms). Returns ([B, T, D], Routing or None)."""
+    h, route = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg, layer if experts else None,
+                            held=experts)
+    if cfg.post_norms:
+        h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
+    return h, route
 
 
 def unembed(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -521,110 +665,3 @@ def unembed(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits
-
-
-def _qk_norm(q: jax.Array, k: jax.Array, lp: Params, cfg: ModelConfig):
-    """RMSNorm of queries [B, T, N, H] and keys [B, T, K, H]: per head, or (cfg.qk_norm_whole,
-    OLMoE) over all of a token's query (key) values at once."""
-    if not cfg.qk_norm_whole:
-        return rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
-    whole = lambda x, w: rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), cfg.norm_eps).reshape(x.shape)
-    return whole(q, lp["q_norm"]), whole(k, lp["k_norm"])
-
-
-def _forward(params, segs, cache, cfg, *, collect_attention, hooks=None, collect_routing=False):
-    rows = _Rows([s.tokens.shape for s in segs])
-    positions = rows.join([s.positions for s in segs])  # [B, T], or [1, sum B_i T_i] for several segments
-    with jax.named_scope("embed"):
-        x = params["embed"][rows.join([s.tokens for s in segs])] * jnp.asarray(cfg.embed_scale, params["embed"].dtype)
-    hooks = (None,) * len(segs) if hooks is None else tuple(hooks)
-    # Captured sites: one buffer per site, [layers captured + 1, *x.shape] (`sites.record`).
-    cap_sites, cap_layers = sites_lib.capture_buffers(hooks)
-    slot_of_layer = None if not cap_sites else jnp.asarray(
-        [cap_layers.index(i) if i in cap_layers else len(cap_layers) for i in range(cfg.n_layers)], jnp.int32)
-    buf = {s: jnp.zeros((len(cap_layers) + 1,) + x.shape[:2] + sites_lib.site_shape(s, cfg), x.dtype)
-           for s in cap_sites}
-
-    def at_site(name, x, idx, buf):
-        """x at site `name` of layer idx: through the segments' interventions there, then recorded."""
-        if any(h is not None and h.changes(name) for h in hooks):
-            if len(segs) == 1:
-                x = sites_lib.apply(hooks[0], name, x, positions, idx)
-            else:
-                x = rows.join([sites_lib.apply(h, name, xi, s.positions, idx)
-                               for h, xi, s in zip(hooks, rows.split(x), segs)])
-        return x, sites_lib.record(buf, name, x, idx, slot_of_layer)
-
-    layers, experts = moe.unscanned(params["layers"], cfg)  # stacked experts stay whole (read in place)
-
-    def block(carry, xs):
-        x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
-        lp, idx, theta, local = xs
-        x, buf = at_site("resid_pre", x, idx, buf)
-        with jax.named_scope("attention"):
-            h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-            if cfg.mla is not None:  # latent attention: absorbed queries, one latent row per token
-                q, k = _latent_attention_inputs(h, positions, theta, lp, cfg)
-                vs = None
-            else:
-                q, k, v = qkv_projection(h, lp, cfg)
-                if cfg.qkv_bias:
-                    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-                if cfg.qk_norm:
-                    q, k = _qk_norm(q, k, lp, cfg)
-                q = rope(q, positions, theta, cfg.rope_attention_factor)
-                k = rope(k, positions, theta, cfg.rope_attention_factor)
-                vs = rows.split(v)
-            outs, c, probs = _attention(rows.split(q), rows.split(k), vs, segs, c, idx, local, cfg,
-                                        collect_attention, lp.get("sinks"))
-            heads = rows.join(outs)
-            if cfg.mla is not None:
-                heads = _latent_heads(heads, lp, cfg)
-            heads, buf = at_site("attn_heads", heads, idx, buf)
-            attn = _attention_output(heads, lp, cfg)
-            if cfg.o_bias:
-                attn = attn + lp["bo"]
-            if cfg.post_norms:
-                attn = rms_norm(attn, lp["post_attn_norm"], cfg.norm_eps)
-            attn, buf = at_site("attn_out", attn, idx, buf)
-            x, buf = at_site("resid_mid", x + attn, idx, buf)
-        with jax.named_scope("mlp"):
-            h, routing = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg,
-                                      idx if experts else None, held=experts)
-            if cfg.post_norms:
-                h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
-            h, buf = at_site("mlp_out", h, idx, buf)
-            x, buf = at_site("resid_post", x + h, idx, buf)
-        return (x, c, buf), (probs if collect_attention else None, routing if collect_routing else None)
-
-    (x, cache, buf), (probs, routing) = run_layers(block, (x, cache, buf), layers, _layer_meta(cfg), cfg)
-
-    with jax.named_scope("logits"):
-        picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
-                  for xi, s in zip(rows.split(x), segs)]  # [B, 1, D] where a logit_index is given
-        out_rows = _Rows([p.shape[:2] for p in picked])
-        logits = unembed(params, out_rows.join(picked), cfg)
-
-    views = ()
-    if cache is not None:
-        views = tuple(cache.with_rows(s.page_table, (s.lengths + (s.tokens.shape[1] if s.n_new is None else s.n_new)
-                                                     ).astype(jnp.int32)) for s in segs)
-    return tuple(out_rows.split(logits)), views, probs, _captured(buf, rows, hooks, cap_layers), routing
-
-
-def _captured(buf, rows: _Rows, hooks, cap_layers) -> tuple[dict, ...]:
-    """Per segment, {site: [B_i, T_i, n, *site_shape]} of the sites and layers it asked for."""
-    if not buf:
-        return tuple({} for _ in hooks)
-    n = len(cap_layers)
-    # [n + 1, B, T, ...] -> per segment [B_i, T_i, n, ...]
-    split = {s: rows.split(jnp.moveaxis(b[:n], 0, 2)) for s, b in buf.items()}
-    out = []
-    for i, h in enumerate(hooks):
-        if h is None or not h.capture:
-            out.append({})
-            continue
-        pick = [cap_layers.index(layer) for layer in h.capture_layers]
-        whole = pick == list(range(n))
-        out.append({s: split[s][i] if whole else split[s][i][:, :, jnp.asarray(pick)] for s in h.capture})
-    return tuple(out)

@@ -1,10 +1,10 @@
 """The mixture-of-experts feed-forward block: a router sends each token to k of X experts.
 
-    x [N, D] ──router──▶ scores [N, X] ──top-k──▶ ids [N, k], weights [N, k]
-      │                                               │
-      └──▶ the N*k (token, expert) slots, sorted by expert ──grouped matmul──▶ SwiGLU per slot
-                                                                                    │
-    y [N, D] = sum over each token's k slots of weight * expert output  (+ the shared expert)
+    x [BT, D] ──router──▶ scores [BT, X] ──top-k──▶ ids [BT, k], weights [BT, k]
+      │                                                  │
+      └──▶ the BT*k (token, expert) slots, sorted by expert ──grouped matmul──▶ SwiGLU per slot
+                                                                                     │
+    y [BT, D] = sum over each token's k slots of weight * expert output  (+ the shared expert)
 
 Dropless: every token reaches all k of its experts at any batch size. There is no capacity per
 expert (a capacity, as in Switch/GShard training code, drops the tokens beyond it, so a token's
@@ -36,7 +36,7 @@ A gather of the chosen experts' weights and a batched matmul is not a third kern
 gather copies the weights first. `experiments/moe.py --only kernels` measures all three
 (`docs/moe.md`, "The grouped matmul on each backend").
 
-Shape letters as in `jaxinfer.model.config`: N tokens (B*T), X experts, k per token, Q = N*k
+Shape letters as in `jaxinfer.model.config`: BT tokens (B*T, flattened), X experts, k per token, Q = BT*k
 slots, Fe / Fs the routed / shared experts' widths.
 """
 
@@ -69,18 +69,18 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
     """Each token's k experts and their weights, as the families' routers compute them.
 
     Args:
-      x: [N, D] normed hidden states.
+      x: [BT, D] normed hidden states.
       router: [X, D] the router's weights (one row per expert).
       bias: [X] per-expert bias added to the scores for choosing only (m.score_bias), or None.
       m: the MoE config.
       logit_bias: [X] per-expert bias added to the logits (m.router_logit_bias, gpt-oss), or None.
     Returns:
-      Routing with ids, weights [N, k].
+      Routing with ids, weights [BT, k].
     """
     # the logits in the activations' dtype, as Qwen, Mixtral, OLMoE and gpt-oss compute them;
     # DeepSeek's routers work in float32 throughout
     dt = jnp.float32 if m.score == "sigmoid" or m.router_float32 else x.dtype
-    logits = jnp.einsum("ND,XD->NX", x.astype(dt), router.astype(dt))
+    logits = jnp.einsum("tD,XD->tX", x.astype(dt), router.astype(dt))  # t: one of the BT tokens
     if logit_bias is not None:
         logits = logits + logit_bias.astype(dt)
     logits = logits.astype(jnp.float32)
@@ -90,14 +90,14 @@ def route(x: jax.Array, router: jax.Array, bias: Optional[jax.Array], m: MoEConf
     scores = jax.nn.softmax(logits, axis=-1) if m.score == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     if m.n_groups > 1:  # a token chooses among the experts of its best top_k_groups groups
-        N, X = choice.shape
-        grouped = choice.reshape(N, m.n_groups, X // m.n_groups)
+        BT, X = choice.shape
+        grouped = choice.reshape(BT, m.n_groups, X // m.n_groups)
         if m.group_score == "top2_sum":  # DeepSeek V3: the sum of the group's two best scores
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [BT, n_groups]
         else:  # DeepSeek V2's group_limited_greedy: the group's best score
             group_scores = grouped.max(-1)
-        best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [N, top_k_groups]
-        keep = jnp.zeros((N, m.n_groups), bool).at[jnp.arange(N)[:, None], best].set(True)
+        best = jax.lax.top_k(group_scores, m.top_k_groups)[1]  # [BT, top_k_groups]
+        keep = jnp.zeros((BT, m.n_groups), bool).at[jnp.arange(BT)[:, None], best].set(True)
         # -inf, as transformers' DeepseekV3TopkRouter masks (5.x; 4.x filled 0.0, which let an expert of
         # a dropped group beat a kept one whose bias-corrected score is negative)
         choice = jnp.where(jnp.repeat(keep, X // m.n_groups, axis=1), choice, -jnp.inf)
@@ -154,12 +154,13 @@ def _one_expert(a: jax.Array, e: jax.Array, layer: Optional[jax.Array]) -> jax.A
     return jax.lax.dynamic_slice(a, start, (1,) * len(lead) + a.shape[len(lead):]).reshape(a.shape[len(lead):])
 
 
-def _expert_product(rows: jax.Array, w, e: jax.Array, layer: Optional[jax.Array] = None) -> jax.Array:
-    """rows [b, I] times expert e's output-major matrix [O, I] -> [b, O] (float or int8 weights)."""
+def _expert_product(slot_x: jax.Array, w, e: jax.Array, layer: Optional[jax.Array] = None) -> jax.Array:
+    """slot_x [b, I] (a block of slots' inputs) times expert e's output-major matrix [O, I] -> [b, O]
+    (float or int8 weights)."""
     if isinstance(w, Int8Weight):  # per-output-channel scales [X, O, 1]: one multiply per output
         q, s = _one_expert(w.q, e, layer), _one_expert(w.scale, e, layer)[:, 0]
-        return jnp.einsum("bI,OI->bO", rows, q.astype(rows.dtype)) * s.astype(rows.dtype)
-    return jnp.einsum("bI,OI->bO", rows, _one_expert(w, e, layer))
+        return jnp.einsum("bI,OI->bO", slot_x, q.astype(slot_x.dtype)) * s.astype(slot_x.dtype)
+    return jnp.einsum("bI,OI->bO", slot_x, _one_expert(w, e, layer))
 
 
 def _blocks(x: jax.Array, w, sizes: jax.Array, block: int, layer: Optional[jax.Array] = None) -> jax.Array:
@@ -181,8 +182,8 @@ def _blocks(x: jax.Array, w, sizes: jax.Array, block: int, layer: Optional[jax.A
     x = jnp.concatenate([x, jnp.zeros((block, I), x.dtype)])
 
     def one_block(i, out):
-        rows = jax.lax.dynamic_slice_in_dim(x, lo[i], block)
-        y = _expert_product(rows, w, expert[i], layer)
+        slot_x = jax.lax.dynamic_slice_in_dim(x, lo[i], block)
+        y = _expert_product(slot_x, w, expert[i], layer)
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), lo[i], 0)
 
     out = jax.lax.fori_loop(0, ends[-1], one_block, jnp.zeros((Q + block, O), x.dtype))
@@ -236,25 +237,25 @@ def expert_activation(h: jax.Array, m: MoEConfig) -> jax.Array:
     return (up + 1) * (gate * jax.nn.sigmoid(gate * m.swiglu_alpha))
 
 
-def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
+def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str, *,
             layer: Optional[jax.Array] = None, m: Optional[MoEConfig] = None,
             b_gate_up: Optional[jax.Array] = None, b_down: Optional[jax.Array] = None,
             block: Optional[int] = None) -> jax.Array:
-    """The routed experts' weighted sum: x [N, D] -> [N, D].
+    """The routed experts' weighted sum: x [BT, D] -> [BT, D].
 
     Each token's k slots are sorted by expert, run through their expert's SwiGLU (gate and up
     as one grouped matmul, then down) and added back up with the router's weights.
     w_gate_up [X, 2Fe, D] (gate rows first), w_down [X, D, Fe]; with `layer`, [L, X, ...] of
     every layer (`grouped_matmul`). m: the config whose activation to use (`expert_activation`;
     None = SwiGLU); b_gate_up [X, 2Fe] and b_down [X, D]: the experts' biases (gpt-oss), or None.
-    block: rows per block of the "blocks" kernel (None: `block_rows`' rule for N x k slots).
+    block: rows per block of the "blocks" kernel (None: `block_rows`' rule for BT x k slots).
     """
-    N, k = routing.ids.shape
+    BT, k = routing.ids.shape
     X = w_gate_up.shape[-3]
     flat = routing.ids.reshape(-1)  # [Q] slot s = token s // k's (s % k)-th choice
     order = jnp.argsort(flat, stable=True)  # slots sorted by expert
     sizes = jnp.bincount(flat, length=X)  # [X]
-    block = block_rows(N * k, X) if block is None else block
+    block = block_rows(BT * k, X) if block is None else block
     h = grouped_matmul(x[order // k], w_gate_up, sizes, kernel, block, layer)  # [Q, 2Fe]
     expert_of = flat[order]  # [Q] each sorted slot's expert
     if b_gate_up is not None:
@@ -264,7 +265,7 @@ def experts(x: jax.Array, routing: Routing, w_gate_up, w_down, kernel: str,
     if b_down is not None:
         y = y + b_down[expert_of].astype(y.dtype)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in slot order
-    return jnp.einsum("NkD,Nk->ND", y.reshape(N, k, -1), routing.weights.astype(y.dtype))
+    return jnp.einsum("tkD,tk->tD", y.reshape(BT, k, -1), routing.weights.astype(y.dtype))
 
 
 def shared_expert(lp: Params, cfg: ModelConfig) -> Params:
@@ -293,8 +294,8 @@ def moe_block(x: jax.Array, lp: Params, cfg: ModelConfig, shared: Optional[jax.A
     with jax.named_scope("router"):
         routing = route(xt, lp["router"], lp.get("router_bias"), m, lp.get("router_logit_bias"))
     with jax.named_scope("experts"):
-        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m), layer, m,
-                    lp.get("we_gate_up_bias"), lp.get("we_down_bias")).reshape(B, T, D)
+        y = experts(xt, routing, lp["we_gate_up"], lp["we_down"], kernel_for(m), layer=layer, m=m,
+                    b_gate_up=lp.get("we_gate_up_bias"), b_down=lp.get("we_down_bias")).reshape(B, T, D)
     if shared is not None:
         if m.shared_gate:
             shared = shared * jax.nn.sigmoid(jnp.einsum("BTD,D->BT", x, lp["shared_gate"].astype(x.dtype)))[..., None]

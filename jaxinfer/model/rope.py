@@ -52,7 +52,7 @@ def llama3_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def yarn_inv_freq(theta: float, dim: int, factor: float, original_max_len: int, beta_fast: float,
+def yarn_inv_freq(theta: float, dim: int, *, factor: float, original_max_len: int, beta_fast: float,
                   beta_slow: float, truncate: bool) -> np.ndarray:
     """[dim/2] float32 YaRN inverse frequencies (transformers `_compute_yarn_parameters`)."""
     def correction_dim(rotations):
@@ -76,8 +76,8 @@ def inv_frequencies(cfg: ModelConfig, layer: int) -> np.ndarray:
     """[rope_dim/2] float32 inverse frequencies of layer `layer` (0-based)."""
     theta = cfg.layer_rope_theta(layer)
     if cfg.rope_scaling == "yarn" and not (cfg.rope_local_theta is not None and cfg.is_local_layer(layer)):
-        return yarn_inv_freq(theta, cfg.rope_dim, cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_beta_fast,
-                             cfg.rope_beta_slow, cfg.rope_truncate)
+        return yarn_inv_freq(theta, cfg.rope_dim, factor=cfg.rope_factor, original_max_len=cfg.rope_original_max_len,
+                             beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
     inv_freq = default_inv_freq(theta, cfg.rope_dim)
     if cfg.rope_local_theta is not None and cfg.is_local_layer(layer):
         return inv_freq  # Gemma 3 local layers: plain RoPE with their own base

@@ -94,7 +94,7 @@ def default_blocks(M: int, I: int, O: int, w_layout: str = "OI") -> Optional[Blo
     return Blocks(block_o=block_o, block_k=block_k, split_k=split)
 
 
-def use_kernel(kernel: Optional[str], rows: int, dtype, I: int, O: int, w_layout: str = "OI",
+def use_kernel(kernel: Optional[str], rows: int, dtype, *, I: int, O: int, w_layout: str = "OI",
                backend: Optional[str] = None) -> bool:
     """Whether an int8 product of `rows` rows in `dtype` with an [I, O] weight runs the Pallas kernel.
 
@@ -186,14 +186,14 @@ def _call(x, q, scale, w_layout, blocks, interpret):
     M, I = x.shape
     O = scale.shape[0]
     Mp = max(MIN_ROWS, pl.next_power_of_2(M))
-    S, bo = blocks.split_k, blocks.block_o
-    Ks = I // S
-    xp = jnp.pad(x, ((0, Mp - M), (0, 0))).reshape(Mp, S, Ks)
+    n_split, bo = blocks.split_k, blocks.block_o
+    Ks = I // n_split
+    xp = jnp.pad(x, ((0, Mp - M), (0, 0))).reshape(Mp, n_split, Ks)
     if w_layout == "OI":
-        w = q.reshape(O, S, Ks)
+        w = q.reshape(O, n_split, Ks)
         w_spec = pl.BlockSpec((bo, pl.squeezed, Ks), lambda o, s: (o, s, 0))
     else:
-        w = q.reshape(S, Ks, O)
+        w = q.reshape(n_split, Ks, O)
         w_spec = pl.BlockSpec((pl.squeezed, Ks, bo), lambda o, s: (s, 0, o))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None  # float32: no TF32 rounding
     kernel = functools.partial(_kernel, block_k=blocks.block_k, w_layout=w_layout, precision=precision)
@@ -204,13 +204,13 @@ def _call(x, q, scale, w_layout, blocks, interpret):
         params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     out = pl.pallas_call(
         kernel,
-        grid=(O // bo, S),
+        grid=(O // bo, n_split),
         in_specs=[pl.BlockSpec((Mp, pl.squeezed, Ks), lambda o, s: (0, s, 0)), w_spec,
                   pl.BlockSpec((bo,), lambda o, s: (o,))],
         out_specs=pl.BlockSpec((pl.squeezed, Mp, bo), lambda o, s: (s, 0, o)),
-        out_shape=jax.ShapeDtypeStruct((S, Mp, O), jnp.float32 if S > 1 else x.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_split, Mp, O), jnp.float32 if n_split > 1 else x.dtype),
         compiler_params=params,
         interpret=interpret,
         name="int8_matmul",
     )(xp, w, scale)
-    return (out.sum(axis=0) if S > 1 else out[0])[:M].astype(x.dtype)
+    return (out.sum(axis=0) if n_split > 1 else out[0])[:M].astype(x.dtype)

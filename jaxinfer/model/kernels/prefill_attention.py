@@ -105,8 +105,8 @@ def _attend(q, k, v, scale, implementation, *, mask=None, is_causal=False, kv_le
     return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
-def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cache: KVCache, layer,
-                      scale: float, window: Optional[int] = None, local=True, *, implementation: str = "xla",
+def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cache: KVCache, layer, *,
+                      scale: float, window: Optional[int] = None, local=True, implementation: str = "xla",
                       context_block: int = 2048) -> jax.Array:
     """Attention of a prompt chunk over itself and its rows' cached context, through fused attention.
 
