@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.model import cache as kv
-from jaxinfer.model import params as prm
+from jaxinfer.model import params as model_params
 from jaxinfer.model.config import ModelConfig
 
 DATA = "data"
@@ -244,10 +244,10 @@ def _as_plan(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh]) -> ShardingP
     return where if isinstance(where, ShardingPlan) else plan(cfg, where)
 
 
-def param_shardings(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh]) -> prm.Params:
+def param_shardings(cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh]) -> model_params.Params:
     """NamedSharding per weight, derived from `params.param_axes(cfg)` (same tree as the params)."""
     p = _as_plan(cfg, where)
-    return jax.tree.map(lambda axes: NamedSharding(p.mesh, p.spec(axes)), prm.param_axes(cfg),
+    return jax.tree.map(lambda axes: NamedSharding(p.mesh, p.spec(axes)), model_params.param_axes(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
@@ -298,8 +298,8 @@ def _put(x: Any, sharding: NamedSharding, dtype=None) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.asarray(host[idx], dt))
 
 
-def shard_params(params: prm.Params, cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh],
-                 dtype: Optional[str] = None) -> prm.Params:
+def shard_params(params: model_params.Params, cfg: ModelConfig, where: Union[ShardingPlan, AnyMesh],
+                 dtype: Optional[str] = None) -> model_params.Params:
     """Place a params tree on a mesh following the plan.
 
     From host (numpy) arrays each device receives only its own shard, converted to `dtype` shard
@@ -315,7 +315,7 @@ def shard_params(params: prm.Params, cfg: ModelConfig, where: Union[ShardingPlan
       The params tree as global jax Arrays with NamedShardings. Run them with `config_for(cfg,
       where)` (a mixture-of-experts model with its experts split needs the ragged kernel).
     """
-    prm.require_layout(cfg, "stacked", "shard_params")
+    model_params.require_layout(cfg, "stacked", "shard_params")
     shardings = param_shardings(cfg, where)
     got, want = jax.tree.structure(params), jax.tree.structure(shardings)
     if got != want:
@@ -339,7 +339,7 @@ def _cache_maker(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Optiona
     return jax.jit(lambda: kv.init_cache(cfg, batch_size, max_len, dtype, groups=groups), out_shardings=shardings)
 
 
-def params_mesh(params: prm.Params) -> Optional[Mesh]:
+def params_mesh(params: model_params.Params) -> Optional[Mesh]:
     """The (data, model) mesh a params tree is sharded on, or None for single-device params."""
     for leaf in jax.tree.leaves(params):
         s = getattr(leaf, "sharding", None)
@@ -398,7 +398,7 @@ def memory_report(cfg: ModelConfig, data: int, model: int, *, batch_size: int = 
     mesh = abstract_mesh(data, model)
     p = plan(cfg, mesh, strict=strict)
     dt = dtype or cfg.dtype
-    weights = jax.eval_shape(lambda k: prm.init_params(cfg, k, dt), jax.random.key(0))
+    weights = jax.eval_shape(lambda k: model_params.init_params(cfg, k, dt), jax.random.key(0))
     shard = param_shardings(cfg, p)
     w_total = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(weights))
     w_dev = sum(jax.tree.leaves(jax.tree.map(_shard_bytes, weights, shard)))

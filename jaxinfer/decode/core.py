@@ -49,7 +49,7 @@ from flax import struct
 from jaxinfer.decode import penalties, sampling
 from jaxinfer.decode.bitmask import apply_token_bitmask, mask_words
 from jaxinfer.model import cache as kv
-from jaxinfer.model import forward as mdl
+from jaxinfer.model import forward
 from jaxinfer.model import sites
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
@@ -329,10 +329,10 @@ def prefill(params: Params, cache: KVCache, work: PrefillWork, *, options: Prefi
     cfg, routing, prompt_logprobs, n_top = options.cfg, options.routing, options.prompt_logprobs, options.n_top
     B, C = tokens.shape
     cache = cache.replace(lengths=starts.astype(jnp.int32))
-    positions = mdl.default_positions(B, C, starts)
+    positions = forward.default_positions(B, C, starts)
     lastpos = jnp.clip(n_real - 1, 0, C - 1).astype(jnp.int32)
     with jax.named_scope("prefill"):
-        out = mdl.forward(params, tokens, positions, cache, cfg, hooks=hooks, routing=routing,
+        out = forward.forward(params, tokens, positions, cache, cfg, hooks=hooks, routing=routing,
                           logit_index=None if prompt_logprobs else lastpos, n_new=n_real)
     logits, cache, captured, route = out.logits, out.cache, out.captured, out.routing
     if captured and not options.capture_prompt:
@@ -377,7 +377,7 @@ def decode_step(params: Params, state: DecodeState, *, options: DecodeOptions):
     cfg, routing = options.cfg, options.routing
     live = state.rows.live
     at = state.cache.lengths  # [B] position of each row's input token
-    out = mdl.forward(params, state.tokens[:, None], at[:, None], state.cache, cfg, hooks=state.hooks,
+    out = forward.forward(params, state.tokens[:, None], at[:, None], state.cache, cfg, hooks=state.hooks,
                       routing=routing, n_new=live.astype(jnp.int32))
     state, em = _advance(state, out.cache, out.logits[:, 0], live, options)
     return state, em.replace(captured=out.captured or None, routing=_by_row(out.routing))
@@ -452,9 +452,9 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: D
     at = jnp.where(prefilling, 0, cache.lengths)
     dec_table = jnp.where(prefilling[:, None], kv.TRASH_PAGE, cache.page_table)
     lastpos = jnp.clip(chunks.n_real - 1, 0, C - 1).astype(jnp.int32)
-    segments = (mdl.Segment(tokens=state.tokens[:, None], positions=at[:, None], page_table=dec_table, lengths=at,
+    segments = (forward.Segment(tokens=state.tokens[:, None], positions=at[:, None], page_table=dec_table, lengths=at,
                             n_new=live.astype(jnp.int32)),
-                mdl.Segment(tokens=chunks.tokens, positions=mdl.default_positions(R, C, chunks.starts),
+                forward.Segment(tokens=chunks.tokens, positions=forward.default_positions(R, C, chunks.starts),
                             page_table=chunks.page_table, lengths=chunks.starts, logit_index=lastpos,
                             n_new=chunks.n_real))
     hooks = None
@@ -464,7 +464,7 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: D
         taken = jax.tree.map(lambda a: a[at_slot], state.hooks)
         hooks = (state.hooks, taken.replace(slots=tuple(s.replace(gate=s.gate & real[:, None]) for s in taken.slots)))
     with jax.named_scope("mixed"):
-        dec, pre = mdl.forward(params, None, None, cache, cfg, hooks=hooks, segments=segments)
+        dec, pre = forward.forward(params, None, None, cache, cfg, hooks=hooks, segments=segments)
     (dec_logits, pre_logits), dec_cache = (dec.logits, pre.logits), dec.cache
     state, em = _advance(state, dec_cache.with_rows(cache.page_table, dec_cache.lengths), dec_logits[:, 0], live,
                          options)

@@ -51,8 +51,8 @@ import numpy as np
 
 from jaxinfer.decode import core
 from jaxinfer.decode.inputs import bucket, check_int, check_text, check_token_ids, pack_prompts
-from jaxinfer.model import forward as mdl
-from jaxinfer.model import interventions as iv
+from jaxinfer.model import forward
+from jaxinfer.model.interventions import NON_FINITE, PerRow, hooks_for, per_row
 from jaxinfer.model.model import Model
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
 from jaxinfer.serve.pages import prefix_hashes
@@ -163,7 +163,7 @@ def leaders(prompts: Sequence[Sequence[int]], score_from: Sequence[int], page_si
 
 def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int] = None, max_slots: int = 8,
           kv_memory: Optional[int] = None, max_in_flight: Optional[int] = None,
-          timeout: Optional[float] = None, interventions: iv.PerRow = None) -> list[Score]:
+          timeout: Optional[float] = None, interventions: PerRow = None) -> list[Score]:
     """Score (context, continuation) pairs in one batch (see the module docstring).
 
     Args:
@@ -284,7 +284,7 @@ def _token_logprobs(params, tokens, hooks, cfg):
     """tokens [B, T] -> (log p(tokens[:, t + 1] | ..t) [B, T], whether it is the argmax [B, T]),
     the last column meaningless."""
     B, T = tokens.shape
-    logits = mdl.forward(params, tokens, mdl.default_positions(B, T), None, cfg, hooks=hooks).logits
+    logits = forward.forward(params, tokens, forward.default_positions(B, T), None, cfg, hooks=hooks).logits
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return (jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0],
@@ -302,8 +302,8 @@ def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], int
     limit = cfg.max_seq_len if max_length is None else max_length  # checked and clamped by `score`
     check_int("max_slots", rows_per_batch, 1)
     jobs = [(_truncate(ctx, cont, limit, i), cont) for i, (ctx, cont) in enumerate(pair_ids)]
-    rows = iv.per_row(interventions, len(jobs))
-    iv.hooks_for(rows, cfg, len(jobs))  # checked before anything compiles
+    rows = per_row(interventions, len(jobs))
+    hooks_for(rows, cfg, len(jobs))  # checked before anything compiles
     order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][0]) + len(jobs[i][1]))
     out: list[Optional[Score]] = [None] * len(jobs)
     for lo in range(0, len(order), rows_per_batch):
@@ -311,13 +311,13 @@ def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], int
         tokens, _ = pack_prompts([jobs[i][0] + jobs[i][1] for i in idx])
         B = bucket(len(idx), 1)  # rows padded to a power of two: few programs
         tokens = np.concatenate([tokens, np.zeros((B - len(idx), tokens.shape[1]), tokens.dtype)])
-        hooks = iv.hooks_for([rows[i] for i in idx], cfg, B)
+        hooks = hooks_for([rows[i] for i in idx], cfg, B)
         lp, top = (np.asarray(a) for a in _token_logprobs_jit(model.params, jnp.asarray(tokens), hooks, cfg))
         for j, i in enumerate(idx):
             ctx, cont = jobs[i]
             at = slice(len(ctx) - 1, len(ctx) + len(cont) - 1)
             if not np.all(np.isfinite(lp[j, at])):
-                raise core.InvalidLogitsError(f"pair {i}: its log-probabilities hold NaN or inf: {iv.NON_FINITE}")
+                raise core.InvalidLogitsError(f"pair {i}: its log-probabilities hold NaN or inf: {NON_FINITE}")
             lps = [float(x) for x in lp[j, at]]
             out[i] = Score(logprob=float(sum(lps)), token_logprobs=lps, is_greedy=bool(top[j, at].all()),
                            context_ids=list(ctx), continuation_ids=list(cont))

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.decode.inputs import Prompts, bucket, check_context, check_int, pack_prompts, prompt_ids
-from jaxinfer.model import forward as mdl
-from jaxinfer.model import interventions as iv
+from jaxinfer.model import forward
+from jaxinfer.model.interventions import NON_FINITE, Intervention, PerRow, hooks_for, per_row
 from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
@@ -41,14 +41,14 @@ def _check_finite(values: np.ndarray, layers: Sequence[int], what: str) -> None:
     finite = np.isfinite(values).reshape(values.shape[0], values.shape[1], -1).all(axis=(0, 2))  # [n]
     if not finite.all():
         layer = layers[int(np.argmin(finite))]
-        raise NonFiniteActivations(f"{what} at layer {layer} hold NaN or inf: {iv.NON_FINITE}")
+        raise NonFiniteActivations(f"{what} at layer {layer} hold NaN or inf: {NON_FINITE}")
 
 
 def _capture(params: Params, tokens: jax.Array, hooks: sites_lib.Hooks, cfg: ModelConfig) -> dict:
     """The captured sites {site: [B, T, n, ...]} of one uncached pass (no logits are computed:
     they are not returned, so the compiler drops the unembedding)."""
     B, T = tokens.shape
-    return mdl.forward(params, tokens, mdl.default_positions(B, T), None, cfg, hooks=hooks,
+    return forward.forward(params, tokens, forward.default_positions(B, T), None, cfg, hooks=hooks,
                        logit_index=jnp.zeros((B,), jnp.int32)).captured
 
 
@@ -56,7 +56,7 @@ capture_jit = jax.jit(_capture, static_argnames=("cfg",))
 
 
 def capture_batch(model: Model, ids: list[list[int]], capture: sites_lib.Capture,
-                  rows: Optional[list[list[iv.Intervention]]] = None) -> dict:
+                  rows: Optional[list[list[Intervention]]] = None) -> dict:
     """Dispatch one padded pass over `ids` (rows padded to a power of two, lengths to a bucket).
 
     Returns the device arrays {site: [B', Tb, n, ...]} (not waited for: the caller may queue the
@@ -66,12 +66,12 @@ def capture_batch(model: Model, ids: list[list[int]], capture: sites_lib.Capture
     B = bucket(n, 1)
     if B > n:
         tokens = np.concatenate([tokens, np.zeros((B - n, tokens.shape[1]), tokens.dtype)])
-    hooks = iv.hooks_for(rows, model.config, B, capture)
+    hooks = hooks_for(rows, model.config, B, capture)
     return capture_jit(model.params, jnp.asarray(tokens), hooks, model.config)
 
 
 def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), layers=None, *,
-                interventions: iv.PerRow = None, batch_size: int = 8,
+                interventions: PerRow = None, batch_size: int = 8,
                 allow_special: bool = False) -> list[dict[str, np.ndarray]]:
     """The named sites over each prompt's tokens.
 
@@ -95,8 +95,8 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
     check_int("batch_size", batch_size, 1)
     ids = prompt_ids(model, prompts, allow_special)
     check_context(ids, 0, 0, cfg)
-    rows = iv.per_row(interventions, len(ids))
-    iv.hooks_for(rows, cfg, len(ids), capture)  # every argument checked before anything compiles
+    rows = per_row(interventions, len(ids))
+    hooks_for(rows, cfg, len(ids), capture)  # every argument checked before anything compiles
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a pass
     out: list[Optional[dict]] = [None] * len(ids)
     for lo in range(0, len(order), batch_size):
@@ -140,7 +140,7 @@ def _lens(params: Params, tokens: jax.Array, hooks: sites_lib.Hooks, cfg: ModelC
     x = jnp.moveaxis(_capture(params, tokens, hooks, cfg)["resid_post"][0], 1, 0)  # [n, T, D]
 
     def one(xl):
-        probs = jax.nn.softmax(mdl.unembed(params, xl[None], cfg)[0], axis=-1)  # [T, V]
+        probs = jax.nn.softmax(forward.unembed(params, xl[None], cfg)[0], axis=-1)  # [T, V]
         return jax.lax.top_k(probs, top_k)
 
     return jax.lax.map(one, x)
@@ -150,7 +150,7 @@ _lens_jit = jax.jit(_lens, static_argnames=("cfg", "top_k"))
 
 
 def logit_lens(model: Model, prompt, layers=None, top_k: int = 5, *,
-               interventions: Optional[Sequence[iv.Intervention]] = None, allow_special: bool = False) -> LogitLens:
+               interventions: Optional[Sequence[Intervention]] = None, allow_special: bool = False) -> LogitLens:
     """The logit lens: each layer's resid_post through the final norm and the unembedding.
 
     The last layer's row is the model's own next-token distribution.
@@ -177,7 +177,7 @@ def logit_lens(model: Model, prompt, layers=None, top_k: int = 5, *,
     ids = batch[0]
     check_context([ids], 0, 0, cfg)
     capture = capture_of("resid_post", layers, cfg)
-    hooks = iv.hooks_for(iv.per_row(interventions, 1), cfg, 1, capture)
+    hooks = hooks_for(per_row(interventions, 1), cfg, 1, capture)
     tokens, _ = pack_prompts([ids])
     probs, top = _lens_jit(model.params, jnp.asarray(tokens), hooks, cfg, top_k)
     T = len(ids)

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model import forward as mdl
-from jaxinfer.decode import sampling as smp
+from jaxinfer.model import forward
+from jaxinfer.decode.sampling import filter_logits, probs, row_keys, step_keys
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.decode.generate import logits
 from jaxinfer.decode.inputs import check_sequence, pack_prompts
@@ -23,7 +23,7 @@ from jaxinfer.decode.sampling import SamplingParams
 
 
 def _attention_probs(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return mdl.forward(params, tokens, mdl.default_positions(*tokens.shape), None, cfg, attention=True).attention
+    return forward.forward(params, tokens, forward.default_positions(*tokens.shape), None, cfg, attention=True).attention
 
 
 _attention_jit = jax.jit(_attention_probs, static_argnames=("cfg",))
@@ -62,7 +62,7 @@ def distribution(logits: jax.Array, sampling: SamplingParams) -> np.ndarray:
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 1:
         raise ValueError(f"logits must have shape [V], got {logits.shape}")
-    p = np.asarray(smp.probs(logits, sampling), np.float64)
+    p = np.asarray(probs(logits, sampling), np.float64)
     return p / p.sum()
 
 
@@ -87,7 +87,7 @@ def throw_darts(logits: jax.Array, sampling: SamplingParams, seeds: Sequence[int
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 1:
         raise ValueError(f"logits must have shape [V], got {logits.shape}")
-    keys = smp.step_keys(smp.row_keys(np.asarray(seeds, np.uint32)), jnp.zeros((), jnp.int32))
+    keys = step_keys(row_keys(np.asarray(seeds, np.uint32)), jnp.zeros((), jnp.int32))
     return np.asarray(_darts_jit(logits, keys, sampling))
 
 
@@ -96,7 +96,7 @@ def _darts(logits: jax.Array, keys: jax.Array, sampling: SamplingParams) -> jax.
     # each key gives the same tokens as sample(broadcast logits [N, V], keys) at 1/N the work.
     if sampling.greedy:
         return jnp.broadcast_to(jnp.argmax(logits).astype(jnp.int32), keys.shape)
-    x = smp.filter_logits(logits[None], sampling)[0]
+    x = filter_logits(logits[None], sampling)[0]
     return jax.vmap(lambda k: jax.random.categorical(k, x))(keys).astype(jnp.int32)
 
 

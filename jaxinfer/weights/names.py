@@ -132,11 +132,13 @@ def expand(table: tuple[Rule, ...], sizes: Mapping[str, int], flags: Mapping[str
         experts = range(sizes["X"]) if "{e}" in rule.name else (None,)
         for e in experts:
             s = dict(sizes, e=e) if e is not None else sizes
-            out.append(_place(rule, s, flags, i, e, naming, steps))
+            out.append(_place(rule, s, flags, layer=i, expert=e, naming=naming, steps=steps))
     return out
 
 
-def _place(rule: Rule, sizes, flags, i, e, naming, steps) -> Placement:
+def _place(rule: Rule, sizes: dict, flags, *, layer, expert, naming: dict, steps: dict) -> Placement:
+    """One tensor's placement by `rule` at this layer and expert (None where the rule has none)."""
+    i, e = layer, expert
     fns, words, device = [], [], []
     for word in rule.transforms:
         word, _, flag = word.partition(" if ")
