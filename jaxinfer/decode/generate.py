@@ -391,8 +391,9 @@ def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Seque
     Returns:
       [T, V] float32 logits.
     Raises:
-      core.InvalidLogitsError: the logits hold NaN or inf (the forward overflowed float32, e.g. under
-        an intervention's too large values, or met a NaN), naming the first such position.
+      FloatingPointError: (`InvalidLogitsError`) the logits hold NaN or inf (the forward overflowed
+        float32, e.g. under an intervention's too large values, or met a NaN), naming the first such
+        position.
     """
     ids = check_sequence(token_ids, model.config)
     hooks = hooks_for(per_row(interventions, 1), model.config, 1)

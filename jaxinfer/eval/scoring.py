@@ -184,8 +184,8 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
     Returns:
       One Score per pair, in order.
     Raises:
-      core.InvalidLogitsError: with interventions, a pair's log-probabilities hold NaN or inf
-        (the steered forward overflowed float32).
+      FloatingPointError: (`InvalidLogitsError`) with interventions, a pair's log-probabilities
+        hold NaN or inf (the steered forward overflowed float32).
     """
     from jaxinfer.serve.engine import Engine
 
