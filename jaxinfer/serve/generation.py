@@ -125,6 +125,8 @@ async def _watch_disconnect(http: HttpRequest, reqs) -> None:
 
 
 async def generate(http: HttpRequest, chat: bool):
+    """POST /v1/completions (chat False) or /v1/chat/completions: check, parse and admit the request,
+    then answer with its JSON body or its event stream; every refusal through `reject`."""
     st: ServerState = http.app.state.server
     st.counts["requests_total"] += 1
     try:
