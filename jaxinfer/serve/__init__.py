@@ -8,8 +8,10 @@
   live.py       a running request's host state: tokens, detokenizing, stop strings, deltas
   request.py    Request (stream / async stream / result / cancel) and Delta
   engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery
-  protocol.py, structured.py, responses.py, http_api.py, metrics.py   `jaxinfer serve`: OpenAI's HTTP
-                API over the Engine (structured.py: response_format, guided_*, tools -> a constraint)
+  http_api.py   `jaxinfer serve`: OpenAI's HTTP API over the Engine; its parts: protocol.py (a body ->
+                a Job) with fields.py, prompts.py, extensions.py, structured.py (response_format,
+                guided_*, tools -> a constraint) and api_errors.py; http_checks.py, server_state.py,
+                generation.py, responses.py, metrics.py, listen.py (the socket and uvicorn)
 """
 
 from jaxinfer.serve.engine import Engine, EngineStats

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer.decode.outputs import Completion
 from jaxinfer.serve.protocol import Job
-from jaxinfer.text import tool_calls as tc
+from jaxinfer.text import tool_calls
 
 
 # JSON has no -Infinity: a token the constraint's mask or a ban excludes has log p = -inf, and
@@ -110,7 +110,7 @@ def chat_message(job: Job, comp: Completion) -> dict:
     """The assistant message of a chat choice: its text, or its content and tool_calls."""
     if job.tool_format is None:
         return {"role": "assistant", "content": comp.text}
-    content, calls = tc.parse_tool_calls(comp.text, job.tool_format)
+    content, calls = tool_calls.parse_tool_calls(comp.text, job.tool_format)
     return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 
@@ -159,7 +159,7 @@ class StreamHead:
     def __init__(self, model, model_name: str, job: Job):
         self.model, self.job = model, job
         n = len(job.prompts) * job.n
-        self.parsers = [tc.ToolCallParser(job.tool_format) for _ in range(n)] if job.tool_format else None
+        self.parsers = [tool_calls.ToolCallParser(job.tool_format) for _ in range(n)] if job.tool_format else None
         self.base = {"id": _id(job.chat), "object": "chat.completion.chunk" if job.chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
         if job.include_usage:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from jaxinfer.decode import constraints
 from jaxinfer.decode.constraints import Constraint
-from jaxinfer.text import tool_calls as tc
+from jaxinfer.text import tool_calls
 
 # Body parameters this module reads (protocol.py accepts them on both endpoints; tools on chat).
 PARAMS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -187,12 +187,12 @@ def tools_of(body: dict, tokenizer) -> Optional[Tools]:
             raise Refusal("tool_choice", f"'tool_choice' {json.dumps(choice)[:80]} needs 'tools'")
         return None
     try:
-        tc.check_tools(tools)
+        tool_calls.check_tools(tools)
     except ValueError as e:
         raise Refusal("tools", str(e)) from None
     if choice == "none":
         return Tools(tools=None, constraint=None, reply_format=None)
-    fmt = tc.detect_format(tokenizer.chat_template)
+    fmt = tool_calls.detect_format(tokenizer.chat_template)
     if choice in (None, "auto"):
         return Tools(tools=tools, constraint=None, reply_format=fmt)
     try:
