@@ -238,7 +238,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
                               options=core.PrefillOptions(cfg=cfg, processor=logits_processor,
                                                           capture_prompt=capture_prompt, routing=return_routing),
                               chunk=batch.chunk, progress=on_prefill)
-        cache, counts, first, first_lp, prompt_cap = pre.cache, pre.counts, pre.first, pre.first_lp, pre.captured
+        cache, counts, first, prompt_cap = pre.cache, pre.counts, pre.first, pre.captured
         t_first = time.perf_counter()
         prefill_compile_s = compiles.seconds
         _check_drawable(first[:, None], 0)
