@@ -491,3 +491,41 @@ def test_random_finite_steering_is_an_error_or_finite_logits_that_are_not_all_eq
     with CompileCounter() as compiles:
         check()
     assert compiles.count == 0, f"{compiles.count} programs compiled for new values"
+
+
+def test_traced_hooks_are_the_host_hooks_and_differentiate(models):
+    """`traced_hooks` with an add's own params gives the logits `hooks_for` gives, and the gradient
+    of a logit in the vector equals central finite differences (float64-free: a tiny step on a
+    smooth function, compared at the float32 scale of the logit)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxinfer.model import forward, interventions as model_interventions
+
+    m = models["stacked", "llama"]
+    cfg = m.config
+    steer = I.add("resid_post", 0, _vec(cfg.d_model, 1), scale=2.0)
+    tokens = jnp.asarray([IDS], jnp.int32)
+    pos = forward.default_positions(1, len(IDS))
+
+    def run(hooks):
+        return forward.forward(m.params, tokens, pos, None, cfg, hooks=hooks).logits
+
+    host = run(model_interventions.hooks_for([[steer]], cfg, 1))
+    traced = run(model_interventions.traced_hooks([steer], [steer.params], cfg, 1))
+    np.testing.assert_array_equal(np.asarray(host), np.asarray(traced))
+
+    def logit(v):
+        hooks = model_interventions.traced_hooks([steer], [{"vector": v, "scale": steer.params["scale"]}], cfg, 1)
+        return run(hooks)[0, -1, 3]
+
+    v0 = jnp.asarray(steer.params["vector"])
+    g = np.asarray(jax.grad(logit)(v0))
+    eps = 1e-2
+    for d in (0, 7, 31):
+        e = jnp.zeros_like(v0).at[d].set(eps)
+        fd = (float(logit(v0 + e)) - float(logit(v0 - e))) / (2 * eps)
+        assert abs(fd - g[d]) <= 2e-2 * max(1.0, np.abs(g).max()), (d, fd, g[d])
+    with pytest.raises(ValueError, match="values"):
+        model_interventions.traced_hooks([steer], [], cfg, 1)
+    with pytest.raises(ValueError, match="shape"):
+        model_interventions.traced_hooks([steer], [{"vector": jnp.zeros(3), "scale": 1.0}], cfg, 1)

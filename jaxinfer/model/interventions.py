@@ -405,6 +405,55 @@ def hooks_for(row_interventions: Optional[list[list[Intervention]]], cfg: ModelC
     return sites_lib.Hooks(slots=tuple(slots), capture=cap_sites, capture_layers=cap_layers)
 
 
+def traced_hooks(interventions: Sequence[Intervention], values: Sequence[Any], cfg: ModelConfig, n_rows: int,
+                 capture: Optional[sites_lib.Capture] = None) -> sites_lib.Hooks:
+    """The forward's `sites.Hooks` with every row under the same interventions, whose params are
+    `values`: arrays that may be traced (`jax.grad`, `jax.vmap`, optax), so the forward is
+    differentiable in them.
+
+    Args:
+      interventions: the Interventions (site, layers, fn; their own params give the tree, shapes
+        and dtypes `values` must have). Each is checked as `hooks_for` checks it.
+      values: one params pytree per intervention, the same tree as its `params`; a leaf has the
+        intervention's leaf shape (every row the same) or a leading [B] axis (one value per row).
+      cfg: the model's config. n_rows: B.
+      capture: what to read, or None.
+    Returns:
+      Hooks: one slot per intervention, in the given order, gated on at its layers for every row.
+    """
+    interventions, values = list(interventions), list(values)
+    if len(values) != len(interventions):
+        raise ValueError(f"traced_hooks: {len(values)} values for {len(interventions)} interventions; "
+                         "pass one params pytree per intervention")
+    traced: set[tuple] = set()
+    slots = []
+    for i, (iv, vals) in enumerate(zip(interventions, values)):
+        if not isinstance(iv, Intervention):
+            raise TypeError(f"traced_hooks: interventions[{i}] is a {type(iv).__name__}, not an Intervention")
+        _check(iv, cfg, traced)
+        want_leaves, want_tree = jax.tree.flatten(iv.params)
+        got_leaves, got_tree = jax.tree.flatten(vals)
+        if got_tree != want_tree:
+            raise ValueError(f"traced_hooks: values[{i}] has the tree {got_tree}; {iv!r} takes {want_tree}")
+        stacked = []
+        for want, got in zip(want_leaves, got_leaves):
+            got = jnp.asarray(got)
+            if got.shape == want.shape:
+                got = jnp.broadcast_to(got, (n_rows,) + want.shape)
+            elif got.shape != (n_rows,) + want.shape:
+                raise ValueError(f"traced_hooks: values[{i}] has a leaf of shape {got.shape}; {iv!r} takes "
+                                 f"{want.shape} (every row) or {(n_rows,) + want.shape} (one per row)")
+            stacked.append(got.astype(want.dtype))
+        gate = np.zeros((n_rows, cfg.n_layers), bool)
+        gate[:, list(range(cfg.n_layers)) if iv.layers is None else list(iv.layers)] = True
+        slots.append(sites_lib.Slot(params=jax.tree.unflatten(want_tree, stacked), gate=gate, site=iv.site,
+                                    fn=iv.fn))
+    cap_sites, cap_layers = (), ()
+    if capture is not None:
+        cap_sites, cap_layers = capture.sites, sites_lib.check_layers(capture.layers, cfg, "capture layers")
+    return sites_lib.Hooks(slots=tuple(slots), capture=cap_sites, capture_layers=cap_layers)
+
+
 def _slot_order(n: int, row_sites: list[list[tuple[str, int]]]) -> list[int]:
     """Slots in an order that keeps every row's own order at each site (first appearance breaks ties)."""
     after: dict[int, set[int]] = {s: set() for s in range(n)}
