@@ -175,7 +175,7 @@ def arrays(model, ids: list[int]) -> dict:
     with Float64Mode():
         lg64 = logits_with(model64, ids, attn, edit)
     out.update(ablate_layer=np.int32(ABLATE_LAYER), ablate_head=np.int32(ABLATE_HEAD), ablate_logits=lg.numpy(),
-               ablate_logits_fp32_error=np.abs(lg.double() - lg64).max(-1).values.numpy().astype(np.float32))
+               ablate_logits_fp32_error=(lg.double() - lg64).abs().max(-1).values.numpy().astype(np.float32))
     if rec.dense:
         hidden = out["mlp_hidden"][CLAMP_LAYER]
         value = np.float32(CLAMP_STDS * hidden.std())
@@ -185,7 +185,7 @@ def arrays(model, ids: list[int]) -> dict:
             lg64 = logits_with(model64, ids, down, set_neuron(CLAMP_NEURON, float(value)))
         out.update(clamp_layer=np.int32(CLAMP_LAYER), clamp_neuron=np.int32(CLAMP_NEURON), clamp_value=value,
                    clamp_logits=lg.numpy(),
-                   clamp_logits_fp32_error=np.abs(lg.double() - lg64).max(-1).values.numpy().astype(np.float32))
+                   clamp_logits_fp32_error=(lg.double() - lg64).abs().max(-1).values.numpy().astype(np.float32))
     return out
 
 
@@ -194,7 +194,8 @@ def main(families) -> None:
 
     for family in families or FOLDERS:
         folder = os.path.join(HERE, FOLDERS[family], family)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                     experts_implementation="eager")
         with np.load(os.path.join(folder, "reference.npz")) as ref:
             ids = ref["ids"][:T_PROMPT].tolist()
         out = arrays(model, ids)
