@@ -67,7 +67,7 @@ from jaxinfer.model.config import ModelConfig
 # Each site's per-token shape in shape letters (`jaxinfer.model.config`; S: the keys attended
 # over), in the order a layer computes them: SITES.
 SHAPES = {"resid_pre": ("D",), "q": ("N", "H"), "k": ("K", "H"), "v": ("K", "H"), "attn_pattern": ("N", "S"),
-          "attn_heads": ("N", "Hv"), "attn_result": ("N", "D"), "attn_out": ("D",), "resid_mid": ("D",),
+          "attn_heads": ("N", "H"), "attn_result": ("N", "D"), "attn_out": ("D",), "resid_mid": ("D",),
           "mlp_in": ("D",), "mlp_hidden": ("F",), "mlp_out": ("D",), "resid_post": ("D",)}
 SITES = tuple(SHAPES)
 
@@ -79,8 +79,9 @@ def site_shape(site: str, cfg: ModelConfig, keys: Optional[int] = None) -> tuple
     check_site_for(site, cfg)
     if site == "attn_pattern" and keys is None:
         raise ValueError("attn_pattern is [N, S] per token, S the keys a pass attends over: pass keys")
-    sizes = dict(D=cfg.d_model, N=cfg.n_heads, K=cfg.n_kv_heads, H=cfg.head_dim, Hv=cfg.v_head_dim,
-                 F=cfg.ffn_dim, S=keys)
+    # attn_heads' H is the value width (Hv with latent attention, whose q, k and v are refused)
+    H = cfg.v_head_dim if site == "attn_heads" else cfg.head_dim
+    sizes = dict(D=cfg.d_model, N=cfg.n_heads, K=cfg.n_kv_heads, H=H, F=cfg.ffn_dim, S=keys)
     return tuple(sizes[a] for a in SHAPES[site])
 
 
