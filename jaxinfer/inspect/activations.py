@@ -85,8 +85,9 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
       batch_size: prompts per pass (rows are padded to a power of two, lengths to a bucket).
       allow_special: as in `generate`.
     Returns:
-      One dict per prompt: site -> float32 [T, n, D] ([T, n, N, H] for attn_heads) over the
-      prompt's T tokens, layers in ascending order.
+      One dict per prompt: site -> float32 [T, n, *site shape] over the prompt's T tokens
+      ([T, n, D]; [T, n, N, H] for attn_heads; [T, n, N, T] for attn_pattern: each token's
+      probabilities over the prompt's tokens), layers in ascending order.
     Raises:
       NonFiniteActivations: a captured site holds NaN or inf (naming the prompt, site and layer).
     """
@@ -104,7 +105,9 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
         cap = capture_batch(model, [ids[i] for i in idx], capture, None if rows is None else [rows[i] for i in idx])
         host = {k: np.asarray(v) for k, v in cap.items()}
         for j, i in enumerate(idx):
-            out[i] = {k: v[j, :len(ids[i])].astype(np.float32) for k, v in host.items()}
+            n = len(ids[i])  # its tokens, and (attn_pattern) the keys they attend over: padding dropped
+            out[i] = {k: (v[j, :n, ..., :n] if k == "attn_pattern" else v[j, :n]).astype(np.float32)
+                      for k, v in host.items()}
             for k, v in out[i].items():
                 _check_finite(v, capture.layers, f"prompt {i}'s {k} activations")
     return out

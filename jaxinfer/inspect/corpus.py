@@ -184,6 +184,9 @@ def write_activations(model: Model, texts: Iterable[Union[str, Sequence[int]]], 
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be None or a callable(done, total), got {progress!r}")
     capture = capture_of(sites, layers, cfg)
+    if "attn_pattern" in capture.sites:  # its width S is each text's own length
+        raise ValueError("write_activations stores rows of one width per site; attn_pattern is [N, S] per token, S "
+                         "the text's length: read it with jaxinfer.activations")
     folder = Path(folder)
     manifest = _open_store(folder, _settings(model, capture, format, dtype, max_tokens))
     start = manifest["texts_done"]

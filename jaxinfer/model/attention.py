@@ -68,7 +68,7 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array, window: Optional[int], local
     return mask
 
 
-def attend(q, k, v, mask, scale, sinks: Optional[jax.Array] = None):
+def attend(q, k, v, mask, scale, sinks: Optional[jax.Array] = None, pattern=None):
     """Grouped-query attention over given keys.
 
     Args:
@@ -77,8 +77,11 @@ def attend(q, k, v, mask, scale, sinks: Optional[jax.Array] = None):
       mask: [B, T, S] bool.
       scale: score scale (1/sqrt(H) for most families).
       sinks: optional [N] per-head logits added to each softmax's denominator (module docstring).
+      pattern: optional fn(probabilities [B, N, T, S]) -> [B, N, T, S], applied before they weigh
+        the values (the forward's attn_pattern site).
     Returns:
-      out [B, T, N, Hv] and probabilities [B, N, T, S] (float32; with sinks they sum to less than 1).
+      out [B, T, N, Hv] and probabilities [B, N, T, S] (float32, after `pattern`; with sinks they
+      sum to less than 1).
     """
     B, T, N, H = q.shape
     K = k.shape[2]
@@ -92,6 +95,8 @@ def attend(q, k, v, mask, scale, sinks: Optional[jax.Array] = None):
         m = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
         e = jnp.exp(scores - m)
         probs = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - m))
+    if pattern is not None:
+        probs = pattern(probs.reshape(B, N, T, -1)).astype(jnp.float32).reshape(probs.shape)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
     return out.reshape(B, T, N, v.shape[-1]), probs.reshape(B, N, T, -1)
 

@@ -15,17 +15,20 @@ attention sinks and biases; DeepSeek's dense first layers), and with `cfg.mla` a
 DeepSeek's multi-head latent attention (`jaxinfer.model.mla`, a latent KV cache).
 Shape letters are defined in `jaxinfer.model.config`.
 
-Every layer passes the named sites of `jaxinfer.model.sites` (resid_pre, attn_heads, attn_out,
-resid_mid, mlp_out, resid_post); `forward(..., hooks=...)` reads them (capture) and changes them
-(interventions) inside the same program. Without hooks nothing is added to the program.
+Every layer passes the named sites of `jaxinfer.model.sites` (`sites.SITES`: resid_pre, q, k, v,
+attn_pattern, attn_heads, attn_result, attn_out, resid_mid, mlp_in, mlp_hidden, mlp_out,
+resid_post); `forward(..., hooks=...)` reads them (capture) and changes them (interventions)
+inside the same program. Without hooks nothing is added to the program; the sites that cost
+something of their own (attn_pattern: dense attention, attn_result: a projection per head,
+mlp_hidden: the MLP in two halves) change the program only where they are hooked.
 
 `forward` is the one entry: it returns a `ForwardOut` (logits, cache, and what was asked for:
 captured sites, the router's choices, attention probabilities), or with `segments` one per
-segment of rows. Each layer reads as its data path: `_Sites.at` at every named site,
+segment of rows. Each layer reads as its data path: `_LayerSites` at every named site,
 `_self_attention` (`_attention_inputs` or latent attention's `_latent_attention_inputs`, the
 cache writes and `_attention`), `_attention_output`, `_mlp_part`. Every weight product goes
 through `linear` or `project`, inside one function per projection (`qkv_projection`,
-`o_projection`, `mlp`, `unembed`).
+`o_projection`, `mlp_hidden` and `mlp_down`, `unembed`).
 """
 
 from __future__ import annotations
@@ -169,17 +172,29 @@ def split_qkv(x: jax.Array, cfg: ModelConfig):
 
 
 def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
-    """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D].
+    """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D] (`mlp_hidden`, then `mlp_down`).
 
     The layer holds w_gate and w_up [D, F] and w_down [F, D], or (cfg.layout "per_layer") one fused
     w_gate_up [2F, D] (gate first) and w_down_t [D, F].
     """
+    return mlp_down(mlp_hidden(x, lp, cfg), lp, cfg)
+
+
+def mlp_hidden(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """The MLP's hidden neurons act(x W_gate) * (x W_up): x [B, T, D] -> [B, T, F] (the mlp_hidden site)."""
     if cfg.layout == "per_layer":
         gate, up = jnp.split(project(x, lp["w_gate_up"], cfg.int8_matmul), 2, axis=-1)
-        return project(_activation(cfg)(gate) * up, lp["w_down_t"], cfg.int8_matmul)
-    gate = linear("BTD,DF->BTF", x, lp["w_gate"], cfg.int8_matmul)
-    up = linear("BTD,DF->BTF", x, lp["w_up"], cfg.int8_matmul)
-    return linear("BTF,FD->BTD", _activation(cfg)(gate) * up, lp["w_down"], cfg.int8_matmul)
+    else:
+        gate = linear("BTD,DF->BTF", x, lp["w_gate"], cfg.int8_matmul)
+        up = linear("BTD,DF->BTF", x, lp["w_up"], cfg.int8_matmul)
+    return _activation(cfg)(gate) * up
+
+
+def mlp_down(h: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """The MLP's down projection: hidden h [B, T, F] -> [B, T, D]."""
+    if cfg.layout == "per_layer":
+        return project(h, lp["w_down_t"], cfg.int8_matmul)
+    return linear("BTF,FD->BTD", h, lp["w_down"], cfg.int8_matmul)
 
 
 def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None,
@@ -283,6 +298,7 @@ class ForwardOut:
     logits: jax.Array  # [B, T, V] float32, or [B, 1, V] at logit_index
     cache: Optional[KVCache]  # the cache with the rows' lengths grown by n_new (the rows' own page table); None uncached
     captured: dict  # {site: [B, T, n, *site_shape]} (n: hooks.capture_layers, in order), after any intervention there
+    #                 (attn_pattern's S: T uncached, else the cache's max_len)
     routing: Optional[moe.Routing]  # ids and weights [L, B, T, k]: the experts each token chose at each layer
     attention: Optional[jax.Array]  # [L, B, N, T, S] probabilities; S = T uncached, else the cache's max_len
 
@@ -371,6 +387,9 @@ def _check_segments(segs, hooks, cache, single_row_args, extras: bool) -> None:
         _check_inputs(s.tokens, s.positions, cache.with_rows(s.page_table, s.lengths), s.logit_index, s.n_new)
     if any(h is not None and h.capture for h in hooks):
         raise ValueError("forward with segments applies interventions only; capture through a forward of one segment")
+    if any(h is not None and h.changes("attn_pattern") for h in hooks):
+        raise ValueError("forward with segments cannot change attn_pattern: it needs the dense attention of one "
+                         "segment; run those rows through a forward of their own")
 
 
 # The pass ----------------------------------------------------------------------------------------
@@ -420,13 +439,22 @@ class _Sites:
     def __init__(self, hooks: tuple, run: _Pass):
         self.hooks, self.run = hooks, run
         self.sites, self.layers = sites_lib.capture_buffers(hooks)
+        for h in hooks:  # a site the family lacks is refused by name (while tracing: before compiling)
+            for s in () if h is None else (*h.capture, *(slot.site for slot in h.slots)):
+                sites_lib.check_site_for(s, run.cfg)
         self.slot_of_layer = None if not self.sites else jnp.asarray(
             [self.layers.index(i) if i in self.layers else len(self.layers) for i in range(run.cfg.n_layers)],
             jnp.int32)
 
-    def buffers(self, x: jax.Array) -> dict:
-        """Empty capture buffers for the residual stream x [B, T, D]."""
-        return {s: jnp.zeros((len(self.layers) + 1,) + x.shape[:2] + sites_lib.site_shape(s, self.run.cfg), x.dtype)
+    def hooked(self, name: str) -> bool:
+        """Whether any segment changes or captures site `name` (static: decides what the layer computes)."""
+        return any(h is not None and h.uses(name) for h in self.hooks)
+
+    def buffers(self, x: jax.Array, keys: int) -> dict:
+        """Empty capture buffers for the residual stream x [B, T, D]; keys: S, the keys every query
+        attends over (attn_pattern's last axis; its probabilities are kept in float32)."""
+        return {s: jnp.zeros((len(self.layers) + 1,) + x.shape[:2] + sites_lib.site_shape(s, self.run.cfg, keys),
+                             jnp.float32 if s == "attn_pattern" else x.dtype)
                 for s in self.sites}
 
     def at(self, name: str, x: jax.Array, layer, buf: dict) -> tuple[jax.Array, dict]:
@@ -458,6 +486,22 @@ class _Sites:
         return tuple(out)
 
 
+class _LayerSites:
+    """One layer's named sites while that layer is traced: `at(name, x)` is x through the
+    interventions at site `name` of this layer, recorded where it is captured (`_Sites.at`); the
+    capture buffers it updates are `at.buf`, which the layer hands on in its carry."""
+
+    def __init__(self, sites: _Sites, layer, buf: dict):
+        self.sites, self.layer, self.buf = sites, layer, buf
+
+    def __call__(self, name: str, x: jax.Array) -> jax.Array:
+        x, self.buf = self.sites.at(name, x, self.layer, self.buf)
+        return x
+
+    def hooked(self, name: str) -> bool:
+        return self.sites.hooked(name)
+
+
 def _run(params: Params, segs: tuple[Segment, ...], cache: Optional[KVCache], cfg: ModelConfig, *,
          hooks: tuple, routing: bool, attention: bool) -> tuple[ForwardOut, ...]:
     """The pass itself (`forward` is its one caller): embed, the layers, the logits, per segment."""
@@ -473,20 +517,23 @@ def _run(params: Params, segs: tuple[Segment, ...], cache: Optional[KVCache], cf
     def block(carry, xs):
         x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
         lp, idx, inv_freq, local = xs
-        x, buf = sites.at("resid_pre", x, idx, buf)
+        at = _LayerSites(sites, idx, buf)  # this layer's sites, in `sites.SITES` order
+        x = at("resid_pre", x)
         with jax.named_scope("attention"):
             heads, c, probs = _self_attention(rms_norm(x, lp["attn_norm"], cfg.norm_eps), c, lp, layer=idx,
-                                              inv_freq=inv_freq, local=local, run=run)
-            heads, buf = sites.at("attn_heads", heads, idx, buf)
-            attn, buf = sites.at("attn_out", _attention_output(heads, lp, cfg), idx, buf)
-            x, buf = sites.at("resid_mid", x + attn, idx, buf)
+                                              inv_freq=inv_freq, local=local, run=run, at=at)
+            heads = at("attn_heads", heads)
+            attn = at("attn_out", _attention_output(heads, lp, cfg, at))
+            x = at("resid_mid", x + attn)
         with jax.named_scope("mlp"):
-            h, route = _mlp_part(x, lp, idx, experts, cfg)
-            h, buf = sites.at("mlp_out", h, idx, buf)
-            x, buf = sites.at("resid_post", x + h, idx, buf)
-        return (x, c, buf), (probs if attention else None, route if routing else None)
+            h, route = _mlp_part(x, lp, idx, experts, cfg, at)
+            h = at("mlp_out", h)
+            x = at("resid_post", x + h)
+        return (x, c, at.buf), (probs if attention else None, route if routing else None)
 
-    (x, cache, buf), (probs, route) = run_layers(block, (x, cache, sites.buffers(x)), layers, _layer_meta(cfg), cfg)
+    keys = x.shape[1] if cache is None else cache.max_len  # S: what each query attends over
+    (x, cache, buf), (probs, route) = run_layers(block, (x, cache, sites.buffers(x, keys)), layers, _layer_meta(cfg),
+                                                 cfg)
 
     with jax.named_scope("logits"):
         picked = [xi if s.logit_index is None else jnp.take_along_axis(xi, s.logit_index[:, None, None], axis=1)
@@ -503,9 +550,11 @@ def _run(params: Params, segs: tuple[Segment, ...], cache: Optional[KVCache], cf
 
 
 def _self_attention(h: jax.Array, cache: Optional[KVCache], lp: Params, *, layer, inv_freq: jax.Array, local,
-                    run: _Pass):
+                    run: _Pass, at: _LayerSites):
     """One layer's attention from the normed residual h [B, T, D] to each query head's output.
 
+    The q, k and v sites come before the cache write (the cache stores what they leave), the
+    attn_pattern site between the softmax and the values (dense attention, only where it is hooked).
     Returns (heads [B, T, N, H] (H: the value width, Hv with latent attention), the cache with this
     layer's keys and values written, probabilities [B, N, T, S] or None).
     """
@@ -515,9 +564,15 @@ def _self_attention(h: jax.Array, cache: Optional[KVCache], lp: Params, *, layer
         vs = None
     else:
         q, k, v = _attention_inputs(h, run.positions, inv_freq, lp, cfg)
+        q, k, v = at("q", q), at("k", k), at("v", v)
         vs = packing.split(v)
+
+    def pattern(p):  # probabilities [B, N, T, S] <-> the site's [B, T, N, S]
+        return jnp.swapaxes(at("attn_pattern", jnp.swapaxes(p, 1, 2)), 1, 2)
+
     outs, cache, probs = _attention(packing.split(q), packing.split(k), vs, run.segs, cache, layer=layer,
-                                    local=local, cfg=cfg, collect=run.attention, sinks=lp.get("sinks"))
+                                    local=local, cfg=cfg, collect=run.attention, sinks=lp.get("sinks"),
+                                    pattern=pattern if at.hooked("attn_pattern") else None)
     heads = packing.join(outs)
     if cfg.mla is not None:
         heads = _latent_heads(heads, lp, cfg)
@@ -578,11 +633,15 @@ def _latent_heads(out: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     return linear("BTNR,RNV->BTNV", mla.latent_values(out, cfg), lp["wv_b"])
 
 
-def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, collect: bool, sinks=None):
+def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, collect: bool, sinks=None,
+               pattern=None):
     """One layer's attention for each segment: write its k, v to the cache (if any), then attend.
 
     vs is None for latent attention (`jaxinfer.model.mla`): ks are the latent rows, which serve as
     keys and values (the cache's `update_latent`). sinks: [N] gpt-oss's per-head sink logits, or None.
+    collect: return the probabilities (dense attention over every table position, one segment);
+    pattern: fn(probabilities [B, N, T, S]) -> [B, N, T, S] before they weigh the values (the
+    attn_pattern site: dense attention as with collect), or None.
     Returns (outs [B, T, N, H] per segment, the cache, probabilities [B, N, T, S] or None).
     """
     window = cfg.sliding_window
@@ -591,7 +650,7 @@ def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, colle
     if cache is None:  # one uncached pass: the T tokens attend to each other
         (q,), (k,), (v,), (seg,) = qs, ks, vs, segs
         out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale,
-                            sinks)
+                            sinks, pattern)
         return [out], None, probs
     carried_view = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
     for k, v, seg in zip(ks, vs, segs):  # every segment's keys first: none reads another's pages
@@ -599,12 +658,12 @@ def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, colle
         cache = (update_latent(view, k, layer, seg.lengths) if cache.latent
                  else view.update_layer(k, v, layer, seg.lengths))
     cache = cache.with_rows(*carried_view)
-    if collect:  # the probes' path: every table position, one softmax
+    if collect or pattern is not None:  # the probes' path: every table position, one softmax
         (q,), (seg,) = qs, segs
         keys, values = _read_all(cache, layer, q.dtype)
         k_pos = jnp.arange(keys.shape[1], dtype=seg.positions.dtype)
         out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale,
-                            sinks)
+                            sinks, pattern)
         return [out], cache, probs
     outs = []
     for q, k, v, seg in zip(qs, ks, vs, segs):
@@ -628,10 +687,14 @@ def _read_all(cache: KVCache, layer, dtype):
     return jnp.concatenate([b[0] for b in blocks], axis=1), jnp.concatenate([b[1] for b in blocks], axis=1)
 
 
-def _attention_output(heads: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+def _attention_output(heads: jax.Array, lp: Params, cfg: ModelConfig, at: _LayerSites) -> jax.Array:
     """What attention adds to the residual stream: heads [B, T, N, H] -> [B, T, D] through the
-    output projection, its bias (cfg.o_bias) and the post-attention norm (cfg.post_norms)."""
-    attn = o_projection(heads, lp, cfg)
+    output projection, its bias (cfg.o_bias) and the post-attention norm (cfg.post_norms). Where
+    the attn_result site is hooked, the projection is the sum of the heads' results there."""
+    if at.hooked("attn_result"):  # no post-norm here (`sites.check_site_for`)
+        attn = at("attn_result", head_results(heads, lp, cfg)).sum(axis=2)
+    else:
+        attn = o_projection(heads, lp, cfg)
     if cfg.o_bias:
         attn = attn + lp["bo"]
     if cfg.post_norms:
@@ -639,11 +702,25 @@ def _attention_output(heads: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Arr
     return attn
 
 
-def _mlp_part(x: jax.Array, lp: Params, layer, experts: Params, cfg: ModelConfig):
-    """What the MLP adds to the residual stream x [B, T, D]: the pre-norm, the dense or MoE MLP
-    (`feed_forward`), the post-feedforward norm (cfg.post_norms). Returns ([B, T, D], Routing or None)."""
-    h, route = feed_forward(rms_norm(x, lp["ffn_norm"], cfg.norm_eps), lp, cfg, layer if experts else None,
-                            held=experts)
+def head_results(heads: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
+    """Each head's contribution to the residual stream (the attn_result site): heads [B, T, N, H]
+    -> [B, T, N, D], row n the output projection (`o_projection`, whatever its weights' form) of
+    head n alone, every other head zeroed: N times its work, and the N rows sum to its result."""
+    B, T, N, H = heads.shape
+    alone = heads[:, :, :, None, :] * jnp.eye(N, dtype=heads.dtype)[:, :, None]  # [B, T, N, N, H]
+    return o_projection(alone.reshape(B, T * N, N, H), lp, cfg).reshape(B, T, N, -1)
+
+
+def _mlp_part(x: jax.Array, lp: Params, layer, experts: Params, cfg: ModelConfig, at: _LayerSites):
+    """What the MLP adds to the residual stream x [B, T, D]: the pre-norm (the mlp_in site), the
+    dense or MoE MLP (`feed_forward`; where the mlp_hidden site is hooked, the dense MLP's two
+    halves with the site between them), the post-feedforward norm (cfg.post_norms).
+    Returns ([B, T, D], Routing or None)."""
+    h = at("mlp_in", rms_norm(x, lp["ffn_norm"], cfg.norm_eps))
+    if at.hooked("mlp_hidden"):  # dense MLPs only (`sites.check_site_for`)
+        h, route = mlp_down(at("mlp_hidden", mlp_hidden(h, lp, cfg)), lp, cfg), None
+    else:
+        h, route = feed_forward(h, lp, cfg, layer if experts else None, held=experts)
     if cfg.post_norms:
         h = rms_norm(h, lp["post_ffn_norm"], cfg.norm_eps)
     return h, route

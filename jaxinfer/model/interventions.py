@@ -5,9 +5,10 @@
     jaxinfer.generate(model, prompts, interventions=[[steer], [], [other]])  # one list per prompt
 
 An `Intervention` is a site (`jaxinfer.model.sites.SITES`), the layers it acts at, a pure
-function `fn(x, params, positions) -> x` over one row (x [T, D], or [T, N, H] at attn_heads;
-positions [T] the tokens' positions in their sequence) and `params`, a pytree of arrays. It is
-traced into the prefill and into every step of the decode scan (`sites.apply`).
+function `fn(x, params, positions) -> x` over one row (x [T, *the site's per-token shape]: [T, D],
+[T, N, H] at attn_heads, `sites.SHAPES`; positions [T] the tokens' positions in their sequence)
+and `params`, a pytree of arrays. It is traced into the prefill and into every step of the
+decode scan (`sites.apply`).
 
 What is static and what is data. Interventions are grouped into slots: a slot is one (site,
 function, params structure: tree, shapes, dtypes); a row that uses two interventions with the
@@ -29,8 +30,8 @@ per steering site, gates off by default: `jaxinfer.serve.steering`), so its requ
 change data.
 
 Built in: `add` (steering: x + scale * vector), `ablate` (zero or mean ablation of the whole
-site, of chosen heads at attn_heads, or of chosen directions), `patch` (values captured from
-another run, at chosen positions), `project_out` (remove a direction).
+site, of chosen heads at attn_heads or another site with a heads axis, or of chosen directions),
+`patch` (values captured from another run, at chosen positions), `project_out` (remove a direction).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def _float_vector(x, what: str) -> np.ndarray:
     return a
 
 
+# Sites whose per-token shape starts with a heads axis (`ablate(..., heads=...)`).
+HEAD_SITES = ("attn_heads", "q", "k", "v", "attn_pattern", "attn_result")
+
 # The built-in functions: one row, x [T, *site shape]. Module-level, so every call of a builder
 # shares one function object (one slot, one program).
 
@@ -118,7 +122,7 @@ def _replace(x, p, positions):
     return jnp.broadcast_to(p["value"], x.shape)
 
 
-def _replace_heads(x, p, positions):  # x [T, N, H]; p["heads"] [n_ablated] head indices, p["value"] [N, H] or []
+def _replace_heads(x, p, positions):  # x [T, N, H] (a HEAD_SITES site); p["heads"] [n_ablated], p["value"] [N, H] or []
     on = jnp.any(jnp.arange(x.shape[1])[:, None] == p["heads"][None, :], axis=-1)  # [N]
     return jnp.where(on[None, :, None], jnp.broadcast_to(p["value"], x.shape[1:])[None].astype(jnp.float32),
                      x.astype(jnp.float32))
@@ -141,9 +145,10 @@ def add(site: str, layer: Layers, vector, scale=1.0) -> Intervention:
     """Steering: x + scale * vector at every position of `layer`'s site.
 
     Args:
-      site: a site with per-token shape [D] (resid_pre, attn_out, resid_mid, mlp_out, resid_post).
+      site: a site with one vector per token: [D] (resid_pre, attn_out, resid_mid, mlp_in, mlp_out,
+        resid_post) or [F] (mlp_hidden).
       layer: a layer index, several, or None for every layer.
-      vector: [D] the direction to add.
+      vector: [D] (or [F]) the direction to add.
       scale: a number (data: a new scale compiles nothing).
     Returns:
       An Intervention.
@@ -164,10 +169,11 @@ def ablate(site: str, layer: Layers, *, heads: Optional[Sequence[int]] = None, d
     """Zero or mean ablation of the whole site, of chosen heads, or of chosen directions.
 
     Args:
-      site: any site; with `heads`, attn_heads (attn_out is taken to mean attn_heads: the heads'
-        outputs before the output projection).
+      site: any site; with `heads`, a site with a heads axis first: attn_heads (attn_out is taken
+        to mean attn_heads: the heads' outputs before the output projection), q, k, v (kv heads),
+        attn_pattern (a head's probabilities: zeros leave its output zero), attn_result.
       layer: a layer index, several, or None for every layer.
-      heads: query-head indices whose outputs are replaced (at attn_heads).
+      heads: head indices whose values are replaced (query heads; kv heads at k and v).
       directions: [n_dirs, D] or [D]: only the components along these directions (orthonormalized
         here) are replaced; not with `heads`.
       mean: the replacement: None for zeros, else the mean activation of the site (its per-token
@@ -180,14 +186,15 @@ def ablate(site: str, layer: Layers, *, heads: Optional[Sequence[int]] = None, d
     if heads is not None and directions is not None:
         raise ValueError("ablate: pass heads or directions, not both")
     if heads is not None:
-        if site not in ("attn_heads", "attn_out"):
-            raise ValueError(f"ablate: heads are ablated at site attn_heads (or attn_out), not {site!r}")
+        if site not in HEAD_SITES + ("attn_out",):
+            raise ValueError(f"ablate: heads are ablated at site attn_heads (or attn_out, or a site with a heads axis: "
+                             f"{', '.join(HEAD_SITES[1:])}), not {site!r}")
         h = np.asarray(list(heads) if not isinstance(heads, (int, np.integer)) else [heads])
         if h.size == 0 or not np.issubdtype(h.dtype, np.integer) or h.min() < 0:
             raise ValueError(f"ablate: heads must be non-negative head indices, got {heads!r}")
         params = {"heads": h.astype(np.int32), "value": np.zeros((), np.float32) if value is None else value}
-        return Intervention(site="attn_heads", layers=layer, fn=_replace_heads, params=params,
-                            site_params=() if value is None else ("value",), name="ablate_heads")
+        return Intervention(site="attn_heads" if site == "attn_out" else site, layers=layer, fn=_replace_heads,
+                            params=params, site_params=() if value is None else ("value",), name="ablate_heads")
     if directions is not None:
         _needs_d_site(site, "ablate with directions")
         basis = _basis(directions, "ablate: directions")
@@ -248,8 +255,9 @@ def patch(site: str, layer: Layers, values, positions: Optional[Sequence[int]] =
 
 def _needs_d_site(site: str, what: str) -> None:
     sites_lib.check_site(site)
-    if site == "attn_heads":
-        raise ValueError(f"{what} needs a site of width D, not attn_heads ([N, H] per token)")
+    if len(sites_lib.SHAPES[site]) != 1:
+        raise ValueError(f"{what} needs a site of one vector per token (width D, or F at mlp_hidden), not {site} "
+                         f"({sites_lib.shape_letters(site)} per token)")
 
 
 def _basis(directions, what: str) -> np.ndarray:
@@ -311,19 +319,22 @@ def per_row(interventions: PerRow, n_rows: int) -> Optional[list[list[Interventi
 def _check(iv: Intervention, cfg: ModelConfig, traced: set) -> None:
     """Site, layers, the params' site shapes, finiteness and fn's output shape, for `cfg` (fn is
     traced once per slot key: `traced` holds the keys already seen)."""
-    shape = sites_lib.site_shape(iv.site, cfg)
+    # attn_pattern's S (the keys) is the pass's: taken from the params where they have it, else 2
+    # (the 2 tokens the function is traced on below, attending to each other)
+    keys = next((np.shape(iv.params[n])[-1] for n in iv.site_params if np.ndim(iv.params[n])), 2)
+    shape = sites_lib.site_shape(iv.site, cfg, keys)
     if iv.layers is not None:
         sites_lib.check_layers(iv.layers, cfg, f"{iv!r}: layers")
     for name in iv.site_params:
         got = np.shape(iv.params[name])
         if got[len(got) - len(shape):] != shape:
             raise ValueError(f"{iv!r}: {name} has shape {got}; the site's per-token shape is {shape} "
-                             f"({'[N, H]' if iv.site == 'attn_heads' else '[D]'})")
+                             f"({sites_lib.shape_letters(iv.site)})")
     for leaf in jax.tree.leaves(iv.params):
         if np.issubdtype(leaf.dtype, np.floating) and not np.all(np.isfinite(leaf)):
             raise ValueError(f"{iv!r}: params hold NaN or inf")
-    if iv.fn is _replace_heads and int(np.max(iv.params["heads"])) >= cfg.n_heads:
-        raise ValueError(f"{iv!r}: heads must be in [0, {cfg.n_heads}), got {iv.params['heads'].tolist()}")
+    if iv.fn is _replace_heads and int(np.max(iv.params["heads"])) >= shape[0]:
+        raise ValueError(f"{iv!r}: heads must be in [0, {shape[0]}), got {iv.params['heads'].tolist()}")
     if iv.fn is _patch and int(np.max(iv.params["positions"])) >= cfg.max_seq_len:
         listed = iv.params["positions"][iv.params["positions"] >= 0].tolist()
         raise ValueError(f"{iv!r}: positions must be in [0, {cfg.max_seq_len}) (the model's context length), "
@@ -363,7 +374,7 @@ def hooks_for(row_interventions: Optional[list[list[Intervention]]], cfg: ModelC
     row_lists += [[] for _ in range(n_rows - len(row_lists))]
     cap_sites, cap_layers = (), ()
     if capture is not None:
-        cap_sites, cap_layers = capture.sites, sites_lib.check_layers(capture.layers, cfg, "capture layers")
+        cap_sites, cap_layers = sites_lib.check_capture(capture, cfg)
     if not any(row_lists) and not cap_sites:
         return None
     checked: set[int] = set()
@@ -450,7 +461,7 @@ def traced_hooks(interventions: Sequence[Intervention], values: Sequence[Any], c
                                     fn=iv.fn))
     cap_sites, cap_layers = (), ()
     if capture is not None:
-        cap_sites, cap_layers = capture.sites, sites_lib.check_layers(capture.layers, cfg, "capture layers")
+        cap_sites, cap_layers = sites_lib.check_capture(capture, cfg)
     return sites_lib.Hooks(slots=tuple(slots), capture=cap_sites, capture_layers=cap_layers)
 
 

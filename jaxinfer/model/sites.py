@@ -1,17 +1,45 @@
 """Named sites inside every layer, and the hooks that read (capture) or change (intervene at) them.
 
-Each layer of `jaxinfer.model.forward` passes six named sites, in this order:
+Each layer of `jaxinfer.model.forward` passes these named sites, in the order the layer computes
+them (`SITES`; per-token shapes in `SHAPES`, letters of `jaxinfer.model.config`):
 
-  resid_pre   [B, T, D]     the layer's input: the residual stream (layer 0: the scaled embeddings)
-  attn_heads  [B, T, N, H]  each query head's attention output, before the output projection
-  attn_out    [B, T, D]     what attention adds to the residual stream (after the post-attention
-                            norm, in families that have one: Gemma 3)
-  resid_mid   [B, T, D]     resid_pre + attn_out
-  mlp_out     [B, T, D]     what the MLP adds (after the post-feedforward norm in Gemma 3)
-  resid_post  [B, T, D]     resid_mid + mlp_out: the layer's output and the next layer's resid_pre
-                            (transformers' decoder layer output, `output_hidden_states[l + 1]`)
+  resid_pre     [B, T, D]     the layer's input: the residual stream (layer 0: the scaled embeddings)
+  q             [B, T, N, H]  queries after Qwen2's biases, QK-norm and RoPE: what meets the keys
+  k             [B, T, K, H]  keys after QK-norm and RoPE, before the cache write (what it stores)
+  v             [B, T, K, H]  values, before the cache write (what it stores)
+  attn_pattern  [B, T, N, S]  attention probabilities of each query token over the S keys (see below)
+  attn_heads    [B, T, N, H]  each query head's attention output, before the output projection
+  attn_result   [B, T, N, D]  each head's contribution to the residual: attn_heads[n] @ wo[n] (opt-in)
+  attn_out      [B, T, D]     what attention adds to the residual stream (after the post-attention
+                              norm, in families that have one: Gemma 3)
+  resid_mid     [B, T, D]     resid_pre + attn_out
+  mlp_in        [B, T, D]     the MLP's input after its pre-norm (ffn_norm): what transcoders read
+  mlp_hidden    [B, T, F]     the MLP's hidden neurons act(x W_gate) * (x W_up), before the down projection
+  mlp_out       [B, T, D]     what the MLP adds (after the post-feedforward norm in Gemma 3)
+  resid_post    [B, T, D]     resid_mid + mlp_out: the layer's output and the next layer's resid_pre
+                              (transformers' decoder layer output, `output_hidden_states[l + 1]`)
 
-The final norm comes after the last layer's resid_post; no site sits after it.
+The final norm comes after the last layer's resid_post; no site sits after it. An intervention
+at q, k or v changes what attention reads, and at k and v what the cache stores (later tokens
+read the changed keys); at attn_pattern it replaces the probabilities before they weigh the
+values; at attn_result the heads' changed contributions are summed into attn_out (plus the output
+bias, cfg.o_bias, which belongs to no head).
+
+Sites a family lacks are refused by name before anything compiles (`check_site_for`): q, k and v
+with multi-head latent attention (cfg.mla: its cache holds one latent row per token, no per-head
+keys or values), mlp_hidden with mixture-of-experts MLPs (cfg.moe: one hidden layer per
+expert, not one per layer), attn_result with a post-attention norm (cfg.post_norms: it
+normalizes the heads' sum, so no head has a contribution of its own).
+
+Cost. A run that hooks none of q, k, v, attn_pattern, attn_result and mlp_hidden computes what a
+plain run does. Hooking attn_pattern runs attention densely (`attention.attend`: every query
+against all S keys, one softmax) instead of the fused or paged kernels: S = T in an uncached pass,
+and with a cache S is the row's table length (`KVCache.max_len`: in `generate`, its bucketed
+max_len), read whole at every step (keys past a row's context get probability 0). Its capture
+buffer is float32 [layers captured + 1, B, T, N, S]: 4 (n + 1) B T N S bytes per pass, and
+`generate` keeps N S floats per layer and token on the host (SmolLM2-135M, 30 layers of 9 heads,
+max_len 2048: 2.2 MB per generated token). attn_result costs N times the output projection's
+work and a [B, T, N, D] array.
 
 `Hooks` is what the forward takes: a pytree whose static part (the treedef: which sites are
 captured at which layers, and each slot's site and function) belongs to the compiled program,
@@ -36,20 +64,62 @@ from flax import struct
 
 from jaxinfer.model.config import ModelConfig
 
-SITES = ("resid_pre", "attn_heads", "attn_out", "resid_mid", "mlp_out", "resid_post")
+# Each site's per-token shape in shape letters (`jaxinfer.model.config`; S: the keys attended
+# over), in the order a layer computes them: SITES.
+SHAPES = {"resid_pre": ("D",), "q": ("N", "H"), "k": ("K", "H"), "v": ("K", "H"), "attn_pattern": ("N", "S"),
+          "attn_heads": ("N", "H"), "attn_result": ("N", "D"), "attn_out": ("D",), "resid_mid": ("D",),
+          "mlp_in": ("D",), "mlp_hidden": ("F",), "mlp_out": ("D",), "resid_post": ("D",)}
+SITES = tuple(SHAPES)
 
 
-def site_shape(site: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """The per-token shape of a site: (D,) or, for attn_heads, (N, H) (H: the value width, Hv with
-    latent attention)."""
-    check_site(site)
-    return (cfg.n_heads, cfg.v_head_dim) if site == "attn_heads" else (cfg.d_model,)
+def site_shape(site: str, cfg: ModelConfig, keys: Optional[int] = None) -> tuple[int, ...]:
+    """The per-token shape of a site in `cfg`'s model (`SHAPES`; attn_heads' H is the value
+    width, Hv with latent attention). keys: S, the keys attended over (attn_pattern only: T in an
+    uncached pass, the cache's max_len with one). Raises ValueError for a site the family lacks."""
+    check_site_for(site, cfg)
+    if site == "attn_pattern" and keys is None:
+        raise ValueError("attn_pattern is [N, S] per token, S the keys a pass attends over: pass keys")
+    # attn_heads' H is the value width (Hv with latent attention, whose q, k and v are refused)
+    H = cfg.v_head_dim if site == "attn_heads" else cfg.head_dim
+    sizes = dict(D=cfg.d_model, N=cfg.n_heads, K=cfg.n_kv_heads, H=H, F=cfg.ffn_dim, S=keys)
+    return tuple(sizes[a] for a in SHAPES[site])
+
+
+def shape_letters(site: str) -> str:
+    """A site's per-token shape in letters, for messages: "[D]", "[N, H]", ..."""
+    return "[" + ", ".join(SHAPES[check_site(site)]) + "]"
 
 
 def check_site(site) -> str:
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}; the sites are {', '.join(SITES)}")
     return site
+
+
+def check_site_for(site, cfg: ModelConfig) -> str:
+    """`check_site`, and refuse a site `cfg`'s family lacks (module docstring), naming why."""
+    check_site(site)
+    why = None
+    if site in ("q", "k", "v") and cfg.mla is not None:
+        why = ("multi-head latent attention (cfg.mla) caches one latent row per token and has no per-head keys "
+               "or values; read attn_pattern or attn_heads instead")
+    elif site == "mlp_hidden" and cfg.moe is not None:
+        why = ("its MLPs are mixtures of experts (cfg.moe), one hidden layer per expert; read mlp_in or mlp_out "
+               "instead")
+    elif site == "attn_result" and cfg.post_norms:
+        why = ("a post-attention norm (cfg.post_norms, Gemma 3) normalizes the heads' sum, so no head has a "
+               "contribution of its own; read attn_heads or attn_out instead")
+    if why:
+        raise ValueError(f"site {site!r} does not exist in {cfg.name}: {why}")
+    return site
+
+
+def check_capture(capture: "Capture", cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A Capture's sites (each one `cfg`'s family has) and its layers checked against cfg
+    (`check_layers`): what `Hooks.capture` and `Hooks.capture_layers` hold."""
+    for s in capture.sites:
+        check_site_for(s, cfg)
+    return capture.sites, check_layers(capture.layers, cfg, "capture layers")
 
 
 def _is_index(x) -> bool:
@@ -152,6 +222,10 @@ class Hooks:
 
     def changes(self, site: str) -> bool:
         return any(s.site == site for s in self.slots)
+
+    def uses(self, site: str) -> bool:
+        """Whether the site is changed or captured (the forward computes it only then, if it costs)."""
+        return site in self.capture or self.changes(site)
 
 
 def apply(hooks: Optional[Hooks], site: str, x: jax.Array, positions: jax.Array, layer) -> jax.Array:

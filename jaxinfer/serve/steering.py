@@ -52,9 +52,9 @@ class Steering:
             raise ValueError(f"steering_sites must name one or more distinct sites, got {self.sites!r}")
         for s in sites:
             sites_lib.check_site(s)
-            if s == "attn_heads":
-                raise ValueError("steering_sites: attn_heads is [N, H] per token; steering adds a [D] vector at "
-                                 "resid_pre, attn_out, resid_mid, mlp_out or resid_post")
+            if sites_lib.SHAPES[s] != ("D",):
+                raise ValueError(f"steering_sites: {s} is {sites_lib.shape_letters(s)} per token; steering adds a [D] "
+                                 "vector at " + ", ".join(x for x in sites_lib.SITES if sites_lib.SHAPES[x] == ("D",)))
         object.__setattr__(self, "sites", sites)
 
     @property
