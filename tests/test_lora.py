@@ -109,8 +109,8 @@ def test_generate_score_activations_take_an_adapter_per_row(llama):
     a, b = "llama_all_r4", "llama_rslora_r8"
     ids = ref(a)["ids"].tolist()
     out = jaxinfer.generate(model, [ids] * 3, adapters=[a, None, b], max_new_tokens=8)
-    plain = jaxinfer.generate(base, [ids], max_new_tokens=8).completions[0].token_ids
-    assert out.completions[1].token_ids == plain
+    with np.load(os.path.join(TINY, "llama", "reference.npz")) as plain:  # transformers' greedy tokens
+        assert out.completions[1].token_ids == plain["greedy"][:8].tolist()
     for c, name in ((out.completions[0], a), (out.completions[2], b)):
         assert c.token_ids == ref(name)["greedy"][:8].tolist(), name
     swapped = jaxinfer.generate(model, [ids] * 3, adapters=[None, b, a], max_new_tokens=8)
@@ -119,9 +119,10 @@ def test_generate_score_activations_take_an_adapter_per_row(llama):
     # score: log p of a continuation under each row's adapter, as its logits say
     ctx, cont = ids[:10], ids[10:14]
     scores = jaxinfer.score(model, [(ctx, cont)] * 2, adapters=[a, None])
-    for s, name in zip(scores, (a, None)):
-        lg = np.asarray(jaxinfer.logits(model, ctx + cont, adapter=name), np.float64)
-        lp = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+    for j, (s, name) in enumerate(zip(scores, (a, None))):
+        lg = batch_logits(model, ids, [a, None, a, a] if name else [None, None, a, a])[j].astype(np.float64)
+        lp = lg - lg.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
         want = [lp[9 + i, t] for i, t in enumerate(cont)]
         assert_close(s.token_logprobs, want, scale=np.abs(lg).max(), what=f"score {name}")
     # activations: the base row bit for bit the model's without adapters
@@ -135,11 +136,11 @@ def test_int8_base_with_float_adapters(llama):
     name = "llama_all_r4"
     model = lora_api.attach(base, {name: os.path.join(GOLDEN, name)})
     ids = ref(name)["ids"].tolist()
-    got = batch_logits(model, ids, [name, None])
-    np.testing.assert_array_equal(got[1], batch_logits(base, ids, None, batch=2)[1])
+    got = batch_logits(model, ids, [name, None, None, None])
+    np.testing.assert_array_equal(got[1], batch_logits(base, ids, None, batch=4)[1])
     # the adapter's term is the float one: int8 + term - int8 equals float + term - float
     f_base, f_model = llama["stacked"]
-    want = batch_logits(f_model, ids, [name])[0] - batch_logits(f_base, ids, None, batch=1)[0]
+    want = batch_logits(f_model, ids, [name, None, None, None])[0] - batch_logits(f_base, ids, None, batch=4)[0]
     assert np.abs((got[0] - got[1]) - want).max() < 0.1 * np.abs(want).max()
     with pytest.raises(ValueError, match="quantized"):
         lora_api.attach(base, {name: os.path.join(GOLDEN, name)}, merge=True)
@@ -277,9 +278,6 @@ def test_training_lowers_the_loss_deterministically_and_resumes(llama, tmp_path)
     lp = lg - lg.max(-1, keepdims=True)
     lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
     nll = -np.mean([lp[t, seq[t + 1]] for t in range(len(seq) - 1)])
-    base_lg = np.asarray(jaxinfer.logits(base, seq), np.float64)
-    base_lp = base_lg - base_lg.max(-1, keepdims=True)
-    base_lp -= np.log(np.exp(base_lp).sum(-1, keepdims=True))
-    assert nll < -np.mean([base_lp[t, seq[t + 1]] for t in range(len(seq) - 1)])
+    assert nll < 0.8 * whole.losses[0]  # step 0's loss is the base model's (B starts at zero)
     with pytest.raises(ValueError, match="target 'lm_head'"):
         lora_api.train(base, sequences, targets=("lm_head",))
