@@ -84,9 +84,9 @@ def test_llama_adapters_match_peft_in_one_mixed_batch(llama, lay):
 def test_other_families_match_peft(name):
     r = ref(name)
     family = name.split("_")[0]
-    base = jaxinfer.load(os.path.join(TINY, family), layout="stacked")
     for lay in ("stacked", "per_layer"):
-        model = lora_api.attach(layout.to_layout(base, lay), {name: os.path.join(GOLDEN, name)})
+        model = jaxinfer.load(os.path.join(TINY, family), layout=lay, adapters={name: os.path.join(GOLDEN, name)})
+        assert model.adapters == (name,)
         got = jaxinfer.logits(model, r["ids"].tolist(), adapter=name)
         assert_close(got, r["logits"], fp32_error=r["logits_fp32_error"], what=f"{name} ({lay})")
 
