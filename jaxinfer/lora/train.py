@@ -16,23 +16,31 @@ temporary name and renamed); a run given the same folder resumes from the latest
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxinfer.model import forward, lora, sites
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
 
+if TYPE_CHECKING:  # optax is imported when training starts, not with jaxinfer
+    import optax
 
-DEFAULT_OPTIMIZER = optax.adam(1e-3)  # one object, so calls without an optimizer share a compiled step
+
+@functools.cache
+def default_optimizer() -> "optax.GradientTransformation":
+    """Adam at 1e-3: one object, so calls without an optimizer share a compiled step."""
+    import optax
+
+    return optax.adam(1e-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +64,7 @@ def train(model: Model, sequences: Sequence[Union[str, Sequence[int]]], *, rank:
         rule), each of 2 or more tokens; every token after the first is predicted.
       rank, alpha: the adapter's r and lora_alpha (scale alpha / r, or alpha / sqrt(r) with use_rslora).
       targets: projections to adapt, of `jaxinfer.model.lora.TARGETS`, at every layer.
-      optimizer: an optax transformation (default `DEFAULT_OPTIMIZER`, Adam at 1e-3); the same
+      optimizer: an optax transformation (default `default_optimizer()`, Adam at 1e-3); the same
         object in a later call reuses the compiled step.
       steps: optimizer steps in all (a resumed run does the remaining ones).
       batch_size: sequences per step (drawn without replacement, epoch after epoch).
@@ -85,7 +93,7 @@ def train(model: Model, sequences: Sequence[Union[str, Sequence[int]]], *, rank:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise ValueError(f"alpha must be a positive number, got {alpha!r}")
     tokens, mask = _batch_arrays(model, sequences)
-    optimizer = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
+    optimizer = optimizer if optimizer is not None else default_optimizer()
     scale = lora.scale_of(alpha, rank, use_rslora)
 
     trainable = _init(cfg, targets, rank, jax.random.key(seed))
@@ -177,6 +185,8 @@ def loss_fn(trainable: Params, params: Params, tokens: jax.Array, mask: jax.Arra
 def _step(trainable, opt_state, params, tokens, mask, *, optimizer: optax.GradientTransformation, cfg: ModelConfig,
           scale: float):
     """One optimizer step on a batch: (trainable, opt_state, loss before the update)."""
+    import optax
+
     loss, grads = jax.value_and_grad(loss_fn)(trainable, params, tokens, mask, cfg, scale)
     updates, opt_state = optimizer.update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state, loss
