@@ -13,6 +13,7 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
                                         activations.py (sites, logit lens), corpus.py (activation shards)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
+  lora/      LoRA adapters              read / attach PEFT folders, train with optax, save_peft
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
 
@@ -31,10 +32,10 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.sites import SITES, Capture
 from jaxinfer.weights.load import load
 from jaxinfer.weights.load_tokenizer import load_tokenizer
-from jaxinfer import sharding
+from jaxinfer import lora, sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
-           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES"]
+           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES", "lora"]
 __version__ = "0.1.0"

@@ -380,3 +380,13 @@ def test_devices_mesh_two_host_devices_batch_one(tmp_path):
     assert r["devices"] == 2 and r["same_tokens"]
     assert [x["mesh"] for x in r["rows"]] == ["1 device", "1x2"]  # data 2 cannot split one row
     assert all(x["tokens_per_s"] > 0 for x in r["rows"])
+
+
+def test_lora_speed_smoke(tiny_tok, tmp_path):
+    from experiments import lora as lora_runner
+
+    r = lora_runner.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    data = saved(tmp_path, "lora_speed")
+    assert [row["target"] for row in data["rows"]] == ["<= 1.15", "1.0", "0"]
+    assert r["rows"][2]["ratio"] == 0  # rows switching adapters compile nothing
+    assert (tmp_path / "lora_speed.png").stat().st_size > 1000

@@ -37,7 +37,7 @@ from jaxinfer.decode.request import Batch, prepare, read_emitted
 from jaxinfer.decode.outputs import Output, Timings, completion_for
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.model import cache as kv
-from jaxinfer.model import forward
+from jaxinfer.model import forward, lora
 from jaxinfer.model.interventions import NON_FINITE, Intervention, PerRow, hooks_for, per_row
 from jaxinfer.model import sites
 from jaxinfer.model.model import Model
@@ -173,7 +173,7 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
              allow_special: bool = False, prefill_chunk_size: Optional[int] = PREFILL_CHUNK,
              on_prefill: Optional[Callable[[int, int], None]] = None,
              logits_processor: Optional[core.LogitsProcessor] = None, interventions: PerRow = None,
-             capture=None, return_routing: bool = False) -> Output:
+             capture=None, return_routing: bool = False, adapters=None) -> Output:
     """Generate continuations of a batch of prompts.
 
     Args:
@@ -211,6 +211,9 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
       return_routing: mixture-of-experts models: each Completion's `routing` holds the experts
         every layer chose, and their weights, at every position the model read (the prompt, then
         the generated tokens), recorded as the programs ran.
+      adapters: LoRA adapters of a model loaded with them (`Model.adapters`): one name for every
+        row, or one name (or None: the base model) per prompt. A row on the base model gets the
+        base model's tokens bit for bit; which rows use which adapter is data (no new compile).
     Returns:
       Output: one Completion per prompt, plus Timings.
     """
@@ -225,7 +228,8 @@ def generate(model: Model, prompts: Prompts, *, key: Optional[jax.Array] = None,
         if return_routing and cfg.moe is None:
             raise ValueError(f"return_routing needs a mixture-of-experts model; {cfg.name} has dense MLPs only")
         capture = sites.as_capture(capture)
-        hooks = hooks_for(per_row(interventions, B), cfg, B, capture)
+        hooks = lora.with_ids(hooks_for(per_row(interventions, B), cfg, B, capture),
+                              lora.row_ids(model.adapters, adapters, B))
         capture_prompt = capture is not None and capture.prompt
         constrained = _Constrained(model, batch, sampling.constraint) if sampling.constraint is not None else None
         row_state = batch.rows
@@ -377,8 +381,8 @@ def _uncached_routing(params, tokens, cfg):
 uncached_routing_jit = jax.jit(_uncached_routing, static_argnames=("cfg",))
 
 
-def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Sequence[Intervention]] = None
-           ) -> jax.Array:
+def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Sequence[Intervention]] = None,
+           adapter: Optional[str] = None) -> jax.Array:
     """One uncached forward pass over `token_ids`: next-token logits [T, V] float32.
 
     The sequence is padded to a bucket (causal attention: padding after the last token cannot
@@ -388,6 +392,7 @@ def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Seque
       model: a loaded Model.
       token_ids: T token ids.
       interventions: optional list of `jaxinfer.interventions` applied in the pass.
+      adapter: the name of one of the model's LoRA adapters (`Model.adapters`), or None.
     Returns:
       [T, V] float32 logits.
     Raises:
@@ -396,7 +401,8 @@ def logits(model: Model, token_ids: Sequence[int], interventions: Optional[Seque
         position.
     """
     ids = check_sequence(token_ids, model.config)
-    hooks = hooks_for(per_row(interventions, 1), model.config, 1)
+    hooks = lora.with_ids(hooks_for(per_row(interventions, 1), model.config, 1),
+                          lora.row_ids(model.adapters, None if adapter is None else [adapter], 1))
     padded, _ = pack_prompts([ids])  # [1, bucket(T)]
     out = uncached_logits_jit(model.params, jnp.asarray(padded), model.config, hooks)[0, :len(ids)]
     bad = np.flatnonzero(~np.asarray(jnp.all(jnp.isfinite(out), axis=-1)))

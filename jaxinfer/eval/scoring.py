@@ -33,9 +33,9 @@ Token-id pairs are scored as given.
 Length: a pair longer than `max_length` tokens loses tokens from the left of its context (as
 the harness's Hugging Face model does); a continuation that leaves no context token is refused.
 
-With interventions (`jaxinfer.interventions`), the pairs are scored as closed batches of one
-uncached forward each (`forward` with hooks, no engine, no prefix sharing), every pair with its
-own interventions; `interventions=[]` scores the plain model on that same path, for a baseline
+With interventions (`jaxinfer.interventions`) or LoRA adapters (`adapters=`), the pairs are
+scored as closed batches of one uncached forward each (`forward` with hooks, no engine, no prefix
+sharing), every pair with its own interventions and adapter; `interventions=[]` scores the plain model on that same path, for a baseline
 computed the same way.
 """
 
@@ -51,7 +51,7 @@ import numpy as np
 
 from jaxinfer.decode import core
 from jaxinfer.decode.inputs import bucket, check_int, check_text, check_token_ids, pack_prompts
-from jaxinfer.model import forward
+from jaxinfer.model import forward, lora
 from jaxinfer.model.interventions import NON_FINITE, PerRow, hooks_for, per_row
 from jaxinfer.model.model import Model
 from jaxinfer.serve.runner import MAX_TOP_LOGPROBS
@@ -163,7 +163,7 @@ def leaders(prompts: Sequence[Sequence[int]], score_from: Sequence[int], page_si
 
 def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int] = None, max_slots: int = 8,
           kv_memory: Optional[int] = None, max_in_flight: Optional[int] = None,
-          timeout: Optional[float] = None, interventions: PerRow = None) -> list[Score]:
+          timeout: Optional[float] = None, interventions: PerRow = None, adapters=None) -> list[Score]:
     """Score (context, continuation) pairs in one batch (see the module docstring).
 
     Args:
@@ -181,6 +181,8 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
       interventions: `jaxinfer.interventions` for every pair (a list) or one list per pair; the
         pairs are then scored by closed batches of uncached passes (module docstring), max_slots
         pairs at a time. Needs a Model, not an Engine.
+      adapters: LoRA adapters of the model (`Model.adapters`): one name for every pair, or one
+        name (or None: the base model) per pair; scored by closed batches as with interventions.
     Returns:
       One Score per pair, in order.
     Raises:
@@ -197,10 +199,12 @@ def score(model, pairs: Sequence[tuple[Text, Text]], *, max_length: Optional[int
             max_length = min(max_length, model.config.max_seq_len)
     # Every pair is checked and encoded before an Engine is made (its KV pool is a compiled program).
     pair_ids = [_pair_ids(model.model if isinstance(model, Engine) else model, pair, i) for i, pair in enumerate(pairs)]
-    if interventions is not None:
+    if interventions is not None or adapters is not None:
         if isinstance(model, Engine):
-            raise ValueError("score with interventions runs uncached closed batches: pass the Model, not an Engine")
-        return _score_closed(model, pair_ids, interventions, max_length, max_slots)
+            raise ValueError("score with interventions or adapters runs uncached closed batches: pass the Model, "
+                             "not an Engine")
+        adapter_ids = lora.row_ids(model.adapters, adapters, len(pair_ids))
+        return _score_closed(model, pair_ids, interventions, max_length, max_slots, adapter_ids)
 
     engine = model if isinstance(model, Engine) else Engine(
         model, max_slots=max_slots, kv_memory=kv_memory, max_len=max_length)
@@ -295,9 +299,10 @@ _token_logprobs_jit = jax.jit(_token_logprobs, static_argnames=("cfg",))
 
 
 def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], interventions,
-                  max_length: Optional[int], rows_per_batch: int) -> list[Score]:
-    """Every pair (encoded by `score`) scored by an uncached pass with its interventions,
-    rows_per_batch pairs a pass."""
+                  max_length: Optional[int], rows_per_batch: int,
+                  adapter_ids: Optional[np.ndarray] = None) -> list[Score]:
+    """Every pair (encoded by `score`) scored by an uncached pass with its interventions and
+    adapter (`adapter_ids` [pairs], -1: the base model; None: no adapters), rows_per_batch pairs a pass."""
     cfg = model.config
     limit = cfg.max_seq_len if max_length is None else max_length  # checked and clamped by `score`
     check_int("max_slots", rows_per_batch, 1)
@@ -311,7 +316,8 @@ def _score_closed(model: Model, pair_ids: list[tuple[list[int], list[int]]], int
         tokens, _ = pack_prompts([jobs[i][0] + jobs[i][1] for i in idx])
         B = bucket(len(idx), 1)  # rows padded to a power of two: few programs
         tokens = np.concatenate([tokens, np.zeros((B - len(idx), tokens.shape[1]), tokens.dtype)])
-        hooks = hooks_for([rows[i] for i in idx], cfg, B)
+        hooks = hooks_for(None if rows is None else [rows[i] for i in idx], cfg, B)
+        hooks = lora.with_ids(hooks, None if adapter_ids is None else lora.padded(adapter_ids[idx], B))
         lp, top = (np.asarray(a) for a in _token_logprobs_jit(model.params, jnp.asarray(tokens), hooks, cfg))
         for j, i in enumerate(idx):
             ctx, cont = jobs[i]

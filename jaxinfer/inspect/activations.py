@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.decode.inputs import Prompts, bucket, check_context, check_int, pack_prompts, prompt_ids
-from jaxinfer.model import forward
+from jaxinfer.model import forward, lora
 from jaxinfer.model.interventions import NON_FINITE, Intervention, PerRow, hooks_for, per_row
 from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.config import ModelConfig
@@ -56,8 +56,9 @@ capture_jit = jax.jit(_capture, static_argnames=("cfg",))
 
 
 def capture_batch(model: Model, ids: list[list[int]], capture: sites_lib.Capture,
-                  rows: Optional[list[list[Intervention]]] = None) -> dict:
-    """Dispatch one padded pass over `ids` (rows padded to a power of two, lengths to a bucket).
+                  rows: Optional[list[list[Intervention]]] = None, adapter_ids: Optional[np.ndarray] = None) -> dict:
+    """Dispatch one padded pass over `ids` (rows padded to a power of two, lengths to a bucket),
+    each prompt with its interventions (`rows`) and LoRA adapter (`adapter_ids` [n], -1: none).
 
     Returns the device arrays {site: [B', Tb, n, ...]} (not waited for: the caller may queue the
     next batch before reading these)."""
@@ -66,13 +67,13 @@ def capture_batch(model: Model, ids: list[list[int]], capture: sites_lib.Capture
     B = bucket(n, 1)
     if B > n:
         tokens = np.concatenate([tokens, np.zeros((B - n, tokens.shape[1]), tokens.dtype)])
-    hooks = hooks_for(rows, model.config, B, capture)
+    hooks = lora.with_ids(hooks_for(rows, model.config, B, capture), lora.padded(adapter_ids, B))
     return capture_jit(model.params, jnp.asarray(tokens), hooks, model.config)
 
 
 def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), layers=None, *,
                 interventions: PerRow = None, batch_size: int = 8,
-                allow_special: bool = False) -> list[dict[str, np.ndarray]]:
+                allow_special: bool = False, adapters=None) -> list[dict[str, np.ndarray]]:
     """The named sites over each prompt's tokens.
 
     Args:
@@ -84,6 +85,8 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
         prompt, or one list per prompt); the sites are read after them.
       batch_size: prompts per pass (rows are padded to a power of two, lengths to a bucket).
       allow_special: as in `generate`.
+      adapters: LoRA adapters of the model (`Model.adapters`): one name for every prompt, or one
+        name (or None: the base model) per prompt.
     Returns:
       One dict per prompt: site -> float32 [T, n, *site shape] over the prompt's T tokens
       ([T, n, D]; [T, n, N, H] for attn_heads; [T, n, N, T] for attn_pattern: each token's
@@ -98,11 +101,13 @@ def activations(model: Model, prompts: Prompts, sites: Sites = ("resid_post",), 
     check_context(ids, 0, 0, cfg)
     rows = per_row(interventions, len(ids))
     hooks_for(rows, cfg, len(ids), capture)  # every argument checked before anything compiles
+    adapter_ids = lora.row_ids(model.adapters, adapters, len(ids))
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a pass
     out: list[Optional[dict]] = [None] * len(ids)
     for lo in range(0, len(order), batch_size):
         idx = order[lo:lo + batch_size]
-        cap = capture_batch(model, [ids[i] for i in idx], capture, None if rows is None else [rows[i] for i in idx])
+        cap = capture_batch(model, [ids[i] for i in idx], capture, None if rows is None else [rows[i] for i in idx],
+                            None if adapter_ids is None else adapter_ids[idx])
         host = {k: np.asarray(v) for k, v in cap.items()}
         for j, i in enumerate(idx):
             n = len(ids[i])  # its tokens, and (attn_pattern) the keys they attend over: padding dropped

@@ -28,7 +28,8 @@ segment of rows. Each layer reads as its data path: `_LayerSites` at every named
 `_self_attention` (`_attention_inputs` or latent attention's `_latent_attention_inputs`, the
 cache writes and `_attention`), `_attention_output`, `_mlp_part`. Every weight product goes
 through `linear` or `project`, inside one function per projection (`qkv_projection`,
-`o_projection`, `mlp_hidden` and `mlp_down`, `unembed`).
+`o_projection`, `mlp_hidden` and `mlp_down`, `unembed`); the projections add each row's LoRA term
+there (`jaxinfer.model.lora.add`: the adapters of `params["lora"]`, picked by `Hooks.adapter_ids`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.model import mla, moe
+from jaxinfer.model import lora, mla, moe
 from jaxinfer.model import rope as rope_lib
 from jaxinfer.model import sites as sites_lib
 from jaxinfer.model.attention import attend, causal_mask, paged_attention
@@ -137,8 +138,8 @@ def o_projection(heads: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     """heads [B, T, N, H] -> [B, T, D] through the layer's wo, or (cfg.layout "per_layer") wo_t [D, N*H]."""
     if cfg.layout == "per_layer":
         B, T, N, H = heads.shape
-        return project(heads.reshape(B, T, N * H), lp["wo_t"], cfg.int8_matmul)
-    return _out_projection(heads, lp["wo"])
+        return lora.add(project(heads.reshape(B, T, N * H), lp["wo_t"], cfg.int8_matmul), heads, lp, "o_proj")
+    return lora.add(_out_projection(heads, lp["wo"]), heads, lp, "o_proj")
 
 
 def _activation(cfg: ModelConfig):
@@ -152,11 +153,14 @@ def qkv_projection(h: jax.Array, lp: Params, cfg: ModelConfig):
 
     A layer holds wq [D, N, H], wk and wv [D, K, H], or (cfg.layout "per_layer", see
     `jaxinfer.model.layout`) one fused w_qkv [(N + 2K) * H, D]: one matmul instead of three.
+    Each then takes its rows' LoRA terms (`lora.add`; nothing without adapters).
     """
     if cfg.layout == "stacked":
-        return (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
-                linear("BTD,DKH->BTKH", h, lp["wv"]))
-    return split_qkv(project(h, lp["w_qkv"], cfg.int8_matmul), cfg)
+        q, k, v = (linear("BTD,DNH->BTNH", h, lp["wq"]), linear("BTD,DKH->BTKH", h, lp["wk"]),
+                   linear("BTD,DKH->BTKH", h, lp["wv"]))
+    else:
+        q, k, v = split_qkv(project(h, lp["w_qkv"], cfg.int8_matmul), cfg)
+    return lora.add(q, h, lp, "q_proj"), lora.add(k, h, lp, "k_proj"), lora.add(v, h, lp, "v_proj")
 
 
 def split_qkv(x: jax.Array, cfg: ModelConfig):
@@ -175,7 +179,8 @@ def mlp(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     """Gated MLP: down(act(x W_gate) * (x W_up)). x [B, T, D] -> [B, T, D] (`mlp_hidden`, then `mlp_down`).
 
     The layer holds w_gate and w_up [D, F] and w_down [F, D], or (cfg.layout "per_layer") one fused
-    w_gate_up [2F, D] (gate first) and w_down_t [D, F].
+    w_gate_up [2F, D] (gate first) and w_down_t [D, F]. Each projection takes its rows' LoRA terms
+    (`lora.add`; nothing without adapters).
     """
     return mlp_down(mlp_hidden(x, lp, cfg), lp, cfg)
 
@@ -184,17 +189,18 @@ def mlp_hidden(x: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
     """The MLP's hidden neurons act(x W_gate) * (x W_up): x [B, T, D] -> [B, T, F] (the mlp_hidden site)."""
     if cfg.layout == "per_layer":
         gate, up = jnp.split(project(x, lp["w_gate_up"], cfg.int8_matmul), 2, axis=-1)
+        gate, up = lora.add(gate, x, lp, "gate_proj"), lora.add(up, x, lp, "up_proj")
     else:
-        gate = linear("BTD,DF->BTF", x, lp["w_gate"], cfg.int8_matmul)
-        up = linear("BTD,DF->BTF", x, lp["w_up"], cfg.int8_matmul)
+        gate = lora.add(linear("BTD,DF->BTF", x, lp["w_gate"], cfg.int8_matmul), x, lp, "gate_proj")
+        up = lora.add(linear("BTD,DF->BTF", x, lp["w_up"], cfg.int8_matmul), x, lp, "up_proj")
     return _activation(cfg)(gate) * up
 
 
 def mlp_down(h: jax.Array, lp: Params, cfg: ModelConfig) -> jax.Array:
-    """The MLP's down projection: hidden h [B, T, F] -> [B, T, D]."""
+    """The MLP's down projection: hidden h [B, T, F] -> [B, T, D] (with the rows' LoRA term)."""
     if cfg.layout == "per_layer":
-        return project(h, lp["w_down_t"], cfg.int8_matmul)
-    return linear("BTF,FD->BTD", h, lp["w_down"], cfg.int8_matmul)
+        return lora.add(project(h, lp["w_down_t"], cfg.int8_matmul), h, lp, "down_proj")
+    return lora.add(linear("BTF,FD->BTD", h, lp["w_down"], cfg.int8_matmul), h, lp, "down_proj")
 
 
 def feed_forward(x: jax.Array, lp: Params, cfg: ModelConfig, layer: Optional[jax.Array] = None,
@@ -318,7 +324,8 @@ def forward(params: Params, tokens: Optional[jax.Array], positions: Optional[jax
       cache: a `KVCache`, or None for one uncached pass (keys are the T tokens themselves).
       cfg: model config (static).
       hooks: a `sites.Hooks` (its slots' arrays are data; which sites, layers and functions are
-        static): interventions change the named sites, captures read them (`ForwardOut.captured`).
+        static): interventions change the named sites, captures read them (`ForwardOut.captured`),
+        `adapter_ids` [B] pick each row's LoRA adapter of `params["lora"]` (`jaxinfer.model.lora`).
         None adds nothing to the program.
       routing: also return the router's choices at every layer (static; mixture-of-experts models).
       attention: also return every layer's attention probabilities (static; for looking inside).
@@ -513,10 +520,12 @@ def _run(params: Params, segs: tuple[Segment, ...], cache: Optional[KVCache], cf
                                                                                    params["embed"].dtype)
     sites = _Sites(hooks, run)
     layers, experts = moe.unscanned(params["layers"], cfg)  # stacked experts stay whole (read in place)
+    adapters = lora.Selection.of(params, [None if h is None else h.adapter_ids for h in hooks], packing)
 
     def block(carry, xs):
         x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None
         lp, idx, inv_freq, local = xs
+        lp = lora.bind(lp, adapters, idx)  # the rows' LoRA adapters at this layer, if any
         at = _LayerSites(sites, idx, buf)  # this layer's sites, in `sites.SITES` order
         x = at("resid_pre", x)
         with jax.named_scope("attention"):

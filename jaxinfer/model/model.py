@@ -20,3 +20,4 @@ class Model:
     config: ModelConfig
     params: Params
     tokenizer: Optional["Tokenizer"] = None
+    adapters: tuple[str, ...] = ()  # the LoRA adapters in params["lora"], in stack order (`jaxinfer.model.lora`)

@@ -217,6 +217,7 @@ class Hooks:
     """What the forward reads and changes at its sites (see the module docstring)."""
 
     slots: tuple[Slot, ...] = ()
+    adapter_ids: Optional[jax.Array] = None  # [B] int32 each row's LoRA adapter (`jaxinfer.model.lora`), -1: none
     capture: tuple[str, ...] = struct.field(pytree_node=False, default=())  # sites returned
     capture_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())  # at these layers
 

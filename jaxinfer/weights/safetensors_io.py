@@ -9,6 +9,7 @@ tensor bytes (offsets relative to the end of the header). A sharded model lists 
 any memory allocated, that every file named by the index exists and is as long as its header says.
 `read(info)` then reads one tensor's bytes into a numpy array of the stored dtype (bf16 stays bf16,
 as ml_dtypes.bfloat16), so host memory holds one tensor at a time.
+`write(path, tensors)` writes one file (PEFT adapters that jaxinfer saves).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -132,3 +134,35 @@ def read(info: TensorInfo) -> np.ndarray:
     if arr.size != count:  # the file shrank since its header was read
         raise SafetensorsError(f"{info.file}: truncated while reading ({arr.size} of {count} values)")
     return arr.reshape(info.shape)
+
+
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+              np.dtype(np.float64): "F64"}
+
+
+def write(path: os.PathLike, tensors: dict[str, np.ndarray], metadata: Optional[dict[str, str]] = None) -> None:
+    """Write `tensors` as one safetensors file (names sorted; little-endian; float dtypes of NP_DTYPES).
+
+    Written to a temporary name and renamed, so a reader never sees half a file."""
+    path = Path(path)
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset, blobs = 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in _ST_DTYPES:
+            raise SafetensorsError(f"{path}: tensor {name!r} has dtype {a.dtype}; writable: "
+                                   f"{', '.join(str(d) for d in _ST_DTYPES)}")
+        blob = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for blob in blobs:
+            f.write(blob)
+    os.replace(tmp, path)
