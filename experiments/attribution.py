@@ -10,7 +10,7 @@ measures it exactly (one row of a batch per cell); the figure plots one against 
 their correlation. The speed rows (alternating rounds, medians) run a pair of --speed-tokens
 tokens (held-out text before the same sentence): attribution over every layer and position
 against one plain forward of the pair, and the sweep of every layer x position against the same
-number of rows of a plain batched forward.
+number of rows of a plain batched forward (both plain arms compute the same metric of each row).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def prompt_pair(tok, tokens: int | None = None) -> tuple[list[int], list[int], i
     clean, corrupt = tok.encode_prompt(CLEAN), tok.encode_prompt(CORRUPT)
     good, bad = tok.encode(GOOD), tok.encode(BAD)
     assert len(clean) == len(corrupt) and len(good) == len(bad) == 1, "the names must be one token each"
-    if tokens is not None and tokens > len(clean):
+    if tokens and tokens > len(clean):
         pad = common.text_ids(tok)[:tokens - len(clean)]
         clean, corrupt = pad + clean, pad + corrupt
     return clean, corrupt, good[0], bad[0]
@@ -79,16 +79,19 @@ def speed(args, m) -> list[dict]:
     clean, corrupt, good, bad = prompt_pair(m.tokenizer, args.speed_tokens)
     T, L, B = len(clean), cfg.n_layers, args.batch_size
     metric = functional.logit_diff(good, bad)
-    pair = jnp.asarray([clean, corrupt], jnp.int32)
-    plain = jax.jit(lambda p, t: forward.forward(p, t, forward.default_positions(*t.shape), None, cfg).logits)
+    pair = jnp.asarray([clean, corrupt], jnp.int32)  # the plain arms' batch: both prompts
+    # the plain arms compute the same metric of every row (so XLA may skip the same unread logits)
+    plain = jax.jit(lambda p, t: jax.vmap(metric)(forward.forward(p, t, forward.default_positions(*t.shape), None,
+                                                                  cfg).logits))
     forwards = -(-(L * T + 1) // B)
     rows_tokens = jnp.broadcast_to(pair[1:], (B, T))
 
     def plain_rows():
         return [plain(m.params, rows_tokens) for _ in range(forwards)]
 
+    sites = tuple(args.speed_sites.split(","))
     calls = {"plain pair": lambda: plain(m.params, pair),
-             "attribution": lambda: jaxinfer.attribution_patch(m, clean, corrupt, metric, sites=("resid_pre",)),
+             "attribution": lambda: jaxinfer.attribution_patch(m, clean, corrupt, metric, sites=sites),
              "plain rows": plain_rows,
              "sweep": lambda: jaxinfer.patching_sweep(m, clean, corrupt, metric, site="resid_pre", batch_size=B)}
     with CompileCounter() as first:  # warm: compile each once (the sweep's programs counted)
@@ -105,7 +108,8 @@ def speed(args, m) -> list[dict]:
             jax.block_until_ready(calls[name]())
             seconds[name].append(time.perf_counter() - t0)
     med = {k: median(v) for k, v in seconds.items()}
-    return [{"row": f"attribution patching, {L} layers x {T} positions (resid_pre) / one plain forward of the pair",
+    return [{"row": f"attribution patching, {L} layers x {T} positions ({', '.join(sites)}) / one plain forward "
+                    "of the pair",
              "ratio": med["attribution"] / med["plain pair"], "target": "<= 4", "seconds": med, "runs": seconds},
             {"row": f"patching sweep, {L} x {T} cells in {forwards} forwards of {B} rows / the same plain rows",
              "ratio": med["sweep"] / med["plain rows"], "target": "<= 1.2", "cells": L * T, "forwards": sweep.forwards,
@@ -142,12 +146,15 @@ def main(argv=None, model=None) -> dict:
     p = common.parser(__doc__)
     p.add_argument("--sites", default="resid_pre,attn_out,mlp_out", help="comma-separated sites (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="sweep rows per forward (default %(default)s)")
-    p.add_argument("--speed-tokens", type=int, default=64, help="tokens of the speed rows' pair (default %(default)s)")
+    p.add_argument("--speed-tokens", type=int, default=64,
+                   help="tokens of the speed rows' pair (default %(default)s; 0: the sentence alone)")
+    p.add_argument("--speed-sites", default="resid_pre", help="sites of the attribution speed row (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per speed row (default %(default)s)")
     p.add_argument("--no-speed", action="store_true", help="skip the speed rows")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.batch_size, args.speed_tokens, args.rounds = 8, 24, 1
+    if args.smoke:  # the speed rows on the agreement's shapes: their programs are compiled once
+        args.sites = "resid_pre,mlp_out"
+        args.batch_size, args.speed_tokens, args.speed_sites, args.rounds = 8, 0, args.sites, 1
     m = common.load_model(args, model)
     result = agreement(args, m)
     result["speed"] = [] if args.no_speed else speed(args, m)

@@ -169,14 +169,17 @@ def test_attribution(tiny_tok, tmp_path):
     r = attribution.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
     assert (tmp_path / "attribution.png").stat().st_size > 1000 and saved(tmp_path, "attribution")
     T, L = len(r["tokens"]), tiny_tok.config.n_layers
-    for site in ("resid_pre", "attn_out", "mlp_out"):
+    for site in ("resid_pre", "mlp_out"):
         row = r["sites"][site]
         assert np.shape(row["estimates"]) == np.shape(row["effects"]) == (T, L)
         assert np.isfinite(row["pearson_r"]) and row["sweep_forwards"] == -(-(T * L + 1) // 8)
-    before = min(r["differs_at"])  # nothing differs before the swapped name: no effect there, estimated or exact
-    assert not np.any(r["sites"]["resid_pre"]["effects"][:before]) and not np.any(r["sites"]["resid_pre"]["estimates"][:before])
+        # nothing differs before the swapped name: no effect there (the sweep's within float error:
+        # its clean values come from another program than the corrupt run's own)
+        before = min(r["differs_at"])
+        assert not np.any(row["estimates"][:before])
+        assert np.abs(row["effects"][:before]).max() <= 1e-4 * np.abs(row["effects"]).max()
     attribution_row, sweep_row = r["speed"]
-    assert sweep_row["cells"] == L * 24 and sweep_row["programs_compiled_new_values"] == 0
+    assert sweep_row["cells"] == L * T and sweep_row["programs_compiled_new_values"] == 0
     assert attribution_row["ratio"] > 0 and sweep_row["ratio"] > 0
 
 
