@@ -38,6 +38,10 @@ What does not differentiate is refused by name before anything is traced or comp
                         above). Differentiate the uncached pass over the sequence (prompt and
                         continuation) instead.
 
+Mixture-of-experts layers run their experts through `ragged_dot_general` here (the "ragged"
+kernel of `jaxinfer.model.moe`: the same products; the CPU's default "blocks" kernel loops over a
+routing-dependent number of blocks, which has no reverse-mode gradient).
+
 Metrics are functions of one row's logits [T, V] -> a scalar (`logit_diff` is one); the helpers
 apply them per row (`jax.vmap`) and differentiate their sum (rows are independent, so each row's
 gradient is its own). Shape letters as in `jaxinfer.model.config`; n is the number of layers chosen.
@@ -137,6 +141,10 @@ def run(params: Params, tokens, cfg: ModelConfig, *, interventions: Sequence = (
     """
     check_differentiable(params)
     B, T = _check_tokens(tokens, cfg)
+    if cfg.moe is not None and cfg.moe.kernel != "ragged":
+        # the "blocks" expert kernel loops over a routing-dependent number of blocks (no reverse-mode
+        # gradient); `ragged_dot_general` computes the same products and differentiates
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, kernel="ragged"))
     hooks = _hooks(cfg, B, T, interventions, values, deltas, delta_layers, capture)
     pos = forward.default_positions(B, T) if positions is None else _check_positions(positions, B, T)
     return forward.forward(params, jnp.asarray(tokens), pos, None, cfg, hooks=hooks)

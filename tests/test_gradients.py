@@ -120,6 +120,29 @@ def test_gradients_equal_torch_autograd_on_smollm2(smollm2):
              "smollm2", smollm2_fp32_error())
 
 
+def test_mixture_of_experts_differentiates(tiny):
+    """A tiny MoE model: `run` takes the ragged expert kernel (the CPU's blocks kernel has no
+    reverse-mode gradient), whose logits are the blocks kernel's; an expert weight's gradient
+    against central differences."""
+    from jaxinfer.model import config, params as params_lib
+
+    cfg = config.tiny_moe()
+    p = params_lib.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray([CLEAN[:6]])
+    metric = F.logit_diff(3, 7)
+    # the forward with the CPU's own (blocks) kernel: the central differences' function
+    f = jax.jit(lambda p: metric(forward.forward(p, tokens, forward.default_positions(1, 6), None, cfg).logits[0]))
+    value, g = jax.jit(lambda p: F.param_grads(p, tokens, cfg, metric, select="layers/we_down"))(p)
+    np.testing.assert_array_equal(np.asarray(value[0]), np.asarray(f(p)))  # the kernels' products are the same
+    g = np.asarray(g["layers"]["we_down"])
+    w = p["layers"]["we_down"]
+    for idx in zip(*np.unravel_index(np.argsort(-np.abs(g).ravel())[:3], g.shape)):  # the largest entries
+        h = 1e-2
+        fd = (float(f({**p, "layers": {**p["layers"], "we_down": w.at[idx].add(h)}}))
+              - float(f({**p, "layers": {**p["layers"], "we_down": w.at[idx].add(-h)}}))) / (2 * h)
+        check(abs(fd - g[idx]), 1e-2 * np.abs(g).max(), f"we_down at {idx}: central difference {fd:.5f}")
+
+
 @pytest.fixture(scope="module")
 def llama(tiny):
     return tiny["llama", "stacked"]
