@@ -179,7 +179,8 @@ def test_attribution(tiny_tok, tmp_path):
         assert not np.any(row["estimates"][:before])
         assert np.abs(row["effects"][:before]).max() <= 1e-4 * np.abs(row["effects"]).max()
     attribution_row, sweep_row = r["speed"]
-    assert sweep_row["cells"] == L * T and sweep_row["programs_compiled_new_values"] == 0
+    assert r["programs_compiled_new_values"] == 0  # a new pair of the same length: data only
+    assert sweep_row["cells"] == L * T and sweep_row["forwards"] == -(-(T * L + 1) // 8)
     assert attribution_row["ratio"] > 0 and sweep_row["ratio"] > 0
 
 
