@@ -143,10 +143,13 @@ def figure(args, result):
         data = sites[first][key]
         im = ax.imshow(data.T, aspect="auto", cmap="RdBu", vmin=-lim, vmax=lim, origin="lower")
         ax.set_xticks(range(len(result["tokens"])), result["tokens"], rotation=90, fontsize=6)
-        ax.set(ylabel="layer", title=f"{first}: {title} effect on logit({GOOD!r}) - logit({BAD!r})")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{first}: {title} effect", fontsize=9)
+        ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax, fraction=0.04)
-    fig.suptitle(f"{args.model}: attribution patching against exact patching (metric {result['clean_metric']:.2f} "
-                 f"clean, {result['corrupt_metric']:.2f} corrupt)", fontsize=10)
+    fig.suptitle(f"{args.model}: attribution patching against exact patching, metric logit({GOOD!r}) - "
+                 f"logit({BAD!r}): {result['clean_metric']:.2f} clean, {result['corrupt_metric']:.2f} corrupt",
+                 fontsize=10)
     return fig
 
 
