@@ -11,10 +11,12 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
   serve/     many requests at once      engine.py, runner.py, live.py, scheduler.py, pages.py,
                                         request.py, http_api.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
-                                        activations.py (sites, logit lens), corpus.py (activation shards)
+                                        activations.py (sites, logit lens), corpus.py (activation shards),
+                                        attribution.py (attribution patching, patching sweeps)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   lora/      LoRA adapters              read / attach PEFT folders, train with optax, save_peft
-  sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
+  sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line),
+  functional.py (the forward as a differentiable function: jax.grad through a run)
 """
 
 from jaxinfer.decode import constraints, speculative
@@ -24,6 +26,7 @@ from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
 from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
 from jaxinfer.inspect.activations import LogitLens, activations, logit_lens
+from jaxinfer.inspect.attribution import attribution_patch, patching_sweep
 from jaxinfer.inspect.corpus import write_activations
 from jaxinfer.model import interventions, layout, quantize
 from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
@@ -32,10 +35,11 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.sites import SITES, Capture
 from jaxinfer.weights.load import load
 from jaxinfer.weights.load_tokenizer import load_tokenizer
-from jaxinfer import lora, sharding
+from jaxinfer import functional, lora, sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
-           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES", "lora"]
+           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES", "lora",
+           "functional", "attribution_patch", "patching_sweep"]
 __version__ = "0.1.0"

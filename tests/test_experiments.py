@@ -163,6 +163,27 @@ def test_speculative(tiny_tok, tmp_path):
     assert all(x["same_tokens_as_plain"] and x["tokens_per_s"] > 0 for x in rows.values())  # greedy: the same tokens
 
 
+def test_attribution(tiny_tok, tmp_path):
+    from experiments import attribution
+
+    r = attribution.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    assert (tmp_path / "attribution.png").stat().st_size > 1000 and saved(tmp_path, "attribution")
+    T, L = len(r["tokens"]), tiny_tok.config.n_layers
+    for site in ("resid_pre", "mlp_out"):
+        row = r["sites"][site]
+        assert np.shape(row["estimates"]) == np.shape(row["effects"]) == (T, L)
+        assert np.isfinite(row["pearson_r"]) and row["sweep_forwards"] == -(-(T * L + 1) // 8)
+        # nothing differs before the swapped name: no effect there (the sweep's within float error:
+        # its clean values come from another program than the corrupt run's own)
+        before = min(r["differs_at"])
+        assert not np.any(row["estimates"][:before])
+        assert np.abs(row["effects"][:before]).max() <= 1e-4 * np.abs(row["effects"]).max()
+    attribution_row, sweep_row = r["speed"]
+    assert r["programs_compiled_new_values"] == 0  # a new pair of the same length: data only
+    assert sweep_row["cells"] == L * T and sweep_row["forwards"] == -(-(T * L + 1) // 8)
+    assert attribution_row["ratio"] > 0 and sweep_row["ratio"] > 0
+
+
 def test_structured(tiny_tok, tmp_path):
     from experiments import structured
 

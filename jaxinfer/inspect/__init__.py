@@ -3,5 +3,7 @@
   probes.py       attention probabilities, the sampler's distribution, uncached greedy
   activations.py  the named sites over prompts (`jaxinfer.activations`), the logit lens
   corpus.py       a corpus's activations streamed to resumable shards (`jaxinfer.write_activations`)
+  attribution.py  attribution patching and exact patching sweeps (`jaxinfer.attribution_patch`,
+                  `jaxinfer.patching_sweep`)
   roofline.py     the memory-bandwidth and compute ceilings of decode
 """

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.cache import KVCache, read_block
+from jaxinfer.model.differentiable import no_gradient
 
 NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 # How the queries [B, T, K, G, H], a block's scores [B, K, S, G, T] and the running output
@@ -108,6 +109,7 @@ def _as(x: jax.Array, src: str, dst: str) -> jax.Array:
     return x.reshape([x.shape[[a for a in dst if a in src].index(a)] if a in src else 1 for a in dst])
 
 
+@no_gradient("paged attention (the KV cache)")
 def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, *, scale: float,
                     window: Optional[int] = None, local=True, sinks: Optional[jax.Array] = None) -> jax.Array:
     """Attention of new queries over their rows' cached context, read block by block.

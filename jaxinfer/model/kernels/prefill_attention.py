@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jaxinfer.model.attention import causal_mask
 from jaxinfer.model.cache import KVCache, read_block
 from jaxinfer.model.config import PREFILL_ATTENTIONS, ModelConfig
+from jaxinfer.model.differentiable import no_gradient
 
 MIN_CHUNK = 128  # shorter chunks (speculative verification, small engine chunks) stay paged
 CUDNN_MAX_HEAD_DIM = 128
@@ -105,6 +106,7 @@ def _attend(q, k, v, scale, implementation, *, mask=None, is_causal=False, kv_le
     return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
+@no_gradient("fused prefill attention over the KV cache")
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cache: KVCache, layer, *,
                       scale: float, window: Optional[int] = None, local=True, implementation: str = "xla",
                       context_block: int = 2048) -> jax.Array:
