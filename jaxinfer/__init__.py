@@ -11,7 +11,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
   serve/     many requests at once      engine.py, runner.py, live.py, scheduler.py, pages.py,
                                         request.py, http_api.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
-                                        activations.py (sites, logit lens), corpus.py (activation shards)
+                                        activations.py (sites, logit lens), corpus.py (activation shards),
+                                        training.py (interventions learned with optax), linear_probe.py
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
@@ -24,6 +25,7 @@ from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
 from jaxinfer.inspect.activations import LogitLens, activations, logit_lens
 from jaxinfer.inspect.corpus import write_activations
+from jaxinfer.inspect.training import train_intervention
 from jaxinfer.model import interventions, layout, quantize
 from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
 from jaxinfer.model.config import ModelConfig
@@ -36,5 +38,6 @@ from jaxinfer import sharding
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
-           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES"]
+           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES",
+           "train_intervention"]
 __version__ = "0.1.0"
