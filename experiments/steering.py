@@ -234,13 +234,15 @@ def train(args, m, layer: int) -> dict:
     train_seconds = time.perf_counter() - t0
     good, bad, great = first_ids(tok, GOOD_WORDS), first_ids(tok, BAD_WORDS), tok.encode(" great")[0]
     ids = [tok.encode_prompt(t) for t in neutral]
+    # before and after in one batch: plain rows beside steered ones
+    out = jaxinfer.generate(m, neutral + neutral, max_new_tokens=args.new_tokens, stop_at_eos=True,
+                            interventions=[[]] * len(neutral) + [[trained]] * len(neutral))
     arms = {}
-    for name, steer in (("before", None), ("after", [trained])):
+    for i, (name, steer) in enumerate((("before", None), ("after", [trained]))):
         scores = np.array([sentiment(m, x, steer, good, bad, great) for x in ids])  # [prompts, 4]
-        out = jaxinfer.generate(m, neutral, max_new_tokens=args.new_tokens, interventions=steer, stop_at_eos=True)
         arms[name] = {"score": float(scores[:, 0].mean()), "scores": scores[:, 0].tolist(),
                       "p_good": float(scores[:, 1].mean()), "p_bad": float(scores[:, 2].mean()),
-                      "samples": out.texts}
+                      "samples": out.texts[i * len(neutral):(i + 1) * len(neutral)]}
     step_row = train_step_speed(args, m, learn, optimizer)
     vector = trained.params["vector"] if args.method == "add" else None
     print(f"trained {learn!r}: {args.train_steps} steps of 8 examples in {train_seconds:.1f} s, loss "

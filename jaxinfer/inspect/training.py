@@ -19,7 +19,7 @@ forcing) with the intervention applied everywhere it would act in `generate`.
 One step: `batch_size` examples (the examples in a permutation per epoch, drawn from `seed`
 and the epoch alone, so step k's batch is known without running steps 0..k-1), padded to
 buckets (B = batch_size rows; the sequence to a power of two >= 16: `inputs.bucket`; the
-continuation to a power of two), one jitted program per bucket shape (`step`, whose static
+continuation to a power of two >= 8), one jitted program per bucket shape (`step`, whose static
 part is the model config, the intervention's site, layers and functions, the loss and the
 optimizer): value_and_grad of the loss in the Learnable's free params through
 `interventions.traced_hooks` and `model.forward`, then the optimizer's update. Only the
@@ -59,6 +59,7 @@ from jaxinfer.model.quantize import QuantizedWeight, describe
 
 Example = tuple[Union[str, Sequence[int]], Union[str, Sequence[int]]]
 CHECKPOINT_FORMAT = 1  # bumped when what a training checkpoint holds changes
+MIN_CONTINUATION_BUCKET = 8  # continuations of 1 to 8 tokens share one program (unembedding 8 positions is cheap)
 
 
 class NotDifferentiableError(ValueError):
@@ -100,9 +101,9 @@ class Batch:
 
 def make_batch(pairs: Sequence[tuple[list[int], list[int]]]) -> Batch:
     """(prompt ids, continuation ids) pairs -> a Batch padded to buckets (`inputs.bucket` for Tb, a
-    power of two for M)."""
+    power of two >= MIN_CONTINUATION_BUCKET for M)."""
     T = bucket(max(len(p) + len(c) - 1 for p, c in pairs))
-    M = bucket(max(len(c) for _, c in pairs), 1)
+    M = bucket(max(len(c) for _, c in pairs), MIN_CONTINUATION_BUCKET)
     B = len(pairs)
     tokens = np.zeros((B, T), np.int32)
     predict_at = np.zeros((B, M), np.int32)
