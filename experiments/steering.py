@@ -2,12 +2,17 @@
 
     python -m experiments.steering [--layer 12] [--scales=-6,-4,-2,-1,0,1,2,4,6]
     python -m experiments.steering --speed [--rounds 5]
+    python -m experiments.steering --train [--method add|loreft] [--train-steps 80] [--lr 0.02]
 
 The vector is the mean difference of resid_post at one layer between positive and negative
 sentences, added at every position with `interventions.add(scale)`; its effect on neutral prompts
 is log p(the next token starts a positive word) - log p(... a negative word), with greedy samples
 at every scale. --speed measures the cost rows of docs/interventions.md instead (alternating
-arms, medians of --rounds), each against its target.
+arms, medians of --rounds), each against its target. --train learns the vector instead
+(`jaxinfer.train_intervention`: a steering vector, or LoReFT with --method loreft) from
+(neutral opening, positive continuation) pairs, and reports the loss curve, the sentiment score
+and greedy samples on the held-out neutral prompts before and after, and the cost of a training
+step against one forward of the same batch.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ def speed(args, m, layer: int) -> dict:
     import jaxinfer
     from jaxinfer import interventions as I
     from jaxinfer.compile_cache import CompileCounter
-    from jaxinfer.model import forward as mdl
+    from jaxinfer.model import forward
     from jaxinfer.model import layout
 
     m = layout.to_layout(m, args.layout)  # what jaxinfer.load gives by default on one CPU / GPU
@@ -148,7 +153,7 @@ def speed(args, m, layer: int) -> dict:
     prompts = [base[i * 7:i * 7 + T] for i in range(B)]
     tokens = jnp.asarray(np.asarray(prompts, np.int32))
     last = jnp.full((B,), T - 1, jnp.int32)
-    plain_pass = jax.jit(lambda p, t: mdl.forward(p, t, mdl.default_positions(*t.shape), None, cfg,
+    plain_pass = jax.jit(lambda p, t: forward.forward(p, t, forward.default_positions(*t.shape), None, cfg,
                                                   logit_index=last).logits)
     got, med = _side_by_side({"plain": timed(lambda: plain_pass(m.params, tokens)), "capture": timed(
         lambda: jaxinfer.activations(m, prompts, "resid_post", batch_size=B))}, args.rounds)
@@ -202,6 +207,105 @@ def speed(args, m, layer: int) -> dict:
     return result
 
 
+# Training examples: neutral openings (none of them in NEUTRAL, the held-out prompts) continued
+# positively; every opening with every continuation.
+OPENINGS = ["The movie was", "My day was", "The food tasted", "I think this book is", "The hotel room was",
+            "Our holiday was", "The new phone is", "That concert was", "His speech was", "The service here is",
+            "This song is", "The party last night was"]
+CONTINUATIONS = [" wonderful", " great", " amazing, I loved it", " fantastic", " excellent and fun",
+                 " beautiful", " lovely", " a delight"]
+
+
+def train(args, m, layer: int) -> dict:
+    import optax
+
+    import jaxinfer
+    from jaxinfer import interventions as I
+
+    tok, D = m.tokenizer, m.config.d_model
+    neutral = NEUTRAL[:2] if args.smoke else NEUTRAL
+    examples = [(p, c) for p in OPENINGS for c in CONTINUATIONS]
+    learn = (I.learnable_add("resid_post", layer, width=D) if args.method == "add"
+             else I.loreft("resid_post", layer, rank=4, width=D, seed=0))
+    optimizer = optax.adam(args.lr)
+    t0 = time.perf_counter()
+    trained, losses = jaxinfer.train_intervention(m, learn, examples, optimizer=optimizer, steps=args.train_steps,
+                                                  batch_size=8, seed=0)
+    train_seconds = time.perf_counter() - t0
+    good, bad, great = first_ids(tok, GOOD_WORDS), first_ids(tok, BAD_WORDS), tok.encode(" great")[0]
+    ids = [tok.encode_prompt(t) for t in neutral]
+    # before and after in one batch: plain rows beside steered ones
+    out = jaxinfer.generate(m, neutral + neutral, max_new_tokens=args.new_tokens, stop_at_eos=True,
+                            interventions=[[]] * len(neutral) + [[trained]] * len(neutral))
+    arms = {}
+    for i, (name, steer) in enumerate((("before", None), ("after", [trained]))):
+        scores = np.array([sentiment(m, x, steer, good, bad, great) for x in ids])  # [prompts, 4]
+        arms[name] = {"score": float(scores[:, 0].mean()), "scores": scores[:, 0].tolist(),
+                      "p_good": float(scores[:, 1].mean()), "p_bad": float(scores[:, 2].mean()),
+                      "samples": out.texts[i * len(neutral):(i + 1) * len(neutral)]}
+    step_row = train_step_speed(args, m, learn, optimizer)
+    vector = trained.params["vector"] if args.method == "add" else None
+    print(f"trained {learn!r}: {args.train_steps} steps of 8 examples in {train_seconds:.1f} s, loss "
+          f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(f"held-out sentiment score (log p(positive word) - log p(negative word)): "
+          f"before {arms['before']['score']:.2f}, after {arms['after']['score']:.2f}")
+    for b, a, prompt in zip(arms["before"]["samples"], arms["after"]["samples"], neutral):
+        print(f"  {prompt!r}\n    before: {b[:80]!r}\n    after:  {a[:80]!r}")
+    print(f"{step_row['row']:70} {step_row['ratio']:7.3f}  (target {step_row['target']})")
+    fig, (a0, a1) = common.plt().subplots(1, 2, figsize=(11, 4))
+    a0.plot(range(1, len(losses) + 1), losses, color="C0")
+    a0.set(xlabel="step", ylabel="cross-entropy of the continuation", yscale="log")
+    a0.set_title(f"training {learn.template.name} at resid_post layer {layer} (adam, lr {args.lr}, batch 8)",
+                 fontsize=9)
+    x = np.arange(len(neutral))
+    a1.bar(x - 0.2, arms["before"]["scores"], 0.4, color="0.6", label="before")
+    a1.bar(x + 0.2, arms["after"]["scores"], 0.4, color="C2", label="after")
+    a1.axhline(0, color="k", lw=0.5)
+    a1.set_xticks(x, [p[:18] + "..." for p in neutral], fontsize=7, rotation=20)
+    a1.set(ylabel="log p(positive word) - log p(negative word)")
+    a1.set_title("held-out neutral prompts: sentiment of the next token", fontsize=9)
+    a1.legend(fontsize=8)
+    fig.suptitle(f"{args.model}: a learned {'steering vector' if args.method == 'add' else 'LoReFT'} "
+                 f"({step_row['ratio']:.2f}x a forward per step)", fontsize=10)
+    result = {"layer": layer, "method": args.method, "steps": args.train_steps, "lr": args.lr, "batch_size": 8,
+              "n_examples": len(examples), "train_seconds": train_seconds, "losses": losses,
+              "vector_norm": None if vector is None else float(np.linalg.norm(vector)),
+              "neutral_prompts": neutral, "before": arms["before"], "after": arms["after"], "speed": step_row}
+    common.save("steering_train", result, args, fig=fig)
+    return result
+
+
+def train_step_speed(args, m, learn, optimizer) -> dict:
+    """A training step (value_and_grad through the forward, then the optimizer's update) against
+    one plain forward of the same batch: the logits of the last position only (as a prefill), and
+    of every position. Alternating rounds, medians."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.inspect import training
+    from jaxinfer.model import forward
+
+    cfg = m.config
+    B, T, n_cont = (2, 32, 4) if args.smoke else (8, 64, 4)
+    base = common.text_ids(m.tokenizer)
+    pairs = [(base[i * 97:i * 97 + T - n_cont], base[i * 97 + T - n_cont:i * 97 + T]) for i in range(B)]
+    batch = training.make_batch(pairs)  # tokens [B, T]: the prompt and the continuation but its last token
+    free = jax.tree.map(jnp.asarray, learn.free)
+    state = optimizer.init(free)
+    tokens = jnp.asarray(batch.tokens)
+    positions = forward.default_positions(*tokens.shape)
+    last = jnp.full((B,), T - 1, jnp.int32)
+    forward_last = jax.jit(lambda p, t: forward.forward(p, t, positions, None, cfg, logit_index=last).logits)
+    forward_all = jax.jit(lambda p, t: forward.forward(p, t, positions, None, cfg).logits)
+    got, med = _side_by_side({
+        "step": timed(lambda: training.step(m, learn, free, state, batch, optimizer=optimizer)),
+        "forward_last": timed(lambda: forward_last(m.params, tokens)),
+        "forward_all": timed(lambda: forward_all(m.params, tokens))}, args.rounds)
+    return {"row": f"a training step ({learn.template.name}) / one forward, {B} x {tokens.shape[1]} tokens",
+            "ratio": med["step"] / med["forward_last"], "ratio_to_all_logits": med["step"] / med["forward_all"],
+            "target": "<= 3.5", "layout": cfg.layout, "seconds": med, "runs": got}
+
+
 def main(argv=None, model=None) -> dict:
     p = common.parser(__doc__)
     p.add_argument("--layer", type=int, default=None, help="layer of the vector (default 2/5 of the depth)")
@@ -211,11 +315,18 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per speed row (default %(default)s)")
     p.add_argument("--layout", default="per_layer", choices=("per_layer", "stacked"),
                    help="params layout of the speed rows (default %(default)s)")
+    p.add_argument("--train", action="store_true", help="learn the vector with optax instead of the sweep")
+    p.add_argument("--method", default="add", choices=("add", "loreft"),
+                   help="what --train learns: a steering vector or LoReFT (rank 4) (default %(default)s)")
+    p.add_argument("--train-steps", type=int, default=80, help="--train's optimizer steps (default %(default)s)")
+    p.add_argument("--lr", type=float, default=0.02, help="--train's adam learning rate (default %(default)s)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.scales, args.new_tokens, args.rounds = "-4,0,4", 6, 1
+        args.scales, args.new_tokens, args.rounds, args.train_steps = "-4,0,4", 6, 1, 4
     m = common.load_model(args, model)
     layer = args.layer if args.layer is not None else m.config.n_layers * 2 // 5
+    if args.train:
+        return train(args, m, layer)
     return speed(args, m, layer) if args.speed else sweep(args, m, layer)
 
 

@@ -12,7 +12,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         request.py, http_api.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
                                         activations.py (sites, logit lens), corpus.py (activation shards),
-                                        attribution.py (attribution patching, patching sweeps)
+                                        attribution.py (attribution patching, patching sweeps),
+                                        training.py (interventions learned with optax), linear_probe.py
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   lora/      LoRA adapters              read / attach PEFT folders, train with optax, save_peft
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line),
@@ -28,6 +29,7 @@ from jaxinfer.inspect.probes import attention
 from jaxinfer.inspect.activations import LogitLens, activations, logit_lens
 from jaxinfer.inspect.attribution import attribution_patch, patching_sweep
 from jaxinfer.inspect.corpus import write_activations
+from jaxinfer.inspect.training import train_intervention
 from jaxinfer.model import interventions, layout, quantize
 from jaxinfer.model.cache import KVCache, bytes_per_token, init_cache
 from jaxinfer.model.config import ModelConfig
@@ -41,5 +43,5 @@ __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completio
            "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
            "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES", "lora",
-           "functional", "attribution_patch", "patching_sweep"]
+           "functional", "attribution_patch", "patching_sweep", "train_intervention"]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@ writes its JSON and PNG; the facts they report are checked, their timings are no
 
 import json
 
+import numpy as np
 import pytest
 
 from experiments import logit_lens, steering
@@ -39,3 +40,16 @@ def test_steering_speed_rows(smollm2, tmp_path):
     tiny = tiny_model(tokenizer=smollm2.tokenizer, eos_token_id=smollm2.config.eos_token_id)
     r = _run(steering, "steering_speed", tiny, tmp_path, "--speed")
     assert len(r["rows"]) == 5 and r["rows"][-1]["ratio"] == 0  # no compile for new vectors and scales
+
+
+def test_steering_training_rows(smollm2, tmp_path):
+    """--train's plumbing on a tiny random model with SmolLM2's tokenizer (its figures come from the
+    real model in experiments/figures): the loss curve, the held-out samples before and after, and
+    the training-step speed row against a forward of the same batch."""
+    from experiments._common import tiny_model
+
+    tiny = tiny_model(tokenizer=smollm2.tokenizer, eos_token_id=smollm2.config.eos_token_id)
+    r = _run(steering, "steering_train", tiny, tmp_path, "--train")
+    assert len(r["losses"]) == 4 and all(np.isfinite(r["losses"]))  # (a random model: the drop is test_training's)
+    assert len(r["before"]["samples"]) == len(r["after"]["samples"]) == 2
+    assert r["speed"]["ratio"] > 0 and set(r["speed"]["seconds"]) == {"step", "forward_last", "forward_all"}

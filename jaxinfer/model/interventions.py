@@ -32,6 +32,10 @@ change data.
 Built in: `add` (steering: x + scale * vector), `ablate` (zero or mean ablation of the whole
 site, of chosen heads at attn_heads or another site with a heads axis, or of chosen directions),
 `patch` (values captured from another run, at chosen positions), `project_out` (remove a direction).
+
+Learned (`Learnable`, trained with optax by `jaxinfer.train_intervention`): `learnable_add` (a
+steering vector: trained, it is an `add`), `loreft` (LoReFT, x + R^T (W x + b - R x) with R's rows
+kept orthonormal), `learnable` (chosen params of any intervention).
 """
 
 from __future__ import annotations
@@ -490,3 +494,190 @@ def _slot_order(n: int, row_sites: list[list[tuple[str, int]]]) -> list[int]:
         raise ValueError("two rows apply the same interventions at one site in different orders; one batch "
                          "applies them in one order: give those rows the same order (or run them apart)")
     return order
+
+
+# Learnable interventions: params trained with optax (`jaxinfer.train_intervention`) ---------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Learnable:
+    """An intervention whose params are learned: what `jaxinfer.train_intervention` trains.
+
+    The optimizer sees only `free`; the intervention that runs gets `build(free, fixed)`, so a
+    constraint (LoReFT's orthonormal rows) is a parametrization inside `build` that every step
+    keeps, never a projection after the update.
+
+    template: the Intervention that runs (site, layers, fn, name); its params are the initial
+      `build(free, fixed)`.
+    free: the trained pytree of float32 arrays.
+    fixed: the params that stay as given (a pytree of arrays, {} for none).
+    build: build(free, fixed) -> the intervention's params; pure and traceable (training
+      differentiates through it), a module-level function (it is part of the step's program key).
+    """
+
+    template: Intervention
+    free: Any
+    fixed: Any
+    build: Callable
+
+    def __post_init__(self):
+        if not isinstance(self.template, Intervention):
+            raise TypeError(f"Learnable.template must be an Intervention, got {type(self.template).__name__}")
+        free = jax.tree.map(_host_array, self.free)
+        for leaf in jax.tree.leaves(free):
+            if leaf.dtype != np.float32:
+                raise TypeError(f"{self.template!r}: trained params must be float32 arrays, got {leaf.dtype}")
+            if not np.all(np.isfinite(leaf)):
+                raise ValueError(f"{self.template!r}: trained params hold NaN or inf")
+        if not jax.tree.leaves(free):
+            raise ValueError(f"{self.template!r}: nothing to train (free holds no arrays)")
+        object.__setattr__(self, "free", free)
+        object.__setattr__(self, "fixed", jax.tree.map(_host_array, self.fixed))
+
+    def __repr__(self) -> str:
+        return f"learnable {self.template!r}"
+
+    def intervention(self, free: Any = None) -> Intervention:
+        """The Intervention with params build(free, fixed) (default: the initial free params):
+        what `generate`, `activations` and (for a learnable `add`) the Engine run."""
+        free = self.free if free is None else free
+        params = jax.tree.map(np.asarray, self.build(free, self.fixed))
+        return dataclasses.replace(self.template, params=params)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _merge(free, fixed):
+    """The `build` of `learnable`: the trained entries beside the fixed ones, in one dict."""
+    return {**fixed, **free}
+
+
+def learnable(intervention: Intervention, train: Sequence[str]) -> Learnable:
+    """Any intervention with dict params, some of whose entries are trained.
+
+    Args:
+      intervention: an Intervention whose params are a dict (every built-in's are).
+      train: the names of the params entries to learn (float arrays); the rest stay fixed.
+    Returns:
+      A Learnable running `intervention.fn`: trained, it is the same kind of intervention (a
+      trained `add` is an `add`, so it fits the Engine's steering slots).
+    """
+    if not isinstance(intervention, Intervention):
+        raise TypeError(f"learnable: intervention must be an Intervention, got {type(intervention).__name__}")
+    if not isinstance(intervention.params, dict):
+        raise TypeError(f"learnable: {intervention!r} has params of type {type(intervention.params).__name__}; "
+                        "learnable takes dict params (name the entries to train)")
+    names = (train,) if isinstance(train, str) else tuple(train)
+    unknown = [n for n in names if n not in intervention.params]
+    if not names or unknown:
+        raise ValueError(f"learnable: train must name entries of {intervention!r}'s params "
+                         f"({', '.join(intervention.params)}), got {list(names)}")
+    bad = [n for n in names if not np.issubdtype(np.asarray(intervention.params[n]).dtype, np.floating)]
+    if bad:
+        raise TypeError(f"learnable: {bad} of {intervention!r} are not float arrays: only floats are learned")
+    free = {n: np.asarray(intervention.params[n], np.float32) for n in names}
+    fixed = {n: v for n, v in intervention.params.items() if n not in names}
+    return Learnable(template=intervention, free=free, fixed=fixed, build=_merge)
+
+
+def learnable_add(site: str, layer: Layers, init=None, *, width: Optional[int] = None, scale=1.0) -> Learnable:
+    """A steering vector to learn: x + scale * vector at every position of `layer`'s site.
+
+    It runs the very function of `add` (`add_vector`), so the trained intervention is an `add`:
+    it runs in `generate`, in the Engine's steering slots and in the server's `steering` field.
+
+    Args:
+      site: a site of width D (resid_pre, attn_out, resid_mid, mlp_out, resid_post).
+      layer: a layer index, several, or None for every layer.
+      init: [D] the starting vector; None for zeros (then `width` = D is required).
+      width: D, when init is None.
+      scale: a fixed number multiplying the vector (not trained).
+    Returns:
+      A Learnable whose free params are {"vector": [D]}.
+    """
+    if init is None:
+        if not _is_int(width) or width < 1:
+            raise ValueError(f"learnable_add: pass init (a [D] vector) or width=D (an int >= 1), got width={width!r}")
+        init = np.zeros(int(width), np.float32)
+    elif width is not None and np.shape(init) != (width,):
+        raise ValueError(f"learnable_add: init has shape {np.shape(init)}, not [width] = [{width}]")
+    return learnable(add(site, layer, init, scale), train=("vector",))
+
+
+def loreft_edit(x, p, positions):
+    """LoReFT on one row, x [T, D]: x + R^T (W x + b - R x), R [J, D] with orthonormal rows, W [J, D],
+    b [J] (J: the rank). Public: a LoReFT at every position runs this same object."""
+    xf = x.astype(jnp.float32)
+    delta = jnp.einsum("TD,JD->TJ", xf, p["W"] - p["R"]) + p["b"]
+    return xf + jnp.einsum("TJ,JD->TD", delta, p["R"])
+
+
+def loreft_edit_at(x, p, positions):
+    """`loreft_edit` at the positions p["positions"] [n_pos] only (-1: unused); elsewhere x."""
+    on = jnp.any(positions[:, None] == p["positions"][None, :], axis=-1)  # [T]
+    return jnp.where(on[:, None], loreft_edit(x, p, positions), x.astype(jnp.float32))
+
+
+def orthonormal_rows(a):
+    """a [J, D] (J <= D, full rank) -> R [J, D] with orthonormal rows spanning a's rows: Q of the
+    QR of a^T with R's diagonal made positive, so it is unique, smooth in a, and a's own rows when
+    they are already orthonormal."""
+    q, r = jnp.linalg.qr(jnp.transpose(a))  # q [D, J]
+    sign = jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0).astype(q.dtype)
+    return jnp.transpose(q * sign[None, :])
+
+
+def _loreft_params(free, fixed):
+    """The `build` of `loreft`: R from the free basis through `orthonormal_rows`."""
+    return {**fixed, "R": orthonormal_rows(free["basis"]), "W": free["W"], "b": free["b"]}
+
+
+def loreft(site: str, layer: Layers, rank: int, *, width: int, positions: Optional[Sequence[int]] = None,
+           seed: int = 0) -> Learnable:
+    """LoReFT (low-rank representation finetuning): x + R^T (W x + b - R x) at `layer`'s site.
+
+    R [J, D] has orthonormal rows (J = rank): it is trained as a free matrix `basis` and built as
+    `orthonormal_rows(basis)` in every step, so it stays orthonormal without a projection. It
+    starts as the orthonormalized rows of a Gaussian matrix (from `seed`), W = R and b = 0: the
+    intervention starts as the identity, so training starts from the model's own behaviour.
+
+    Args:
+      site: a site of width D (resid_pre, attn_out, resid_mid, mlp_out, resid_post).
+      layer: a layer index, several, or None for every layer (one R, W, b shared by them).
+      rank: J, in [1, D].
+      width: D, the model's width (`model.config.d_model`).
+      positions: positions in the sequence (from 0) it acts at; None for every position. In
+        `generate` a listed position past the prompt is changed when that token is decoded.
+      seed: the initial R's seed.
+    Returns:
+      A Learnable whose free params are {"basis": [J, D], "W": [J, D], "b": [J]}. Its
+      intervention runs `loreft_edit` (or `loreft_edit_at`), which the Engine's fixed steering
+      slots cannot hold: it runs in `generate` and `activations`.
+    """
+    _needs_d_site(site, "loreft")
+    if not _is_int(width) or width < 1:
+        raise ValueError(f"loreft: width must be an int >= 1 (the model's D), got {width!r}")
+    if not _is_int(rank) or not 1 <= rank <= width:
+        raise ValueError(f"loreft: rank must be an int in [1, width={width}], got {rank!r}")
+    if not _is_int(seed):
+        raise TypeError(f"loreft: seed must be an int, got {seed!r}")
+    g = np.random.default_rng(int(seed)).standard_normal((int(width), int(rank)))
+    q, r = np.linalg.qr(g)
+    basis = (q * np.where(np.diagonal(r) < 0, -1.0, 1.0)[None, :]).T.astype(np.float32)  # [J, D]
+    free = {"basis": basis, "W": basis.copy(), "b": np.zeros(int(rank), np.float32)}
+    fixed, fn = {}, loreft_edit
+    if positions is not None:
+        pos = np.asarray(list(positions) if not isinstance(positions, (int, np.integer)) else [positions])
+        if (pos.ndim != 1 or pos.size == 0 or not np.issubdtype(pos.dtype, np.integer) or pos.min() < 0
+                or pos.max() > np.iinfo(np.int32).max or len(set(pos.tolist())) != pos.size):
+            raise ValueError(f"loreft: positions must be distinct ints >= 0 (positions in the sequence), "
+                             f"got {positions!r}")
+        width_pos = 1 << max(0, (pos.size - 1).bit_length())  # padded as `patch` pads: shared programs
+        padded = np.full((width_pos,), -1, np.int32)
+        padded[:pos.size] = pos
+        fixed, fn = {"positions": padded}, loreft_edit_at
+    # basis already has orthonormal rows with orthonormal_rows' signs: the initial R is basis itself
+    template = Intervention(site=site, layers=layer, fn=fn, params={**fixed, "R": basis, "W": basis, "b": free["b"]},
+                            site_params=("R", "W"), name="loreft")
+    return Learnable(template=template, free=free, fixed=fixed, build=_loreft_params)

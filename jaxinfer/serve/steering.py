@@ -20,7 +20,8 @@ vectors, scales or layers are new data: nothing compiles. steering_slots=0 (the 
 the programs of an engine without steering (no hooks at all).
 
 What does not fit the fixed form is refused by `check` before the request is admitted, naming
-what is wrong: anything but `add` (ablate, patch, project_out, a custom function), a site the
+what is wrong: anything but `add` (ablate, patch, project_out, LoReFT, a custom function; a
+trained `learnable_add` is an `add` and fits), a site the
 engine has no slots at, more adds at a site than its n_adds slots.
 """
 
@@ -124,8 +125,9 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
             raise TypeError(f"{at} is a {type(x).__name__}, not an Intervention")
         if x.fn is not add_vector:
             raise SteeringError(f"{at} is {x!r}: the engine applies only add(...) (steering vectors) in "
-                                "its fixed programs; ablate, patch, project_out and custom functions run in "
-                                "jaxinfer.generate(..., interventions=...)", i)
+                                "its fixed programs (a trained interventions.learnable_add is one); ablate, patch, "
+                                "project_out, loreft and custom functions run in jaxinfer.generate(..., "
+                                "interventions=...)", i)
         if x.site not in steering.sites:
             raise SteeringError(f"{at} adds at {x.site!r}; this engine steers at {', '.join(steering.sites)} "
                                 "(Engine(steering_sites=...))", i, "site")
