@@ -12,6 +12,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         request.py, http_api.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
                                         activations.py (sites, logit lens), corpus.py (activation shards)
+  sae/       sparse autoencoders      formats.py (SAELens, Gemma Scope), model.py (encode, decode), features.py,
+                                        steer.py (sae_add, sae_clamp), train.py (optax, orbax)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
@@ -31,10 +33,11 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.sites import SITES, Capture
 from jaxinfer.weights.load import load
 from jaxinfer.weights.load_tokenizer import load_tokenizer
-from jaxinfer import sharding
+from jaxinfer import sae, sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
-           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES"]
+           "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES",
+           "sae"]
 __version__ = "0.1.0"
