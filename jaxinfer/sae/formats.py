@@ -55,7 +55,8 @@ def load(path: Union[str, os.PathLike], model=None, *, hook: Optional[str] = Non
     Returns:
       An SAE (float32 arrays, its site and layer in `sae.spec`).
     Raises:
-      ValueError / FileNotFoundError: naming the file and what is wrong.
+      ValueError: naming the file and what is wrong (module docstring).
+      FileNotFoundError: no SAE file where `path` points.
     """
     p = Path(path)
     if p.is_dir():

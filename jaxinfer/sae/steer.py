@@ -1,6 +1,6 @@
 """Interventions by SAE feature: add a feature's decoder direction, or clamp features in place.
 
-    steer = jaxinfer.sae.sae_add(sae, feature=1234, strength=8.0)
+    steer = jaxinfer.sae.sae_add(sae, 1234, 8.0)              # + 8 * W_dec[1234] at the SAE's layer
     jaxinfer.generate(model, prompts, interventions=[steer])
     engine.submit(prompt, interventions=[steer])           # an Engine with steering_slots >= 1
 
@@ -14,7 +14,7 @@ Engine's steering slots and the server's `steering` field unchanged.
 becomes x + (decode(f') - decode(f)), f = encode(x) and f' = f with the features set. That is
 decode(f') + error (the error term x - decode(f)) computed so that a row whose features do not
 change keeps x bit for bit. Its params carry the SAE's weights (one copy per row of a batch),
-so it runs in `generate`, `activations` and `logits`; the Engine applies only `add`s.
+so it runs in `generate`, `activations` and `logits`; the Engine applies only `add` interventions.
 """
 
 from __future__ import annotations
