@@ -1,6 +1,6 @@
 """Sparse autoencoders: train one on SmolLM2's layer-12 residual stream on this CPU, read features, steer by one.
 
-    python -m experiments.sae [--layer 12] [--tokens 12000] [--d-sae 2048] [--steps 600] [--arch topk]
+    python -m experiments.sae [--layer 12] [--tokens 12000] [--d-sae 1024] [--steps 800] [--arch topk]
 
 1. A corpus: the held-out text (experiments/data) cut into 128-token texts, resid_post at one
    layer written to shards with `jaxinfer.write_activations`.
@@ -192,13 +192,13 @@ def main(argv=None, model=None) -> dict:
     p = common.parser(__doc__)
     p.add_argument("--layer", type=int, default=12, help="the layer of resid_post (default %(default)s)")
     p.add_argument("--tokens", type=int, default=12000, help="corpus tokens (default %(default)s: the whole text)")
-    p.add_argument("--d-sae", type=int, default=2048, help="features (default %(default)s)")
+    p.add_argument("--d-sae", type=int, default=1024, help="features (default %(default)s)")
     p.add_argument("--arch", default="topk", choices=("topk", "standard"), help="topk or standard (L1)")
     p.add_argument("--k", type=int, default=32, help="topk: features per token (default %(default)s)")
     p.add_argument("--l1", type=float, default=5.0, help="standard: L1 coefficient (default %(default)s)")
-    p.add_argument("--lr", type=float, default=4e-4, help="Adam's learning rate (default %(default)s)")
-    p.add_argument("--batch", type=int, default=512, help="tokens per step (default %(default)s)")
-    p.add_argument("--steps", type=int, default=600, help="training steps (default %(default)s)")
+    p.add_argument("--lr", type=float, default=5e-4, help="Adam's learning rate (default %(default)s)")
+    p.add_argument("--batch", type=int, default=256, help="tokens per step (default %(default)s)")
+    p.add_argument("--steps", type=int, default=800, help="training steps (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=20, help="steered sample length (default %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per speed row (default %(default)s)")
     args = p.parse_args(argv)
