@@ -14,6 +14,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         activations.py (sites, logit lens), corpus.py (activation shards),
                                         attribution.py (attribution patching, patching sweeps),
                                         training.py (interventions learned with optax), linear_probe.py
+  sae/       sparse autoencoders        formats.py (SAELens, Gemma Scope), model.py (encode, decode), features.py,
+                                        steer.py (sae_add, sae_clamp), train.py (optax, orbax)
   eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
   lora/      LoRA adapters              read / attach PEFT folders, train with optax, save_peft
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line),
@@ -37,11 +39,11 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.sites import SITES, Capture
 from jaxinfer.weights.load import load
 from jaxinfer.weights.load_tokenizer import load_tokenizer
-from jaxinfer import functional, lora, sharding
+from jaxinfer import functional, lora, sae, sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
            "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
            "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES", "lora",
-           "functional", "attribution_patch", "patching_sweep", "train_intervention"]
+           "functional", "attribution_patch", "patching_sweep", "train_intervention", "sae"]
 __version__ = "0.1.0"

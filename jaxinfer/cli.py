@@ -271,6 +271,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--steering-vectors", metavar="FILE",
                    help="named steering vectors a request may use by name: a .npz or .safetensors file of "
                         "name -> [D] vectors")
+    p.add_argument("--sae", action="append", default=[], metavar="NAME=PATH",
+                   help="an SAE (SAELens folder, Gemma Scope params.npz / params.safetensors) whose features a "
+                        "request's 'steering' may name as {sae: NAME, features: [{index, strength}]}; repeatable")
     p.add_argument("--hidden-states", default=None, metavar="SITES",
                    help="comma-separated sites the scoring call may return at chosen layers (the 'hidden_states' "
                         "extension field, e.g. resid_post; default off)")
@@ -298,6 +301,21 @@ def _parse_bytes(text: str, flag: str = "--kv-memory") -> int:
         raise ValueError(f"{flag} must be a size like 2GiB, 512MiB or a byte count, at least 1 byte and at "
                          f"most 1PiB, got {text!r}")
     return int(value)
+
+
+def _read_saes(specs: list) -> dict:
+    """--sae NAME=PATH flags -> {name: SAE}, each file read and checked by itself (no model yet)."""
+    import jaxinfer.sae
+
+    saes = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--sae {spec!r}: expected NAME=PATH (e.g. res12=saes/layer_12)")
+        if name in saes:
+            raise ValueError(f"--sae names {name!r} twice")
+        saes[name] = jaxinfer.sae.load(path)
+    return saes
 
 
 def _check_serve_flags(args):
@@ -355,6 +373,7 @@ def _serve(args) -> int:
         if not os.path.isfile(args.steering_vectors):
             raise ValueError(f"--steering-vectors {args.steering_vectors!r}: no such file")
         vectors = steering.read_vectors(args.steering_vectors)
+    saes = _read_saes(args.sae)  # the files checked before the model loads; their widths after
     sock = server.bind_socket(args.host, args.port)  # a busy port or a foreign address fails here
     handler = logging.StreamHandler(sys.stderr)  # refused requests, one line each
     handler.setFormatter(logging.Formatter("jaxinfer serve: %(message)s"))
@@ -376,10 +395,16 @@ def _serve(args) -> int:
         print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
         if vectors is not None:
             steering.check_widths(vectors, model.config.d_model, args.steering_vectors)
-        slots = args.steering_slots if args.steering_slots is not None else (4 if vectors else 0)
+        steering_sites = tuple(s for s in args.steering_sites.split(",") if s)
+        for name, sae in saes.items():
+            jaxinfer.sae.check(sae, model)
+            if sae.spec.writes_at not in steering_sites:
+                raise ValueError(f"--sae {name}: its decoder writes at {sae.spec.writes_at}; add it to "
+                                 f"--steering-sites ({args.steering_sites})")
+        slots = args.steering_slots if args.steering_slots is not None else (4 if vectors or saes else 0)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len,
                                     steering_slots=slots,
-                                    steering_sites=tuple(s for s in args.steering_sites.split(",") if s),
+                                    steering_sites=steering_sites,
                                     hidden_sites=tuple(s for s in (args.hidden_states or "").split(",") if s))
         # Warm up in the background, serving as soon as the first programs are built (/health
         # says "warming" until then); the rest are built while requests are served.
@@ -406,7 +431,7 @@ def _serve(args) -> int:
                                max_hidden_states_bytes=hidden_bytes)
         name = args.served_name or args.model
         app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits,
-                                steering_vectors=vectors)
+                                steering_vectors=vectors, saes=saes)
         config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="warning",
                                 timeout_graceful_shutdown=None)  # (re)configures logging: add ours after
         server.log.addHandler(handler)

@@ -184,6 +184,19 @@ def test_attribution(tiny_tok, tmp_path):
     assert attribution_row["ratio"] > 0 and sweep_row["ratio"] > 0
 
 
+def test_sae(tiny_tok, tmp_path):
+    from experiments import sae
+
+    r = sae.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    assert saved(tmp_path, "sae") and (tmp_path / "sae.png").exists()
+    assert r["corpus_tokens"] == 256 and [e["step"] for e in r["log"]][-1] == 10
+    assert 0 < r["final"]["l0"] <= 4 and r["training"]["tokens_per_s"] > 0
+    assert r["training"]["flop_floor_tokens_per_s"] > 0 and r["training"]["byte_floor_tokens_per_s"] > 0
+    assert all(len(p["features"]) == 3 and len(p["contexts"]) == 4 for p in r["prompts"])
+    assert [s["strength_x_resid_norm"] for s in r["steering"]] == [0.0, 0.5, 1.0, 2.0]
+    assert [row["target"] for row in r["speed"]] == ["<= 1.25", "-", "<= 1.05"]
+
+
 def test_structured(tiny_tok, tmp_path):
     from experiments import structured
 

@@ -29,6 +29,7 @@ class Extensions:
 
     steering: Any = None  # serve.steering.Steering, or None (no steering)
     vectors: Any = dataclasses.field(default_factory=dict)  # name -> [D] float32 (`--steering-vectors`)
+    saes: Any = dataclasses.field(default_factory=dict)  # name -> jaxinfer.sae.SAE (`--sae NAME=PATH`)
     hidden_sites: tuple = ()
     max_hidden_states_bytes: int = MAX_HIDDEN_STATES_BYTES  # one response's hidden states, encoded
 
@@ -47,7 +48,8 @@ _STEER_KEYS = {"layer", "site", "vector", "name", "scale"}
 
 
 def read_steering(body: dict, model, ext: Extensions) -> tuple:
-    """The `steering` extension: [{"layer", "site", "vector" | "name", "scale"}] -> add interventions.
+    """The `steering` extension: [{"layer", "site", "vector" | "name", "scale"}] -> add interventions;
+    an entry {"sae", "features", "strength_multiplier"} steers by SAE features (`_sae_steering`).
 
     Here only the JSON's shape is checked (objects, known fields, `vector` xor `name`, numbers);
     the values are checked by `interventions.add` and `steering.check`, the engine's own checks.
@@ -71,6 +73,9 @@ def read_steering(body: dict, model, ext: Extensions) -> tuple:
         at = f"steering[{i}]"
         if not isinstance(e, dict):
             raise bad(at, f"{at} must be an object {{layer, site, vector or name, scale}}", "invalid_type")
+        if "sae" in e:  # feature steering: Neuronpedia's form, one add of the features' summed directions
+            out.append(_sae_steering(e, at, ext))
+            continue
         unknown = sorted(set(e) - _STEER_KEYS)
         if unknown:
             raise bad(f"{at}.{unknown[0]}", f"{at} has an unknown field {unknown[0]!r}; its fields are layer, site, "
@@ -112,6 +117,57 @@ def read_steering(body: dict, model, ext: Extensions) -> tuple:
         param = "steering" if err.index is None else f"steering[{err.index}]" + (f".{err.field}" if err.field else "")
         raise bad(param, str(err)) from None
     return tuple(out)
+
+
+_SAE_KEYS = {"sae", "features", "strength_multiplier"}
+_FEATURE_KEYS = {"index", "strength", "layer"}
+
+
+def _sae_steering(e: dict, at: str, ext: Extensions):
+    """One `steering` entry naming SAE features, as Neuronpedia's steering takes them:
+    {"sae": NAME, "features": [{"index", "strength", "layer"?}], "strength_multiplier"?} ->
+    `jaxinfer.sae.sae_add` (one add of sum strength * W_dec[index], scaled by the multiplier)."""
+    from jaxinfer.sae import steer
+
+    unknown = sorted(set(e) - _SAE_KEYS)
+    if unknown:
+        raise bad(f"{at}.{unknown[0]}", f"{at} has an unknown field {unknown[0]!r}; an SAE entry's fields are sae, "
+                  "features, strength_multiplier", "unknown_parameter")
+    name = e["sae"]
+    if not isinstance(name, str) or name not in ext.saes:
+        names = sorted(ext.saes)
+        have = f"the server has {', '.join(map(repr, names))}" if names else "the server has no SAEs (--sae NAME=PATH)"
+        raise bad(f"{at}.sae", f"{at}.sae {fields.show(name)} is not a loaded SAE; {have}")
+    sae = ext.saes[name]
+    feats = e.get("features")
+    if not isinstance(feats, list) or not feats:
+        raise bad(f"{at}.features", f"{at}.features must be a non-empty list of {{index, strength}} objects",
+                  "invalid_type")
+    indices, strengths = [], []
+    for j, f in enumerate(feats):
+        fat = f"{at}.features[{j}]"
+        if not isinstance(f, dict) or set(f) - _FEATURE_KEYS or "index" not in f:
+            raise bad(fat, f"{fat} must be an object {{index, strength, layer (optional)}}", "invalid_type")
+        index, strength = f["index"], f.get("strength", 1.0)
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < sae.d_sae:
+            raise bad(f"{fat}.index", f"{fat}.index must be a feature index in [0, {sae.d_sae}), got "
+                      f"{fields.show(index)}")
+        if not fields.is_number(strength) or not math.isfinite(_as_float(strength)):
+            raise bad(f"{fat}.strength", f"{fat}.strength must be a finite number, got {fields.show(strength)}")
+        if "layer" in f and f["layer"] != sae.layer:
+            raise bad(f"{fat}.layer", f"{fat}.layer {fields.show(f['layer'])}: the SAE {name!r} reads layer "
+                      f"{sae.layer}")
+        indices.append(index)
+        strengths.append(_as_float(strength))
+    multiplier = e.get("strength_multiplier", 1.0)
+    if not fields.is_number(multiplier) or not math.isfinite(_as_float(multiplier)):
+        raise bad(f"{at}.strength_multiplier", f"{at}.strength_multiplier must be a finite number, got "
+                  f"{fields.show(multiplier)}")
+    try:
+        with np.errstate(over="ignore"):
+            return steer.sae_add(sae, indices, strengths, multiplier=_as_float(multiplier))
+    except ValueError as err:  # a feature named twice; a direction beyond float32
+        raise bad(f"{at}.features", f"{at}.features: {err}") from None
 
 
 def _as_float(x) -> float:

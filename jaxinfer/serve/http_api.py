@@ -142,13 +142,14 @@ async def chat_completions(http: HttpRequest):
 
 def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
                limits: Limits = Limits(), manage_engine: bool = True,
-               steering_vectors: Optional[dict] = None) -> Starlette:
+               steering_vectors: Optional[dict] = None, saes: Optional[dict] = None) -> Starlette:
     """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
     (after uvicorn has finished the running requests). The engine should be warmed up before, or
     warming up in the background (`Engine.warmup(wait=False)`): /health says "warming" until it
     is `ready`. `steering_vectors`: name -> [D] vectors a request's `steering` may name
-    (`steering.load_vectors`); steering itself needs an engine with steering slots."""
-    st = ServerState(engine, model, model_name, api_key, limits, steering_vectors)
+    (`steering.load_vectors`); `saes`: name -> `jaxinfer.sae.SAE` whose features a request's
+    `steering` may name. Steering itself needs an engine with steering slots."""
+    st = ServerState(engine, model, model_name, api_key, limits, steering_vectors, saes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -28,11 +28,11 @@ class ServerState:
     """What the endpoints share: the engine, the model, the limits and the counters."""
 
     def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits,
-                 steering_vectors: Optional[dict] = None):
+                 steering_vectors: Optional[dict] = None, saes: Optional[dict] = None):
         self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
         # the `steering` and `hidden_states` extensions, as far as the engine was built for them
         self.extensions = Extensions(steering=getattr(engine, "steering", None), vectors=steering_vectors or {},
-                                     hidden_sites=tuple(getattr(engine, "hidden_sites", ())),
+                                     saes=saes or {}, hidden_sites=tuple(getattr(engine, "hidden_sites", ())),
                                      max_hidden_states_bytes=limits.max_hidden_states_bytes)
         self.in_flight = 0  # engine requests submitted and not finished
         self.ttft, self.tpot = metrics.Histogram(metrics.TTFT_BUCKETS), metrics.Histogram(metrics.TPOT_BUCKETS)
