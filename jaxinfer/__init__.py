@@ -12,7 +12,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         request.py, http_api.py (OpenAI's HTTP API)
   inspect/   looking inside             probes.py (attention, darts), roofline.py (ceilings),
                                         activations.py (sites, logit lens), corpus.py (activation shards)
-  eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
+  eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval),
+                                        rollouts.py (rollout, teacher_forced_logprobs: RL)
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line)
 """
 
@@ -20,6 +21,7 @@ from jaxinfer.decode import constraints, speculative
 from jaxinfer.decode.generate import generate, logits, routing
 from jaxinfer.decode.outputs import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
+from jaxinfer.eval.rollouts import Rollouts, rollout, teacher_forced_logprobs
 from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
 from jaxinfer.inspect.activations import LogitLens, activations, logit_lens
@@ -34,7 +36,7 @@ from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
+           "generate", "logits", "routing", "score", "Score", "rollout", "Rollouts", "teacher_forced_logprobs", "Model", "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
            "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES"]
 __version__ = "0.1.0"
