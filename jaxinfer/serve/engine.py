@@ -277,12 +277,12 @@ class Engine:
 
     @property
     def model(self) -> Model:
-        """The model served: its params are the latest `update_params` applied."""
+        """The model served, with the params `update_params` last applied."""
         return self.runner.model
 
     @property
     def params_version(self) -> int:
-        """Weight updates applied so far (0: the weights the engine was built with)."""
+        """How many weight updates were applied so far (none for the weights it was built with)."""
         return self.updates.version
 
     def run_until_idle(self) -> None:
