@@ -16,7 +16,8 @@ The folders follow the data path a prompt takes (jaxinfer/ARCHITECTURE.md has th
                                         training.py (interventions learned with optax), linear_probe.py
   sae/       sparse autoencoders        formats.py (SAELens, Gemma Scope), model.py (encode, decode), features.py,
                                         steer.py (sae_add, sae_clamp), train.py (optax, orbax)
-  eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval)
+  eval/      scoring and benchmarks     scoring.py (score: batched loglikelihoods), harness.py (lm-eval),
+                                        rollouts.py (rollout, teacher_forced_logprobs: RL)
   lora/      LoRA adapters              read / attach PEFT folders, train with optax, save_peft
   sharding.py (many devices), compile_cache.py (persistent XLA cache), cli.py (the command line),
   functional.py (the forward as a differentiable function: jax.grad through a run)
@@ -26,6 +27,7 @@ from jaxinfer.decode import constraints, speculative
 from jaxinfer.decode.generate import generate, logits, routing
 from jaxinfer.decode.outputs import Completion, Output, Timings
 from jaxinfer.decode.sampling import GREEDY, SamplingParams, sample
+from jaxinfer.eval.rollouts import Rollouts, rollout, teacher_forced_logprobs
 from jaxinfer.eval.scoring import Score, score
 from jaxinfer.inspect.probes import attention
 from jaxinfer.inspect.activations import LogitLens, activations, logit_lens
@@ -42,7 +44,8 @@ from jaxinfer.weights.load_tokenizer import load_tokenizer
 from jaxinfer import functional, lora, sae, sharding
 
 __all__ = ["KVCache", "bytes_per_token", "init_cache", "ModelConfig", "Completion", "Output", "Timings",
-           "generate", "logits", "routing", "score", "Score", "Model", "load", "load_tokenizer", "attention", "GREEDY",
+           "generate", "logits", "routing", "score", "Score", "rollout", "Rollouts", "teacher_forced_logprobs", "Model",
+           "load", "load_tokenizer", "attention", "GREEDY",
            "SamplingParams", "sample", "speculative", "sharding", "quantize", "layout", "constraints",
            "activations", "logit_lens", "LogitLens", "write_activations", "interventions", "Capture", "SITES", "lora",
            "functional", "attribution_patch", "patching_sweep", "train_intervention", "sae"]

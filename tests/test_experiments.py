@@ -120,6 +120,21 @@ def test_serving_engine(tiny_tok, tmp_path):
     assert r["prefix"]["with_cache"]["hit_pages"] > 0 and r["prefix"]["without"]["hit_pages"] == 0
 
 
+def test_rl(tiny_tok, tmp_path):
+    """The GRPO loop's smoke run pushes its weights into the engine each step; --updates builds no
+    program while it times update_params."""
+    from experiments import rl
+
+    r = rl.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
+    assert (tmp_path / "rl.png").stat().st_size > 1000 and saved(tmp_path, "rl")
+    assert len(r["steps"]) == 2 and r["params_version"] == 2
+    assert all(0 <= s["reward"] <= 1 and np.isfinite(s["loss"]) for s in r["steps"])
+    assert rl.reward("The answer is 12.", 5, 7) == 1 and rl.reward("11", 5, 7) == 0 and rl.reward("none", 1, 1) == 0
+    np.testing.assert_allclose(rl.advantages(np.array([1, 0, 0, 0], np.float32), 2), [1, -1, 0, 0], atol=1e-3)
+    u = rl.main(["--smoke", "--updates", "--out", str(tmp_path)], model=tiny_tok)
+    assert u["compiles"] == 0 and u["median_s"]["update_host"] > 0
+
+
 def test_serving_http(tiny_tok, tmp_path):
     """The load test: streaming clients with disconnects; no unexpected error, every KV page back."""
     pytest.importorskip("starlette")

@@ -238,6 +238,7 @@ def test_every_module_imports_alone():
 ENGINE_PARTS = [("jaxinfer.serve.held", "jaxinfer.serve.sizing"),
                 ("jaxinfer.serve.admission", "jaxinfer.serve.flights"),
                 ("jaxinfer.serve.recovery", "jaxinfer.serve.background"),
+                ("jaxinfer.serve.updates",),
                 ("jaxinfer.serve.engine",)]
 
 

@@ -7,7 +7,8 @@
                 packed slot tables, the jitted programs, building them ahead of time, the results
   live.py       a running request's host state: tokens, detokenizing, stop strings, deltas
   request.py    Request (stream / async stream / result / cancel) and Delta
-  engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery
+  engine.py     Engine: submit, step, run_until_idle, start/stop, warmup, stats, fault recovery,
+                update_params (new weights between steps: updates.py)
   http_api.py   `jaxinfer serve`: OpenAI's HTTP API over the Engine; its parts: protocol.py (a body ->
                 a Job) with fields.py, prompts.py, extensions.py, structured.py (response_format,
                 guided_*, tools -> a constraint) and api_errors.py; http_checks.py, server_state.py,

@@ -42,7 +42,8 @@ class Inbox:
     an idle background loop."""
 
     def __init__(self):
-        self._items: list[tuple[str, object]] = []  # ("submit", Live) or ("cancel", request id)
+        # ("submit", Live), ("cancel", request id) or ("update", new params: `updates.Update`)
+        self._items: list[tuple[str, object]] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition()
 
@@ -56,6 +57,11 @@ class Inbox:
         with self._lock:
             items, self._items = self._items, []
         return items
+
+    def put_back(self, items: list[tuple[str, object]]) -> None:
+        """Return items taken but not handled to the front of the inbox, in their order."""
+        with self._lock:
+            self._items[:0] = items
 
     def queued(self) -> int:
         """Submissions not yet taken by the loop."""
@@ -185,10 +191,15 @@ class Admission:
     def _cancel(self, req: Request) -> None:
         self.inbox.put("cancel", req.id)
 
-    def drain(self, held: HeldRequests, dead: Optional[str]) -> None:
+    def drain(self, held: HeldRequests, dead: Optional[str]):
         """The loop takes in what was queued since its last step: submissions are held (or fail at
-        once when the engine is `dead`: why), cancels end their requests."""
-        for kind, item in self.inbox.take():
+        once when the engine is `dead`: why), cancels end their requests, up to the first weight
+        update: that is returned (the items after it stay queued, `serve.updates`); else None."""
+        items = self.inbox.take()
+        for i, (kind, item) in enumerate(items):
+            if kind == "update":
+                self.inbox.put_back(items[i + 1:])
+                return item
             if kind == "submit":
                 if dead is not None:
                     item.req.fail(f"the engine failed: {dead}")
@@ -196,4 +207,5 @@ class Admission:
                 held.hold(item)
             elif item in held:
                 held.finish(held[item], "cancelled")
+        return None
 

@@ -34,25 +34,24 @@ marked dead (`healthy`; `submit` then raises `EngineDead`). The Engine is the pu
 parts that each do one job: `sizing` (the pool's size, the start-up report), `admission`
 (checking and queueing requests), `held` (the requests held and how they end), `flights` (the
 iterations under way, and reading them), `recovery` (faults), `background` (the loop's and the
-warmup's threads); the device side is `runner.Runner`.
+warmup's threads), `updates` (new weights between steps); the device side is `runner.Runner`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import threading
 from typing import Optional, Sequence, Union
 
 import jax
 
-from jaxinfer.compile_cache import CompileCounter, use_default_cache
+from jaxinfer.compile_cache import use_default_cache
 from jaxinfer.decode import constraints
 from jaxinfer.decode import inputs
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.model import cache as kv
 from jaxinfer.model import sites
 from jaxinfer.model.model import Model
+from jaxinfer.model.params import Params
 from jaxinfer.serve import sizing
 from jaxinfer.serve import steering
 from jaxinfer.serve.admission import Admission
@@ -60,43 +59,19 @@ from jaxinfer.serve.background import Background
 from jaxinfer.serve.flights import Flights, ScanLength
 from jaxinfer.serve.held import HeldRequests
 from jaxinfer.serve.pages import PagePool
+from jaxinfer.serve.programs import CompileTally
 from jaxinfer.serve.recovery import Recovery
 from jaxinfer.serve.request import Request
 from jaxinfer.serve.runner import Runner
 from jaxinfer.serve.scheduler import Scheduler
-from jaxinfer.serve.sizing import StartupReport
+from jaxinfer.serve.sizing import EngineStats, StartupReport
+from jaxinfer.serve.updates import ParamsUpdates
 
 ADMISSION_WAIT = 0.2  # s: the longest scan while a slot is free (see Engine's admission_wait)
 
 
 class EngineDead(RuntimeError):
     """The engine failed and could not recover; it takes no more requests."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics."""
-
-    running: int  # requests holding a slot (prefilling or decoding)
-    waiting: int  # queued (including preempted ones)
-    pages_total: int  # allocatable pages in the pool
-    pages_in_use: int  # held by requests
-    pages_cached: int  # unreferenced, kept by the prefix cache (evictable)
-    pages_free: int
-    prefix_hit_pages: int  # pages taken from the prefix cache, total
-    prefix_hit_tokens: int  # prompt tokens not recomputed thanks to it, total
-    tokens_generated: int
-    requests_finished: int
-    requests_failed: int  # ended by an error: an engine fault, or its constraint engine giving up
-    preemptions: int
-    steps: int
-    scans: int  # decode scans run (host syncs of the decode loop)
-    page_size: int
-    bytes_per_token: int  # KV bytes of one token (k and v, all layers, scales included)
-    pool_bytes: int
-    call_rows: int  # a device call's fixed cost in token rows, as prompt chunks are scheduled (measured at warmup)
-    compiles: int  # programs built by `step` and `submit` (after `warmup`: 0)
-    healthy: bool
 
 
 class Engine:
@@ -159,7 +134,7 @@ class Engine:
                                  admission_wait=admission_wait)
         n_pages, self.max_len = sizing.size_pool(model, max_slots=max_slots, page_size=page_size,
                                                  kv_memory=kv_memory, n_pages=n_pages, max_len=max_len)
-        self.model, self.cfg, self.max_slots, self.page_size = model, model.config, max_slots, page_size
+        self.cfg, self.max_slots, self.page_size = model.config, max_slots, page_size
         self.n_pages, self.pool = n_pages, PagePool(n_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_slots, prefill_chunk, prefix_cache)
         eos_ids = inputs.eos_ids_for(model)
@@ -168,7 +143,7 @@ class Engine:
                              call_rows=call_rows, steering=self.steering, hidden_sites=hidden_sites)
         self.hidden_sites = hidden_sites
         self.held = HeldRequests(self.scheduler)
-        self._compiles = _CompileTally()
+        self._compiles = CompileTally()
         self.admission = Admission(model, steering=self.steering, hidden_sites=hidden_sites, eos_ids=eos_ids,
                                    max_len=self.max_len, pack_row=self.runner.pack_row,
                                    counting_compiles=self._compiles.counting)
@@ -176,6 +151,9 @@ class Engine:
                                max_slots=max_slots, scan_length=scan_length)
         self.recovery = Recovery(runner=self.runner, pool=self.pool, scheduler=self.scheduler, held=self.held,
                                  inbox=self.admission.inbox, flights=self.flights)
+        self.updates = ParamsUpdates(runner=self.runner, admission=self.admission, pool=self.pool,
+                                     scheduler=self.scheduler, held=self.held, flights=self.flights,
+                                     recovery=self.recovery)
         self._step_lock = threading.RLock()  # one step at a time; the warmup's builds hold it too
         self.background = Background(die=self.recovery.die, inbox=self.admission.inbox, runner=self.runner,
                                      step_lock=self._step_lock)
@@ -239,7 +217,7 @@ class Engine:
         iteration, whose results the next step reads. False when idle."""
         flights, recovery = self.flights, self.recovery
         with self._step_lock, self._compiles.counting():
-            self.admission.drain(self.held, self.dead)
+            self.updates.intake(self.dead)  # submissions, cancels and weight updates, in order
             if self.dead is not None or (flights.under_way is None and self.scheduler.idle()):
                 return False
             chained, error = None, None
@@ -269,6 +247,46 @@ class Engine:
                     recovery.recover(flights.dispatching.ids() or self.held.ids(), e)
             self.steps += 1
             return True
+
+    def update_params(self, params: Params, *, in_flight: str = "finish", check_finite: bool = False) -> int:
+        """Swap the model's weights for new arrays of the same tree, shapes, dtypes and shardings
+        between steps, compiling nothing, and empty the prefix cache (`serve.updates`).
+
+        Args:
+          params: device arrays on the engine's shardings, or host arrays (placed on them here).
+          in_flight: requests submitted before the call "finish" on the old weights (the update
+            waits for them), or "recompute": they go on at once with the new, recomputed from
+            their prompt and tokens so far. Requests submitted after it use the new alone.
+          check_finite: also refuse weights holding NaN or inf (reads every weight on the host).
+        Returns:
+          Once the new weights are in place: the engine's `params_version` (updates applied).
+        Raises:
+          ValueError: before anything runs, naming the first leaf whose place in the tree, shape,
+            dtype or sharding differs from the engine's (or that holds NaN or inf).
+          TypeError: a leaf is not an array.
+          EngineDead: the engine failed before the update was applied.
+        """
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed and takes no updates: {self.dead}")
+        update = self.updates.request(params, in_flight, check_finite)
+        while not update.applied.is_set():
+            if self.dead is not None:
+                raise EngineDead(f"the engine failed before the update was applied: {self.dead}")
+            if self.running:
+                update.applied.wait(0.05)
+            else:
+                self.step()
+        return update.version
+
+    @property
+    def model(self) -> Model:
+        """The model served, with the params `update_params` last applied."""
+        return self.runner.model
+
+    @property
+    def params_version(self) -> int:
+        """How many weight updates were applied so far (none for the weights it was built with)."""
+        return self.updates.version
 
     def run_until_idle(self) -> None:
         """Step until no request is waiting or running."""
@@ -383,17 +401,3 @@ class Engine:
         (compiled C, loaded from the compile cache L, S seconds), and which requests fit."""
         return str(self.startup_report())
 
-
-class _CompileTally:
-    """Programs built while serving: inside `counting` blocks (on the thread that entered)."""
-
-    def __init__(self):
-        self.count = 0
-
-    @contextlib.contextmanager
-    def counting(self):
-        with CompileCounter() as compiles:
-            try:
-                yield
-            finally:
-                self.count += compiles.count

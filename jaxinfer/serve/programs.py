@@ -22,6 +22,7 @@ threads, and the wall time of the last `wait`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
@@ -172,3 +173,19 @@ class Programs:
                              loaded=sum(b.loaded for b in built),
                              in_memory=sum(b.executables == 0 for b in built),
                              seconds=sum(b.seconds for b in built), wall_seconds=max(0.0, wall))
+
+
+class CompileTally:
+    """Programs built inside `counting` blocks (on the thread that entered): the engine counts
+    what `step` and `submit` build (after `warmup`: nothing)."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        with CompileCounter() as compiles:
+            try:
+                yield
+            finally:
+                self.count += compiles.count

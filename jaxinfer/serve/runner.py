@@ -157,6 +157,11 @@ class Runner:
                 v_scale=pages if cache.quantized else None))
         return cache
 
+    def replace_params(self, params) -> None:
+        """Run every program on new params of the same tree, shapes, dtypes and shardings (what
+        the programs were built for: `updates.check_params` makes sure)."""
+        self.model = dataclasses.replace(self.model, params=params)
+
     # ---- the programs ---------------------------------------------------------------------------
     def _program(self, key: tuple, jitted, static: dict, *args):
         """Run the program `key` (jitted with `static`) on args: its compiled executable, built
@@ -174,7 +179,6 @@ class Runner:
         return self._program(("mixed", B, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
                                                                   packing=self.packing), self.model.params, cache,
                              counts, inputs.replace(hooks=self._steer_hooks()), chunks, chunk_rows)
-
 
     def _decode(self, cache, counts, inputs: SlotInputs):
         return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
@@ -209,7 +213,6 @@ class Runner:
         self.cache = cache.with_rows(np.zeros((S, self.width), np.int32), np.zeros((S,), np.int32))
         self._carry = None
         return out
-
 
     # ---- a call's arguments ---------------------------------------------------------------------
     def _chunk_arrays(self, chunks: list[Chunk], shape: Optional[tuple[int, int]] = None) -> core.Chunks:

@@ -1,4 +1,4 @@
-"""The KV pool's size, and the engine's start-up report.
+"""The KV pool's size, and the engine's reports: at start-up, and its counts while it runs.
 
 A pool is sized once, before anything is built: from `kv_memory` bytes, from `n_pages`, or by
 default from a memory budget that does not change between starts (`default_kv_memory`), rounded
@@ -94,6 +94,32 @@ def size_pool(model: Model, *, max_slots: int, page_size: int, kv_memory: Option
 def requests_that_fit(pool: PagePool, n_tokens: int) -> int:
     """How many requests of n_tokens (prompt + new) the whole pool holds at once."""
     return pool.capacity // kv.pages_for(n_tokens, pool.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics."""
+
+    running: int  # requests holding a slot (prefilling or decoding)
+    waiting: int  # queued (including preempted ones)
+    pages_total: int  # allocatable pages in the pool
+    pages_in_use: int  # held by requests
+    pages_cached: int  # unreferenced, kept by the prefix cache (evictable)
+    pages_free: int
+    prefix_hit_pages: int  # pages taken from the prefix cache, total
+    prefix_hit_tokens: int  # prompt tokens not recomputed thanks to it, total
+    tokens_generated: int
+    requests_finished: int
+    requests_failed: int  # ended by an error: an engine fault, or its constraint engine giving up
+    preemptions: int
+    steps: int
+    scans: int  # decode scans run (host syncs of the decode loop)
+    page_size: int
+    bytes_per_token: int  # KV bytes of one token (k and v, all layers, scales included)
+    pool_bytes: int
+    call_rows: int  # a device call's fixed cost in token rows, as prompt chunks are scheduled (measured at warmup)
+    compiles: int  # programs built by `step` and `submit` (after `warmup`: 0)
+    healthy: bool
 
 
 @dataclasses.dataclass(frozen=True)

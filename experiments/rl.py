@@ -1,0 +1,264 @@
+"""Reinforcement learning on the engine: a GRPO-style loop, the cost of a weight update, and how the
+logprobs reported while sampling compare with a teacher-forced forward.
+
+    python -m experiments.rl [--steps 30 --prompts 8 --group 4]   # the loop: reward over steps (rl.png)
+    python -m experiments.rl --updates [--rounds 7]                # update_params vs jax.device_put
+    python -m experiments.rl --parity                              # logprob differences, float32 / bfloat16
+
+The loop: a verifiable toy task (what is a + b, for digits a and b; reward 1 when the first number
+of the answer is the sum). Each step samples a group of --group completions per prompt through one
+warm Engine (`jaxinfer.rollout`), scores them by the rule, normalises each group's rewards into
+advantages, takes one clipped policy-gradient step with optax on a small trainable part of the
+params (`trainable` / `merged`: the final norm's gains; LoRA adapters go in that seam), and pushes
+the params into the engine (`Engine.update_params`: no recompile). The importance ratio of the
+loss is exp(teacher-forced logprob - the logprob reported while sampling); docs/rollouts.md says
+how far apart the two are. docs/rollouts.md also holds the figures of --updates and --parity.
+Writes rl.json (rl_updates.json, rl_parity.json) and rl.png.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from statistics import median
+
+import numpy as np
+
+from experiments import _common
+from experiments._common import plt
+
+# --smoke: experiments.serving's engine shapes (the chat prompt is 44 tokens, 4 new ones fit), so
+# the suite builds their programs once for both runners.
+SMOKE_ENGINE = dict(max_slots=2, max_len=48, prefill_chunk=16)
+ENGINE = dict(max_slots=16, max_len=96, prefill_chunk=64)
+
+
+def engine_args(args) -> dict:
+    return SMOKE_ENGINE if args.smoke else ENGINE
+
+
+# ---- the task -----------------------------------------------------------------------------------
+def tasks(rng: np.random.Generator, n: int) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in rng.integers(0, 10, (n, 2))]
+
+
+def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
+    from jaxinfer.decode import inputs
+
+    return inputs.chat_ids(tokenizer, [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}])
+
+
+def reward(text: str, a: int, b: int) -> float:
+    """1 when the first number in the answer is a + b, else 0."""
+    found = re.search(r"-?\d+", text)
+    return float(found is not None and int(found.group()) == a + b)
+
+
+def advantages(rewards: np.ndarray, n: int) -> np.ndarray:
+    """Each group's rewards [B] (n consecutive rows a group) less the group's mean, over its std."""
+    g = rewards.reshape(-1, n)
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
+
+
+# ---- the trainable part (the seam LoRA adapters replace) ----------------------------------------
+def trainable(params) -> dict:
+    """The arrays the loop trains: the final norm's gains [D]."""
+    return {"final_norm": params["final_norm"]}
+
+
+def merged(params, train: dict):
+    """The full params with the trained arrays in place (same tree, shapes and dtypes)."""
+    return {**params, **train}
+
+
+def grpo_loss(train, params, cfg, tokens, mask, old_logprobs, adv, clip: float = 0.2):
+    """The clipped policy-gradient loss of one batch: mean over completion tokens of
+    -min(ratio * A, clip(ratio) * A), ratio = exp(teacher-forced - sampled logprobs) [B, T]."""
+    import jax.numpy as jnp
+
+    from jaxinfer.eval.rollouts import teacher_forced_logprobs
+
+    lp = teacher_forced_logprobs(merged(params, train), cfg, tokens, mask)
+    ratio = jnp.exp(lp - old_logprobs)
+    a = adv[:, None]
+    per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip, 1 + clip) * a)
+    return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def pad_to(x: np.ndarray, width: int, value=0) -> np.ndarray:
+    """[B, T] -> [B, width] (one shape every step: the loss compiles once)."""
+    return np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)
+
+
+def loop(args, m) -> dict:
+    import jax
+    import optax
+
+    import jaxinfer
+    from jaxinfer.decode.sampling import SamplingParams
+    from jaxinfer.serve import Engine
+
+    rng = np.random.default_rng(args.seed)
+    engine = Engine(m, **engine_args(args))
+    if not args.smoke:  # (--smoke: the few programs it uses are built on first use)
+        engine.warmup()
+    params, cfg = m.params, m.config
+    train = trainable(params)
+    opt = optax.adam(args.lr)
+    opt_state = opt.init(train)
+    grad_fn = jax.jit(jax.value_and_grad(grpo_loss), static_argnames=("cfg",))
+    sampling, key, width = SamplingParams(temperature=1.0), jax.random.key(args.seed), 0
+    steps = []
+    for step in range(args.steps):
+        problems = tasks(rng, args.prompts)
+        prompts = [prompt_ids(m.tokenizer, a, b) for a, b in problems]
+        width = max(width, max(len(p) for p in prompts) + args.new_tokens)
+        t0 = time.perf_counter()
+        batch = jaxinfer.rollout(engine, prompts, n=args.group, sampling=sampling, key=jax.random.fold_in(key, step),
+                                 max_new_tokens=args.new_tokens)
+        t_gen = time.perf_counter() - t0
+        rewards = np.array([reward(c.text, *problems[r // args.group]) for r, c in enumerate(batch.completions)],
+                           np.float32)
+        adv = advantages(rewards, args.group)
+        t0 = time.perf_counter()
+        loss, grads = grad_fn(train, params, cfg, pad_to(batch.tokens, width), pad_to(batch.completion_mask, width),
+                              pad_to(batch.logprobs, width), adv)
+        updates, opt_state = opt.update(grads, opt_state, train)
+        train = optax.apply_updates(train, updates)
+        params = merged(params, train)
+        t_train = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.update_params(params)
+        t_update = time.perf_counter() - t0
+        n_tokens = int(batch.completion_mask.sum())
+        steps.append({"step": step, "reward": float(rewards.mean()), "loss": float(loss),
+                      "generate_s": t_gen, "generated_tokens": n_tokens, "train_s": t_train, "update_s": t_update})
+        print(f"step {step:3d}  reward {rewards.mean():.3f}  loss {float(loss):+.4f}  generate {t_gen:.1f} s "
+              f"({n_tokens / t_gen:.0f} tok/s)  train {t_train:.1f} s  update {t_update * 1e3:.0f} ms", flush=True)
+    fig, ax = plt().subplots(figsize=(6, 3.5))
+    r = np.array([s["reward"] for s in steps])
+    ax.plot(r, marker=".", label="mean reward")
+    k = max(1, len(r) // 6)
+    if len(r) >= k:
+        ax.plot(np.arange(k - 1, len(r)), np.convolve(r, np.ones(k) / k, "valid"), label=f"mean of {k} steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"reward ({args.prompts} prompts x {args.group} samples)")
+    ax.set_title(f"GRPO on a + b, {cfg.name}: final-norm gains trained")
+    ax.legend()
+    return {"steps": steps, "compiles_while_serving": engine.compiles_while_serving,
+            "params_version": engine.params_version, "fig": fig}
+
+
+# ---- update_params against a copy of the weights --------------------------------------------------
+def updates(args, m) -> dict:
+    """Seconds of `Engine.update_params` on an engine that has served (host arrays: placed on the
+    device by it; device arrays: nothing to copy) against `jax.device_put` of the same host arrays,
+    alternating, medians of --rounds; and the programs built meanwhile (none)."""
+    import jax
+
+    from experiments._measure import interleaved
+    from jaxinfer.compile_cache import CompileCounter
+    from jaxinfer.serve import Engine
+
+    engine = Engine(m, **engine_args(args))
+    engine.submit([1, 2, 3], max_new_tokens=2).result()  # warm: the programs a request uses are built
+    host = jax.tree.map(lambda x: np.asarray(x) + 0, m.params)  # fresh host arrays
+    shardings = jax.tree.map(lambda x: x.sharding, m.params)
+    device = jax.device_put(host, shardings)
+
+    def timed(fn):
+        def run():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            return time.perf_counter() - t0
+        return run
+
+    with CompileCounter() as compiles:
+        got = interleaved({"device_put": timed(lambda: jax.device_put(host, shardings)),
+                           "update_host": timed(lambda: (engine.update_params(host), engine.model.params)[1]),
+                           "update_device": timed(lambda: (engine.update_params(device), engine.model.params)[1])},
+                          args.rounds)
+    med = {k: median(v) for k, v in got.items()}
+    out = {"seconds": got, "median_s": med, "update_over_device_put": med["update_host"] / med["device_put"],
+           "weights_mb": sum(x.nbytes for x in jax.tree.leaves(host)) / 1e6, "compiles": compiles.count}
+    print(f"weights {out['weights_mb']:.1f} MB: device_put {med['device_put'] * 1e3:.1f} ms, update_params "
+          f"(host arrays) {med['update_host'] * 1e3:.1f} ms = {out['update_over_device_put']:.2f}x, (device arrays) "
+          f"{med['update_device'] * 1e3:.2f} ms; {compiles.count} compiles")
+    return out
+
+
+# ---- logprob parity -------------------------------------------------------------------------------
+def parity(args, m) -> dict:
+    """|reported - teacher-forced| over every sampled token, float32 and bfloat16, for the engine
+    (`rollout`) and `generate`: quantiles and the logits' scale."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxinfer
+    from jaxinfer.decode.sampling import SamplingParams
+    from jaxinfer.eval.rollouts import as_arrays, teacher_forced_logprobs
+    from jaxinfer.model import forward
+    from jaxinfer.serve import Engine
+
+    prompts = [prompt_ids(m.tokenizer, a, b) for a, b in tasks(np.random.default_rng(args.seed), args.prompts)]
+    tf = jax.jit(teacher_forced_logprobs, static_argnames=("cfg",))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        mm = m if m.config.dtype == dtype else jaxinfer.Model(
+            config=m.config.replace(dtype=dtype), params=jax.tree.map(lambda x: x.astype(dtype), m.params),
+            tokenizer=m.tokenizer)
+        sampling = SamplingParams(temperature=1.0)
+        batch = jaxinfer.rollout(Engine(mm, **{**engine_args(args), "max_slots": 4}), prompts, n=args.group, sampling=sampling,
+                                 key=jax.random.key(args.seed), max_new_tokens=args.new_tokens)
+        gen = jaxinfer.generate(mm, [p for p in prompts for _ in range(args.group)], sampling=sampling,
+                                seed=list(range(len(prompts) * args.group)), max_new_tokens=args.new_tokens)
+        gen_batch = as_arrays(gen.completions, n=args.group, n_top=0)
+        for name, b in (("engine", batch), ("generate", gen_batch)):
+            want = np.asarray(tf(mm.params, mm.config, jnp.asarray(b.tokens), jnp.asarray(b.completion_mask)))
+            d = np.abs(b.logprobs - want)[b.completion_mask]
+            B, T = b.tokens.shape
+            logits = forward.forward(mm.params, jnp.asarray(b.tokens), forward.default_positions(B, T), None,
+                                     mm.config).logits
+            out[f"{dtype}/{name}"] = {"tokens": int(d.size), "exact": float(np.mean(d == 0)),
+                                      "median": float(np.median(d)), "p99": float(np.quantile(d, 0.99)),
+                                      "max": float(d.max()),
+                                      "logits_scale": float(jnp.max(jnp.abs(logits.astype(jnp.float32))))}
+            print(f"{dtype:9s} {name:9s} {d.size} tokens: exact {out[f'{dtype}/{name}']['exact']:.2f}, median "
+                  f"{np.median(d):.2e}, p99 {np.quantile(d, 0.99):.2e}, max {d.max():.2e}")
+    return out
+
+
+def main(argv=None, model=None) -> dict:
+    p = _common.parser(__doc__)
+    p.add_argument("--updates", action="store_true", help="time update_params against jax.device_put")
+    p.add_argument("--parity", action="store_true", help="measure reported vs teacher-forced logprobs")
+    p.add_argument("--steps", type=int, default=30, help="loop steps (default %(default)s)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default %(default)s)")
+    p.add_argument("--group", type=int, default=4, help="samples per prompt (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens per sample (default %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-2, help="adam's learning rate (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds of --updates (default %(default)s)")
+    p.add_argument("--layout", default="stacked", choices=("stacked", "per_layer"),
+                   help="params layout (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.prompts, args.group, args.new_tokens, args.rounds = 2, 2, 2, 4, 1
+    # The stacked layout: its programs compile several times faster on a CPU (one layer traced).
+    m = _common.load_model(args, model, layout=args.layout)
+    if args.updates:
+        r = updates(args, m)
+        _common.save("rl_updates", r, args)
+        return r
+    if args.parity:
+        r = parity(args, m)
+        _common.save("rl_parity", r, args)
+        return r
+    r = loop(args, m)
+    fig = r.pop("fig")
+    _common.save("rl", r, args, fig)
+    return r
+
+
+if __name__ == "__main__":
+    main()
