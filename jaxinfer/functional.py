@@ -214,7 +214,9 @@ def _hooks(cfg, B, T, interventions, values, deltas, delta_layers, capture) -> O
 
 
 def delta_slots(deltas: Optional[dict], layers, cfg: ModelConfig, B: int, T: int) -> tuple[sites_lib.Slot, ...]:
-    """One slot per (site, layer) adding deltas[site][:, :, i] at layer `layers[i]` (gate on there only).
+    """One slot per site adding deltas[site][:, :, i] at layer `layers[i]` (gated on at those layers;
+    its params [B, L, T, ...] per layer, `Slot.per_layer`: the program grows with the sites, not
+    with sites x layers).
 
     Args:
       deltas: {site: [B, T, n, *site shape]} or None.
@@ -237,11 +239,12 @@ def delta_slots(deltas: Optional[dict], layers, cfg: ModelConfig, B: int, T: int
         known = _concrete(d)
         if known is not None and not np.all(np.isfinite(known)):
             raise ValueError(f"deltas[{site!r}] holds NaN or inf")
-        d = jnp.asarray(d, jnp.float32)
-        for i, layer in enumerate(layers):
-            gate = np.zeros((B, cfg.n_layers), bool)
-            gate[:, layer] = True
-            slots.append(sites_lib.Slot(params={"delta": d[:, :, i]}, gate=gate, site=site, fn=add_delta))
+        d = jnp.moveaxis(jnp.asarray(d, jnp.float32), 2, 1)  # [B, n, T, ...]
+        if len(layers) != cfg.n_layers:  # zeros at the layers not chosen (their gate is off)
+            d = jnp.zeros((B, cfg.n_layers) + d.shape[2:], d.dtype).at[:, jnp.asarray(layers)].set(d)
+        gate = np.zeros((B, cfg.n_layers), bool)
+        gate[:, list(layers)] = True
+        slots.append(sites_lib.Slot(params={"delta": d}, gate=gate, site=site, fn=add_delta, per_layer=True))
     return tuple(slots)
 
 

@@ -210,6 +210,9 @@ class Slot:
     gate: jax.Array  # [B, L] bool: row b is changed at layer l
     site: str = struct.field(pytree_node=False)
     fn: Callable = struct.field(pytree_node=False)  # fn(x [T, *site_shape], params (one row's), positions [T]) -> x
+    # params lead with [B, L]: layer l reads params[:, l] (one slot for a value per layer, e.g. the
+    # zero deltas gradients are taken at, instead of one slot per layer)
+    per_layer: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -237,7 +240,8 @@ def apply(hooks: Optional[Hooks], site: str, x: jax.Array, positions: jax.Array,
     for s in hooks.slots:
         if s.site != site:
             continue
-        y = jax.vmap(s.fn)(x, s.params, positions).astype(x.dtype)
+        params = jax.tree.map(lambda a: a[:, layer], s.params) if s.per_layer else s.params
+        y = jax.vmap(s.fn)(x, params, positions).astype(x.dtype)
         on = jnp.asarray(s.gate)[:, layer]  # [B]
         x = jnp.where(on.reshape(on.shape + (1,) * (x.ndim - 1)), y, x)
     return x
