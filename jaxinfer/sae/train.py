@@ -5,7 +5,8 @@
     result.sae, result.log  # the SAE (original units); L0, explained variance, dead features per log step
 
 The data. The store's rows of one site at one layer are read into memory ([N, d_in] float32),
-and scaled by one number so that the mean row norm is sqrt(d_in) (SAELens's
+leaving out each text's first token (`min_position`: the attention sink, whose norm dwarfs the
+others'), and scaled by one number so that the mean row norm is sqrt(d_in) (SAELens's
 `expected_average_only_in`); the scale is folded into the weights at the end, so the SAE
 returned reads and writes the model's own units (normalize_activations "none"). Step s trains
 on rows s*batch .. (s+1)*batch - 1 of the sequence of epoch permutations (epoch e's permutation
@@ -68,13 +69,17 @@ class TrainConfig:
     log_every: int = 50  # steps between log entries (the last step is always logged)
     checkpoint_every: int = 0  # steps between checkpoints (0: none; needs checkpoint_dir)
     dead_window: int = 10_000  # tokens: a feature silent this long counts as dead
+    # tokens at positions below this are left out: a text's first token is the model's attention
+    # sink, whose residual norm can be many times the others', and would dominate the loss and the
+    # explained variance
+    min_position: int = 1
 
     def __post_init__(self):
         for name in ("d_sae", "batch_size", "steps", "log_every", "dead_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {v!r}")
-        for name in ("checkpoint_every", "l1_warmup_steps", "seed"):
+        for name in ("checkpoint_every", "l1_warmup_steps", "seed", "min_position"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
@@ -109,9 +114,10 @@ class TrainResult:
 
 # The data --------------------------------------------------------------------------------------
 
-def read_rows(folder: Union[str, os.PathLike], site: Optional[str] = None,
-              layer: Optional[int] = None) -> tuple[np.ndarray, str, int, dict]:
-    """A store's rows of one site at one layer: (x [N, d_in] float32, site, layer, manifest).
+def read_rows(folder: Union[str, os.PathLike], site: Optional[str] = None, layer: Optional[int] = None,
+              min_position: int = 0) -> tuple[np.ndarray, str, int, dict]:
+    """A store's rows of one site at one layer: (x [N, d_in] float32, site, layer, manifest),
+    leaving out the tokens at positions below `min_position` of their text.
 
     Raises ValueError naming the store's sites and layers when `site` / `layer` is not among them
     (or is None and the store has several)."""
@@ -132,7 +138,8 @@ def read_rows(folder: Union[str, os.PathLike], site: Optional[str] = None,
     if layer not in layers:
         raise ValueError(f"{folder} holds layers {layers}, not {layer!r}")
     li = layers.index(layer)
-    parts = [np.asarray(s[site][:, li], np.float32).reshape(len(s[site]), -1) for s in corpus.iter_shards(folder)]
+    parts = [np.asarray(s[site][s["position"] >= min_position, li], np.float32).reshape(-1, math.prod(
+        s[site].shape[2:])) for s in corpus.iter_shards(folder)]
     if not parts or sum(len(p) for p in parts) == 0:
         raise ValueError(f"{folder} holds no rows")
     return np.concatenate(parts), site, layer, manifest
@@ -289,7 +296,7 @@ def train(shards: Union[str, os.PathLike], *, config: TrainConfig, site: Optiona
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if config.checkpoint_every and checkpoint_dir is None:
         raise ValueError("TrainConfig.checkpoint_every needs a checkpoint_dir")
-    x_all, site, layer, manifest = read_rows(shards, site, layer)
+    x_all, site, layer, manifest = read_rows(shards, site, layer, config.min_position)
     n, d_in = x_all.shape
     scale = float(np.sqrt(d_in) / np.mean(np.linalg.norm(x_all.astype(np.float64), axis=-1)))
     x_all = (x_all * np.float32(scale)).astype(np.float32)
