@@ -99,9 +99,7 @@ def loop(args, m) -> dict:
     from jaxinfer.serve import Engine
 
     rng = np.random.default_rng(args.seed)
-    engine = Engine(m, **engine_args(args))
-    if not args.smoke:  # (--smoke: the few programs it uses are built on first use)
-        engine.warmup()
+    engine = Engine(m, **engine_args(args))  # programs built on first use: step 0's times include them
     params, cfg = m.params, m.config
     train = trainable(params)
     opt = optax.adam(args.lr)
