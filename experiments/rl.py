@@ -122,7 +122,7 @@ def loop(args, m) -> dict:
         loss, grads = grad_fn(train, params, cfg, pad_to(batch.tokens, width), pad_to(batch.completion_mask, width),
                               pad_to(batch.logprobs, width), adv)
         updates, opt_state = opt.update(grads, opt_state, train)
-        train = optax.apply_updates(train, updates)
+        train = jax.block_until_ready(optax.apply_updates(train, updates))
         params = merged(params, train)
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
