@@ -99,9 +99,7 @@ def loop(args, m) -> dict:
     from jaxinfer.serve import Engine
 
     rng = np.random.default_rng(args.seed)
-    engine = Engine(m, **engine_args(args))
-    if not args.smoke:  # (--smoke: the few programs it uses are built on first use)
-        engine.warmup()
+    engine = Engine(m, **engine_args(args))  # programs built on first use: step 0's times include them
     params, cfg = m.params, m.config
     train = trainable(params)
     opt = optax.adam(args.lr)
@@ -124,7 +122,7 @@ def loop(args, m) -> dict:
         loss, grads = grad_fn(train, params, cfg, pad_to(batch.tokens, width), pad_to(batch.completion_mask, width),
                               pad_to(batch.logprobs, width), adv)
         updates, opt_state = opt.update(grads, opt_state, train)
-        train = optax.apply_updates(train, updates)
+        train = jax.block_until_ready(optax.apply_updates(train, updates))
         params = merged(params, train)
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
