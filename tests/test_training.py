@@ -21,7 +21,7 @@ import jaxinfer
 from jaxinfer import interventions as I
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.inspect import linear_probe, training
-from jaxinfer.model import layout, quantize
+from jaxinfer.model import quantize
 from jaxinfer.model.model import Model
 from jaxinfer.serve import Engine, steering
 

@@ -49,7 +49,6 @@ from jaxinfer.decode import constraints
 from jaxinfer.decode import inputs
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.model import cache as kv
-from jaxinfer.model import sites
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
 from jaxinfer.serve import sizing
@@ -118,12 +117,7 @@ class Engine:
             own, built by `warmup(scoring=True)`). Default none.
         """
         self.steering = steering.Steering(steering_slots, tuple(steering_sites))
-        hidden_sites = (hidden_sites,) if isinstance(hidden_sites, str) else tuple(hidden_sites)
-        for s in hidden_sites:
-            sites.check_site_for(s, model.config)
-            if s == "attn_pattern":  # [N, S] per token: S the pool table's width, not a served vector
-                raise ValueError("hidden_sites: attn_pattern is not served; read it with jaxinfer.activations or "
-                                 "generate(capture=...)")
+        hidden_sites = steering.check_hidden_sites(hidden_sites, model.config)
         use_default_cache()  # the persistent compile cache, unless the user opted out (compile_cache)
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
                         ("decode_steps", decode_steps), ("busy_decode_steps", busy_decode_steps)):

@@ -150,6 +150,18 @@ def check(interventions: Optional[Sequence], steering: Steering, cfg: ModelConfi
     return request
 
 
+def check_hidden_sites(hidden_sites, cfg: ModelConfig) -> tuple[str, ...]:
+    """The Engine's `hidden_sites` (a site name or several) as a tuple, each a site this family has
+    and one the engine can serve: attn_pattern ([N, S] per token, S the pool table's width) is not."""
+    hidden_sites = (hidden_sites,) if isinstance(hidden_sites, str) else tuple(hidden_sites)
+    for s in hidden_sites:
+        sites_lib.check_site_for(s, cfg)
+        if s == "attn_pattern":
+            raise ValueError("hidden_sites: attn_pattern is not served; read it with jaxinfer.activations or "
+                             "generate(capture=...)")
+    return hidden_sites
+
+
 def idle_hooks(steering: Steering, cfg: ModelConfig, n_rows: int) -> Optional[sites_lib.Hooks]:
     """Host hooks for n_rows rows with every gate off (None when steering is off): the
     template of the engine's per-slot hooks."""
