@@ -105,8 +105,8 @@ def speed(args, m) -> list[dict]:
     with CompileCounter() as first:
         acts, _ = attribution._reference_jit(m.params, pair, cfg, "resid_pre", layers, metric)
         zeros = jnp.zeros((B,), jnp.int32)
-        attribution.sweep_rows_jit(m.params, pair[1:], acts, zeros, zeros, jnp.zeros((B,), bool), cfg, "resid_pre",
-                                   layers, metric).block_until_ready()
+        attribution.sweep_rows_jit(m.params, pair[1:], acts, zeros, zeros, jnp.zeros((B,), bool), cfg=cfg,
+                                   site="resid_pre", layers=layers, metric=metric).block_until_ready()
     jax.block_until_ready([plain(m.params, pair), plain(m.params, rows_tokens)])
     calls["attribution"]()
     seconds = {k: [] for k in calls}

@@ -145,7 +145,8 @@ def run(params: Params, tokens, cfg: ModelConfig, *, interventions: Sequence = (
         # the "blocks" expert kernel loops over a routing-dependent number of blocks (no reverse-mode
         # gradient); `ragged_dot_general` computes the same products and differentiates
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, kernel="ragged"))
-    hooks = _hooks(cfg, B, T, interventions, values, deltas, delta_layers, capture)
+    hooks = _hooks(cfg, B, T, interventions=interventions, values=values, deltas=deltas, delta_layers=delta_layers,
+                   capture=capture)
     pos = forward.default_positions(B, T) if positions is None else _check_positions(positions, B, T)
     return forward.forward(params, jnp.asarray(tokens), pos, None, cfg, hooks=hooks)
 
@@ -194,7 +195,7 @@ def _check_positions(positions, B: int, T: int) -> jax.Array:
     return jnp.asarray(positions, jnp.int32)
 
 
-def _hooks(cfg, B, T, interventions, values, deltas, delta_layers, capture) -> Optional[sites_lib.Hooks]:
+def _hooks(cfg, B, T, *, interventions, values, deltas, delta_layers, capture) -> Optional[sites_lib.Hooks]:
     """The forward's Hooks: the interventions (traced values), then the delta slots, and the capture."""
     interventions = list(interventions or ())
     if values is None:

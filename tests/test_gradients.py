@@ -257,7 +257,8 @@ def test_a_plain_row_in_a_sweep_batch_is_a_plain_run(llama):
     layers = tuple(range(cfg.n_layers))
     on = jnp.asarray([False, True, False, True])
     got = attribution.sweep_rows_jit(params, tokens, acts["resid_pre"][0], jnp.asarray([0, 1, 0, 0]),
-                                     jnp.asarray([0, 6, 0, 9]), on, cfg, "resid_pre", layers, metric)
+                                     jnp.asarray([0, 6, 0, 9]), on, cfg=cfg, site="resid_pre",
+                                     layers=layers, metric=metric)
     plain = jax.jit(lambda p, t: jax.vmap(metric)(forward.forward(p, t, forward.default_positions(*t.shape), None,
                                                                   cfg).logits))
     want = plain(params, jnp.broadcast_to(tokens, (4, len(CORRUPT))))

@@ -167,7 +167,7 @@ def _reference(params: Params, pair: jax.Array, cfg: ModelConfig, site: str, lay
 
 
 def sweep_rows(params: Params, tokens: jax.Array, acts: jax.Array, cell_layer: jax.Array, cell_at: jax.Array,
-               on: jax.Array, cfg: ModelConfig, site: str, layers: tuple, metric) -> jax.Array:
+               on: jax.Array, *, cfg: ModelConfig, site: str, layers: tuple, metric) -> jax.Array:
     """One batch of a patching sweep: row b is the corrupt prompt with one cell patched.
 
     Args:
@@ -240,8 +240,8 @@ def patching_sweep(model: Model, clean, corrupt, metric: functional.Metric, site
     acts, ref = _reference_jit(model.params, jnp.asarray(pair), cfg, site, layers, metric)
     corrupt_tokens = jnp.asarray(pair[1:])
     outs = [sweep_rows_jit(model.params, corrupt_tokens, acts, jnp.asarray(table[lo:lo + batch_size, 0]),
-                           jnp.asarray(table[lo:lo + batch_size, 1]), jnp.asarray(on[lo:lo + batch_size]), cfg, site,
-                           layers, metric)
+                           jnp.asarray(table[lo:lo + batch_size, 1]), jnp.asarray(on[lo:lo + batch_size]), cfg=cfg,
+                           site=site, layers=layers, metric=metric)
             for lo in range(0, len(rows), batch_size)]  # dispatched back to back, read once
     got = np.concatenate([np.asarray(o, np.float32) for o in outs])
     ref = np.asarray(ref, np.float32)

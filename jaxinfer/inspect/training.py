@@ -89,6 +89,7 @@ def continuation_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) 
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Batch:
     """One step's examples as padded arrays."""
@@ -159,9 +160,10 @@ def _program(cfg, intervention: Learnable, loss: Callable, optimizer) -> _Progra
                     build=intervention.build, loss=loss, optimizer=optimizer)
 
 
-def _loss_of(program: _Program, free, fixed, params, tokens, predict_at, targets, weights) -> jax.Array:
+def _loss_of(program: _Program, free, fixed, params, batch: Batch) -> jax.Array:
     """The loss of one batch with the intervention built from `free` (traceable, differentiable in free)."""
     cfg = program.cfg
+    tokens, predict_at, targets, weights = batch.tokens, batch.predict_at, batch.targets, batch.weights
     values = program.build(free, fixed)
     B, T = tokens.shape
     last = sites_lib.Capture(sites=("resid_post",), layers=(cfg.n_layers - 1,))
@@ -187,14 +189,12 @@ def batch_loss(model: Model, intervention: Learnable, free, batch: Batch,
       A float32 scalar.
     """
     program = _program(model.config, intervention, continuation_nll if loss is None else loss, None)
-    return _loss_of(program, free, jax.tree.map(jnp.asarray, intervention.fixed), model.params, batch.tokens,
-                    batch.predict_at, batch.targets, batch.weights)
+    return _loss_of(program, free, jax.tree.map(jnp.asarray, intervention.fixed), model.params, batch)
 
 
-def _step(free, opt_state, fixed, params, tokens, predict_at, targets, weights, *, program: _Program):
+def _step(free, opt_state, fixed, params, batch: Batch, *, program: _Program):
     """One optimizer step: (free, opt_state, loss, finite) with finite = loss and new params all finite."""
-    loss, grads = jax.value_and_grad(_loss_of, argnums=1)(program, free, fixed, params, tokens, predict_at,
-                                                         targets, weights)
+    loss, grads = jax.value_and_grad(_loss_of, argnums=1)(program, free, fixed, params, batch)
     updates, opt_state = program.optimizer.update(grads, opt_state, free)
     free = optax.apply_updates(free, updates)
     finite = jnp.isfinite(loss)
@@ -223,8 +223,7 @@ def step(model: Model, intervention: Learnable, free, opt_state, batch: Batch, *
       free params are all finite). Device arrays, not waited for.
     """
     program = _program(model.config, intervention, continuation_nll if loss is None else loss, optimizer)
-    return _step_jit(free, opt_state, intervention.fixed, model.params, batch.tokens, batch.predict_at,
-                     batch.targets, batch.weights, program=program)
+    return _step_jit(free, opt_state, intervention.fixed, model.params, batch, program=program)
 
 
 def _example_ids(model: Model, examples) -> list[tuple[list[int], list[int]]]:

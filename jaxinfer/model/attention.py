@@ -69,7 +69,7 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array, window: Optional[int], local
     return mask
 
 
-def attend(q, k, v, mask, scale, sinks: Optional[jax.Array] = None, pattern=None):
+def attend(q, k, v, mask, scale, *, sinks: Optional[jax.Array] = None, pattern=None):
     """Grouped-query attention over given keys.
 
     Args:

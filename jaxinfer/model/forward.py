@@ -659,7 +659,7 @@ def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, colle
     if cache is None:  # one uncached pass: the T tokens attend to each other
         (q,), (k,), (v,), (seg,) = qs, ks, vs, segs
         out, probs = attend(q, k, v, causal_mask(seg.positions, seg.positions, window, local), cfg.attn_scale,
-                            sinks, pattern)
+                            sinks=sinks, pattern=pattern)
         return [out], None, probs
     carried_view = (cache.page_table, cache.lengths)  # what the layer loop carries keeps its shapes
     for k, v, seg in zip(ks, vs, segs):  # every segment's keys first: none reads another's pages
@@ -672,7 +672,7 @@ def _attention(qs, ks, vs, segs, cache, *, layer, local, cfg: ModelConfig, colle
         keys, values = _read_all(cache, layer, q.dtype)
         k_pos = jnp.arange(keys.shape[1], dtype=seg.positions.dtype)
         out, probs = attend(q, keys, values, causal_mask(seg.positions, k_pos, window, local), cfg.attn_scale,
-                            sinks, pattern)
+                            sinks=sinks, pattern=pattern)
         return [out], cache, probs
     outs = []
     for q, k, v, seg in zip(qs, ks, vs, segs):

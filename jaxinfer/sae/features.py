@@ -41,7 +41,7 @@ class Features:
     tokens: Optional[list[str]] = None  # [T] each token's text (with a tokenizer)
 
 
-def _features(params, tokens, hooks, sae: SAE, select, cfg: ModelConfig, top_k: int):
+def _features(params, tokens, hooks, sae: SAE, select, *, cfg: ModelConfig, top_k: int):
     """tokens [B, T] -> (ids [B, T, k], values [B, T, k]) at the SAE's site and layer."""
     B, T = tokens.shape
     out = forward.forward(params, tokens, forward.default_positions(B, T), None, cfg, hooks=hooks,
@@ -103,8 +103,8 @@ def features(model, sae: SAE, prompts: Prompts, top_k: int = 8, *, select: Optio
         if B > len(idx):
             tokens = np.concatenate([tokens, np.zeros((B - len(idx), tokens.shape[1]), tokens.dtype)])
         hooks = hooks_for(None if rows is None else [rows[i] for i in idx], cfg, B, capture)
-        fid, val = _features_jit(model.params, jnp.asarray(tokens), hooks, sae, chosen, cfg,
-                                 top_k if chosen is None else 0)
+        fid, val = _features_jit(model.params, jnp.asarray(tokens), hooks, sae, chosen, cfg=cfg,
+                                 top_k=top_k if chosen is None else 0)
         fid, val = np.asarray(fid), np.asarray(val)
         for j, i in enumerate(idx):
             T = len(ids[i])

@@ -114,6 +114,17 @@ class TrainResult:
 
 # The data --------------------------------------------------------------------------------------
 
+def _one_held(folder, what: str, held: list, given, arg: str):
+    """`given`, or the store's only one where it is None; refused (naming `arg`) if the store lacks it."""
+    if given is None:
+        if len(held) != 1:
+            raise ValueError(f"{folder} holds {what} {held}: pass {arg}=")
+        given = held[0]
+    if given not in held:
+        raise ValueError(f"{folder} holds {what} {held}, not {given!r}")
+    return given
+
+
 def read_rows(folder: Union[str, os.PathLike], site: Optional[str] = None, layer: Optional[int] = None,
               min_position: int = 0) -> tuple[np.ndarray, str, int, dict]:
     """A store's rows of one site at one layer: (x [N, d_in] float32, site, layer, manifest),
@@ -125,18 +136,8 @@ def read_rows(folder: Union[str, os.PathLike], site: Optional[str] = None, layer
     if manifest is None:
         raise FileNotFoundError(f"{folder} has no {corpus.MANIFEST}: not an activation store (write_activations)")
     sites, layers = manifest["sites"], manifest["layers"]
-    if site is None:
-        if len(sites) != 1:
-            raise ValueError(f"{folder} holds the sites {sites}: pass site=")
-        site = sites[0]
-    if site not in sites:
-        raise ValueError(f"{folder} holds the sites {sites}, not {site!r}")
-    if layer is None:
-        if len(layers) != 1:
-            raise ValueError(f"{folder} holds layers {layers}: pass layer=")
-        layer = layers[0]
-    if layer not in layers:
-        raise ValueError(f"{folder} holds layers {layers}, not {layer!r}")
+    site = _one_held(folder, "the sites", sites, site, "site")
+    layer = _one_held(folder, "layers", layers, layer, "layer")
     li = layers.index(layer)
     parts = [np.asarray(s[site][s["position"] >= min_position, li], np.float32).reshape(-1, math.prod(
         s[site].shape[2:])) for s in corpus.iter_shards(folder)]
@@ -337,12 +338,13 @@ def train(shards: Union[str, os.PathLike], *, config: TrainConfig, site: Optiona
     t2 = time.perf_counter()
     ran = config.steps - start
     rate = (ran - 1) * config.batch_size / (t2 - t1) if ran > 1 and t2 > t1 else 0.0
-    sae = _folded(state["params"], scale, config, site, layer, manifest.get("model"), str(shards))
+    sae = _folded(state["params"], scale, config, site=site, layer=layer, model_name=manifest.get("model"),
+                  source=str(shards))
     return TrainResult(sae=sae, log=log, scale=scale, rows=n, resumed_from=start, seconds=t2 - t0,
                        tokens_per_s=rate)
 
 
-def _folded(params: dict, scale: float, config: TrainConfig, site: str, layer: int, model_name, source) -> SAE:
+def _folded(params: dict, scale: float, config: TrainConfig, *, site: str, layer: int, model_name, source) -> SAE:
     """The SAE in the model's units: W_enc * s, W_dec / s, b_dec / s (s the data's scale)."""
     p = {k: np.asarray(v, np.float32) for k, v in params.items()}
     s = np.float32(scale)

@@ -149,7 +149,7 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
     is `ready`. `steering_vectors`: name -> [D] vectors a request's `steering` may name
     (`steering.load_vectors`); `saes`: name -> `jaxinfer.sae.SAE` whose features a request's
     `steering` may name. Steering itself needs an engine with steering slots."""
-    st = ServerState(engine, model, model_name, api_key, limits, steering_vectors, saes)
+    st = ServerState(engine, model, model_name, api_key, limits, steering_vectors=steering_vectors, saes=saes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

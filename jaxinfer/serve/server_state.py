@@ -27,7 +27,7 @@ class Limits:
 class ServerState:
     """What the endpoints share: the engine, the model, the limits and the counters."""
 
-    def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits,
+    def __init__(self, engine, model, model_name: str, api_key: Optional[str], limits: Limits, *,
                  steering_vectors: Optional[dict] = None, saes: Optional[dict] = None):
         self.engine, self.model, self.model_name, self.api_key, self.limits = engine, model, model_name, api_key, limits
         # the `steering` and `hidden_states` extensions, as far as the engine was built for them
