@@ -462,7 +462,10 @@ def mixed_step(params: Params, state: DecodeState, chunks: Chunks, *, options: D
         at_slot = jnp.minimum(chunks.slots, B - 1)  # so no row computes with a neighbour's settings
         real = chunks.slots < B  # [R]
         taken = jax.tree.map(lambda a: a[at_slot], state.hooks)
-        hooks = (state.hooks, taken.replace(slots=tuple(s.replace(gate=s.gate & real[:, None]) for s in taken.slots)))
+        taken = taken.replace(slots=tuple(s.replace(gate=s.gate & real[:, None]) for s in taken.slots))
+        if taken.adapter_ids is not None:
+            taken = taken.replace(adapter_ids=jnp.where(real, taken.adapter_ids, -1))
+        hooks = (state.hooks, taken)
     with jax.named_scope("mixed"):
         dec, pre = forward.forward(params, None, None, cache, cfg, hooks=hooks, segments=segments)
     (dec_logits, pre_logits), dec_cache = (dec.logits, pre.logits), dec.cache

@@ -23,6 +23,7 @@ from jaxinfer.decode.sampling import SamplingParams
 from jaxinfer.model import sites
 from jaxinfer.model.model import Model
 from jaxinfer.serve import steering
+from jaxinfer.serve.adapters import AdapterSlots, salted
 from jaxinfer.serve.held import HeldRequests
 from jaxinfer.serve.live import MAX_STOP_TOKENS, Live
 from jaxinfer.serve.request import Request
@@ -84,16 +85,18 @@ class Admission:
 
     def __init__(self, model: Model, *, steering: Steering, hidden_sites: tuple[str, ...],
                  eos_ids: tuple[int, ...], max_len: int, pack_row: Callable[[Live], object],
-                 counting_compiles: Callable[[], contextlib.AbstractContextManager]):
+                 counting_compiles: Callable[[], contextlib.AbstractContextManager],
+                 adapters: Optional[AdapterSlots] = None):
         """
         Args:
-          model, steering, hidden_sites, eos_ids, max_len: the engine's.
+          model, steering, hidden_sites, eos_ids, max_len, adapters: the engine's.
           pack_row: packs a request's slot row (`Runner.pack_row`), here rather than in the loop.
           counting_compiles: a context in which programs built count as built while serving.
         """
         self.model, self.cfg = model, model.config
         self.steering, self.hidden_sites, self.eos_ids, self.max_len = steering, hidden_sites, eos_ids, max_len
         self._pack_row, self._counting_compiles = pack_row, counting_compiles
+        self.adapters = adapters
         self.inbox = Inbox()
         self._ids = itertools.count()
         self._compiler: Optional[constraints.Compiler] = None  # built when the first constraint comes
@@ -102,7 +105,8 @@ class Admission:
               max_new_tokens: int, sampling: SamplingParams,
               seed: Optional[int], key: Optional[jax.Array], stop_tokens: Sequence[int], stop: Sequence[str],
               stop_at_eos: bool, logprobs: int, prompt_logprobs: Optional[int], score_from: int,
-              interventions: Optional[Sequence], hidden_states: Optional[tuple]) -> Request:
+              interventions: Optional[Sequence], hidden_states: Optional[tuple],
+              adapter: Optional[str] = None) -> Request:
         """`Engine.submit` past its health check: the arguments (see there) checked, the request
         queued for the loop; `drive` and `running` are what its `Request` is handed (one engine
         step; whether a loop runs). Raises ValueError before anything is queued."""
@@ -123,6 +127,7 @@ class Admission:
         score_from = inputs.check_int("score_from", score_from, 1, max(1, len(ids)))
         steering_rows = steering.check(interventions, self.steering, self.cfg)
         hidden = self._check_hidden(hidden_states, prompt_logprobs)
+        self._check_adapter(adapter)
         extra = tuple(int(t) for t in stop_tokens) if not isinstance(stop_tokens, (str, bytes)) else None
         if (extra is None or any(not 0 <= t < self.cfg.vocab_size for t in extra)
                 or len(extra) > MAX_STOP_TOKENS):
@@ -138,6 +143,7 @@ class Admission:
             key_data = request_key(key, seed, sampling)
         rid = next(self._ids)
         req = Request(rid, ids, max_new_tokens, drive=drive, running=running, on_cancel=self._cancel)
+        adapter_slot, adapter_salt = self.adapters.take(adapter, req) if adapter is not None else (-1, b"")
         tok = self.model.tokenizer
         recompute_from = score_from if prompt_logprobs is not None else None
         if hidden is not None:  # every prompt position is computed (none taken from the prefix cache)
@@ -147,14 +153,24 @@ class Admission:
             counts, in_prompt = np.zeros((self.cfg.vocab_size,), np.int32), np.zeros((self.cfg.vocab_size,), bool)
             in_prompt[np.asarray(ids, np.int64)] = True
         live = Live(seq=Seq(rid=rid, prompt=list(ids), max_new_tokens=max_new_tokens, recompute_from=recompute_from,
-                            cache_salt=b"" if steering_rows is None else steering_rows.salt()),
+                            cache_salt=salted(b"" if steering_rows is None else steering_rows.salt(), adapter_salt)),
                     req=req, key_data=key_data, sampling=sampling, stop_ids=stop_ids, stop=stops,
                     detok=Detokenizer(tok.decode) if tok is not None else None, n_top=logprobs,
                     prompt_logprobs=prompt_logprobs, score_from=score_from, extra_stops=extra, matcher=matcher,
-                    counts=counts, in_prompt=in_prompt, steering=steering_rows, hidden=hidden)
+                    counts=counts, in_prompt=in_prompt, steering=steering_rows, hidden=hidden,
+                    adapter=adapter_slot)
         self._pack_row(live)
         self.inbox.put("submit", live)
         return req
+
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        """submit's adapter: None, or the name of an adapter loaded (ValueError naming them)."""
+        if adapter is None:
+            return
+        if self.adapters is None or not self.adapters.on:
+            raise ValueError(f"adapter {adapter!r}: this engine has no LoRA slots (Engine(lora_slots=K, "
+                             "max_lora_rank=r); jaxinfer serve --lora name=path)")
+        self.adapters.take(adapter)
 
     def _check_hidden(self, hidden_states, prompt_logprobs) -> Optional[tuple[str, tuple[int, ...]]]:
         """submit's hidden_states as (site, layers), checked (None: off)."""

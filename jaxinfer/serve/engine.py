@@ -25,9 +25,10 @@ derived as generate derives row 0's (`inputs.request_keys`), its t-th token is s
 fold_in(key, t) by the same sampler, whatever runs beside it, and a preempted request is
 recomputed from its prompt and tokens so far.
 
-Steering (`Engine(steering_slots=K)`, `submit(interventions=[add(...)])`) and hidden states of
-the scoring pass (`Engine(hidden_sites=...)`, `submit(hidden_states=...)`) are data of the same
-programs: see `serve.steering` and docs/interventions.md.
+Steering (`Engine(steering_slots=K)`, `submit(interventions=[add(...)])`), LoRA adapters
+(`Engine(lora_slots=K)`, `load_adapter`, `submit(adapter=...)`) and hidden states of the scoring
+pass (`Engine(hidden_sites=...)`, `submit(hidden_states=...)`) are data of the same programs: see
+`serve.steering`, `serve.adapters`, docs/interventions.md and docs/lora.md.
 
 An exception inside a step fails the requests that step touched and the engine recovers, or is
 marked dead (`healthy`; `submit` then raises `EngineDead`). The Engine is the public face of
@@ -53,6 +54,7 @@ from jaxinfer.model.model import Model
 from jaxinfer.model.params import Params
 from jaxinfer.serve import sizing
 from jaxinfer.serve import steering
+from jaxinfer.serve.adapters import AdapterSlots, AdapterSource
 from jaxinfer.serve.admission import Admission
 from jaxinfer.serve.background import Background
 from jaxinfer.serve.flights import Flights, ScanLength
@@ -81,7 +83,7 @@ class Engine:
                  prefill_chunk: int = 512, prefix_cache: bool = True, decode_steps: int = 16,
                  busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT, call_rows: Optional[int] = None,
                  steering_slots: int = 0, steering_sites: Sequence[str] = ("resid_post",),
-                 hidden_sites: Sequence[str] = ()):
+                 hidden_sites: Sequence[str] = (), lora_slots: int = 0, max_lora_rank: int = 16):
         """
         Args:
           model: a loaded Model (either params layout).
@@ -115,8 +117,13 @@ class Engine:
           hidden_sites: sites a scoring request may read at chosen layers (`submit`'s
             hidden_states); its scoring calls capture them at every layer (programs of their
             own, built by `warmup(scoring=True)`). Default none.
+          lora_slots: LoRA adapters held at once (`serve.adapters`: `load_adapter`,
+            `submit(adapter=...)`; 0: none, the programs of an engine without them).
+          max_lora_rank: the largest rank an adapter loaded may use (the slots' rank r).
         """
         self.steering = steering.Steering(steering_slots, tuple(steering_sites))
+        self.lora = AdapterSlots(model.config, lora_slots, max_lora_rank)
+        model = self.lora.with_slots(model)
         hidden_sites = steering.check_hidden_sites(hidden_sites, model.config)
         use_default_cache()  # the persistent compile cache, unless the user opted out (compile_cache)
         for name, v in (("max_slots", max_slots), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
@@ -134,20 +141,21 @@ class Engine:
         eos_ids = inputs.eos_ids_for(model)
         self.runner = Runner(model, n_pages=n_pages, page_size=page_size, max_slots=max_slots, max_len=self.max_len,
                              prefill_chunk=prefill_chunk, decode_steps=decode_steps, eos_ids=eos_ids,
-                             call_rows=call_rows, steering=self.steering, hidden_sites=hidden_sites)
+                             call_rows=call_rows, steering=self.steering, hidden_sites=hidden_sites,
+                             adapters=self.lora.on)
         self.hidden_sites = hidden_sites
         self.held = HeldRequests(self.scheduler)
         self._compiles = CompileTally()
         self.admission = Admission(model, steering=self.steering, hidden_sites=hidden_sites, eos_ids=eos_ids,
                                    max_len=self.max_len, pack_row=self.runner.pack_row,
-                                   counting_compiles=self._compiles.counting)
+                                   counting_compiles=self._compiles.counting, adapters=self.lora)
         self.flights = Flights(scheduler=self.scheduler, runner=self.runner, pool=self.pool, held=self.held,
                                max_slots=max_slots, scan_length=scan_length)
         self.recovery = Recovery(runner=self.runner, pool=self.pool, scheduler=self.scheduler, held=self.held,
                                  inbox=self.admission.inbox, flights=self.flights)
         self.updates = ParamsUpdates(runner=self.runner, admission=self.admission, pool=self.pool,
                                      scheduler=self.scheduler, held=self.held, flights=self.flights,
-                                     recovery=self.recovery)
+                                     recovery=self.recovery, keep_lora=self.lora.on)
         self._step_lock = threading.RLock()  # one step at a time; the warmup's builds hold it too
         self.background = Background(die=self.recovery.die, inbox=self.admission.inbox, runner=self.runner,
                                      step_lock=self._step_lock)
@@ -157,7 +165,8 @@ class Engine:
                sampling: SamplingParams = GREEDY, seed: Optional[int] = None, key: Optional[jax.Array] = None,
                stop_tokens: Sequence[int] = (), stop: Sequence[str] = (), stop_at_eos: bool = True,
                logprobs: int = 0, prompt_logprobs: Optional[int] = None, score_from: int = 1,
-               interventions: Optional[Sequence] = None, hidden_states: Optional[tuple] = None) -> Request:
+               interventions: Optional[Sequence] = None, hidden_states: Optional[tuple] = None,
+               adapter: Optional[str] = None) -> Request:
         """Queue a request; returns its handle at once (it runs at the engine's next steps).
 
         Same arguments and meaning as `generate` for one prompt (seed or key, required unless
@@ -177,6 +186,8 @@ class Engine:
           hidden_states: (site, layers) with prompt_logprobs: the Completion's
             prompt_activations {site: [P, len(layers), D] float32} at every prompt token, as
             `jaxinfer.activations` returns them; site one of the engine's `hidden_sites`.
+          adapter: the name of a LoRA adapter loaded (`load_adapter`), as
+            `generate(adapters=[name])` applies it (same tokens); None: the base model.
         Returns:
           The `Request`: iterate it (or `async for`) for `Delta` objects, or call `result()`.
         Raises:
@@ -189,7 +200,31 @@ class Engine:
                                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, key=key,
                                     stop_tokens=stop_tokens, stop=stop, stop_at_eos=stop_at_eos, logprobs=logprobs,
                                     prompt_logprobs=prompt_logprobs, score_from=score_from,
-                                    interventions=interventions, hidden_states=hidden_states)
+                                    interventions=interventions, hidden_states=hidden_states, adapter=adapter)
+
+    def load_adapter(self, name: str, adapter: AdapterSource) -> None:
+        """Load a LoRA adapter (a PEFT folder or a `jaxinfer.lora.Adapter`) into a free slot
+        between steps, compiling nothing (`serve.adapters`); requests name it in `submit`.
+
+        Raises:
+          ValueError (`jaxinfer.lora.PeftError` for the adapter itself), before anything runs:
+            the adapter does not fit the model, its rank is above max_lora_rank, the name is
+            loaded already, or every slot is taken.
+        """
+        tensors = self.lora.check(name, adapter)
+        with self._step_lock, self._compiles.counting():
+            self.runner.replace_params(self.lora.load(self.model.params, name, tensors))
+
+    def unload_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot (its scales and tensors zeroed), compiling nothing. Raises
+        ValueError when it is not loaded, or while a request naming it has not ended."""
+        with self._step_lock, self._compiles.counting():
+            self.runner.replace_params(self.lora.unload(self.model.params, name))
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded, in slot order."""
+        return self.lora.loaded()
 
     def compile_constraint(self, constraint: constraints.Constraint) -> None:
         """Compile `constraint` for this model's vocabulary now (kept for the requests that use it).

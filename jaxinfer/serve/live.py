@@ -56,6 +56,7 @@ class Live:
     packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner.pack_row`)
     steering: Optional[Any] = None  # its steering as slot rows (`steering.RequestSteering`), or None
     hidden: Optional[tuple] = None  # (site, layers): hidden states to return per prompt token (scoring only)
+    adapter: int = -1  # its LoRA adapter's slot (`serve.adapters`), -1: the base model
     hidden_values: dict = dataclasses.field(default_factory=dict)  # position -> [n_layers, D] float32
     # No constraint, stop strings, penalties or top alternatives: a token needs no work of its own
     # but the detokenizer's, and a delivery that does not end the request takes the plain path

@@ -26,7 +26,8 @@ packed arrays whose copies start as soon as the calls are dispatched, and the pr
 Steering (`steering.py`, an engine built with steering_slots > 0): the slots' add vectors,
 scales and layer gates are one more argument of the mixed and decode programs (`sites.Hooks`
 with rows [B, ...]), rewritten on the host where a slot's request changed and sent again only
-then; a scoring call builds its rows' own. Hidden states: scoring calls of requests that ask
+then; a scoring call builds its rows' own. LoRA adapters (`adapters.py`) ride in the same
+hooks: each slot's adapter index (`Hooks.adapter_ids` [B], -1 for the base model). Hidden states: scoring calls of requests that ask
 for them run "hidden" programs that also capture the engine's hidden sites at every layer.
 
 Shape letters: B slots (or a call's rows), C a chunk's length, W page-table width, V vocab,
@@ -45,6 +46,7 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.decode import core
 from jaxinfer.model import cache as kv
+from jaxinfer.model import lora
 from jaxinfer.model import sites
 from jaxinfer.model.model import Model
 from jaxinfer.program_store import ProgramStore
@@ -66,7 +68,8 @@ class Runner:
 
     def __init__(self, model: Model, *, n_pages: int, page_size: int, max_slots: int, max_len: int,
                  prefill_chunk: int, decode_steps: int, eos_ids: tuple[int, ...], call_rows: Optional[int] = None,
-                 steering: steer.Steering = steer.Steering(), hidden_sites: tuple[str, ...] = ()):
+                 steering: steer.Steering = steer.Steering(), hidden_sites: tuple[str, ...] = (),
+                 adapters: bool = False):
         self.model, self.cfg = model, model.config
         self.n_pages, self.page_size, self.max_slots, self.decode_steps = n_pages, page_size, max_slots, decode_steps
         self.eos_ids = eos_ids
@@ -87,7 +90,7 @@ class Runner:
         self.call_shapes = CallShapes(max_slots=max_slots, max_len=max_len, prefill_chunk=prefill_chunk,
                                       width=self.width, call_rows=call_rows, warm=self.warm)
         self.tables = SlotTables(cfg=self.cfg, max_slots=max_slots, width=self.width, eos_ids=eos_ids,
-                                 key_size=self.key_size, steering=steering)
+                                 key_size=self.key_size, steering=steering, adapters=adapters)
         self.page_tables = PageTable(max_slots=max_slots, width=self.width)
         self._no_limit = np.full((max_slots,), NO_LIMIT, np.int32)  # a scan's caps when its limits say it all
         self._all_allowed = None  # [B, U] mask allowing every token, on the device (made on first use)
@@ -197,6 +200,8 @@ class Runner:
         if hooks is not None:
             for i, lv in enumerate(lives):
                 steer.write_row(hooks, i, None if lv is None else lv.steering, steering)
+        if self.tables.adapter_ids is not None:
+            hooks = lora.with_ids(hooks, np.array([-1 if lv is None else lv.adapter for lv in lives], np.int32))
         if hidden:
             hooks = (hooks or sites.Hooks()).replace(capture=self.hidden_sites,
                                                      capture_layers=tuple(range(self.cfg.n_layers)))
@@ -311,6 +316,7 @@ class Runner:
                 slot_pages.append((slot, ch.seq.pages))
                 budgets[slot] = n
         table = self.page_tables.of(slot_pages)
+        self.tables.set_adapters(by_slot)
         moves = SlotMoves(tokens=np.array(tokens, np.int32), lengths=np.array(lengths, np.int32),
                           budgets=np.array(budgets, np.int32), steps=np.array(sampled, np.int32))
         if self._carry is not None and self.tables.steer_rows is None:

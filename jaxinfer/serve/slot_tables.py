@@ -1,4 +1,4 @@
-"""The per-slot tables a call reads: each slot's packed settings, its steering, its page table.
+"""The per-slot tables a call reads: each slot's packed settings, its steering and LoRA adapter, its page table.
 
 Each slot's settings (sampling, key, stop ids, logit bias...) are packed once per request, at
 `submit`, into a row of two tables (`call_programs.Slots` through `packed.Packing`: one int32 and
@@ -18,6 +18,8 @@ from typing import Optional
 import jax
 import numpy as np
 
+from jaxinfer.model import lora
+from jaxinfer.model import sites
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.serve import steering as steer
 from jaxinfer.serve.call_programs import Slots
@@ -62,7 +64,7 @@ class SlotTables:
     """The host's copy of the packed slot tables and of the slots' steering."""
 
     def __init__(self, *, cfg: ModelConfig, max_slots: int, width: int, eos_ids: tuple[int, ...], key_size: int,
-                 steering: steer.Steering):
+                 steering: steer.Steering, adapters: bool = False):
         self.cfg, self.width, self.eos_ids, self.key_size = cfg, width, eos_ids, key_size
         self.packing = Packing.of(self._template(max_slots))
         self.idle_row = self.pack_row(None)
@@ -76,7 +78,10 @@ class SlotTables:
         # The slots' steering (`steering.py`): host hooks written per slot, sent when they change.
         self.steering = steering
         self.steer_rows = steer.idle_hooks(steering, cfg, max_slots)  # host hooks, rows [B, ...] (None: no steering)
-        self._steer_sent = None  # the last sent copy of `steer_rows` (None: to send)
+        self._steer_sent = None  # the last sent hooks: `steer_rows` and `adapter_ids` (None: to send)
+        # Each slot's LoRA adapter (`serve.adapters`): [B] int32, -1 idle or on the base model
+        # (None: an engine without adapter slots, whose programs take no adapter ids).
+        self.adapter_ids = np.full((max_slots,), -1, np.int32) if adapters else None
 
     def _template(self, B: int) -> Slots:
         """Slots of B idle rows (what fixes the packing's columns)."""
@@ -150,13 +155,29 @@ class SlotTables:
                 [len(ch.seq.generated) for ch in chunks] + [0] * pad)
         return ints, floats
 
+    def set_adapters(self, by_slot: list) -> None:
+        """Each slot's adapter from its request (`Live.adapter`; idle slots -1), sent with the
+        next call's hooks where one changed."""
+        if self.adapter_ids is None:
+            return
+        ids = np.array([-1 if lv is None else lv.adapter for lv in by_slot], np.int32)
+        if not np.array_equal(ids, self.adapter_ids):
+            self.adapter_ids = ids
+            self._steer_sent = None
+
+    def host_hooks(self) -> Optional[sites.Hooks]:
+        """The slots' hooks on the host: steering rows and adapter ids (None with neither)."""
+        if self.adapter_ids is None:
+            return self.steer_rows
+        return lora.with_ids(self.steer_rows, self.adapter_ids)
+
     def steer_hooks(self):
-        """The slots' steering hooks on the device (None without steering slots), sent again
-        only after a slot's request changed."""
-        if self.steer_rows is None:
+        """The slots' hooks on the device (steering and adapter ids; None with neither), sent
+        again only after a slot's request changed."""
+        if self.steer_rows is None and self.adapter_ids is None:
             return None
         if self._steer_sent is None:
-            self._steer_sent = jax.device_put(jax.tree.map(np.copy, self.steer_rows))  # never the live host rows
+            self._steer_sent = jax.device_put(jax.tree.map(np.copy, self.host_hooks()))  # never the live host rows
         return self._steer_sent
 
 

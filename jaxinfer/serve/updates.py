@@ -116,9 +116,12 @@ class ParamsUpdates:
     `apply_ready` runs at the start of each step, on the loop's thread."""
 
     def __init__(self, *, runner: Runner, admission: Admission, pool: PagePool, scheduler: Scheduler,
-                 held: HeldRequests, flights: Flights, recovery: Recovery):
+                 held: HeldRequests, flights: Flights, recovery: Recovery, keep_lora: bool = False):
         self.runner, self.admission, self.pool, self.scheduler = runner, admission, pool, scheduler
         self.held, self.flights, self.recovery = held, flights, recovery
+        # An engine with LoRA slots keeps its adapters (`params["lora"]`, `serve.adapters`): an
+        # update replaces the base weights, and the stacks as they are when it is applied stay.
+        self.keep_lora = keep_lora
         self.version = 0  # updates applied
         self.pending: Optional[Update] = None  # taken from the inbox, waiting for its requests to end
 
@@ -126,8 +129,11 @@ class ParamsUpdates:
         """Check new params (raises before anything is queued) and queue them behind the inbox's items."""
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
-        update = Update(params=check_params(self.runner.model.params, params, check_finite=check_finite),
-                        in_flight=in_flight)
+        old = self.runner.model.params
+        if self.keep_lora:
+            old = {k: v for k, v in old.items() if k != "lora"}
+            params = {k: v for k, v in params.items() if k != "lora"} if isinstance(params, dict) else params
+        update = Update(params=check_params(old, params, check_finite=check_finite), in_flight=in_flight)
         self.admission.inbox.put("update", update)
         return update
 
@@ -156,7 +162,10 @@ class ParamsUpdates:
             for seq in list(self.scheduler.running):  # their keys and values are the old weights'
                 self.scheduler.preempt(seq)
             self.runner.forget_slots()
-        self.runner.replace_params(update.params)
+        params = update.params
+        if self.keep_lora:
+            params = {**params, "lora": self.runner.model.params["lora"]}
+        self.runner.replace_params(params)
         self.admission.model = self.runner.model  # (it reads the tokenizer; the old arrays are freed)
         self.pool.forget()
         self.version += 1

@@ -41,7 +41,7 @@ def builds(runner: "Runner", shapes: list[tuple[int, int]], scoring: bool, decod
     base = abstract((runner.model.params, runner.cache, counts))
     inputs = abstract(SlotInputs(ints=runner.tables.ints, floats=runner.tables.floats, mask=core.no_mask(B, V),
                                  table=z((B, W), np.int32), cap=z((B,), np.int32), limit=z((B,), np.int32),
-                                 hooks=runner.tables.steer_rows))
+                                 hooks=runner.tables.host_hooks()))
     out = []
     if decode:
         static = dict(cfg=runner.cfg, n_steps=runner.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=runner.packing)
