@@ -204,20 +204,15 @@ class Engine:
 
     def load_adapter(self, name: str, adapter: AdapterSource) -> None:
         """Load a LoRA adapter (a PEFT folder or a `jaxinfer.lora.Adapter`) into a free slot
-        between steps, compiling nothing (`serve.adapters`); requests name it in `submit`.
-
-        Raises:
-          ValueError (`jaxinfer.lora.PeftError` for the adapter itself), before anything runs:
-            the adapter does not fit the model, its rank is above max_lora_rank, the name is
-            loaded already, or every slot is taken.
-        """
+        between steps, compiling nothing (`serve.adapters`). Raises ValueError (PeftError) before
+        anything runs: it does not fit the model or max_lora_rank, or the name or every slot is taken."""
         tensors = self.lora.check(name, adapter)
         with self._step_lock, self._compiles.counting():
             self.runner.replace_params(self.lora.load(self.model.params, name, tensors))
 
     def unload_adapter(self, name: str) -> None:
-        """Free adapter `name`'s slot (its scales and tensors zeroed), compiling nothing. Raises
-        ValueError when it is not loaded, or while a request naming it has not ended."""
+        """Free adapter `name`'s slot (zeroed), compiling nothing; ValueError when it is not
+        loaded, or while a request naming it has not ended."""
         with self._step_lock, self._compiles.counting():
             self.runner.replace_params(self.lora.unload(self.model.params, name))
 

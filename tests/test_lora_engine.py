@@ -1,0 +1,154 @@
+"""LoRA adapters in the Engine: slots loaded and unloaded at run time, one adapter per request.
+
+One engine over the tiny Llama with two adapter slots of rank 8 and the golden PEFT adapters
+(tests/golden/lora): a mixed batch (base rows and two adapters) equals `jaxinfer.generate` with
+the same adapters and seeds token for token; switching adapters, unloading, loading into the freed
+slot and a weight update compile nothing once the calls' shapes have run; the prefix cache never
+hands one adapter's pages to another; bad adapters and names are refused by name before anything
+compiles.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import jax
+
+import jaxinfer
+from jaxinfer import lora as lora_api
+from jaxinfer.compile_cache import CompileCounter
+from jaxinfer.decode.sampling import GREEDY, SamplingParams
+from jaxinfer.serve import Engine
+from jaxinfer.weights import peft
+from tests.test_lora import GOLDEN, LLAMA, Q_A, TINY, _bad_copy
+
+# call_rows and admission_wait fixed: the same requests run through the same call shapes each time
+ENGINE = dict(max_slots=4, page_size=8, max_len=64, prefill_chunk=16, call_rows=32, admission_wait=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95)
+PROMPTS = ([5, 17, 33, 2, 50, 96, 41, 7, 123], [8, 1, 2, 64, 9], [100, 12, 77, 5, 6, 100, 42])
+R4, RS8, PATTERNS = LLAMA  # ranks 4, 8 (rsLoRA), 2 to 6 (rank and alpha patterns)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return jaxinfer.load(os.path.join(TINY, "llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    """The base model with the three adapters attached: what `generate(adapters=...)` runs."""
+    return lora_api.attach(base, {n: os.path.join(GOLDEN, n) for n in LLAMA})
+
+
+@pytest.fixture(scope="module")
+def engine(base):
+    e = Engine(base, lora_slots=2, max_lora_rank=8, **ENGINE)
+    e.load_adapter(R4, os.path.join(GOLDEN, R4))
+    e.load_adapter(RS8, lora_api.read(os.path.join(GOLDEN, RS8), base.config))  # an Adapter works too
+    return e
+
+
+def _specs(adapters, shift=0):
+    """(prompt, sampling, seed, adapter) per request; `shift` moves every token (no prefix hits)."""
+    samplings = (GREEDY, SEEDED, SEEDED, SEEDED)
+    prompts = PROMPTS + (PROMPTS[0],)
+    return [([t + shift for t in p], s, 3 + i, a) for i, (p, s, a) in enumerate(zip(prompts, samplings, adapters))]
+
+
+def _run(engine, specs, n=8):
+    """Submit every request before stepping: they share calls."""
+    reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=seed, stop_at_eos=False, adapter=a)
+            for p, s, seed, a in specs]
+    engine.run_until_idle()
+    return [r.result().token_ids for r in reqs]
+
+
+def _generate(model, specs, n=8):
+    return [jaxinfer.generate(model, [p], max_new_tokens=n, sampling=s, seed=seed, stop_at_eos=False,
+                              adapters=[a]).completions[0].token_ids for p, s, seed, a in specs]
+
+
+def test_mixed_adapters_equal_generate_and_switching_loading_updating_compile_nothing(base, reference, engine):
+    specs = _specs([R4, None, RS8, RS8])
+    got = _run(engine, specs)
+    assert got == _generate(reference, specs)
+    plain = _generate(reference, [(p, s, seed, None) for p, s, seed, _ in specs])
+    assert got[0] != plain[0] and got[2] != plain[2]  # the adapters act
+    # the same shapes again, with new adapter assignments, an unload, a load into the freed slot
+    # and a weight update: nothing compiles
+    switched = _specs([RS8, R4, None, R4], shift=1)
+    loaded = _specs([PATTERNS, None, R4, PATTERNS], shift=2)
+    host = jax.tree.map(np.asarray, base.params)  # the same weights as host arrays: placed, not compiled
+    before = engine.compiles_while_serving
+    with CompileCounter() as compiles:
+        got_switched = _run(engine, switched)
+        engine.unload_adapter(RS8)
+        engine.load_adapter(PATTERNS, os.path.join(GOLDEN, PATTERNS))
+        assert engine.adapters == (R4, PATTERNS)
+        assert engine.update_params(host) == 1
+        got_loaded = _run(engine, loaded)
+    assert compiles.count == 0 and engine.compiles_while_serving == before, f"{compiles.count} programs compiled"
+    assert got_switched == _generate(reference, switched)
+    assert got_loaded == _generate(reference, loaded)
+    engine.unload_adapter(PATTERNS)
+    engine.load_adapter(RS8, os.path.join(GOLDEN, RS8))
+
+
+def test_the_prefix_cache_keeps_adapters_apart(reference, engine):
+    """A 3-page prompt under the base model, R4, R4 again, RS8, the base again: each equals
+    generate, and only the repeats take cached pages (R4's second run, the base's second)."""
+    prompt = list(range(40, 66))
+    hits = []
+    for a in (None, R4, R4, RS8, None):
+        before = engine.stats().prefix_hit_pages
+        spec = [(prompt, GREEDY, 0, a)]
+        assert _run(engine, spec, n=4) == _generate(reference, spec, n=4), a
+        hits.append(engine.stats().prefix_hit_pages - before)
+    assert hits[0] == hits[1] == hits[3] == 0 and hits[2] > 0 and hits[4] > 0, hits
+    # a new adapter under an old name has a key of its own
+    salt = engine.lora.salts[engine.lora.names.index(RS8)]
+    engine.unload_adapter(RS8)
+    engine.load_adapter(RS8, os.path.join(GOLDEN, PATTERNS))
+    assert engine.lora.salts[engine.lora.names.index(RS8)] != salt
+    engine.unload_adapter(RS8)
+    engine.load_adapter(RS8, os.path.join(GOLDEN, RS8))
+
+
+def test_bad_adapters_and_names_are_refused_by_name_before_compiling(base, engine, tmp_path):
+    nan = lora_api.read(os.path.join(GOLDEN, R4), base.config)
+    w = {t: dict(v) for t, v in nan.weights.items()}
+    w["q_proj"]["b"] = np.full_like(np.asarray(w["q_proj"]["b"]), np.nan)
+    nan = lora_api.Adapter(weights=w, ranks=nan.ranks, alphas=nan.alphas)
+    held = engine.submit(PROMPTS[1], max_new_tokens=2, adapter=R4)  # (its key's program built here)
+    with CompileCounter() as compiles:
+        with pytest.raises(ValueError, match=r"adapter 'nope' is not a loaded LoRA adapter \(loaded: "
+                                             rf"{R4}, {RS8}\)"):
+            engine.submit([1, 2, 3], adapter="nope")
+        with pytest.raises(peft.PeftError, match="another base model"):
+            engine.load_adapter("wide", _bad_copy(tmp_path / "wide", tensors=lambda t: {
+                **t, Q_A: np.zeros((4, 96), np.float32)}))
+        with pytest.raises(peft.PeftError, match="embed_tokens"):
+            engine.load_adapter("bad", _bad_copy(tmp_path / "embed", {"target_modules": ["q_proj", "embed_tokens"]}))
+        with pytest.raises(peft.PeftError, match="q_proj's b holds NaN"):
+            engine.load_adapter("nan", nan)
+        with pytest.raises(ValueError, match="every LoRA slot is taken"):
+            engine.load_adapter("third", os.path.join(GOLDEN, PATTERNS))
+        with pytest.raises(ValueError, match="is loaded already"):
+            engine.load_adapter(R4, os.path.join(GOLDEN, R4))
+        with pytest.raises(ValueError, match="lora_name 'nope' is not a loaded"):
+            engine.unload_adapter("nope")
+        with pytest.raises(ValueError, match="in use by 1 request"):
+            engine.unload_adapter(R4)
+    assert compiles.count == 0
+    held.cancel()
+    engine.run_until_idle()
+    small, without = Engine(base, lora_slots=1, max_lora_rank=4, **ENGINE), Engine(base, **ENGINE)
+    with CompileCounter() as compiles:
+        with pytest.raises(ValueError, match="rank 8, above max_lora_rank=4"):
+            small.load_adapter(RS8, os.path.join(GOLDEN, RS8))
+        with pytest.raises(ValueError, match="no LoRA slots"):
+            without.submit([1, 2, 3], adapter=R4)
+        with pytest.raises(ValueError, match="lora_slots must be an int >= 0"):
+            Engine(base, lora_slots=-1)
+    assert compiles.count == 0
