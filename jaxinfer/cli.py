@@ -274,6 +274,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--sae", action="append", default=[], metavar="NAME=PATH",
                    help="an SAE (SAELens folder, Gemma Scope params.npz / params.safetensors) whose features a "
                         "request's 'steering' may name as {sae: NAME, features: [{index, strength}]}; repeatable")
+    p.add_argument("--lora", action="extend", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) a request picks by 'model': NAME; repeatable (vLLM's "
+                        "--lora-modules); /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
+    p.add_argument("--max-loras", type=int, default=None, metavar="K",
+                   help="LoRA adapters held at once (default: as many as --lora names; 0 = no LoRA)")
+    p.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="the largest LoRA rank an adapter may use (default 16)")
     p.add_argument("--hidden-states", default=None, metavar="SITES",
                    help="comma-separated sites the scoring call may return at chosen layers (the 'hidden_states' "
                         "extension field, e.g. resid_post; default off)")
@@ -318,6 +325,28 @@ def _read_saes(specs: list) -> dict:
     return saes
 
 
+def _lora_flags(args) -> tuple[dict[str, str], int]:
+    """--lora NAME=PATH ... as {name: folder} (each a folder, names distinct) and the LoRA slots
+    (--max-loras, default one per --lora), checked before the model loads."""
+    from jaxinfer.decode.inputs import check_int
+
+    loras = {}
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {item!r}: expected NAME=PATH (a PEFT adapter folder)")
+        if name in loras:
+            raise ValueError(f"--lora: the name {name!r} is given twice")
+        if not os.path.isdir(path):
+            raise ValueError(f"--lora {name}={path}: no such folder (a PEFT adapter folder expected)")
+        loras[name] = path
+    slots = len(loras) if args.max_loras is None else check_int("--max-loras", args.max_loras, 0)
+    check_int("--max-lora-rank", args.max_lora_rank, 1)
+    if slots < len(loras):
+        raise ValueError(f"--max-loras {slots} is fewer than the {len(loras)} adapters --lora names")
+    return loras, slots
+
+
 def _check_serve_flags(args):
     """The serve flags that need no model, checked: returns (kv_memory bytes or None, mesh or None)."""
     from jaxinfer.decode.inputs import check_int
@@ -329,6 +358,7 @@ def _check_serve_flags(args):
     check_int("--max-body-bytes", args.max_body_bytes, 1)
     if args.steering_slots is not None:
         check_int("--steering-slots", args.steering_slots, 0)
+    _lora_flags(args)
     from jaxinfer.model.sites import SITES
 
     for flag, value in (("--steering-sites", args.steering_sites), ("--hidden-states", args.hidden_states)):
@@ -402,10 +432,13 @@ def _serve(args) -> int:
                 raise ValueError(f"--sae {name}: its decoder writes at {sae.spec.writes_at}; add it to "
                                  f"--steering-sites ({args.steering_sites})")
         slots = args.steering_slots if args.steering_slots is not None else (4 if vectors or saes else 0)
+        loras, lora_slots = _lora_flags(args)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len,
-                                    steering_slots=slots,
+                                    steering_slots=slots, lora_slots=lora_slots, max_lora_rank=args.max_lora_rank,
                                     steering_sites=steering_sites,
                                     hidden_sites=tuple(s for s in (args.hidden_states or "").split(",") if s))
+        for lora_name, path in loras.items():  # read and checked before anything compiles
+            engine.load_adapter(lora_name, path)
         # Warm up in the background, serving as soon as the first programs are built (/health
         # says "warming" until then); the rest are built while requests are served.
         n = engine.warmup(logprobs=True, scoring=True, wait=False)
@@ -431,7 +464,7 @@ def _serve(args) -> int:
                                max_hidden_states_bytes=hidden_bytes)
         name = args.served_name or args.model
         app = server.create_app(engine, model, model_name=name, api_key=args.api_key, limits=limits,
-                                steering_vectors=vectors, saes=saes)
+                                steering_vectors=vectors, saes=saes, lora_paths=loras)
         config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="warning",
                                 timeout_graceful_shutdown=None)  # (re)configures logging: add ours after
         server.log.addHandler(handler)

@@ -1,14 +1,18 @@
-"""LoRA adapters in the Engine: slots loaded and unloaded at run time, one adapter per request.
+"""LoRA adapters in the Engine and the server: slots loaded and unloaded at run time, one adapter per request.
 
-One engine over the tiny Llama with two adapter slots of rank 8 and the golden PEFT adapters
-(tests/golden/lora): a mixed batch (base rows and two adapters) equals `jaxinfer.generate` with
-the same adapters and seeds token for token; switching adapters, unloading, loading into the freed
-slot and a weight update compile nothing once the calls' shapes have run; the prefix cache never
-hands one adapter's pages to another; bad adapters and names are refused by name before anything
-compiles.
+One engine over the tiny Llama (with SmolLM2's tokenizer, for the server's text) with two adapter
+slots of rank 8 and the golden PEFT adapters (tests/golden/lora): a mixed batch (base rows and two
+adapters) equals `jaxinfer.generate` with the same adapters and seeds token for token; switching
+adapters, unloading, loading into the freed slot and a weight update compile nothing once the
+calls' shapes have run; the prefix cache never hands one adapter's pages to another; bad adapters
+and names are refused by name before anything compiles. Over HTTP (127.0.0.1): a request picks its
+adapter by "model" and equals generate, /v1/models lists the adapters, the load and unload
+endpoints work at run time without compiling, and every bad field is a 400 naming it.
 """
 
+import dataclasses
 import os
+import types
 
 import numpy as np
 import pytest
@@ -31,8 +35,8 @@ R4, RS8, PATTERNS = LLAMA  # ranks 4, 8 (rsLoRA), 2 to 6 (rank and alpha pattern
 
 
 @pytest.fixture(scope="module")
-def base():
-    return jaxinfer.load(os.path.join(TINY, "llama"))
+def base(smollm2):
+    return dataclasses.replace(jaxinfer.load(os.path.join(TINY, "llama")), tokenizer=smollm2.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +156,84 @@ def test_bad_adapters_and_names_are_refused_by_name_before_compiling(base, engin
         with pytest.raises(ValueError, match="lora_slots must be an int >= 0"):
             Engine(base, lora_slots=-1)
     assert compiles.count == 0
+
+
+# Over HTTP ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(base, engine):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from jaxinfer.serve import http_api as srv
+
+    app = srv.create_app(engine, base, model_name="tiny", lora_paths={n: os.path.join(GOLDEN, n) for n in (R4, RS8)})
+    server, thread, url = srv.serve_in_thread(app)
+    yield types.SimpleNamespace(post=lambda path, body: httpx.post(url + path, json=body, timeout=120),
+                                get=lambda path: httpx.get(url + path, timeout=120))
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+def _completion(served, model, prompt=PROMPTS[0]):
+    r = served.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.9,
+                                        "top_p": 0.95, "seed": 5})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["model"] == model
+    return r.json()["choices"][0]["text"]
+
+
+def _generated_text(reference, adapter, prompt=PROMPTS[0]):
+    return jaxinfer.generate(reference, [prompt], max_new_tokens=8, sampling=SEEDED, seed=5,
+                             adapters=[adapter]).completions[0].text
+
+
+def test_the_server_picks_adapters_by_model_and_loads_and_unloads_them_at_run_time(reference, engine, served):
+    ids = lambda: [m["id"] for m in served.get("/v1/models").json()["data"]]
+    assert ids() == ["tiny", R4, RS8]
+    card = served.get(f"/v1/models/{R4}").json()
+    assert (card["parent"], card["root"]) == ("tiny", os.path.join(GOLDEN, R4))
+    texts = {m: _completion(served, m) for m in ("tiny", R4, RS8)}
+    for m, a in (("tiny", None), (R4, R4), (RS8, RS8)):
+        assert texts[m] == _generated_text(reference, a), m
+    assert len(set(texts.values())) == 3  # the adapters act
+    before = engine.compiles_while_serving
+    r = served.post("/v1/unload_lora_adapter", {"lora_name": RS8})
+    assert r.status_code == 200 and RS8 not in ids(), r.text
+    r = served.post("/v1/completions", {"model": RS8, "prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and R4 in r.json()["error"]["message"]
+    r = served.post("/v1/load_lora_adapter", {"lora_name": "patterns", "lora_path": os.path.join(GOLDEN, PATTERNS)})
+    assert r.status_code == 200 and ids() == ["tiny", R4, "patterns"], r.text
+    assert _completion(served, "patterns", PROMPTS[2]) == _generated_text(reference, PATTERNS, PROMPTS[2])
+    assert engine.compiles_while_serving == before, "a load, an unload or a request compiled after its first run"
+
+
+def test_bad_lora_fields_are_400s_naming_them(base, served, tmp_path):
+    L, (O, I) = base.config.n_layers, (64, 64)
+    rng = np.random.default_rng(0)
+    wide = lora_api.Adapter(weights={"q_proj": {"a": rng.standard_normal((L, 12, I)).astype(np.float32),
+                                                "b": rng.standard_normal((L, O, 12)).astype(np.float32),
+                                                "scale": np.ones((L,), np.float32)}},
+                            ranks={"q_proj": (12,) * L}, alphas={"q_proj": (12.0,) * L})
+    rank12 = str(lora_api.save_peft(wide, tmp_path / "rank12"))
+    dora = str(_bad_copy(tmp_path / "dora", {"use_dora": True}))
+    cases = [
+        ({"lora_name": "x", "lora_path": rank12}, "lora_path", "rank 12, above max_lora_rank=8"),
+        ({"lora_name": "x", "lora_path": dora}, "lora_path", "DoRA"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}, "lora_path", "not a folder"),
+        ({"lora_name": "x"}, "lora_path", "non-empty string"),
+        ({"lora_name": "x", "lora_path": rank12, "load_inplace": True}, "load_inplace", "not a field"),
+        ({"lora_name": "tiny", "lora_path": dora}, "lora_name", "base model's name"),
+        ({"lora_name": R4, "lora_path": os.path.join(GOLDEN, R4)}, "lora_name", "loaded already"),
+    ]
+    for body, param, message in cases:
+        r = served.post("/v1/load_lora_adapter", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert message in r.json()["error"]["message"], (body, r.text)
+    assert len(served.get("/v1/models").json()["data"]) == 3  # the base model and two adapters: every slot taken
+    r = served.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": os.path.join(GOLDEN, PATTERNS)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert "every LoRA slot is taken" in r.json()["error"]["message"]
+    r = served.post("/v1/unload_lora_adapter", {"lora_name": "nope"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    r = served.post("/v1/completions", {"model": "nope", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text

@@ -47,6 +47,15 @@ from jaxinfer.weights import peft
 AdapterSource = Union[str, os.PathLike, lora.Adapter]
 
 
+class AdapterError(ValueError):
+    """A load, unload or request the slots refuse; `field` is what is at fault, by the names of
+    vLLM's endpoints ("lora_name", "lora_path"), so the HTTP server can name it."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 def stacks(cfg: ModelConfig, slots: int, rank: int) -> Params:
     """`params["lora"]` of `slots` empty adapter slots of rank `rank`, all seven targets (zeros)."""
     L, out = cfg.n_layers, {}
@@ -110,12 +119,13 @@ class AdapterSlots:
             raise ValueError("this engine has no LoRA slots: build it with Engine(lora_slots=K, max_lora_rank=r) "
                              "(jaxinfer serve --max-loras K --max-lora-rank r)")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+            raise AdapterError(f"lora_name must be a non-empty string, got {name!r}", "lora_name")
         if isinstance(source, lora.Adapter):
             adapter = source
         elif isinstance(source, (str, os.PathLike)):
             if not os.path.isdir(source):
-                raise ValueError(f"lora_path {str(source)!r} is not a folder (a PEFT adapter folder expected)")
+                raise AdapterError(f"lora_path {str(source)!r} is not a folder (a PEFT adapter folder expected)",
+                                   "lora_path")
             adapter = peft.read(source, self.cfg)
         else:
             raise TypeError(f"adapter {name!r}: a PEFT folder or a jaxinfer.lora.Adapter expected, got "
@@ -125,7 +135,8 @@ class AdapterSlots:
         for t, w in adapter.weights.items():
             r = int(np.shape(w["a"])[1])
             if r > self.max_rank:
-                raise ValueError(f"adapter {name!r}: {t} has rank {r}, above max_lora_rank={self.max_rank}")
+                raise AdapterError(f"adapter {name!r}: {t} has rank {r}, above max_lora_rank={self.max_rank}",
+                                   "lora_path")
             tensors[t]["a"][:, :r] = np.asarray(w["a"], np.float32)
             tensors[t]["b"][:, :, :r] = np.asarray(w["b"], np.float32)
             tensors[t]["scale"][:] = np.asarray(w["scale"], np.float32)
@@ -146,10 +157,11 @@ class AdapterSlots:
         `params["lora"]` is donated. Raises ValueError when the name is loaded already or every slot is taken."""
         with self._lock:
             if name in self.names:
-                raise ValueError(f"lora_name {name!r} is loaded already (unload it first to replace it)")
+                raise AdapterError(f"lora_name {name!r} is loaded already (unload it first to replace it)",
+                                   "lora_name")
             if None not in self.names:
-                raise ValueError(f"every LoRA slot is taken ({self.slots}: {', '.join(self.loaded())}); unload one "
-                                 "first (or start the engine with more lora_slots / --max-loras)")
+                raise AdapterError(f"every LoRA slot is taken ({self.slots}: {', '.join(self.loaded())}); unload "
+                                   "one first (or start the engine with more lora_slots / --max-loras)", "lora_name")
             slot = self.names.index(None)
             h = hashlib.sha256(name.encode())
             for t in lora.TARGETS:
@@ -166,8 +178,8 @@ class AdapterSlots:
             slot = self._slot(name, "lora_name")
             busy = [r for r in self.holders[slot] if not r.done]
             if busy:
-                raise ValueError(f"lora_name {name!r} is in use by {len(busy)} request(s) not yet finished; "
-                                 "unload it once they end")
+                raise AdapterError(f"lora_name {name!r} is in use by {len(busy)} request(s) not yet finished; "
+                                   "unload it once they end", "lora_name")
             self.names[slot], self.salts[slot], self.holders[slot] = None, b"", []
         return {**params, "lora": _write(params["lora"], np.int32(slot), self._zeros())}
 
@@ -186,7 +198,7 @@ class AdapterSlots:
     def _slot(self, name, field: str) -> int:
         if not isinstance(name, str) or name not in self.names:
             have = ", ".join(self.loaded()) or "none"
-            raise ValueError(f"{field} {name!r} is not a loaded LoRA adapter (loaded: {have})")
+            raise AdapterError(f"{field} {name!r} is not a loaded LoRA adapter (loaded: {have})", field)
         return self.names.index(name)
 
 

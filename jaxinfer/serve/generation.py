@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Optional
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
 from jaxinfer.serve import protocol, responses
+from jaxinfer.serve.adapters import AdapterError
 from jaxinfer.serve.api_errors import ApiError, bad
 from jaxinfer.serve.engine import EngineDead
 from jaxinfer.serve.http_checks import check_auth, check_model, error_response, read_json, reject
@@ -32,8 +34,9 @@ async def _compile_constraint(st: ServerState, job: Job) -> None:
         raise bad(job.constraint_param, f"'{job.constraint_param}': {e}", "unsupported_value") from None
 
 
-def _submit(st: ServerState, job: Job) -> list:
-    """One engine request per choice (prompt p, sample i -> index p * n + i, seed + i)."""
+def _submit(st: ServerState, job: Job, adapter: Optional[str] = None) -> list:
+    """One engine request per choice (prompt p, sample i -> index p * n + i, seed + i), on the
+    LoRA adapter `model` named (None: the base model)."""
     n_req = len(job.prompts) * job.n
     bound = st.limits.max_slots + st.limits.max_waiting
     if n_req > bound:  # a 429 would ask the client to retry what can never be admitted
@@ -54,7 +57,11 @@ def _submit(st: ServerState, job: Job) -> list:
                                              seed=(job.seed + i) % (1 << 32), stop=list(job.stop),
                                              logprobs=job.logprobs or 0,
                                              prompt_logprobs=(job.logprobs or 0) if scored else None,
-                                             **_extensions(job)))
+                                             **_extensions(job), **({"adapter": adapter} if adapter else {})))
+    except AdapterError as e:  # unloaded since `model` was checked
+        for r in reqs:
+            r.cancel()
+        raise bad("model", str(e)) from None
     except ValueError as e:
         for r in reqs:
             r.cancel()
@@ -132,16 +139,16 @@ async def generate(http: HttpRequest, chat: bool):
     try:
         check_auth(st, http)
         body = await read_json(http, st.limits.max_body_bytes)
-        if isinstance(body, dict):
-            check_model(st, body.get("model"))
+        adapter = check_model(st, body.get("model")) if isinstance(body, dict) else None
         job = protocol.parse(body, st.model, chat=chat, context=st.context, extensions=st.extensions)
         await _compile_constraint(st, job)
-        reqs = _submit(st, job)  # the scoring call (echo, max_tokens 0) too: admitted, paged, cancellable
+        reqs = _submit(st, job, adapter)  # the scoring call (echo, max_tokens 0) too: admitted, paged, cancellable
     except ApiError as e:
         return reject(st, http, e)
     trackers = [_Tracker(st) for _ in reqs]
     if job.stream:
-        return StreamingResponse(_stream(st, job, reqs, trackers), media_type="text/event-stream",
+        return StreamingResponse(_stream(st, job, reqs, trackers, adapter or st.model_name),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     watcher = asyncio.create_task(_watch_disconnect(http, reqs))
     try:
@@ -157,19 +164,20 @@ async def generate(http: HttpRequest, chat: bool):
         st.counts["requests_cancelled_total"] += 1
     # Built and encoded on a worker thread: a large body (hidden states) never holds up /health
     # or the other requests' streams.
-    body = await asyncio.to_thread(_encoded_response, st, job, comps)
+    body = await asyncio.to_thread(_encoded_response, st, job, comps, adapter or st.model_name)
     return Response(body, media_type="application/json")
 
 
-def _encoded_response(st: ServerState, job: Job, comps) -> bytes:
-    """The non-streamed body as JSONResponse writes it (UTF-8, compact, no NaN)."""
-    body = responses.full_response(st.model, st.model_name, job, comps)
+def _encoded_response(st: ServerState, job: Job, comps, model_name: str) -> bytes:
+    """The non-streamed body as JSONResponse writes it (UTF-8, compact, no NaN); `model_name`:
+    the model or adapter that answered."""
+    body = responses.full_response(st.model, model_name, job, comps)
     return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
-async def _stream(st: ServerState, job: Job, reqs, trackers):
+async def _stream(st: ServerState, job: Job, reqs, trackers, model_name: str):
     """Server-sent events: one chunk per delta per choice, a final chunk per choice, [DONE]."""
-    head = responses.StreamHead(st.model, st.model_name, job)
+    head = responses.StreamHead(st.model, model_name, job)
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, r, t):

@@ -2,7 +2,9 @@
 
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream: true,
 ending with `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
-(Prometheus text), and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info. This module
+(Prometheus text), and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info,
+POST /v1/load_lora_adapter and POST /v1/unload_lora_adapter (an engine with LoRA slots: a
+request's `model` names the base model or an adapter loaded; /v1/models lists them all). This module
 is the app and its routes; the request side (validation, refusals) lives in protocol.py, the
 checks every endpoint makes in http_checks.py, the completion endpoints' work (admission, the
 engine, streaming) in generation.py, the response bodies in responses.py, the Prometheus text in
@@ -38,7 +40,8 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from jaxinfer.serve import generation, metrics, protocol
-from jaxinfer.serve.api_errors import ApiError
+from jaxinfer.serve.adapters import AdapterError
+from jaxinfer.serve.api_errors import ApiError, bad
 from jaxinfer.serve.http_checks import authorized, check_model, error_response, log, read_json, reject
 from jaxinfer.serve.listen import bind_socket, make_engine, serve_in_thread, url_of
 from jaxinfer.serve.server_state import Limits, ServerState, context_limit
@@ -47,22 +50,76 @@ __all__ = ["create_app", "Limits", "ServerState", "context_limit", "log", "make_
            "serve_in_thread"]
 
 
-def _model_card(st: ServerState) -> dict:
-    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
-            "max_model_len": st.context}
+def _model_card(st: ServerState, adapter: Optional[str] = None) -> dict:
+    """The base model's card, or (as vLLM writes it) a LoRA adapter's, with its folder and its base."""
+    if adapter is None:
+        return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+                "max_model_len": st.context}
+    return {"id": adapter, "object": "model", "created": 0, "owned_by": "jaxinfer", "max_model_len": st.context,
+            "root": st.lora_paths.get(adapter), "parent": st.model_name}
 
 
 @authorized
 async def models(http: HttpRequest):
     st: ServerState = http.app.state.server
-    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+    cards = [_model_card(st)] + [_model_card(st, a) for a in getattr(st.engine, "adapters", ())]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @authorized
 async def retrieve_model(http: HttpRequest):
     st: ServerState = http.app.state.server
-    check_model(st, http.path_params["model_id"])
-    return JSONResponse(_model_card(st))
+    return JSONResponse(_model_card(st, check_model(st, http.path_params["model_id"])))
+
+
+async def _lora_body(http: HttpRequest, fields: tuple[str, ...]) -> tuple:
+    """The fields of a load / unload body: non-empty strings, nothing else (400s naming the field)."""
+    st: ServerState = http.app.state.server
+    lora = getattr(st.engine, "lora", None)
+    if lora is None or not lora.on:
+        raise bad(None, "this server has no LoRA slots: start it with --max-loras K (and --lora NAME=PATH)",
+                  "lora_disabled")
+    body = await read_json(http, st.limits.max_body_bytes)
+    if not isinstance(body, dict):
+        raise bad(None, f"the body must be a JSON object with {', '.join(fields)}", "invalid_type")
+    for k in body:
+        if k not in fields:
+            raise bad(k, f"'{k}' is not a field of {http.url.path} (its fields: {', '.join(fields)})",
+                      "unknown_parameter")
+    for k in fields:
+        if not isinstance(body.get(k), str) or not body[k]:
+            raise bad(k, f"'{k}' must be a non-empty string, got {body.get(k)!r:.100}", "invalid_value")
+    return tuple(body[k] for k in fields)
+
+
+@authorized
+async def load_lora_adapter(http: HttpRequest):
+    """vLLM's runtime load: {"lora_name", "lora_path"} -> the adapter in a free slot, nothing compiled."""
+    st: ServerState = http.app.state.server
+    name, path = await _lora_body(http, ("lora_name", "lora_path"))
+    if name == st.model_name:
+        raise bad("lora_name", f"lora_name {name!r} is the base model's name", "invalid_value")
+    try:  # reading the folder and the write take a while: off the event loop
+        await asyncio.to_thread(st.engine.load_adapter, name, path)
+    except AdapterError as e:
+        raise bad(e.field, str(e)) from None
+    except ValueError as e:  # the adapter itself (PeftError): its folder's config or tensors
+        raise bad("lora_path", str(e)) from None
+    st.lora_paths[name] = path
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@authorized
+async def unload_lora_adapter(http: HttpRequest):
+    """vLLM's runtime unload: {"lora_name"} -> its slot freed (400 while a request uses it)."""
+    st: ServerState = http.app.state.server
+    (name,) = await _lora_body(http, ("lora_name",))
+    try:
+        await asyncio.to_thread(st.engine.unload_adapter, name)
+    except AdapterError as e:
+        raise bad(e.field, str(e)) from None
+    st.lora_paths.pop(name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def health(http: HttpRequest):
@@ -142,14 +199,17 @@ async def chat_completions(http: HttpRequest):
 
 def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
                limits: Limits = Limits(), manage_engine: bool = True,
-               steering_vectors: Optional[dict] = None, saes: Optional[dict] = None) -> Starlette:
+               steering_vectors: Optional[dict] = None, saes: Optional[dict] = None,
+               lora_paths: Optional[dict] = None) -> Starlette:
     """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
     (after uvicorn has finished the running requests). The engine should be warmed up before, or
     warming up in the background (`Engine.warmup(wait=False)`): /health says "warming" until it
     is `ready`. `steering_vectors`: name -> [D] vectors a request's `steering` may name
     (`steering.load_vectors`); `saes`: name -> `jaxinfer.sae.SAE` whose features a request's
-    `steering` may name. Steering itself needs an engine with steering slots."""
+    `steering` may name. Steering itself needs an engine with steering slots. `lora_paths`: the
+    folders of the LoRA adapters the engine has loaded (name -> path, shown in /v1/models)."""
     st = ServerState(engine, model, model_name, api_key, limits, steering_vectors=steering_vectors, saes=saes)
+    st.lora_paths.update(lora_paths or {})
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -179,6 +239,8 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus_metrics, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})

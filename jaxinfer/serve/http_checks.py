@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Optional
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
@@ -57,15 +58,21 @@ def reject(st: ServerState, http: HttpRequest, e: ApiError) -> Response:
     return error_response(e)
 
 
-def check_model(st: ServerState, name) -> None:
-    """`model` (optional) must be a string naming the served model."""
+def check_model(st: ServerState, name) -> Optional[str]:
+    """`model` (optional) must be a string naming the served model or one of the engine's LoRA
+    adapters. Returns the adapter it names (None: the base model)."""
     if name is None:
-        return
+        return None
     if not isinstance(name, str):
         raise bad("model", f"'model' must be a string, got {type(name).__name__}", "invalid_type")
-    if name != st.model_name:
-        raise ApiError(404, f"model {name[:200]!r} is not served here; this server has {st.model_name!r}",
-                       param="model", code="model_not_found")
+    if name == st.model_name:
+        return None
+    adapters = tuple(getattr(st.engine, "adapters", ()))
+    if name in adapters:
+        return name
+    served = ", ".join(repr(n) for n in (st.model_name,) + adapters)
+    raise ApiError(404, f"model {name[:200]!r} is not served here; this server has {served}",
+                   param="model", code="model_not_found")
 
 
 def authorized(handler):

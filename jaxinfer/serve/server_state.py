@@ -34,6 +34,7 @@ class ServerState:
         self.extensions = Extensions(steering=getattr(engine, "steering", None), vectors=steering_vectors or {},
                                      saes=saes or {}, hidden_sites=tuple(getattr(engine, "hidden_sites", ())),
                                      max_hidden_states_bytes=limits.max_hidden_states_bytes)
+        self.lora_paths: dict[str, str] = {}  # LoRA adapter -> its folder (/v1/models' "root")
         self.in_flight = 0  # engine requests submitted and not finished
         self.ttft, self.tpot = metrics.Histogram(metrics.TTFT_BUCKETS), metrics.Histogram(metrics.TPOT_BUCKETS)
         self.counts = {"requests_total": 0, "requests_cancelled_total": 0, "requests_failed_total": 0,
