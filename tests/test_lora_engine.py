@@ -237,3 +237,17 @@ def test_bad_lora_fields_are_400s_naming_them(base, served, tmp_path):
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
     r = served.post("/v1/completions", {"model": "nope", "prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lora", "french"], "expected NAME=PATH"),
+    (["--lora", "a=/no/such/folder"], "no such folder"),
+    (["--lora", f"a={GOLDEN}/{R4}", f"a={GOLDEN}/{RS8}"], "given twice"),
+    (["--max-loras", "1", "--lora", f"a={GOLDEN}/{R4}", f"b={GOLDEN}/{RS8}"], "fewer than the 2 adapters"),
+    (["--max-lora-rank", "0"], "--max-lora-rank must be an int >= 1"),
+])
+def test_serve_lora_flags_are_checked_before_the_model_loads(capsys, flags, words):
+    from jaxinfer import cli
+
+    assert cli.main(["serve", "--port", "0"] + flags) == 2
+    assert words in capsys.readouterr().err
