@@ -26,6 +26,7 @@ from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.serve import Engine
 from jaxinfer.weights import peft
 from tests.test_lora import GOLDEN, LLAMA, Q_A, TINY, _bad_copy
+from tests.tolerances import assert_close
 
 # call_rows and admission_wait fixed: the same requests run through the same call shapes each time
 ENGINE = dict(max_slots=4, page_size=8, max_len=64, prefill_chunk=16, call_rows=32, admission_wait=0.0)
@@ -110,6 +111,12 @@ def test_the_prefix_cache_keeps_adapters_apart(reference, engine):
         assert _run(engine, spec, n=4) == _generate(reference, spec, n=4), a
         hits.append(engine.stats().prefix_hit_pages - before)
     assert hits[0] == hits[1] == hits[3] == 0 and hits[2] > 0 and hits[4] > 0, hits
+    # a scoring request (prompt logprobs) on an adapter: its own scoring call takes the adapter too
+    scored = engine.submit(prompt, max_new_tokens=0, prompt_logprobs=0, adapter=RS8)
+    engine.run_until_idle()
+    rows = np.asarray(jax.nn.log_softmax(jaxinfer.logits(reference, prompt, adapter=RS8), axis=-1))
+    assert_close(scored.result().prompt_logprobs[1:], [rows[j - 1, prompt[j]] for j in range(1, len(prompt))],
+                 what="prompt logprobs on an adapter")
     # a new adapter under an old name has a key of its own
     salt = engine.lora.salts[engine.lora.names.index(RS8)]
     engine.unload_adapter(RS8)
