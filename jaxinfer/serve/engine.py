@@ -399,17 +399,8 @@ class Engine:
         return self.background.wait_warm(timeout)
 
     def stats(self) -> EngineStats:
-        s, pool, held = self.scheduler, self.pool, self.held
-        queued = self.admission.inbox.queued()
-        return EngineStats(running=len(s.running), waiting=len(s.waiting) + queued,
-                           pages_total=pool.capacity, pages_in_use=pool.in_use, pages_cached=pool.cached,
-                           pages_free=pool.available() - pool.cached, prefix_hit_pages=pool.hit_pages,
-                           prefix_hit_tokens=pool.hit_pages * self.page_size, tokens_generated=held.tokens_generated,
-                           requests_finished=held.requests_finished, requests_failed=held.requests_failed,
-                           preemptions=s.preemptions, steps=self.steps, scans=self.scans, page_size=self.page_size,
-                           bytes_per_token=kv.bytes_per_token(self.cfg), pool_bytes=self.runner.cache.nbytes,
-                           call_rows=self.runner.call_rows, compiles=self.compiles_while_serving,
-                           healthy=self.dead is None)
+        """A snapshot of the engine's counters (`sizing.engine_stats`), for metrics."""
+        return sizing.engine_stats(self)
 
     def requests_that_fit(self, n_tokens: int) -> int:
         """How many requests of n_tokens (prompt + new) the whole pool holds at once."""

@@ -154,6 +154,21 @@ class StartupReport:
                 f"{self.compile_cache or 'off'}")
 
 
+def engine_stats(engine) -> EngineStats:
+    """`Engine.stats`: the engine's scheduler, pool and held requests' counters now."""
+    s, pool, held = engine.scheduler, engine.pool, engine.held
+    queued = engine.admission.inbox.queued()
+    return EngineStats(running=len(s.running), waiting=len(s.waiting) + queued,
+                       pages_total=pool.capacity, pages_in_use=pool.in_use, pages_cached=pool.cached,
+                       pages_free=pool.available() - pool.cached, prefix_hit_pages=pool.hit_pages,
+                       prefix_hit_tokens=pool.hit_pages * engine.page_size, tokens_generated=held.tokens_generated,
+                       requests_finished=held.requests_finished, requests_failed=held.requests_failed,
+                       preemptions=s.preemptions, steps=engine.steps, scans=engine.scans, page_size=engine.page_size,
+                       bytes_per_token=kv.bytes_per_token(engine.cfg), pool_bytes=engine.runner.cache.nbytes,
+                       call_rows=engine.runner.call_rows, compiles=engine.compiles_while_serving,
+                       healthy=engine.dead is None)
+
+
 def startup_report(model: Model, runner: Runner, pool: PagePool, max_len: int,
                    warmup_seconds: Optional[float]) -> StartupReport:
     """What an engine of this model, runner and pool holds, and what building its programs cost
