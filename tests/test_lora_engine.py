@@ -2,9 +2,9 @@
 
 One engine over the tiny Llama (with SmolLM2's tokenizer, for the server's text) with two adapter
 slots of rank 8 and the golden PEFT adapters (tests/golden/lora): a mixed batch (base rows and two
-adapters) equals `jaxinfer.generate` with the same adapters and seeds token for token; switching
-adapters, unloading, loading into the freed slot and a weight update compile nothing once the
-calls' shapes have run; the prefix cache never hands one adapter's pages to another; bad adapters
+adapters) equals `jaxinfer.generate` with the same adapters and seeds token for token; after
+`warmup`, requests on adapters, switching, unloading, loading into the freed slot and a weight
+update compile nothing; the prefix cache never hands one adapter's pages to another; bad adapters
 and names are refused by name before anything compiles. Over HTTP (127.0.0.1): a request picks its
 adapter by "model" and equals generate, /v1/models lists the adapters, the load and unload
 endpoints work at run time without compiling, and every bad field is a 400 naming it.
@@ -51,6 +51,7 @@ def engine(base):
     e = Engine(base, lora_slots=2, max_lora_rank=8, **ENGINE)
     e.load_adapter(R4, os.path.join(GOLDEN, R4))
     e.load_adapter(RS8, lora_api.read(os.path.join(GOLDEN, RS8), base.config))  # an Adapter works too
+    e.warmup(workers=1)
     return e
 
 
@@ -76,17 +77,15 @@ def _generate(model, specs, n=8):
 
 def test_mixed_adapters_equal_generate_and_switching_loading_updating_compile_nothing(base, reference, engine):
     specs = _specs([R4, None, RS8, RS8])
-    got = _run(engine, specs)
-    assert got == _generate(reference, specs)
-    plain = _generate(reference, [(p, s, seed, None) for p, s, seed, _ in specs])
-    assert got[0] != plain[0] and got[2] != plain[2]  # the adapters act
-    # the same shapes again, with new adapter assignments, an unload, a load into the freed slot
-    # and a weight update: nothing compiles
     switched = _specs([RS8, R4, None, R4], shift=1)
     loaded = _specs([PATTERNS, None, R4, PATTERNS], shift=2)
     host = jax.tree.map(np.asarray, base.params)  # the same weights as host arrays: placed, not compiled
+    engine.submit([1, 2, 3], max_new_tokens=1).result()  # (a request's key derivation: built on first use)
+    # after warmup: requests on adapters, new assignments, an unload, a load into the freed slot
+    # and a weight update compile nothing
     before = engine.compiles_while_serving
     with CompileCounter() as compiles:
+        got = _run(engine, specs)
         got_switched = _run(engine, switched)
         engine.unload_adapter(RS8)
         engine.load_adapter(PATTERNS, os.path.join(GOLDEN, PATTERNS))
@@ -94,6 +93,9 @@ def test_mixed_adapters_equal_generate_and_switching_loading_updating_compile_no
         assert engine.update_params(host) == 1
         got_loaded = _run(engine, loaded)
     assert compiles.count == 0 and engine.compiles_while_serving == before, f"{compiles.count} programs compiled"
+    assert got == _generate(reference, specs)
+    plain = _generate(reference, [(p, s, seed, None) for p, s, seed, _ in specs])
+    assert got[0] != plain[0] and got[2] != plain[2]  # the adapters act
     assert got_switched == _generate(reference, switched)
     assert got_loaded == _generate(reference, loaded)
     engine.unload_adapter(PATTERNS)
