@@ -274,7 +274,8 @@ class Engine:
 
     def update_params(self, params: Params, *, in_flight: str = "finish", check_finite: bool = False) -> int:
         """Swap the model's weights for new arrays of the same tree, shapes, dtypes and shardings
-        between steps, compiling nothing, and empty the prefix cache (`serve.updates`).
+        between steps, compiling nothing, and empty the prefix cache (`serve.updates`). With LoRA
+        slots these are the base weights (a "lora" entry is ignored): the adapters loaded stay.
 
         Args:
           params: device arrays on the engine's shardings, or host arrays (placed on them here).
