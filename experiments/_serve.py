@@ -278,8 +278,8 @@ class Server:
 
     def wait_warm(self, timeout: float) -> float:
         """After `start`: wait until the server builds no more programs in the background (`jaxinfer
-        serve` says "ok" once its first programs are built, with "warming" while the rest build;
-        other servers have nothing to build). Returns the seconds waited."""
+        serve` answers 200 only once every program is built, so this returns at once; a server that
+        said "ok" with "warming" while it built the rest is waited for). Returns the seconds waited."""
         t0 = time.perf_counter()
         return self._poll(t0, timeout, lambda health: not health.json().get("warming"), "still warming up")
 

@@ -439,23 +439,20 @@ def _serve(args) -> int:
                                     hidden_sites=tuple(s for s in (args.hidden_states or "").split(",") if s))
         for lora_name, path in loras.items():  # read and checked before anything compiles
             engine.load_adapter(lora_name, path)
-        # Warm up in the background, serving as soon as the first programs are built (/health
-        # says "warming" until then); the rest are built while requests are served.
+        # Warm up in the background: /health answers 503 "warming" until every program is built
+        # and timed, 200 from then on (requests sent meanwhile are served with what is built).
         n = engine.warmup(logprobs=True, scoring=True, wait=False)
         print(f"jaxinfer serve: warming up {n} programs ({'compile cache ' + str(cache) if cache else 'compile cache off'}"
-              "); /health says 'warming' until the first ones are built", file=sys.stderr)
+              "); /health answers 503 'warming' until every one is built", file=sys.stderr)
 
         def announce():
-            if engine.wait_ready():
-                r = engine.startup_report()
-                print(f"jaxinfer serve: ready after {time.perf_counter() - t_start:.1f} s ({r.programs} programs built, "
-                      f"{r.pending} more building)", file=sys.stderr, flush=True)
             try:
                 engine.wait_warm()
             except Exception as e:  # noqa: BLE001 - the engine goes on with the programs it has
                 print(f"jaxinfer serve: warning: warmup failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if not signals.received:
-                print(f"jaxinfer serve: {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
+                print(f"jaxinfer serve: ready after {time.perf_counter() - t_start:.1f} s (/health answers 200): "
+                      f"{engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
                       file=sys.stderr, flush=True)
 
         threading.Thread(target=announce, name="jaxinfer-announce", daemon=True).start()

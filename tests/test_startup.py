@@ -1,6 +1,7 @@
 """Engine start-up: pool sizes that do not move, programs built once per machine (a second Engine
 compiles nothing, a second process loads them from the persistent cache), the start-up report,
-a background warmup that serves as soon as its first programs are built, /health "warming"."""
+a background warmup that serves as soon as its first programs are built, /health "warming" until
+every program is built."""
 
 import functools
 import json
@@ -379,33 +380,58 @@ def test_a_background_warmup_serves_at_once_with_the_shapes_it_has(model, monkey
     assert compiles.count == 0 and engine.startup_report().pending == 0
 
 
-def test_health_says_warming_until_ready(model, monkeypatch):
-    """The server answers /health 503 "warming" while the engine's first programs are being built
-    (a request sent then waits for them), then 200 "ok"."""
+def test_health_says_warming_until_every_program_is_built(model, monkeypatch):
+    """/health answers 503 "warming" (with the warm-up's progress) while any program is still
+    being built, also once the engine serves with its first programs (a request sent before the
+    first ones waits for them), and 200 "ok" once the warm-up is over: the first request after
+    that builds nothing."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     from jaxinfer.serve import http_api as srv
 
-    hold = threading.Event()
+    first, rest = threading.Event(), threading.Event()  # release the minimal programs, then the others
     real = runner_mod.Runner._builds
-    monkeypatch.setattr(runner_mod.Runner, "_builds", lambda self, *a, **k: [
-        (key, (lambda fn=fn: hold.wait(120) and fn()) if key == ("decode",) else fn) for key, fn in real(self, *a, **k)])
+
+    def held(self, *a, **k):
+        out = []
+        for key, fn in real(self, *a, **k):
+            gate = first if key == ("decode",) else rest if key[0] == "mixed" and key[1] > 1 else None
+            out.append((key, (lambda fn=fn, gate=gate: gate.wait(120) and fn()) if gate else fn))
+        return out
+
+    monkeypatch.setattr(runner_mod.Runner, "_builds", held)
     engine = Engine(model, **SMALL)
     engine.warmup(wait=False)
     app = srv.create_app(engine, model, model_name="tiny")
     server, thread, url = srv.serve_in_thread(app)
+
+    def health():
+        r = httpx.get(url + "/health", timeout=30)
+        return r.status_code, r.json()
+
     try:
-        r = httpx.get(url + "/health", timeout=30)
-        assert r.status_code == 503 and r.json()["status"] == "warming", r.text
-        req = engine.submit([5, 6, 7], max_new_tokens=3)  # waits for the programs
-        hold.set()
-        assert engine.wait_ready(timeout=300)
+        code, body = health()
+        assert code == 503 and body["status"] == "warming" and body["programs_pending"] > 0, body
+        assert body["programs_total"] == body["programs_built"] + body["programs_pending"], body
+        req = engine.submit([5, 6, 7], max_new_tokens=3)  # waits for the first programs
+        first.set()
+        assert engine.wait_ready(timeout=300) and engine.warming
         assert req.result(timeout=300).token_ids == reference(model, [_Spec([5, 6, 7], 3)])[0].token_ids
+        code, body = health()  # served, but not yet at the steady-state rate: still warming
+        assert code == 503 and body["status"] == "warming" and body["programs_pending"] > 0, body
+        rest.set()
         assert engine.wait_warm(timeout=300)
-        r = httpx.get(url + "/health", timeout=30)
-        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+        assert health() == (200, {"status": "ok"})
+        before = engine.compiles_while_serving
+        spec = _Spec(list(range(3, 30)), 4)  # two chunks: the mixed calls and the scan
+        assert engine.submit(spec.prompt, max_new_tokens=4).result(timeout=300).token_ids == \
+            reference(model, [spec])[0].token_ids
+        metrics = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+        assert engine.compiles_while_serving == before == 0
+        assert "jaxinfer_serving_compiles_total 0" in metrics, [m for m in metrics if "compiles" in m]
     finally:
-        hold.set()
+        first.set()
+        rest.set()
         server.should_exit = True
         thread.join(timeout=60)
 

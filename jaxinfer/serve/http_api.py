@@ -123,23 +123,23 @@ async def unload_lora_adapter(http: HttpRequest):
 
 
 async def health(http: HttpRequest):
-    """200 {"status": "ok"} once every request can be served without compiling; 503 with
-    "starting" (the app is not up), "warming" (the engine's first programs are being built:
-    requests sent now wait for them) or "engine failed". While a background warmup builds the
-    remaining programs, "ok" comes with "warming": the programs still to build (requests are
-    served meanwhile, long prompts in smaller chunks)."""
+    """200 {"status": "ok"} once requests are served at the steady-state rate: every program a
+    request can need is built (compiled or loaded) and its call timed, so nothing a request does
+    waits for a build. 503 before that, or when it cannot serve: "starting" (the app is not up),
+    "warming" with the warm-up's progress (programs built and still building; requests sent now
+    are served with the programs built so far, in smaller chunks, or wait for the first ones),
+    or "engine failed"."""
     st: ServerState = http.app.state.server
     if not st.healthy:
         return JSONResponse({"status": "starting"}, status_code=503)
     engine = st.engine
     if engine.dead is not None:
         return JSONResponse({"status": "engine failed", "error": engine.dead[:500]}, status_code=503)
-    report = engine.runner.programs.report()
-    if not engine.ready:
+    if not engine.ready or engine.warming:
+        report = engine.runner.programs.report()
         return JSONResponse({"status": "warming", "programs_built": report.programs,
-                             "programs_pending": report.pending}, status_code=503)
-    if engine.warming:
-        return JSONResponse({"status": "ok", "warming": report.pending})
+                             "programs_pending": report.pending,
+                             "programs_total": report.programs + report.pending}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -203,8 +203,8 @@ def create_app(engine, model, *, model_name: str, api_key: Optional[str] = None,
                lora_paths: Optional[dict] = None) -> Starlette:
     """The ASGI app. With manage_engine, the app starts the engine on startup and stops it on shutdown
     (after uvicorn has finished the running requests). The engine should be warmed up before, or
-    warming up in the background (`Engine.warmup(wait=False)`): /health says "warming" until it
-    is `ready`. `steering_vectors`: name -> [D] vectors a request's `steering` may name
+    warming up in the background (`Engine.warmup(wait=False)`): /health says "warming" (503) until
+    that warmup is over. `steering_vectors`: name -> [D] vectors a request's `steering` may name
     (`steering.load_vectors`); `saes`: name -> `jaxinfer.sae.SAE` whose features a request's
     `steering` may name. Steering itself needs an engine with steering slots. `lora_paths`: the
     folders of the LoRA adapters the engine has loaded (name -> path, shown in /v1/models)."""
