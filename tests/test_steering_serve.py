@@ -415,24 +415,6 @@ def test_a_response_is_encoded_off_the_event_loop(served, monkeypatch):
         assert scored.result(60).status_code == 200
 
 
-def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(model, engine, served):
-    """A finite scale whose residual's squares overflow float32 was served as HTTP 200, finish "stop",
-    every logprob -ln(V) (the norm scaled the residual to 0). Now the request fails as a NaN makes
-    it fail: 500 engine_error, generating or scoring; the server goes on serving."""
-    post = served.post
-    D = model.config.d_model
-    steer = [{"layer": 0, "vector": [1.0] * D, "scale": 1e19}]
-    for path, body in (("/v1/completions", {"prompt": P1, "max_tokens": 4}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
-                       ("/v1/completions", {"prompt": P1, "echo": True, "max_tokens": 0, "logprobs": 0})):
-        r = post(path, body | {"steering": steer})
-        assert r.status_code == 500, (path, r.text[:300])
-        err = r.json()["error"]
-        assert err["code"] == "engine_error" and "overflowed float32" in err["message"], err
-    r = post("/v1/completions", {"prompt": P1, "max_tokens": 4, "steering": [{"layer": 0, "vector": [1.0] * D}]})
-    assert r.status_code == 200, r.text[:300]
-
-
 # ---- SAE features in the steering field, over HTTP ------------------------------------------------
 
 D_SAE = 96
@@ -470,16 +452,15 @@ def _sae_body(prompt, sampling, seed, features, multiplier, n=10):
             "steering": [{"sae": "res1", "features": feats, "strength_multiplier": multiplier}]}
 
 
-def _served_equals_generate(model, sae_served, body, sampling, features, multiplier):
-    """The response's tokens (pieces and logprobs: the ids are not in it) and text against generate with
+def _equals_generate(model, sae, response, body, sampling, features, multiplier):
+    """A response's tokens (pieces and logprobs: the ids are not in it) and text against generate with
     the same sae_add and seed. Returns generate's ids."""
     from jaxinfer import sae as S
     from jaxinfer.serve import responses
 
-    r = sae_served.post("/v1/completions", body)
-    assert r.status_code == 200, r.text[:300]
-    choice = r.json()["choices"][0]
-    steer = S.sae_add(sae_served.sae, [i for i, _ in features], [s for _, s in features], multiplier=multiplier)
+    assert response.status_code == 200, response.text[:300]
+    choice = response.json()["choices"][0]
+    steer = S.sae_add(sae, [i for i, _ in features], [s for _, s in features], multiplier=multiplier)
     want = _generate(model, body["prompt"], sampling, body["seed"], [steer], n=body["max_tokens"])
     assert choice["logprobs"]["tokens"] == [responses._text(model, t) for t in want.token_ids]
     assert_close(np.asarray(choice["logprobs"]["token_logprobs"], np.float32), np.asarray(want.logprobs, np.float32),
@@ -496,33 +477,39 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_sae_feature_steering_over_http_equals_generate_and_new_features_compile_nothing(model, engine, sae_served):
+    """Greedy and seeded requests steered by SAE features equal generate with the same sae_add; after
+    them, other features, strengths and multipliers compile nothing (JAX's compile events on every
+    thread, the engine's count, /metrics) and still equal generate."""
     from jaxinfer.compile_cache import BACKEND_COMPILE_EVENT
 
-    runs = [(GREEDY, 0, [(7, 12.0), (40, -8.0)], 1.5), (SEEDED, 6, [(3, 10.0)], 1.0)]
-    first = [_served_equals_generate(model, sae_served, _sae_body(P1, s, seed, f, m), s, f, m)
-             for s, seed, f, m in runs]
-    assert first[0] != _generate(model, P1, GREEDY, 0, []).token_ids  # the features act
+    def post_all(runs):
+        bodies = [_sae_body(P1, s, seed, f, m) for s, seed, f, m in runs]
+        return bodies, [sae_served.post("/v1/completions", b) for b in bodies]
+
+    first_runs = [(GREEDY, 0, [(7, 12.0), (40, -8.0)], 1.5), (SEEDED, 6, [(3, 10.0)], 1.0)]
+    bodies, got = post_all(first_runs)
+    first = [_equals_generate(model, sae_served.sae, r, b, s, f, m)
+             for r, b, (s, _, f, m) in zip(got, bodies, first_runs)]
     compiled = []
 
-    def listen(event, duration_s, **kw):  # every thread's compiles: the engine's and the server's
+    def listen(event, duration_s, **kw):
         if event == BACKEND_COMPILE_EVENT:
             compiled.append(duration_s)
 
-    new = [(GREEDY, 0, [(90, -12.0), (11, 9.0), (5, 6.0)], 0.5), (SEEDED, 6, [(64, 14.0)], -2.0)]
+    new_runs = [(GREEDY, 0, [(90, -12.0), (11, 9.0), (5, 6.0)], 0.5), (SEEDED, 6, [(64, 14.0)], -2.0)]
     before = engine.compiles_while_serving
     metric_before = _metric(sae_served.get("/metrics").text, "jaxinfer_serving_compiles_total")
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        responses = [sae_served.post("/v1/completions", _sae_body(P1, s, seed, f, m)) for s, seed, f, m in new]
+        bodies, got = post_all(new_runs)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert [r.status_code for r in responses] == [200, 200], [r.text[:300] for r in responses]
     assert compiled == [] and engine.compiles_while_serving == before, \
         f"{len(compiled)} programs compiled for new features and strengths"
     assert _metric(sae_served.get("/metrics").text, "jaxinfer_serving_compiles_total") == metric_before
-    second = [_served_equals_generate(model, sae_served, _sae_body(P1, s, seed, f, m), s, f, m)
-              for s, seed, f, m in new]
-    assert second[0] != first[0] and second[1] != first[1]
+    second = [_equals_generate(model, sae_served.sae, r, b, s, f, m)
+              for r, b, (s, _, f, m) in zip(got, bodies, new_runs)]
+    assert second[0] != first[0] and second[1] != first[1]  # the same prompts and seeds: the features act
 
 
 def test_bad_sae_steering_is_a_400_naming_the_field(engine, sae_served):
@@ -540,3 +527,22 @@ def test_bad_sae_steering_is_a_400_naming_the_field(engine, sae_served):
             err = r.json()["error"]
             assert err["param"] == field and words in err["message"], (entry, err)
     assert engine.compiles_while_serving == before
+
+
+def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(model, engine, served):
+    """A finite scale whose residual's squares overflow float32 was served as HTTP 200, finish "stop",
+    every logprob -ln(V) (the norm scaled the residual to 0). Now the request fails as a NaN makes
+    it fail: 500 engine_error, generating or scoring; the server goes on serving."""
+    post = served.post
+    D = model.config.d_model
+    steer = [{"layer": 0, "vector": [1.0] * D, "scale": 1e19}]
+    for path, body in (("/v1/completions", {"prompt": P1, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+                       ("/v1/completions", {"prompt": P1, "echo": True, "max_tokens": 0, "logprobs": 0})):
+        r = post(path, body | {"steering": steer})
+        assert r.status_code == 500, (path, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == "engine_error" and "overflowed float32" in err["message"], err
+    r = post("/v1/completions", {"prompt": P1, "max_tokens": 4, "steering": [{"layer": 0, "vector": [1.0] * D}]})
+    assert r.status_code == 200, r.text[:300]
+
