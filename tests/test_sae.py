@@ -282,7 +282,8 @@ def replace(src, dst):  # the log of step 8 is the last file of its checkpoint: 
 os.replace = replace
 S.train(sys.argv[1], config=S.TrainConfig(**{dataclasses.asdict(cfg)!r}), checkpoint_dir=sys.argv[2])
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree's jaxinfer, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", script, str(acts), str(ckpt)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
