@@ -5,6 +5,7 @@ has, plus Gemma Scope 1 and 2 layouts; its encode / decode outputs; the tiny Lla
 forward hook adding strength * W_dec[i] at decoder layer 0's output). No torch here.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -165,6 +166,27 @@ def test_clamp_keeps_the_error_term_exactly_and_sets_features(llama):
     assert not np.allclose(clamped, plain)
 
 
+def test_the_error_term_is_kept_bit_for_bit_by_every_format(golden):
+    """decode(f') + error(x) with f' = f is x exactly, for every architecture and normalisation: the
+    edit is computed as x + (decode(f') - decode(f)), whose difference is 0 where no feature
+    changed (decode(encode(x)) + (x - decode(encode(x))) itself rounds in float32). With features
+    changed it is decode(f') + error(x) to float32 rounding."""
+    x = golden["x"][:4]  # [4, 64]: few enough rows that every SAE has features none of them fires
+    for name in sorted(PATHS):
+        sae = S.load(PATHS[name])
+        f = np.asarray(S.encode(sae, x))
+        silent = np.flatnonzero(~(f > 0).any(0))[:2].tolist()  # features no row fires
+        kept = S.sae_clamp(sae, silent, 0.0)
+        assert np.array_equal(np.asarray(kept.fn(x, kept.params, None)), x), name
+        top = int(np.argmax(f.sum(0)))
+        edit = S.sae_clamp(sae, [top, silent[0]], [0.0, 2.5])
+        f2 = f.copy()
+        f2[:, [top, silent[0]]] = [0.0, 2.5]
+        want = np.asarray(S.decode(sae, f2, x)) + np.asarray(S.error(sae, x))
+        assert_close(edit.fn(x, edit.params, None), want, what=f"{name}: clamped = decode(f') + error")
+        assert not np.allclose(want, x), name
+
+
 def _store(llama, folder):
     rng = np.random.default_rng(0)
     texts = [rng.integers(3, 256, size=16).tolist() for _ in range(48)]
@@ -204,15 +226,7 @@ def test_training_is_deterministic_resumable_and_reports_its_metrics(llama, tmp_
 
 
 def test_saes_that_do_not_fit_are_refused_by_name(llama, tmp_path):
-    narrow = mconfig.tiny(d_model=32, n_heads=2, n_kv_heads=1)
-    with pytest.raises(ValueError, match="width 64.*resid_post is 32 wide"):
-        S.load(PATHS["saelens_standard"], model=narrow)
-    with pytest.raises(ValueError, match="layer 7"):
-        S.load(PATHS["saelens_standard"], model=llama, hook="blocks.7.hook_resid_post")
-    with pytest.raises(ValueError, match="'blocks.0.attn.hook_pattern'.*no site"):
-        S.load(PATHS["saelens_standard"], hook="blocks.0.attn.hook_pattern")
-    with pytest.raises(ValueError, match="width 64"):
-        S.features(narrow_model(), S.load(PATHS["saelens_standard"]), [[1, 2, 3]])
+    """Files jaxinfer cannot run, and the serve flag's form (a model's width, layers and hooks: the next test)."""
     gated = tmp_path / "gated"
     shutil.copytree(PATHS["saelens_standard"], gated)
     cfg = json.loads((gated / "cfg.json").read_text())
@@ -240,6 +254,107 @@ def test_saes_that_do_not_fit_are_refused_by_name(llama, tmp_path):
     with pytest.raises(ValueError, match="expected NAME=PATH"):
         cli._read_saes([PATHS["saelens_standard"]])
     assert list(cli._read_saes([f"res0={PATHS['saelens_standard']}"])) == ["res0"]
+
+
+def test_training_killed_mid_checkpoint_resumes_to_the_same_sae_and_the_seed_decides_the_run(llama, tmp_path):
+    """A training process killed outright (SIGKILL: nothing unwinds, unlike the interrupt above)
+    between a checkpoint's arrays and its log resumes from the checkpoint before and ends bit for
+    bit where a run never stopped ends; the same seed gives the same SAE, another seed another."""
+    import signal
+    import subprocess
+    import sys
+
+    acts, ckpt = tmp_path / "acts", tmp_path / "ckpt"
+    _store(llama, acts)
+    cfg = S.TrainConfig(d_sae=32, architecture="topk", k=4, batch_size=64, steps=12, log_every=3,
+                        checkpoint_every=4, lr=3e-3, dead_window=128)
+    script = f"""
+import os, signal, sys
+from jaxinfer import sae as S
+
+real_replace = os.replace
+
+def replace(src, dst):  # the log of step 8 is the last file of its checkpoint: die before it lands
+    if str(dst).endswith("step_00000008.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+
+os.replace = replace
+S.train(sys.argv[1], config=S.TrainConfig(**{dataclasses.asdict(cfg)!r}), checkpoint_dir=sys.argv[2])
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree's jaxinfer, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script, str(acts), str(ckpt)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert (ckpt / "step_00000008").is_dir() and not (ckpt / "step_00000008.json").exists()
+    resumed = S.train(acts, config=cfg, checkpoint_dir=ckpt)
+    assert resumed.resumed_from == 4 and [e["step"] for e in resumed.log] == [3, 6, 9, 12]
+    plain = S.train(acts, config=cfg, checkpoint_dir=tmp_path / "plain")  # the same config: the same program
+    other = S.train(acts, config=dataclasses.replace(cfg, checkpoint_every=0, seed=1))
+    for name in ("w_enc", "w_dec", "b_enc", "b_dec"):
+        assert np.array_equal(np.asarray(getattr(plain.sae, name)), np.asarray(getattr(resumed.sae, name))), name
+    assert plain.log == resumed.log
+    assert not np.allclose(np.asarray(other.sae.w_dec), np.asarray(plain.sae.w_dec))
+    assert other.log != plain.log
+
+
+def test_an_sae_for_another_model_is_refused_before_anything_compiles(llama, tmp_path, monkeypatch, capsys):
+    """Every door an SAE comes in by (load, features, sae_add / sae_clamp with the model, generate
+    with their interventions, `jaxinfer serve --sae`) refuses one that does not fit, naming it,
+    with no program compiled: the width, a layer the model lacks, a hook with no site."""
+    from jaxinfer import cli, compile_cache
+    from jaxinfer.decode import sampling
+    from jaxinfer.serve import http_api as server
+
+    pytest.importorskip("uvicorn")
+    narrow, std = narrow_model(), S.load(PATHS["saelens_standard"])
+    sampling.row_keys([0])  # generate's row keys, made before it checks: JAX's seed program, built once per process
+    refusals = [(lambda: S.load(PATHS["saelens_standard"], model=narrow.config), "width 64.*resid_post is 32 wide"),
+                (lambda: S.load(PATHS["saelens_jumprelu"], model=narrow), "width 64.*attn_heads is 32 wide"),
+                (lambda: S.load(PATHS["saelens_standard"], model=llama, hook="blocks.7.hook_resid_post"),
+                 "reads layer 7.*another model"),
+                (lambda: S.load(PATHS["saelens_standard"], hook="blocks.0.attn.hook_pattern"),
+                 "'blocks.0.attn.hook_pattern'.*no site"),
+                (lambda: S.features(narrow, std, [[1, 2, 3]], top_k=2), "saelens_standard.*width 64"),
+                (lambda: S.sae_add(std, 3, 1.0, model=narrow), "saelens_standard.*width 64"),
+                (lambda: S.sae_clamp(std, 3, model=narrow), "saelens_standard.*width 64"),
+                (lambda: jaxinfer.generate(narrow, [[1, 2, 3]], max_new_tokens=2, interventions=[S.sae_add(std, 3)]),
+                 r"vector has shape \(64,\).*\(32,\)"),
+                (lambda: jaxinfer.generate(narrow, [[1, 2, 3]], max_new_tokens=2, interventions=[S.sae_clamp(std, 3)]),
+                 "sae_clamp.*x \\[T, 32\\]")]
+    with CompileCounter() as compiles:
+        for call, match in refusals:
+            with pytest.raises(ValueError, match=match):
+                call()
+    assert compiles.count == 0, f"{compiles.count} programs compiled before a refusal"
+
+    # jaxinfer serve --sae: checked against the model once it is loaded, before the engine is built
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built for an SAE that does not fit")
+
+    loaded = []
+    monkeypatch.setattr(jaxinfer, "load", lambda *a, **k: loaded.append(a) or narrow)
+    monkeypatch.setattr(compile_cache, "enable_persistent_cache", lambda *a: None)
+    monkeypatch.setattr(server, "make_engine", no_engine)
+    with CompileCounter() as compiles:
+        assert cli.main(["serve", "--port", "0", "--sae", f"res0={PATHS['saelens_standard']}"]) == 2
+        err = capsys.readouterr().err
+        assert "saelens_standard" in err and "width 64" in err and "32 wide" in err, err
+        monkeypatch.setattr(jaxinfer, "load", lambda *a, **k: loaded.append(a) or llama)
+        assert cli.main(["serve", "--port", "0", "--sae", f"mlp={PATHS['saelens_norm_rescale']}"]) == 2
+        err = capsys.readouterr().err
+        assert "--sae mlp: its decoder writes at mlp_out; add it to --steering-sites" in err, err
+        hookless = tmp_path / "hookless"
+        shutil.copytree(PATHS["saelens_standard"], hookless)
+        cfg = json.loads((hookless / "cfg.json").read_text())
+        cfg["metadata"]["hook_name"] = "blocks.0.attn.hook_pattern"
+        (hookless / "cfg.json").write_text(json.dumps(cfg))
+        assert cli.main(["serve", "--port", "0", "--sae", f"res0={hookless}"]) == 2
+        err = capsys.readouterr().err
+        assert "'blocks.0.attn.hook_pattern', a hook jaxinfer has no site for" in err, err
+    assert len(loaded) == 2, "the model was loaded for an SAE file that could be refused without it"
+    assert compiles.count == 0, f"{compiles.count} programs compiled before a refusal"
 
 
 def narrow_model():

@@ -415,6 +415,120 @@ def test_a_response_is_encoded_off_the_event_loop(served, monkeypatch):
         assert scored.result(60).status_code == 200
 
 
+# ---- SAE features in the steering field, over HTTP ------------------------------------------------
+
+D_SAE = 96
+
+
+@pytest.fixture(scope="module")
+def sae_served(model, served, tmp_path_factory):
+    """The served engine with an SAE as `jaxinfer serve --sae res1=FOLDER` gives it: a random standard
+    SAE at resid_post layer 1 (unit decoder rows) written as a SAELens folder, read back by the
+    flag's own reader and checked against the model as the command checks it."""
+    from jaxinfer import cli
+    from jaxinfer import sae as S
+
+    rng = np.random.default_rng(61)
+    w_dec = rng.standard_normal((D_SAE, model.config.d_model)).astype(np.float32)
+    w_dec /= np.linalg.norm(w_dec, axis=-1, keepdims=True)
+    spec = S.SAESpec(architecture="standard", hook_name="blocks.1.hook_resid_post", site="resid_post", layer=1)
+    written = S.SAE(w_enc=w_dec.T.copy(), w_dec=w_dec, b_enc=np.zeros(D_SAE, np.float32),
+                    b_dec=np.zeros(model.config.d_model, np.float32), threshold=np.zeros(D_SAE, np.float32), spec=spec)
+    folder = S.save(written, tmp_path_factory.mktemp("sae") / "res1")
+    saes = cli._read_saes([f"res1={folder}"])
+    S.check(saes["res1"], model)
+    state = served.app.state.server
+    kept = state.extensions
+    state.extensions = dataclasses.replace(kept, saes=saes)
+    yield types.SimpleNamespace(post=served.post, get=served.get, sae=saes["res1"])
+    state.extensions = kept
+
+
+def _sae_body(prompt, sampling, seed, features, multiplier, n=10):
+    """A /v1/completions body steering by SAE features (the first one names its layer, as Neuronpedia's do)."""
+    feats = [{"index": i, "strength": s} | ({"layer": 1} if j == 0 else {}) for j, (i, s) in enumerate(features)]
+    return {"prompt": prompt, "max_tokens": n, "seed": seed, "logprobs": 0, "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "steering": [{"sae": "res1", "features": feats, "strength_multiplier": multiplier}]}
+
+
+def _equals_generate(model, sae, response, body, sampling, features, multiplier):
+    """A response's tokens (pieces and logprobs: the ids are not in it) and text against generate with
+    the same sae_add and seed. Returns generate's ids."""
+    from jaxinfer import sae as S
+    from jaxinfer.serve import responses
+
+    assert response.status_code == 200, response.text[:300]
+    choice = response.json()["choices"][0]
+    steer = S.sae_add(sae, [i for i, _ in features], [s for _, s in features], multiplier=multiplier)
+    want = _generate(model, body["prompt"], sampling, body["seed"], [steer], n=body["max_tokens"])
+    assert choice["logprobs"]["tokens"] == [responses._text(model, t) for t in want.token_ids]
+    assert_close(np.asarray(choice["logprobs"]["token_logprobs"], np.float32), np.asarray(want.logprobs, np.float32),
+                 what="served logprobs vs generate")
+    assert choice["text"] == want.text and choice["finish_reason"] == "length"
+    return want.token_ids
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_sae_feature_steering_over_http_equals_generate_and_new_features_compile_nothing(model, engine, sae_served):
+    """Greedy and seeded requests steered by SAE features equal generate with the same sae_add; after
+    them, other features, strengths and multipliers compile nothing (JAX's compile events on every
+    thread, the engine's count, /metrics) and still equal generate."""
+    from jaxinfer.compile_cache import BACKEND_COMPILE_EVENT
+
+    def post_all(runs):
+        bodies = [_sae_body(P1, s, seed, f, m) for s, seed, f, m in runs]
+        return bodies, [sae_served.post("/v1/completions", b) for b in bodies]
+
+    first_runs = [(GREEDY, 0, [(7, 12.0), (40, -8.0)], 1.5), (SEEDED, 6, [(3, 10.0)], 1.0)]
+    bodies, got = post_all(first_runs)
+    first = [_equals_generate(model, sae_served.sae, r, b, s, f, m)
+             for r, b, (s, _, f, m) in zip(got, bodies, first_runs)]
+    compiled = []
+
+    def listen(event, duration_s, **kw):
+        if event == BACKEND_COMPILE_EVENT:
+            compiled.append(duration_s)
+
+    new_runs = [(GREEDY, 0, [(90, -12.0), (11, 9.0), (5, 6.0)], 0.5), (SEEDED, 6, [(64, 14.0)], -2.0)]
+    before = engine.compiles_while_serving
+    metric_before = _metric(sae_served.get("/metrics").text, "jaxinfer_serving_compiles_total")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        bodies, got = post_all(new_runs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == [] and engine.compiles_while_serving == before, \
+        f"{len(compiled)} programs compiled for new features and strengths"
+    assert _metric(sae_served.get("/metrics").text, "jaxinfer_serving_compiles_total") == metric_before
+    second = [_equals_generate(model, sae_served.sae, r, b, s, f, m)
+              for r, b, (s, _, f, m) in zip(got, bodies, new_runs)]
+    assert second[0] != first[0] and second[1] != first[1]  # the same prompts and seeds: the features act
+
+
+def test_bad_sae_steering_is_a_400_naming_the_field(engine, sae_served):
+    before = engine.compiles_while_serving
+    for entry, field, words in [
+            ({"sae": "res0", "features": [{"index": 1, "strength": 2.0}]}, "steering[0].sae", "'res1'"),
+            ({"sae": "res1", "features": [{"index": D_SAE, "strength": 2.0}]}, "steering[0].features[0].index",
+             f"[0, {D_SAE})"),
+            ({"sae": "res1", "features": [{"index": 1, "strength": 2.0, "layer": 0}]},
+             "steering[0].features[0].layer", "reads layer 1")]:
+        for path, body in (("/v1/completions", {"prompt": P1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = sae_served.post(path, body | {"max_tokens": 2, "steering": [entry]})
+            assert r.status_code == 400, (entry, r.text[:300])
+            err = r.json()["error"]
+            assert err["param"] == field and words in err["message"], (entry, err)
+    assert engine.compiles_while_serving == before
+
+
 def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(model, engine, served):
     """A finite scale whose residual's squares overflow float32 was served as HTTP 200, finish "stop",
     every logprob -ln(V) (the norm scaled the residual to 0). Now the request fails as a NaN makes
@@ -431,3 +545,4 @@ def test_steering_that_overflows_the_forward_fails_the_request_as_a_nan_does(mod
         assert err["code"] == "engine_error" and "overflowed float32" in err["message"], err
     r = post("/v1/completions", {"prompt": P1, "max_tokens": 4, "steering": [{"layer": 0, "vector": [1.0] * D}]})
     assert r.status_code == 200, r.text[:300]
+

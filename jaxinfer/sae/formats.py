@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from jaxinfer.sae import hook_names
@@ -79,7 +79,9 @@ def load(path: Union[str, os.PathLike], model=None, *, hook: Optional[str] = Non
         raise ValueError(f"{p} is not an SAE checkpoint: pass a SAELens folder, a params.npz or a params.safetensors")
     if model is not None:
         hook_names.check(sae, getattr(model, "config", model))
-    return sae
+    # onto the device once checked, by transfers (jnp.asarray would compile a copy program per
+    # shape): loading an SAE, or refusing one, compiles nothing
+    return jax.tree.map(jax.device_put, sae)
 
 
 def _spec(hook: str, source: str, out_hook: Optional[str] = None, **fields) -> SAESpec:
@@ -95,7 +97,7 @@ def _spec(hook: str, source: str, out_hook: Optional[str] = None, **fields) -> S
 
 
 def _build(arrays: dict, spec: SAESpec, source: str) -> SAE:
-    """The SAE from {W_enc, W_dec, b_enc, b_dec[, threshold]}, every shape checked."""
+    """The SAE from {W_enc, W_dec, b_enc, b_dec[, threshold]}, every shape checked (host arrays)."""
     missing = [k for k in ("W_enc", "W_dec", "b_enc", "b_dec") if k not in arrays]
     if missing:
         raise ValueError(f"{source}: missing tensors {missing}; an SAE has W_enc, W_dec, b_enc, b_dec")
@@ -121,8 +123,8 @@ def _build(arrays: dict, spec: SAESpec, source: str) -> SAE:
     for k, v in list(a.items()) + [("threshold", threshold)]:
         if not np.all(np.isfinite(v)):
             raise ValueError(f"{source}: tensor {k} holds NaN or inf")
-    return SAE(w_enc=jnp.asarray(a["W_enc"]), w_dec=jnp.asarray(a["W_dec"]), b_enc=jnp.asarray(a["b_enc"]),
-               b_dec=jnp.asarray(a["b_dec"]), threshold=jnp.asarray(threshold), spec=spec)
+    return SAE(w_enc=a["W_enc"], w_dec=a["W_dec"], b_enc=a["b_enc"], b_dec=a["b_dec"], threshold=threshold,
+               spec=spec)
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
