@@ -115,8 +115,11 @@ def test_same_seed_same_tokens_across_processes(smollm2):
                              stop_at_eos=False).completions[0].token_ids
     other = jaxinfer.generate(smollm2, "Once upon a time", seed=1235, max_new_tokens=10, sampling=sp,
                               stop_at_eos=False).completions[0].token_ids
+    # The other process loads the `smollm2` fixture's layout (stacked), so it reads the programs this
+    # process just compiled from the run's compile cache instead of compiling the per-layer ones (the
+    # layouts' equal tokens are test_layout's and test_serve's).
     code = ("import jaxinfer, json; from jaxinfer import SamplingParams; "
-            "m = jaxinfer.load('smollm2-135m'); "
+            "m = jaxinfer.load('smollm2-135m', layout='stacked'); "
             "o = jaxinfer.generate(m, 'Once upon a time', seed=1234, max_new_tokens=10, "
             "sampling=SamplingParams(temperature=0.9, top_k=50), stop_at_eos=False); "
             "print(json.dumps(o.completions[0].token_ids))")
