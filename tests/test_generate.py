@@ -214,8 +214,11 @@ def test_no_network_says_how_to_fetch_by_hand(tmp_path):
 
 
 def test_cli_generates_paris():
+    # --layout stacked: the per-layer layout's unrolled programs take several times as long to compile
+    # (load's default layout is test_layout's; the per-layer tokens are checked there and in test_serve)
     res = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "The capital of France is",
-                          "--max-new-tokens", "6"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          "--max-new-tokens", "6", "--layout", "stacked"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "tokens/s" in res.stderr and "time to first token" in res.stderr
