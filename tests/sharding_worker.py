@@ -17,6 +17,7 @@ in the pytest process, so the tests run this script in a subprocess:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -139,60 +140,72 @@ PLAN = {
 
 def meshes(out_path: str, which: tuple[str, ...] = ("tiny", "real")) -> None:
     import jax
+
+    from tests.compiling import optimized
+
+    assert len(jax.devices()) == 8, jax.devices()
+    results = {}
+    for name in which:
+        # The real model's time goes into running it, the tiny preset's into compiling: only the
+        # real model's programs get XLA's usual optimisation (tests/compiling.py).
+        with (optimized() if name == "real" else contextlib.nullcontext()):
+            results[name] = _mesh_results(name)
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+def _mesh_results(name: str) -> dict:
+    """1 device vs the meshes of PLAN[name]: tokens, logits, shard shapes (see `meshes`)."""
+    import jax
     import jax.numpy as jnp
 
     import jaxinfer
     from jaxinfer import sharding as shd
     from jaxinfer.model.model import Model
 
-    assert len(jax.devices()) == 8, jax.devices()
-    results = {}
-    for name in which:
-        cfg, host, tokenizer, prompts = (_tiny if name == "tiny" else _real)()
+    cfg, host, tokenizer, prompts = (_tiny if name == "tiny" else _real)()
+    t0 = time.perf_counter()
+    base = Model(cfg, jax.tree.map(jnp.asarray, host), tokenizer)
+    single: dict = {"logits": _logits(base, prompts[0]), "logits64": _logits64(host, cfg, None, prompts[0])}
+    res = {"prompts": prompts, "single": {}, "meshes": {}}
+    for key, todo in PLAN[name].items():
+        rows = prompts[: todo["rows"]]
+        ref = res["single"].setdefault(str(len(rows)), {})
+        if "greedy" not in ref:
+            ref["greedy"] = _greedy(base, rows)
+        if todo["sampled"] and "sampled" not in ref:
+            ref["sampled"] = _sampled(base, rows, SEEDS[: len(rows)])
+    res["single_s"] = time.perf_counter() - t0
+    for key, todo in PLAN[name].items():
         t0 = time.perf_counter()
-        base = Model(cfg, jax.tree.map(jnp.asarray, host), tokenizer)
-        single: dict = {"logits": _logits(base, prompts[0]), "logits64": _logits64(host, cfg, None, prompts[0])}
-        res = {"prompts": prompts, "single": {}, "meshes": {}}
-        for key, todo in PLAN[name].items():
-            rows = prompts[: todo["rows"]]
-            ref = res["single"].setdefault(str(len(rows)), {})
-            if "greedy" not in ref:
-                ref["greedy"] = _greedy(base, rows)
-            if todo["sampled"] and "sampled" not in ref:
-                ref["sampled"] = _sampled(base, rows, SEEDS[: len(rows)])
-        res["single_s"] = time.perf_counter() - t0
-        for key, todo in PLAN[name].items():
-            t0 = time.perf_counter()
-            data, model = map(int, key.split("x"))
-            mesh = shd.make_mesh(data, model)
-            plan = shd.plan(cfg, mesh)
-            sharded = Model(cfg, shd.shard_params(host, cfg, plan), tokenizer)
-            rows = prompts[: todo["rows"]]
-            got = {"rows": len(rows), "greedy": _greedy(sharded, rows)}
-            if todo["sampled"]:
-                got["sampled"] = _sampled(sharded, rows, SEEDS[: len(rows)])
-            if name == "tiny":  # the same call again must build no executable
-                again = jaxinfer.generate(sharded, rows, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
-                                          chunk_size=CHUNK)
-                got["repeat_compilations"] = again.timings.n_compilations
-            wq, w_up = sharded.params["layers"]["wq"], sharded.params["layers"]["w_up"]
-            diff64 = np.abs(_logits64(host, cfg, plan, prompts[0]) - single["logits64"]).max()
-            got.update(logits_max_diff=float(np.abs(_logits(sharded, prompts[0]) - single["logits"]).max()),
-                       logits64_max_diff=float(diff64),
-                       logits_max_abs=float(np.abs(single["logits"]).max()),
-                       # the single-device run's own float32 error: the scale of the tolerance
-                       single_fp32_error=float(np.abs(single["logits"] - single["logits64"]).max()),
-                       reasons=dict(plan.reasons), seconds=time.perf_counter() - t0,
-                       wq_shard_shape=list(wq.addressable_shards[0].data.shape),
-                       w_up_shard_shape=list(w_up.addressable_shards[0].data.shape))
-            res["meshes"][key] = got
-        if name == "tiny":  # the GPU's cache writes (one scatter per layer) on a sharded pool
-            scfg = cfg.replace(kv_writes="scatter")
-            sharded = Model(scfg, shd.shard_params(host, scfg, shd.plan(scfg, shd.make_mesh(2, 4))), tokenizer)
-            res["scatter_2x4"] = {"greedy": _greedy(sharded, prompts), "sampled": _sampled(sharded, prompts, SEEDS)}
-        results[name] = res
-    with open(out_path, "w") as f:
-        json.dump(results, f)
+        data, model = map(int, key.split("x"))
+        mesh = shd.make_mesh(data, model)
+        plan = shd.plan(cfg, mesh)
+        sharded = Model(cfg, shd.shard_params(host, cfg, plan), tokenizer)
+        rows = prompts[: todo["rows"]]
+        got = {"rows": len(rows), "greedy": _greedy(sharded, rows)}
+        if todo["sampled"]:
+            got["sampled"] = _sampled(sharded, rows, SEEDS[: len(rows)])
+        if name == "tiny":  # the same call again must build no executable
+            again = jaxinfer.generate(sharded, rows, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
+                                      chunk_size=CHUNK)
+            got["repeat_compilations"] = again.timings.n_compilations
+        wq, w_up = sharded.params["layers"]["wq"], sharded.params["layers"]["w_up"]
+        diff64 = np.abs(_logits64(host, cfg, plan, prompts[0]) - single["logits64"]).max()
+        got.update(logits_max_diff=float(np.abs(_logits(sharded, prompts[0]) - single["logits"]).max()),
+                   logits64_max_diff=float(diff64),
+                   logits_max_abs=float(np.abs(single["logits"]).max()),
+                   # the single-device run's own float32 error: the scale of the tolerance
+                   single_fp32_error=float(np.abs(single["logits"] - single["logits64"]).max()),
+                   reasons=dict(plan.reasons), seconds=time.perf_counter() - t0,
+                   wq_shard_shape=list(wq.addressable_shards[0].data.shape),
+                   w_up_shard_shape=list(w_up.addressable_shards[0].data.shape))
+        res["meshes"][key] = got
+    if name == "tiny":  # the GPU's cache writes (one scatter per layer) on a sharded pool
+        scfg = cfg.replace(kv_writes="scatter")
+        sharded = Model(scfg, shd.shard_params(host, scfg, shd.plan(scfg, shd.make_mesh(2, 4))), tokenizer)
+        res["scatter_2x4"] = {"greedy": _greedy(sharded, prompts), "sampled": _sampled(sharded, prompts, SEEDS)}
+    return res
 
 
 def single(out_path: str) -> None:

@@ -115,8 +115,11 @@ def test_same_seed_same_tokens_across_processes(smollm2):
                              stop_at_eos=False).completions[0].token_ids
     other = jaxinfer.generate(smollm2, "Once upon a time", seed=1235, max_new_tokens=10, sampling=sp,
                               stop_at_eos=False).completions[0].token_ids
+    # The other process loads the `smollm2` fixture's layout (stacked), so it reads the programs this
+    # process just compiled from the run's compile cache instead of compiling the per-layer ones (the
+    # layouts' equal tokens are test_layout's and test_serve's).
     code = ("import jaxinfer, json; from jaxinfer import SamplingParams; "
-            "m = jaxinfer.load('smollm2-135m'); "
+            "m = jaxinfer.load('smollm2-135m', layout='stacked'); "
             "o = jaxinfer.generate(m, 'Once upon a time', seed=1234, max_new_tokens=10, "
             "sampling=SamplingParams(temperature=0.9, top_k=50), stop_at_eos=False); "
             "print(json.dumps(o.completions[0].token_ids))")
@@ -211,8 +214,11 @@ def test_no_network_says_how_to_fetch_by_hand(tmp_path):
 
 
 def test_cli_generates_paris():
+    # --layout stacked: the per-layer layout's unrolled programs take several times as long to compile
+    # (load's default layout is test_layout's; the per-layer tokens are checked there and in test_serve)
     res = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "The capital of France is",
-                          "--max-new-tokens", "6"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          "--max-new-tokens", "6", "--layout", "stacked"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "tokens/s" in res.stderr and "time to first token" in res.stderr

@@ -31,21 +31,17 @@ MESHES = ["8x1", "1x8", "2x4"]
 CASES = [("tiny", m) for m in MESHES] + [("real", "1x8"), ("real", "2x4")]
 
 
-def _env(n_devices: int, optimize: bool = False) -> dict:
-    """The suite's environment (its XLA flags included, see conftest) with `n_devices` CPU devices;
-    `optimize`: with XLA's usual optimisation instead of the suite's little, for a worker whose time
-    goes into running the real model rather than compiling."""
+def _env(n_devices: int) -> dict:
+    """The suite's environment (its XLA flags included, see conftest) with `n_devices` CPU devices."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={n_devices}".strip())
-    if optimize:
-        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     return env
 
 
-def _run_worker(args: list[str], n_devices: int, optimize: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WORKER, *args], env=_env(n_devices, optimize), stdout=subprocess.PIPE,
+def _run_worker(args: list[str], n_devices: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, *args], env=_env(n_devices), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -63,7 +59,7 @@ def _wait(proc: subprocess.Popen, timeout: int) -> str:
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharding") / "meshes.json"
-    _wait(_run_worker(["meshes", str(path)], 8, optimize=True), timeout=1800)  # the real model's decode dominates
+    _wait(_run_worker(["meshes", str(path)], 8), timeout=1800)  # the worker optimises the real model's programs
     with open(path) as f:
         return json.load(f)
 
