@@ -165,7 +165,8 @@ def _init(cfg: ModelConfig, targets: tuple[str, ...], rank: int, key: jax.Array)
 
 def _with_adapter(params: Params, trainable: Params, scale: float, L: int) -> Params:
     """The base params with `trainable` as the one adapter of params["lora"]."""
-    stack = {t: {"a": w["a"][:, None], "b": w["b"][:, None], "scale": jnp.full((L, 1), scale, jnp.float32)}
+    stack = {t: {"a": w["a"][:, None], "b": jnp.swapaxes(w["b"], 1, 2)[:, None],
+                 "scale": jnp.full((L, 1), scale, jnp.float32)}
              for t, w in trainable.items()}
     return {**params, "lora": stack}
 
