@@ -188,8 +188,25 @@ class Selection:
         return Selection(params["lora"], tuple(ids_per_segment), packing)
 
     def layer(self, layer) -> "Selection":
-        """This selection with layer `layer`'s A, B and scales (a traced index inside the scan)."""
-        return dataclasses.replace(self, weights=jax.tree.map(lambda a: a[layer], self.weights))
+        """This selection with layer `layer`'s A, B and scales: a traced index inside the scan, a
+        Python int in the per_layer loop (where the stacks may be split per layer: `split_layers`)."""
+        return dataclasses.replace(self, weights={t: {k: v[layer] for k, v in w.items()}
+                                                  for t, w in self.weights.items()})
+
+
+def split_layers(params: Params, cfg: ModelConfig) -> Params:
+    """params with each stack of params["lora"] as a tuple of L per-layer arrays (per_layer layout).
+
+    Called inside a compiled multi-step program before its loop: XLA's CPU backend copies a layer's
+    slice out of a stacked array before each matmul, so slicing the stacks inside the loop body
+    copies every adapter at every step; sliced once before the loop, the body reads them in place.
+    Unchanged for the stacked layout (its scan slices the weights too) or without adapters.
+    """
+    if cfg.layout != "per_layer" or not params.get("lora"):
+        return params
+    L = cfg.n_layers
+    return {**params, "lora": {t: {k: tuple(v[l] for l in range(L)) for k, v in w.items()}
+                               for t, w in params["lora"].items()}}
 
 
 def bind(lp: Params, selection: Optional[Selection], layer) -> Params:
