@@ -5,12 +5,15 @@ logprobs reported while sampling compare with a teacher-forced forward.
     python -m experiments.rl --updates [--rounds 7]                # update_params vs jax.device_put
     python -m experiments.rl --parity                              # logprob differences, float32 / bfloat16
 
-The loop: a verifiable toy task (what is a + b, for digits a and b; reward 1 when the first number
-of the answer is the sum). Each step samples a group of --group completions per prompt through one
-warm Engine (`jaxinfer.rollout`), scores them by the rule, normalises each group's rewards into
-advantages, takes one clipped policy-gradient step with optax on a small trainable part of the
-params (`trainable` / `merged`: the final norm's gains; LoRA adapters go in that seam), and pushes
-the params into the engine (`Engine.update_params`: no recompile). The importance ratio of the
+The loop: a verifiable toy task, "What is a + b? Answer with the number only." for digits a and b,
+rewarded by a format rule (1 when the answer starts with a digit: the number first, no preamble;
+whether that number is a + b is recorded beside it, not rewarded). Each step samples a group of
+--group completions per prompt through one warm Engine (`jaxinfer.rollout`), scores them by the
+rule, normalises each group's rewards into advantages, takes one clipped policy-gradient step with
+optax on a LoRA adapter (rank --rank on --targets, B = 0 at the start: the base model; gradients of
+the teacher-forced logprobs with the adapter kept apart, `jaxinfer.lora.train.with_adapter`), and
+pushes the base weights with the adapter merged into them into the engine (`lora.merge`,
+`Engine.update_params`: no recompile). The importance ratio of the
 loss is exp(teacher-forced logprob - the logprob reported while sampling); docs/rollouts.md says
 how far apart the two are. docs/rollouts.md also holds the figures of --updates and --parity.
 Writes rl.json (rl_updates.json, rl_parity.json) and rl.png.
@@ -48,8 +51,13 @@ def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
     return inputs.chat_ids(tokenizer, [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}])
 
 
-def reward(text: str, a: int, b: int) -> float:
-    """1 when the first number in the answer is a + b, else 0."""
+def reward(text: str) -> float:
+    """1 when the answer starts with a digit (the number first, as the prompt asks), else 0."""
+    return float(re.match(r"\s*\d", text) is not None)
+
+
+def correct(text: str, a: int, b: int) -> float:
+    """1 when the first number in the answer is a + b, else 0 (recorded, not rewarded)."""
     found = re.search(r"-?\d+", text)
     return float(found is not None and int(found.group()) == a + b)
 
@@ -60,25 +68,19 @@ def advantages(rewards: np.ndarray, n: int) -> np.ndarray:
     return ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
 
 
-# ---- the trainable part (the seam LoRA adapters replace) ----------------------------------------
-def trainable(params) -> dict:
-    """The arrays the loop trains: the final norm's gains [D]."""
-    return {"final_norm": params["final_norm"]}
-
-
-def merged(params, train: dict):
-    """The full params with the trained arrays in place (same tree, shapes and dtypes)."""
-    return {**params, **train}
-
-
-def grpo_loss(train, params, cfg, tokens, mask, old_logprobs, adv, clip: float = 0.2):
+# ---- the trainable part: a LoRA adapter ----------------------------------------------------------
+def grpo_loss(train, params, cfg, tokens, mask, old_logprobs, adv, scale: float, clip: float = 0.2):
     """The clipped policy-gradient loss of one batch: mean over completion tokens of
-    -min(ratio * A, clip(ratio) * A), ratio = exp(teacher-forced - sampled logprobs) [B, T]."""
+    -min(ratio * A, clip(ratio) * A), ratio = exp(teacher-forced - sampled logprobs) [B, T], the
+    teacher-forced pass with the adapter `train` kept apart (every row on it)."""
     import jax.numpy as jnp
 
     from jaxinfer.eval.rollouts import teacher_forced_logprobs
+    from jaxinfer.lora.train import with_adapter
+    from jaxinfer.model import sites
 
-    lp = teacher_forced_logprobs(merged(params, train), cfg, tokens, mask)
+    hooks = sites.Hooks(adapter_ids=jnp.zeros((tokens.shape[0],), jnp.int32))
+    lp = teacher_forced_logprobs(with_adapter(params, train, scale, cfg.n_layers), cfg, tokens, mask, hooks=hooks)
     ratio = jnp.exp(lp - old_logprobs)
     a = adv[:, None]
     per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip, 1 + clip) * a)
@@ -96,54 +98,77 @@ def loop(args, m) -> dict:
 
     import jaxinfer
     from jaxinfer.decode.sampling import SamplingParams
+    from jaxinfer.lora.train import as_adapter, init_adapter
+    from jaxinfer.model import lora
     from jaxinfer.serve import Engine
 
     rng = np.random.default_rng(args.seed)
     engine = Engine(m, **engine_args(args))  # programs built on first use: step 0's times include them
     params, cfg = m.params, m.config
-    train = trainable(params)
+    targets, scale = tuple(args.targets.split(",")), 2.0  # lora_alpha = 2 r
+    train = init_adapter(cfg, targets, args.rank, jax.random.key(args.seed))
     opt = optax.adam(args.lr)
     opt_state = opt.init(train)
-    grad_fn = jax.jit(jax.value_and_grad(grpo_loss), static_argnames=("cfg",))
+    grad_fn = jax.jit(jax.value_and_grad(grpo_loss), static_argnames=("cfg", "scale"))
     sampling, key, width = SamplingParams(temperature=1.0), jax.random.key(args.seed), 0
     steps = []
-    for step in range(args.steps):
-        problems = tasks(rng, args.prompts)
+
+    def sample(step, problems):
         prompts = [prompt_ids(m.tokenizer, a, b) for a, b in problems]
-        width = max(width, max(len(p) for p in prompts) + args.new_tokens)
         t0 = time.perf_counter()
         batch = jaxinfer.rollout(engine, prompts, n=args.group, sampling=sampling, key=jax.random.fold_in(key, step),
                                  max_new_tokens=args.new_tokens)
-        t_gen = time.perf_counter() - t0
-        rewards = np.array([reward(c.text, *problems[r // args.group]) for r, c in enumerate(batch.completions)],
-                           np.float32)
+        return batch, time.perf_counter() - t0, max(len(p) for p in prompts)
+
+    for step in range(args.steps):
+        problems = tasks(rng, args.prompts)
+        batch, t_gen, longest = sample(step, problems)
+        width = max(width, longest + args.new_tokens)
+        rewards = np.array([reward(c.text) for c in batch.completions], np.float32)
+        right = np.array([correct(c.text, *problems[r // args.group]) for r, c in enumerate(batch.completions)])
         adv = advantages(rewards, args.group)
         t0 = time.perf_counter()
         loss, grads = grad_fn(train, params, cfg, pad_to(batch.tokens, width), pad_to(batch.completion_mask, width),
-                              pad_to(batch.logprobs, width), adv)
+                              pad_to(batch.logprobs, width), adv, scale)
         updates, opt_state = opt.update(grads, opt_state, train)
         train = jax.block_until_ready(optax.apply_updates(train, updates))
-        params = merged(params, train)
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
-        engine.update_params(params)
+        engine.update_params(lora.merge(params, as_adapter(train, cfg, args.rank, 2.0 * args.rank, scale, False), cfg))
         t_update = time.perf_counter() - t0
         n_tokens = int(batch.completion_mask.sum())
-        steps.append({"step": step, "reward": float(rewards.mean()), "loss": float(loss),
-                      "generate_s": t_gen, "generated_tokens": n_tokens, "train_s": t_train, "update_s": t_update})
-        print(f"step {step:3d}  reward {rewards.mean():.3f}  loss {float(loss):+.4f}  generate {t_gen:.1f} s "
-              f"({n_tokens / t_gen:.0f} tok/s)  train {t_train:.1f} s  update {t_update * 1e3:.0f} ms", flush=True)
+        steps.append({"step": step, "reward": float(rewards.mean()), "correct": float(right.mean()),
+                      "loss": float(loss), "generate_s": t_gen, "generated_tokens": n_tokens, "train_s": t_train,
+                      "update_s": t_update, "sample": batch.completions[0].text})
+        print(f"step {step:3d}  reward {rewards.mean():.3f}  correct {right.mean():.3f}  loss {float(loss):+.4f}  "
+              f"generate {t_gen:.1f} s ({n_tokens / t_gen:.0f} tok/s)  train {t_train:.1f} s  "
+              f"update (merge + update_params) {t_update * 1e3:.0f} ms  {batch.completions[0].text!r}", flush=True)
+    # the same shapes with no update in between: the engine's plain throughput, against the loop's
+    # generate phases after the first (whose time holds the programs' compiles)
+    plain = []
+    for i in range((1 if args.smoke else 2) if args.steps > 1 else 0):
+        batch, t_gen, _ = sample(args.steps + i, tasks(rng, args.prompts))
+        plain.append(int(batch.completion_mask.sum()) / t_gen)
+    in_loop = [s["generated_tokens"] / s["generate_s"] for s in steps[1:]]
+    throughput = {"loop_tokens_per_s": median(in_loop) if in_loop else None,
+                  "plain_tokens_per_s": median(plain) if plain else None}
+    if plain and in_loop:
+        throughput["loop_over_plain"] = throughput["loop_tokens_per_s"] / throughput["plain_tokens_per_s"]
+        print(f"generate phase {throughput['loop_tokens_per_s']:.1f} tok/s in the loop, "
+              f"{throughput['plain_tokens_per_s']:.1f} tok/s plain: {throughput['loop_over_plain']:.2f}x")
     fig, ax = plt().subplots(figsize=(6, 3.5))
     r = np.array([s["reward"] for s in steps])
-    ax.plot(r, marker=".", label="mean reward")
+    ax.plot(r, marker=".", label="mean reward (starts with a digit)")
+    ax.plot([s["correct"] for s in steps], marker=".", lw=0.8, alpha=0.6, label="first number = a + b (not rewarded)")
     k = max(1, len(r) // 6)
     if len(r) >= k:
-        ax.plot(np.arange(k - 1, len(r)), np.convolve(r, np.ones(k) / k, "valid"), label=f"mean of {k} steps")
+        ax.plot(np.arange(k - 1, len(r)), np.convolve(r, np.ones(k) / k, "valid"), label=f"reward, mean of {k} steps")
     ax.set_xlabel("step")
-    ax.set_ylabel(f"reward ({args.prompts} prompts x {args.group} samples)")
-    ax.set_title(f"GRPO on a + b, {cfg.name}: final-norm gains trained")
-    ax.legend()
-    return {"steps": steps, "compiles_while_serving": engine.compiles_while_serving,
+    ax.set_ylabel(f"{args.prompts} prompts x {args.group} samples")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"GRPO, {cfg.name}: LoRA rank {args.rank} on {args.targets}", fontsize=9)
+    ax.legend(fontsize=7)
+    return {"steps": steps, "throughput": throughput, "compiles_while_serving": engine.compiles_while_serving,
             "params_version": engine.params_version, "fig": fig}
 
 
@@ -234,7 +259,10 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default %(default)s)")
     p.add_argument("--group", type=int, default=4, help="samples per prompt (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens per sample (default %(default)s)")
-    p.add_argument("--lr", type=float, default=2e-2, help="adam's learning rate (default %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3, help="adam's learning rate (default %(default)s)")
+    p.add_argument("--rank", type=int, default=8, help="the LoRA adapter's rank (default %(default)s)")
+    p.add_argument("--targets", default="q_proj,v_proj,o_proj",
+                   help="the projections the adapter changes, comma-separated (default %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds of --updates (default %(default)s)")
     p.add_argument("--layout", default="stacked", choices=("stacked", "per_layer"),
                    help="params layout (default %(default)s)")

@@ -129,7 +129,9 @@ def test_rl(tiny_tok, tmp_path):
     assert (tmp_path / "rl.png").stat().st_size > 1000 and saved(tmp_path, "rl")
     assert len(r["steps"]) == 2 and r["params_version"] == 2
     assert all(0 <= s["reward"] <= 1 and np.isfinite(s["loss"]) for s in r["steps"])
-    assert rl.reward("The answer is 12.", 5, 7) == 1 and rl.reward("11", 5, 7) == 0 and rl.reward("none", 1, 1) == 0
+    assert all(0 <= s["correct"] <= 1 for s in r["steps"]) and r["throughput"]["plain_tokens_per_s"] > 0
+    assert rl.reward(" 12") == 1 and rl.reward("The answer is 12.") == 0 and rl.reward("none") == 0
+    assert rl.correct("The answer is 12.", 5, 7) == 1 and rl.correct("11", 5, 7) == 0 and rl.correct("none", 1, 1) == 0
     np.testing.assert_allclose(rl.advantages(np.array([1, 0, 0, 0], np.float32), 2), [1, -1, 0, 0], atol=1e-3)
     u = rl.main(["--smoke", "--updates", "--out", str(tmp_path)], model=tiny_tok)
     assert u["compiles"] == 0 and u["median_s"]["update_host"] > 0

@@ -49,7 +49,7 @@ from flax import struct
 from jaxinfer.decode import penalties, sampling
 from jaxinfer.decode.bitmask import apply_token_bitmask, mask_words
 from jaxinfer.model import cache as kv
-from jaxinfer.model import forward
+from jaxinfer.model import forward, lora
 from jaxinfer.model import sites
 from jaxinfer.model.cache import KVCache
 from jaxinfer.model.config import ModelConfig
@@ -544,6 +544,7 @@ def decode(params: Params, state: DecodeState, *, options: DecodeOptions, n_step
         return going & ~jnp.any(started & ~s.rows.live)
 
     every = LIVE_CHECK_STEPS if not options.until_a_row_ends and state.tokens.shape[0] == 1 else 1
+    params = lora.split_layers(params, options.cfg)  # LoRA stacks sliced once, not at every step
     with jax.named_scope("decode"):
         return decode_loop(lambda s: decode_step(params, s, options=options), state, n_steps, live=live, every=every)
 

@@ -96,7 +96,7 @@ def train(model: Model, sequences: Sequence[Union[str, Sequence[int]]], *, rank:
     optimizer = optimizer if optimizer is not None else default_optimizer()
     scale = lora.scale_of(alpha, rank, use_rslora)
 
-    trainable = _init(cfg, targets, rank, jax.random.key(seed))
+    trainable = init_adapter(cfg, targets, rank, jax.random.key(seed))
     opt_state = optimizer.init(trainable)
     done = 0
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -111,7 +111,7 @@ def train(model: Model, sequences: Sequence[Union[str, Sequence[int]]], *, rank:
         losses.append(float(loss))
         if ckpt is not None and ((s + 1) % checkpoint_every == 0 or s + 1 == steps):
             _save(ckpt, s + 1, trainable, opt_state)
-    adapter = _adapter(trainable, cfg, rank, alpha, scale, use_rslora)
+    adapter = as_adapter(trainable, cfg, rank, alpha, scale, use_rslora)
     return Trained(adapter=adapter, losses=losses, steps=steps)
 
 
@@ -152,7 +152,7 @@ def _batch_order(n: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
     return flat.reshape(steps, batch_size)
 
 
-def _init(cfg: ModelConfig, targets: tuple[str, ...], rank: int, key: jax.Array) -> Params:
+def init_adapter(cfg: ModelConfig, targets: tuple[str, ...], rank: int, key: jax.Array) -> Params:
     """{target: {"a": [L, r, in] uniform in +-1/sqrt(in), "b": [L, out, r] zeros}} float32."""
     out = {}
     for t, k in zip(targets, jax.random.split(key, len(targets))):
@@ -163,9 +163,10 @@ def _init(cfg: ModelConfig, targets: tuple[str, ...], rank: int, key: jax.Array)
     return out
 
 
-def _with_adapter(params: Params, trainable: Params, scale: float, L: int) -> Params:
+def with_adapter(params: Params, trainable: Params, scale: float, L: int) -> Params:
     """The base params with `trainable` as the one adapter of params["lora"]."""
-    stack = {t: {"a": w["a"][:, None], "b": w["b"][:, None], "scale": jnp.full((L, 1), scale, jnp.float32)}
+    stack = {t: {"a": w["a"][:, None], "b": jnp.swapaxes(w["b"], 1, 2)[:, None],
+                 "scale": jnp.full((L, 1), scale, jnp.float32)}
              for t, w in trainable.items()}
     return {**params, "lora": stack}
 
@@ -175,7 +176,7 @@ def loss_fn(trainable: Params, params: Params, tokens: jax.Array, mask: jax.Arra
     """Mean next-token cross-entropy over the masked positions of tokens [B, T] with the adapter."""
     B, T = tokens.shape
     hooks = sites.Hooks(adapter_ids=jnp.zeros((B,), jnp.int32))
-    logits = forward.forward(_with_adapter(params, trainable, scale, cfg.n_layers), tokens,
+    logits = forward.forward(with_adapter(params, trainable, scale, cfg.n_layers), tokens,
                              forward.default_positions(B, T), None, cfg, hooks=hooks).logits
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), nxt[..., None], axis=-1)[..., 0]
@@ -196,8 +197,10 @@ def _step(trainable, opt_state, params, tokens, mask, *, optimizer: optax.Gradie
 _step_jit = jax.jit(_step, static_argnames=("optimizer", "cfg", "scale"))
 
 
-def _adapter(trainable: Params, cfg: ModelConfig, rank: int, alpha: float, scale: float,
+def as_adapter(trainable: Params, cfg: ModelConfig, rank: int, alpha: float, scale: float,
              use_rslora: bool) -> lora.Adapter:
+    """The `lora.Adapter` of trained arrays ({target: {"a": [L, r, in], "b": [L, out, r]}}), every
+    layer at rank `rank` and scale `scale` (what `lora.merge` and `save_peft` take)."""
     L = cfg.n_layers
     weights = {t: {"a": np.asarray(w["a"]), "b": np.asarray(w["b"]), "scale": np.full((L,), scale, np.float32)}
                for t, w in trainable.items()}

@@ -521,6 +521,8 @@ def _run(params: Params, segs: tuple[Segment, ...], cache: Optional[KVCache], cf
     sites = _Sites(hooks, run)
     layers, experts = moe.unscanned(params["layers"], cfg)  # stacked experts stay whole (read in place)
     adapters = lora.Selection.of(params, [None if h is None else h.adapter_ids for h in hooks], packing)
+    if adapters is not None and cfg.layout == "per_layer":  # bound by each layer's Python index
+        layers, adapters = tuple(lora.bind(lp, adapters, i) for i, lp in enumerate(layers)), None
 
     def block(carry, xs):
         x, c, buf = carry  # x [B, T, D] (or the segments end to end); c: the KVCache (pages stacked over L), or None

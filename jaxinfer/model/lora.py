@@ -12,12 +12,17 @@ one function that adds each row's term with its own adapter's A and B; a row who
 projection bit for bit (a `where` on the index, not an added zero). Without `params["lora"]` or
 without adapter ids nothing is added to the program.
 
-The stack (the same in both params layouts: A and B are stored as PEFT stores them, so the fused
-per_layer projections need nothing of their own), for each target t of TARGETS:
+The stack (the same in both params layouts, so the fused per_layer projections need nothing of
+their own), for each target t of TARGETS:
 
   params["lora"][t]["a"]      [L, n, r, in]   n adapters, r the largest rank any of them uses for t
-  params["lora"][t]["b"]      [L, n, out, r]  (a smaller rank is zero-padded: exact zeros add nothing)
+  params["lora"][t]["b"]      [L, n, r, out]  B^T (a smaller rank is zero-padded: exact zeros add nothing)
   params["lora"][t]["scale"]  [L, n]          0 (with A = B = 0) where an adapter leaves layer l's t alone
+
+A is kept as PEFT stores it and B transposed, so that both of a decode step's products read their
+operand in place: XLA's CPU dot wants its right operand's contracted axis major, and the term is
+computed as (A x^T)^T (A on the left, contracted on its minor axis) then x_A [B, n*r] @ B^T [n*r, out].
+With B as PEFT stores it ([out, r]) or A on the right, XLA copies a transposed A or B every step.
 
 `Adapter` is one adapter (what a PEFT folder holds, or what `jaxinfer.lora.train` makes); `stack`
 builds the tree above from several, `merge` folds one into the weights instead.
@@ -100,7 +105,7 @@ def stack(adapters: Sequence[Adapter], cfg: ModelConfig) -> Params:
         O, I = shape_of(t, cfg)
         r = max(int(np.shape(a.weights[t]["a"])[1]) for a in have)
         A = np.zeros((L, len(adapters), r, I), np.float32)
-        B = np.zeros((L, len(adapters), O, r), np.float32)
+        B = np.zeros((L, len(adapters), r, O), np.float32)
         S = np.zeros((L, len(adapters)), np.float32)
         for j, a in enumerate(adapters):
             if t not in a.weights:
@@ -108,7 +113,7 @@ def stack(adapters: Sequence[Adapter], cfg: ModelConfig) -> Params:
             w = a.weights[t]
             ra = np.shape(w["a"])[1]
             A[:, j, :ra] = np.asarray(w["a"], np.float32)
-            B[:, j, :, :ra] = np.asarray(w["b"], np.float32)
+            B[:, j, :ra] = np.swapaxes(np.asarray(w["b"], np.float32), 1, 2)
             S[:, j] = np.asarray(w["scale"], np.float32)
         out[t] = {"a": jnp.asarray(A), "b": jnp.asarray(B), "scale": jnp.asarray(S)}
     return out
@@ -171,7 +176,7 @@ class Selection:
     `packing` lays several segments' tokens end to end (`forward._Packing`); each segment's rows
     gather their own A and B."""
 
-    weights: Params  # {target: {"a": [L, n, r, in], "b": [L, n, out, r], "scale": [L, n]}}
+    weights: Params  # {target: {"a": [L, n, r, in], "b": [L, n, r, out], "scale": [L, n]}}
     ids: tuple  # per segment: [B_i] int32, or None (a segment on the base model)
     packing: object
 
@@ -183,8 +188,25 @@ class Selection:
         return Selection(params["lora"], tuple(ids_per_segment), packing)
 
     def layer(self, layer) -> "Selection":
-        """This selection with layer `layer`'s A, B and scales (a traced index inside the scan)."""
-        return dataclasses.replace(self, weights=jax.tree.map(lambda a: a[layer], self.weights))
+        """This selection with layer `layer`'s A, B and scales: a traced index inside the scan, a
+        Python int in the per_layer loop (where the stacks may be split per layer: `split_layers`)."""
+        return dataclasses.replace(self, weights={t: {k: v[layer] for k, v in w.items()}
+                                                  for t, w in self.weights.items()})
+
+
+def split_layers(params: Params, cfg: ModelConfig) -> Params:
+    """params with each stack of params["lora"] as a tuple of L per-layer arrays (per_layer layout).
+
+    Called inside a compiled multi-step program before its loop: XLA's CPU backend copies a layer's
+    slice out of a stacked array before each matmul, so slicing the stacks inside the loop body
+    copies every adapter at every step; sliced once before the loop, the body reads them in place.
+    Unchanged for the stacked layout (its scan slices the weights too) or without adapters.
+    """
+    if cfg.layout != "per_layer" or not params.get("lora"):
+        return params
+    L = cfg.n_layers
+    return {**params, "lora": {t: {k: tuple(v[l] for l in range(L)) for k, v in w.items()}
+                               for t, w in params["lora"].items()}}
 
 
 def bind(lp: Params, selection: Optional[Selection], layer) -> Params:
@@ -209,26 +231,31 @@ def add(y: jax.Array, x: jax.Array, lp: Params, target: str) -> jax.Array:
                              for yi, xi, ids in zip(ys, xs, sel.ids)])
 
 
-# Few rows x adapters (a decode step): every adapter's A and B are read once and each row keeps its
-# own products, rather than gathering a copy of each row's A and B first (which writes and reads
-# the adapters' bytes again). The step is bound by reading weights; the extra products are small.
+# Few rows x adapters (a decode step): every adapter's A and B are read once, in place, and each
+# row keeps its own adapter's part with a select, rather than gathering a copy of each row's A and B
+# first (which writes and reads the adapters' bytes again). The step is bound by reading weights;
+# the products of the other adapters are small.
 FEW_ROW_ADAPTERS = 256  # B * T * n at most
 
 
 def _rows_term(y: jax.Array, x: jax.Array, w: Params, ids: jax.Array) -> jax.Array:
-    """y [B, T, *out] + scale (x A^T) B^T with each row's own A [r, in], B [out, r] (ids [B])."""
+    """y [B, T, *out] + scale (x A^T) B^T with each row's own A [r, in], B^T [r, out] (ids [B])."""
     B, T = x.shape[:2]
-    n = w["a"].shape[0]
+    n, r, I = w["a"].shape
     i = jnp.maximum(ids, 0)
-    xf = x.reshape(B, T, -1).astype(w["a"].dtype)
+    xf = x.reshape(B * T, I).astype(w["a"].dtype)
     if n == 1 or B * T * n <= FEW_ROW_ADAPTERS:
-        own = lambda z: jnp.take_along_axis(z, i[:, None, None, None], axis=2)[:, :, 0]  # [B, T, n, X] -> [B, T, X]
-        xa = own(jnp.einsum("BTI,NRI->BTNR", xf, w["a"]))
-        out = own(jnp.einsum("BTR,NOR->BTNO", xa, w["b"]))
+        # x_A [n*r, B*T] with A [n*r, in] on the left: A read where it lies (module docstring)
+        xa = jax.lax.dot_general(w["a"].reshape(n * r, I), xf, (((1,), (1,)), ((), ())))
+        xa = xa.T.reshape(B, T, n, r)
+        # each row's own adapter (times its scale), the others' exact zeros: a `where`, so that an
+        # overflow in another adapter's product cannot reach this row as inf * 0
+        own = (jnp.arange(n)[None, :] == i[:, None])[:, None, :, None]  # [B, 1, n, 1]
+        xa = jnp.where(own, xa * w["scale"][None, None, :, None], 0.0)
+        term = jnp.einsum("BTNR,NRO->BTO", xa, w["b"])
     else:  # prompt chunks: each row's A and B gathered once for its T tokens
-        xa = jnp.einsum("BTI,BRI->BTR", xf, w["a"][i])  # [B, r, I]
-        out = jnp.einsum("BTR,BOR->BTO", xa, w["b"][i])  # [B, O, r]
-    term = out * w["scale"][i][:, None, None]
+        xa = jnp.einsum("BTI,BRI->BTR", xf.reshape(B, T, I), w["a"][i])  # [B, r, I]
+        term = jnp.einsum("BTR,BRO->BTO", xa, w["b"][i]) * w["scale"][i][:, None, None]  # [B, r, O]
     on = (ids >= 0).reshape((B,) + (1,) * (y.ndim - 1))
     return jnp.where(on, y + term.reshape(y.shape).astype(y.dtype), y)
 

@@ -8,7 +8,7 @@
 The engine's params carry `params["lora"]` for all seven targets with K slots, allocated once
 (`stacks`: zeros, every rank padded to r = max_lora_rank):
 
-    A [L, K, r, in]   B [L, K, out, r]   scale [L, K]   (per target, `jaxinfer.model.lora`'s form)
+    A [L, K, r, in]   B^T [L, K, r, out]   scale [L, K]   (per target, `jaxinfer.model.lora`'s form)
 
 Loading writes an adapter's tensors (zero-padded to r; zeros for the targets it leaves alone)
 into a free slot with one jitted program of fixed shapes that donates the stacks (`_write`: the
@@ -61,13 +61,13 @@ def stacks(cfg: ModelConfig, slots: int, rank: int) -> Params:
     L, out = cfg.n_layers, {}
     for t in lora.TARGETS:
         O, I = lora.shape_of(t, cfg)
-        out[t] = {"a": jnp.zeros((L, slots, rank, I), jnp.float32), "b": jnp.zeros((L, slots, O, rank), jnp.float32),
+        out[t] = {"a": jnp.zeros((L, slots, rank, I), jnp.float32), "b": jnp.zeros((L, slots, rank, O), jnp.float32),
                   "scale": jnp.zeros((L, slots), jnp.float32)}
     return out
 
 
 def _write_one(stack: Params, slot: jax.Array, tensors: Params) -> Params:
-    """The stacks with slot `slot` replaced by `tensors` ({t: a [L, r, in], b [L, out, r], scale [L]})."""
+    """The stacks with slot `slot` replaced by `tensors` ({t: a [L, r, in], b (B^T) [L, r, out], scale [L]})."""
     return {t: {k: stack[t][k].at[:, slot].set(tensors[t][k]) for k in ("a", "b", "scale")} for t in stack}
 
 
@@ -107,7 +107,7 @@ class AdapterSlots:
         out = {}
         for t in lora.TARGETS:
             O, I = lora.shape_of(t, self.cfg)
-            out[t] = {"a": np.zeros((L, r, I), np.float32), "b": np.zeros((L, O, r), np.float32),
+            out[t] = {"a": np.zeros((L, r, I), np.float32), "b": np.zeros((L, r, O), np.float32),
                       "scale": np.zeros((L,), np.float32)}
         return out
 
@@ -138,7 +138,7 @@ class AdapterSlots:
                 raise AdapterError(f"adapter {name!r}: {t} has rank {r}, above max_lora_rank={self.max_rank}",
                                    "lora_path")
             tensors[t]["a"][:, :r] = np.asarray(w["a"], np.float32)
-            tensors[t]["b"][:, :, :r] = np.asarray(w["b"], np.float32)
+            tensors[t]["b"][:, :r] = np.swapaxes(np.asarray(w["b"], np.float32), 1, 2)  # B [L, out, r] -> B^T
             tensors[t]["scale"][:] = np.asarray(w["scale"], np.float32)
         return tensors
 
