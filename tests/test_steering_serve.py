@@ -148,6 +148,8 @@ def test_pages_of_requests_failed_for_overflow_are_zeroed_before_anyone_reads_th
         assert all(np.isfinite(np.asarray(a)).all() for a in (cache.k, cache.v)), "non-finite values left in the pool"
         engine.pool.check([])
         got = _run(engine, [(p, GREEDY, 0, []) for p in prompts], n=6)
+        cache = engine.runner.cache
+        assert all(np.isfinite(np.asarray(a)).all() for a in (cache.k, cache.v)), "idle slots wrote non-finite values"
     assert compiles.count == 0 and engine.compiles_while_serving == before, f"{compiles.count} programs compiled"
     for g, p in zip(got, prompts):
         assert g.token_ids == _generate(model, p, GREEDY, 0, [], n=6).token_ids
