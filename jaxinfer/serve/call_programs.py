@@ -160,8 +160,8 @@ def scoring_program(params, cache, work: core.PrefillWork, *, cfg, n_top: int, c
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def scrub_program(cache: kv.KVCache, pages: jax.Array) -> kv.KVCache:
-    """The pool with pages[Z] zeroed at every layer (keys, values and int8 scales). Attention weighs
+    """The pool with pages[W] zeroed at every layer (keys, values and int8 scales). Attention weighs
     a masked position by 0, and 0 x NaN is NaN: a page that held inf or NaN must be zeroed before a
-    new owner reads it. Z is fixed (padded with the trash page, whose contents nobody reads)."""
+    new owner reads it. W, the page-table width, is fixed: ids are padded with the trash page."""
     zero = lambda a: None if a is None else a.at[:, pages].set(0)  # noqa: E731 - [L, P, ps, K, Hc]
     return cache.replace(k=zero(cache.k), v=zero(cache.v), k_scale=zero(cache.k_scale), v_scale=zero(cache.v_scale))
