@@ -152,7 +152,8 @@ def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_step
        cancel_p=st.sampled_from([0.0, 0.02]))
 def test_scheduler_fuzz_invariants(seed, n_pages, page_size, n_slots, chunk, prefix, cancel_p):
     """Random arrivals, lengths, shared prefixes and cancellations (some as failures whose pages
-    are poisoned) on a small pool: no page owned twice, no leak, every request finishes or is cancelled (preemption keeps the oldest going)."""
+    are poisoned) on a small pool: no page owned twice, no leak, every request finishes or is
+    cancelled (preemption keeps the oldest going)."""
     rng = random.Random(seed)
     sched = Scheduler(PagePool(n_pages, page_size), n_slots, chunk, prefix_cache=prefix)
     capacity = (n_pages - 1) * page_size

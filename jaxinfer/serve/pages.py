@@ -202,7 +202,8 @@ class PagePool:
             counts.update(pages)
         free, evictable, scrub = set(self._free), set(self._evictable), set(self._to_scrub)
         assert len(free) == len(self._free) and len(scrub) == len(self._to_scrub)
-        assert not (free & evictable) and not (scrub & (free | evictable)) and TRASH_PAGE not in free | evictable | scrub
+        assert not (free & evictable) and not (scrub & (free | evictable))
+        assert TRASH_PAGE not in free | evictable | scrub
         assert all(self.refcount[p] > 0 for p in self._poisoned) and not (self._poisoned & set(self._hash_of))
         for page in range(self.n_pages):
             if page == TRASH_PAGE:
