@@ -63,6 +63,36 @@ def test_prefix_cache_share_refcount_and_lru_eviction():
     pool.check([got])
 
 
+def test_poisoned_pages_leave_the_prefix_cache_and_are_free_only_once_scrubbed():
+    """Pages of a request failed for inf/NaN: never matched again, not free (nor available) until
+    every holder released them and the device zeroed them; a rebuilt pool frees them at once."""
+    pool = PagePool(5, 2)
+    h = prefix_hashes([1, 2, 3, 4], 2, 2)
+    a = pool.allocate(2)
+    pool.register(h[0], a[0])
+    pool.acquire([a[0]])  # a second request shares the first page
+    pool.poison(a)
+    assert pool.match(h) == [] and not pool.scrub_wanted()
+    pool.release(a)  # the shared page is still held
+    assert pool.take_to_scrub() == [a[1]] and pool.available() == 2 and pool.in_use == 1
+    pool.check([[a[0]]])
+    pool.release([a[0]])
+    assert sorted(pool.take_to_scrub()) == sorted(a) and pool.available() == 2 and pool.in_use == 0
+    pool.check([])
+    pool.scrubbed([a[1]])
+    assert pool.take_to_scrub() == [a[0]] and pool.available() == 3
+    pool.forget()  # a new pool holds zeros
+    assert not pool.scrub_wanted() and pool.available() == 4
+    pool.check([])
+    b = pool.allocate(1)
+    pool.poison(b)
+    pool.forget()  # held pages are no longer poisoned: released into the free list
+    pool.release(b)
+    assert not pool.scrub_wanted() and pool.available() == 4
+    with pytest.raises(ValueError, match="not held"):
+        pool.poison(b)
+
+
 def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_steps: int = 5000):
     """Run the scheduler as the engine does (an iteration runs some of the plan's chunks, those
     that end their context join with `join`'s budget, decodes take up to `steps` tokens), with
@@ -76,7 +106,9 @@ def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_step
             live.append(s)
         for s in list(live):  # random cancellations, in any state
             if s.state != DONE and rng.random() < cancel_p:
-                sched.finish(s)
+                sched.finish(s, poisoned=rng.random() < 0.5)  # cancelled, or failed for inf/NaN
+        if rng.random() < 0.5:  # the engine zeroes the poisoned pages no one holds (a step or more later)
+            sched.pool.scrubbed(sched.pool.take_to_scrub())
         steps = rng.choice([1, 2, 4])
         plan = sched.schedule(steps)
         slots = [s.slot for s in sched.running]
@@ -119,8 +151,9 @@ def _drive(sched: Scheduler, seqs, rng: random.Random, cancel_p: float, max_step
        n_slots=st.integers(1, 5), chunk=st.integers(1, 9), prefix=st.booleans(),
        cancel_p=st.sampled_from([0.0, 0.02]))
 def test_scheduler_fuzz_invariants(seed, n_pages, page_size, n_slots, chunk, prefix, cancel_p):
-    """Random arrivals, lengths, shared prefixes and cancellations on a small pool: no page owned
-    twice, no leak, every request finishes or is cancelled (preemption keeps the oldest going)."""
+    """Random arrivals, lengths, shared prefixes and cancellations (some as failures whose pages
+    are poisoned) on a small pool: no page owned twice, no leak, every request finishes or is
+    cancelled (preemption keeps the oldest going)."""
     rng = random.Random(seed)
     sched = Scheduler(PagePool(n_pages, page_size), n_slots, chunk, prefix_cache=prefix)
     capacity = (n_pages - 1) * page_size

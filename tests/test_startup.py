@@ -107,7 +107,7 @@ print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded,
                       tokens=list(out.token_ids), traced=traced)))
 """
 
-PROGRAM_NAMES = ("mixed_program", "decode_program", "scoring_program")
+PROGRAM_NAMES = ("mixed_program", "decode_program", "scoring_program", "scrub_program")
 
 
 def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path):
@@ -124,9 +124,11 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     first, second = runs
     assert first["cache"] == second["cache"] == str(tmp_path / "xla")
     assert first["compiled"] >= first["programs"] > 0 and first["loaded"] == 0, runs
-    assert {n for n in first["traced"] if n in PROGRAM_NAMES} == {"mixed_program", "decode_program"}, first["traced"]
+    assert {n for n in first["traced"] if n in PROGRAM_NAMES} == {"mixed_program", "decode_program",
+                                                                 "scrub_program"}, first["traced"]
     stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
-    assert len(stored) == first["programs"] and set(stored) == {"mixed_program", "decode_program"}, stored
+    assert len(stored) == first["programs"], stored
+    assert set(stored) == {"mixed_program", "decode_program", "scrub_program"}, stored
     assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
     assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs

@@ -29,6 +29,7 @@ from jaxinfer.model.model import Model
 from jaxinfer.serve import Engine
 from jaxinfer.serve import protocol as proto
 from jaxinfer.serve import steering
+from jaxinfer.serve.request import EngineError
 from tests.tolerances import assert_close
 
 # call_rows and admission_wait fixed: no measured time decides how requests are grouped into calls,
@@ -124,6 +125,34 @@ def test_the_prefix_cache_keeps_steered_and_plain_keys_apart(model, engine):
     for ivs in ([], steer, steer, []):
         got = _run(engine, [(prompt, GREEDY, 0, ivs)], n=6)[0]
         assert got.token_ids == _generate(model, prompt, GREEDY, 0, ivs, n=6).token_ids, bool(ivs)
+
+
+def test_pages_of_requests_failed_for_overflow_are_zeroed_before_anyone_reads_them(model, engine):
+    """Steered requests whose forward overflows float32 fail (generating, and scoring), and the
+    pages they wrote held inf/NaN: given back to the pool as they were, they made a later request's
+    attention NaN at positions it masks (0 x NaN), and it failed too. The pool holds no non-finite
+    value once they fail (their pages zeroed, none left in the prefix cache), and plain requests
+    after them equal generate; nothing compiles."""
+    overflow = [I.add("resid_post", 0, np.ones(model.config.d_model, np.float32), 1e19)]
+    prompts = [[40 + 3 * i + j for j in range(9 + 5 * i)] for i in range(4)]
+    with CompileCounter() as compiles:
+        before = engine.compiles_while_serving
+        failing = [engine.submit(P1 + P3, max_new_tokens=4, stop_at_eos=False, interventions=overflow)
+                   for _ in range(3)]
+        failing.append(engine.submit(P1 + P3, max_new_tokens=0, prompt_logprobs=0, interventions=overflow))
+        engine.run_until_idle()
+        for r in failing:
+            with pytest.raises(EngineError, match="overflowed float32"):
+                r.result()
+        cache = engine.runner.cache
+        assert all(np.isfinite(np.asarray(a)).all() for a in (cache.k, cache.v)), "non-finite values left in the pool"
+        engine.pool.check([])
+        got = _run(engine, [(p, GREEDY, 0, []) for p in prompts], n=6)
+        cache = engine.runner.cache
+        assert all(np.isfinite(np.asarray(a)).all() for a in (cache.k, cache.v)), "idle slots wrote non-finite values"
+    assert compiles.count == 0 and engine.compiles_while_serving == before, f"{compiles.count} programs compiled"
+    for g, p in zip(got, prompts):
+        assert g.token_ids == _generate(model, p, GREEDY, 0, [], n=6).token_ids
 
 
 def test_what_the_fixed_form_cannot_express_is_refused_before_admission(model, engine, plain_engine):

@@ -3,6 +3,7 @@
   mixed_program    new requests' prompt chunks beside one decode step of every slot (`core.mixed_step`)
   decode_program   a scan of decode steps over every slot (`core.decode`), until a row ends
   scoring_program  a prefill that also scores every chunk position's next prompt token (`core.prefill`)
+  scrub_program    zero some pages of the pool (those of requests that failed for inf or NaN values)
 
 A slot's small state is one row of two packed tables (`Slots`, `packed.Packing`); the mixed and
 decode programs unpack it, run the core, and pack it again, so the next call can go on from the
@@ -155,3 +156,12 @@ def scoring_program(params, cache, work: core.PrefillWork, *, cfg, n_top: int, c
     work = work.replace(rows=work.rows.replace(keys=jax.random.wrap_key_data(work.rows.keys)))
     return core.prefill(params, cache, work, options=core.PrefillOptions(cfg=cfg, n_top=n_top, prompt_logprobs=True,
                                                                           capture_prompt=capture))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scrub_program(cache: kv.KVCache, pages: jax.Array) -> kv.KVCache:
+    """The pool with pages[W] zeroed at every layer (keys, values and int8 scales). Attention weighs
+    a masked position by 0, and 0 x NaN is NaN: a page that held inf or NaN must be zeroed before a
+    new owner reads it. W, the page-table width, is fixed: ids are padded with the trash page."""
+    zero = lambda a: None if a is None else a.at[:, pages].set(0)  # noqa: E731 - [L, P, ps, K, Hc]
+    return cache.replace(k=zero(cache.k), v=zero(cache.v), k_scale=zero(cache.k_scale), v_scale=zero(cache.v_scale))

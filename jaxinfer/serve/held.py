@@ -83,8 +83,9 @@ class HeldRequests:
         lv.req.push(lv.delta(list(tokens), list(logprobs), list(tops), reason), completion)
 
     def fail(self, lv: Live, message: str, error_type: type = EngineError) -> None:
-        """End a request with an error: its stream raises `error_type(message)`."""
-        self.scheduler.finish(lv.seq)
+        """End a request with an error: its stream raises `error_type(message)`. A request that
+        failed for non-finite values (`Live.non_finite`) leaves its pages to be scrubbed."""
+        self.scheduler.finish(lv.seq, poisoned=lv.non_finite)
         self._forget(lv)
         self.requests_failed += 1
         lv.req.fail(message, error_type)

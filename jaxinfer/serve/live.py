@@ -53,6 +53,7 @@ class Live:
     sent: int = 0  # characters of text already handed out
     error: Optional[str] = None  # why the request cannot go on (finish reason "error", see `accept`)
     error_type: type = EngineError  # what its caller gets: ConstraintFailed when its constraint gave up
+    non_finite: bool = False  # it failed for inf or NaN values: its KV pages may hold them (scrubbed)
     packed_row: Optional[tuple] = None  # its slot row of the runner's tables, packed once (`Runner.pack_row`)
     steering: Optional[Any] = None  # its steering as slot rows (`steering.RequestSteering`), or None
     hidden: Optional[tuple] = None  # (site, layers): hidden states to return per prompt token (scoring only)
@@ -108,6 +109,7 @@ class Live:
             if t < 0:
                 self.error = (f"no token could be sampled after {done + len(kept)} tokens: the logits were all "
                               f"-inf or NaN (a NaN: {NON_FINITE})")
+                self.non_finite = True
                 reason = "error"
                 break
             kept.append(t)
@@ -145,6 +147,7 @@ class Live:
             if t < 0:
                 self.error = (f"no token could be sampled after {done + i} tokens: the logits were all -inf or NaN "
                               f"(a NaN: {NON_FINITE})")
+                self.non_finite = True
                 reason, end = "error", i
                 break
             if t in stops:
@@ -187,6 +190,7 @@ class Live:
         or met a NaN): then `error` says so and the engine fails the request, never answering NaN."""
         if any(lp != lp for lp, _ in self.prompt_lps.values()):
             self.error = f"the prompt's log-probabilities hold NaN: {NON_FINITE}"
+            self.non_finite = True
             return True
         return False
 

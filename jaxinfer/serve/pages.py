@@ -3,11 +3,15 @@
 Pure Python, no device: the engine's scheduler asks this allocator for page numbers and the
 device only ever sees page tables.
 
-A page is in exactly one of three states:
+A page is in exactly one of four states:
   free       on the free list, owned by nobody;
   held       refcount >= 1: in the page table of that many requests;
   cached     refcount 0 but still in the prefix cache, waiting to be shared again or evicted
-             (least recently used first) when a new page is needed.
+             (least recently used first) when a new page is needed;
+  to scrub   refcount 0, poisoned: a request that held it failed for non-finite values, so it
+             may hold inf or NaN, which a later owner's attention would read as 0 x NaN = NaN at
+             positions it masks. It returns to the free list once the device has zeroed it
+             (`take_to_scrub`, then `scrubbed`).
 
 Prefix cache: a full page of prompt tokens is keyed by a hash of the whole token prefix up to
 the end of that page (`prefix_hashes`), so equal keys mean equal attention context and equal
@@ -59,6 +63,8 @@ class PagePool:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._poisoned: set[int] = set()  # held pages that go to `_to_scrub` when released
+        self._to_scrub: list[int] = []  # unreferenced poisoned pages, not yet zeroed on the device
         self.hit_pages = 0  # pages taken from the prefix cache
         self.evictions = 0
 
@@ -71,7 +77,7 @@ class PagePool:
     @property
     def in_use(self) -> int:
         """Pages held by at least one request."""
-        return self.capacity - len(self._free) - len(self._evictable)
+        return self.capacity - len(self._free) - len(self._evictable) - len(self._to_scrub)
 
     @property
     def cached(self) -> int:
@@ -106,10 +112,39 @@ class PagePool:
                 raise ValueError(f"page {page} released but not held")
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                if page in self._hash_of:
+                if page in self._poisoned:
+                    self._poisoned.discard(page)
+                    self._to_scrub.append(page)
+                elif page in self._hash_of:
                     self._evictable[page] = None  # most recently used at the end
                 else:
                     self._free.append(page)
+
+    # ---- pages that may hold non-finite values -------------------------------------------------
+    def poison(self, pages: Sequence[int]) -> None:
+        """These held pages may hold inf or NaN: they leave the prefix cache now (no request takes
+        them again) and, once released by every holder, wait to be scrubbed instead of freed."""
+        for page in pages:
+            if self.refcount[page] <= 0:
+                raise ValueError(f"page {page} poisoned but not held")
+            h = self._hash_of.pop(page, None)
+            if h is not None:
+                del self._by_hash[h]
+            self._poisoned.add(page)
+
+    def scrub_wanted(self) -> bool:
+        """Some unreferenced poisoned pages wait to be zeroed (`take_to_scrub`)."""
+        return bool(self._to_scrub)
+
+    def take_to_scrub(self) -> list[int]:
+        """The unreferenced poisoned pages, to be zeroed on the device (then `scrubbed`)."""
+        return list(self._to_scrub)
+
+    def scrubbed(self, pages: Sequence[int]) -> None:
+        """These pages (from `take_to_scrub`) are zeroed on the device: they are free again."""
+        for page in pages:
+            self._to_scrub.remove(page)
+            self._free.append(page)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, hashes: Sequence[bytes]) -> list[int]:
@@ -144,10 +179,13 @@ class PagePool:
 
     def forget(self) -> None:
         """Empty the prefix cache (the pages' contents are gone, e.g. after the device pool was
-        rebuilt): cached pages become free, held pages stay held but are no longer shared."""
-        for page in self._evictable:
+        rebuilt): cached pages and pages waiting to be scrubbed become free (a new pool holds
+        zeros), held pages stay held but are no longer shared or poisoned."""
+        for page in list(self._evictable) + self._to_scrub:
             self._free.append(page)
         self._evictable.clear()
+        self._to_scrub.clear()
+        self._poisoned.clear()
         self._by_hash.clear()
         self._hash_of.clear()
 
@@ -162,14 +200,17 @@ class PagePool:
         for pages in held:
             assert len(set(pages)) == len(pages), f"a request holds a page twice: {pages}"
             counts.update(pages)
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free) and not (free & evictable) and TRASH_PAGE not in free | evictable
+        free, evictable, scrub = set(self._free), set(self._evictable), set(self._to_scrub)
+        assert len(free) == len(self._free) and len(scrub) == len(self._to_scrub)
+        assert not (free & evictable) and not (scrub & (free | evictable))
+        assert TRASH_PAGE not in free | evictable | scrub
+        assert all(self.refcount[p] > 0 for p in self._poisoned) and not (self._poisoned & set(self._hash_of))
         for page in range(self.n_pages):
             if page == TRASH_PAGE:
                 assert counts[page] == 0
                 continue
             assert self.refcount[page] == counts[page], f"page {page}: refcount {self.refcount[page]} != {counts[page]}"
-            states = (page in free) + (page in evictable) + (self.refcount[page] > 0)
+            states = (page in free) + (page in evictable) + (page in scrub) + (self.refcount[page] > 0)
             assert states == 1, f"page {page} is in {states} states"
             if page in evictable:
                 assert page in self._hash_of

@@ -52,7 +52,8 @@ from jaxinfer.model.model import Model
 from jaxinfer.program_store import ProgramStore
 from jaxinfer.serve import steering as steer
 from jaxinfer.serve.buckets import CallShapes
-from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, SlotInputs, decode_program, mixed_program, scoring_program
+from jaxinfer.serve.call_programs import (MAX_TOP_LOGPROBS, SlotInputs, decode_program, mixed_program, scoring_program,
+                                          scrub_program)
 from jaxinfer.serve.live import Live, batch_rows
 from jaxinfer.serve.programs import Programs, abstract, compile_for
 from jaxinfer.serve.scheduler import Chunk, Seq
@@ -346,6 +347,15 @@ class Runner:
         self.spare_counts = counts  # every slot's counts, for the next call when nobody is penalized
         self._carry = DeviceSlots(ints=ints, floats=floats, mask=mask)
         return pending.start_copies(self.on_host)
+
+    def scrub(self, pages: list[int]) -> None:
+        """Zero these pages of the pool (`call_programs.scrub_program`), W at a time: one program
+        of fixed shape, padded with the trash page, built at warmup."""
+        W = self.width
+        for i in range(0, len(pages), W):
+            ids = np.full((W,), kv.TRASH_PAGE, np.int32)
+            ids[:len(pages[i:i + W])] = pages[i:i + W]
+            self.cache = self._program(("scrub",), scrub_program, {}, self.cache, ids)
 
     def forget_slots(self) -> None:
         """After a fault: no `chain` from the device's slots and no reuse of the last call's counts

@@ -263,11 +263,15 @@ class Scheduler:
             seq.generated += tokens
             seq.state = DECODE
 
-    def finish(self, seq: Seq) -> None:
-        """seq is done (stopped, at its length, or cancelled): free its slot and pages at once."""
+    def finish(self, seq: Seq, poisoned: bool = False) -> None:
+        """seq is done (stopped, at its length, cancelled or failed): free its slot and pages at
+        once. `poisoned`: it failed for non-finite values, so its pages may hold inf or NaN: they
+        leave the prefix cache and are scrubbed before anyone gets them again (`PagePool.poison`)."""
         if seq.state == WAITING:
             self.waiting.remove(seq)
         elif seq.state != DONE:
+            if poisoned:
+                self.pool.poison(seq.pages)
             self._release(seq)
         seq.state = DONE
 

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from jaxinfer.decode import core
-from jaxinfer.serve.call_programs import MAX_TOP_LOGPROBS, SlotInputs, decode_program, mixed_program, scoring_program
+from jaxinfer.serve.call_programs import (MAX_TOP_LOGPROBS, SlotInputs, decode_program, mixed_program, scoring_program,
+                                          scrub_program)
 from jaxinfer.serve.live import batch_rows
 from jaxinfer.serve.programs import abstract, compile_for
 from jaxinfer.serve.scheduler import call_rows
@@ -47,6 +48,8 @@ def builds(runner: "Runner", shapes: list[tuple[int, int]], scoring: bool, decod
         static = dict(cfg=runner.cfg, n_steps=runner.decode_steps, n_top=MAX_TOP_LOGPROBS, packing=runner.packing)
         out.append((("decode",), functools.partial(compile_for, decode_program, base + (inputs,), static,
                                                    runner.store)))
+        scrub_args = abstract((runner.cache, z((W,), np.int32)))
+        out.append((("scrub",), functools.partial(compile_for, scrub_program, scrub_args, {}, runner.store)))
     for n_rows, C in shapes:
         static = dict(cfg=runner.cfg, n_top=MAX_TOP_LOGPROBS, packing=runner.packing)
         chunk_args = abstract((runner.call_shapes.chunk_arrays([], (n_rows, C)),
