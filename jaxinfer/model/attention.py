@@ -44,13 +44,6 @@ NEG_INF = -1e30  # large finite negative: a fully masked row stays finite
 # attention_layout).
 QUERIES_MAJOR = ("BTKGH", "BKGTS", "BKGTH")
 LAYOUT = {("cpu", "chunk"): ("BKHGT", "BKSGT", "BKHGT")}
-# Decode steps on these backends read a block's keys and values as [B, S, K x H], the pages'
-# own memory order, and score all kv heads in one product against block-diagonal queries
-# (`_flat_heads`): a head-batched product needs [B, K, S, H], and on XLA's CPU backend that
-# transposed copy of every block read, fused into the page gather, was the costliest part of a
-# decode step's attention. The zero blocks add exact zeros, so scores and outputs are unchanged
-# up to the order of the nonzero terms; the product does K times the (small) arithmetic.
-FLAT_HEADS_BACKENDS = ("cpu",)
 # A decode step (one query per row) reads the part of its context past the last whole block in
 # blocks of about this many positions: its cost is the bytes it gathers plus a loop trip per
 # block, so a 40-token context should not read a 256-position block, nor a 730-token one take 12 trips.
@@ -109,24 +102,6 @@ def attend(q, k, v, mask, scale, *, sinks: Optional[jax.Array] = None, pattern=N
     return out.reshape(B, T, N, v.shape[-1]), probs.reshape(B, N, T, -1)
 
 
-def _flat_heads(qg: jax.Array) -> jax.Array:
-    """Block-diagonal queries [B, K x H, K x G] from qg [B, K, G, H]: column (k, g) holds query
-    (k, g) in rows k x H .. (k + 1) x H - 1 and zeros elsewhere, so keys [B, S, K x H] times it
-    are the scores [B, S, K x G] of each query against its own kv head's keys."""
-    B, K, G, H = qg.shape
-    eye = jnp.eye(K, dtype=qg.dtype)
-    x = jnp.transpose(qg, (0, 1, 3, 2))[:, :, :, None, :] * eye[None, :, None, :, None]  # [B, K, H, K, G]
-    return x.reshape(B, K * H, K * G)
-
-
-def _own_heads(x: jax.Array, K: int) -> jax.Array:
-    """[B, K x G, K x Hv] products of every query with every kv head's values -> [B, K, G, Hv],
-    each query's own kv head (the diagonal blocks)."""
-    B, C, D = x.shape
-    x = x.reshape(B, K, C // K, K, D // K)
-    return jnp.moveaxis(jnp.diagonal(x, axis1=1, axis2=3), -1, 1)  # diagonal: [B, G, Hv, K]
-
-
 def _as(x: jax.Array, src: str, dst: str) -> jax.Array:
     """x, whose axes are named by the letters of src, transposed to dst's order, with a size-1
     axis for each letter of dst that src lacks (to broadcast against a dst-shaped array)."""
@@ -166,41 +141,20 @@ def paged_attention(q: jax.Array, q_pos: jax.Array, cache: KVCache, layer, *, sc
     # the queries', the scores' (S among them) and the running output's axes, in memory order
     qc, sc, oc = LAYOUT.get((jax.default_backend(), "step" if T == 1 else "chunk"), QUERIES_MAJOR)
     keys = sc.index("S")
-    flat = T == 1 and jax.default_backend() in FLAT_HEADS_BACKENDS
-    if flat:  # a step reads blocks as [B, S, K x H]: queries [B, K x H, K x G], scores and output queries-major
-        qc, sc, oc = QUERIES_MAJOR
-        qbd = _flat_heads(qg[:, 0])  # once, outside the loop over blocks
-    qg = _as(qg, "BTKGH", qc)
-
-    def scores(qg, kb):
-        """Unscaled scores (laid out as sc) of the queries against a block's keys [B, S, K, H]."""
-        if not flat:
-            return jnp.einsum(f"{qc},BSKH->{sc}", qg, kb, preferred_element_type=jnp.float32)
-        S = kb.shape[1]
-        s = jnp.einsum("BSD,BDC->BCS", kb.reshape(B, S, K * H), qbd, preferred_element_type=jnp.float32)
-        return s.reshape(B, K, G, 1, S)
-
-    def values(p, vb):
-        """Probabilities p (laid out as sc) times a block's values [B, S, K, Hv] (laid out as oc)."""
-        if not flat:
-            return jnp.einsum(f"{sc},BSKH->{oc}", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        S, Hv = vb.shape[1], vb.shape[3]
-        pv = jnp.einsum("BCS,BSD->BCD", p.astype(vb.dtype).reshape(B, K * G, S), vb.reshape(B, S, K * Hv),
-                        preferred_element_type=jnp.float32)
-        return _own_heads(pv, K)[:, :, :, None, :]  # [B, K, G, T, Hv]
+    qg = _as(qg, "BTKGH", qc)  # once, outside the loop over blocks
 
     def block(bp, i, carry, masked=True):
         m, l, acc = carry  # running max [B, K, G, T], sum [B, K, G, T], output (laid out as oc)
         kb, vb = read_block(cache, layer, i, q.dtype, bp)  # [B, S, K, H]
         k_pos = i * (bp * cache.page_size) + jnp.arange(bp * cache.page_size, dtype=q_pos.dtype)
-        s = scores(qg, kb)  # unscaled
+        s = jnp.einsum(f"{qc},BSKH->{sc}", qg, kb, preferred_element_type=jnp.float32)  # unscaled
         if masked:
             s = jnp.where(_as(causal_mask(q_pos, k_pos, window, local), "BTS", sc), s, NEG_INF)
         # scale > 0, so max(s) x scale == max(s x scale) exactly: the scaled scores are never written out
         m_new = jnp.maximum(m, s.max(axis=keys) * scale)
         p = jnp.exp(s * scale - jnp.expand_dims(m_new, keys))
         corr = jnp.exp(m - m_new)
-        pv = values(p, vb)
+        pv = jnp.einsum(f"{sc},BSKH->{oc}", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(axis=keys), acc * _as(corr, "BKGT", oc) + pv
 
     def blocks(bp, lo, hi, carry):
