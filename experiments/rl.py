@@ -103,7 +103,10 @@ def loop(args, m) -> dict:
     from jaxinfer.serve import Engine
 
     rng = np.random.default_rng(args.seed)
-    engine = Engine(m, **engine_args(args))  # programs built on first use: step 0's times include them
+    engine = Engine(m, **engine_args(args))
+    t0 = time.perf_counter()
+    n_programs = engine.warmup(logprobs=True)  # every program the loop can need, before the first step
+    print(f"engine warm: {n_programs} programs in {time.perf_counter() - t0:.1f} s", flush=True)
     params, cfg = m.params, m.config
     targets, scale = tuple(args.targets.split(",")), 2.0  # lora_alpha = 2 r
     train = init_adapter(cfg, targets, args.rank, jax.random.key(args.seed))
@@ -144,7 +147,7 @@ def loop(args, m) -> dict:
               f"generate {t_gen:.1f} s ({n_tokens / t_gen:.0f} tok/s)  train {t_train:.1f} s  "
               f"update (merge + update_params) {t_update * 1e3:.0f} ms  {batch.completions[0].text!r}", flush=True)
     # the same shapes with no update in between: the engine's plain throughput, against the loop's
-    # generate phases after the first (whose time holds the programs' compiles)
+    # generate phases after the first
     plain = []
     for i in range((1 if args.smoke else 2) if args.steps > 1 else 0):
         batch, t_gen, _ = sample(args.steps + i, tasks(rng, args.prompts))
