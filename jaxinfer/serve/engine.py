@@ -269,24 +269,10 @@ class Engine:
                     # Raised before any call was built (scheduling, picking chunks): the same plan
                     # would raise again next step, so every request it could hold fails, loudly.
                     recovery.recover(flights.dispatching.ids() or self.held.ids(), e)
-            if self.dead is None and self.pool.scrub_wanted():
-                try:  # (after the calls just started: none of them is given these pages)
-                    self._scrub_pages()
-                except Exception as e:  # noqa: BLE001 - the pool may be lost: recover as after any fault
-                    under_way = flights.take()
-                    if under_way is not None:  # the scrub went on from its pool: lost too
-                        recovery.drop(under_way)
-                    recovery.recover(frozenset(), e)
+            if self.dead is None:  # after the calls just started: none of them is given these pages
+                recovery.scrub_poisoned()
             self.steps += 1
             return True
-
-    def _scrub_pages(self) -> None:
-        """Zero the pages that requests failed for inf or NaN values left (`PagePool.poison`), after
-        every call that may still write them and before anyone is given them again: their values
-        would make a new owner's attention NaN at positions it masks (0 x NaN)."""
-        pages = self.pool.take_to_scrub()
-        self.runner.scrub(pages)
-        self.pool.scrubbed(pages)
 
     def update_params(self, params: Params, *, in_flight: str = "finish", check_finite: bool = False) -> int:
         """Swap the model's weights for new arrays of the same tree, shapes, dtypes and shardings

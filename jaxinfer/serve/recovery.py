@@ -65,6 +65,25 @@ class Recovery:
         recomputed, as after any fault that may have touched the pool."""
         self.recover(flight.touched, RuntimeError("the device call before this one failed"), fail=False)
 
+    def scrub_poisoned(self) -> None:
+        """Zero the pages that requests failed for inf or NaN values left (`PagePool.poison`), after
+        every call that may still write them and before anyone is given them again: their values
+        would make a new owner's attention NaN at positions it masks (0 x NaN). If the scrub
+        raises, the pool may be lost: the flight under way went on from it (dropped too) and the
+        engine recovers as after any fault."""
+        if not self.pool.scrub_wanted():
+            return
+        pages = self.pool.take_to_scrub()
+        try:
+            self.runner.scrub(pages)
+        except Exception as e:  # noqa: BLE001 - any fault: recover as after any other
+            under_way = self.flights.take()
+            if under_way is not None:
+                self.drop(under_way)
+            self.recover(frozenset(), e)
+            return
+        self.pool.scrubbed(pages)
+
     def die(self, message: str) -> None:
         """Recovery is impossible: fail everything and refuse new requests."""
         self.dead = message
