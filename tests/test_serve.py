@@ -238,7 +238,7 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
     mixed = sent[:2 * len(engine.runner.shapes())]  # each shape: two timed runs
     assert mixed[0] is True and not any(mixed[1:]), sent
     monkeypatch.undo()
-    times = engine.runner.call_seconds
+    times = engine.runner.call_shapes.call_seconds
     assert set(times) == set(engine.runner.shapes()) and all(t > 0 for t in times.values())
     assert engine.stats().call_rows == call_rows([(R * C + 4, t) for (R, C), t in times.items()])
     fixed = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40, call_rows=7)
@@ -249,9 +249,9 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
     seqs = [Seq(rid=i, prompt=[1] * 10, max_new_tokens=1, slot=i) for i in range(4)]
     short = [Chunk(seq=s, start=0, n=10, last=True) for s in seqs]
     for e in (engine, fixed):
-        e.runner.call_seconds = {s: 1.0 if s[0] > 1 else 0.1 for s in e.runner.shapes()}
+        e.runner.call_shapes.call_seconds = {s: 1.0 if s[0] > 1 else 0.1 for s in e.runner.shapes()}
     assert engine.runner.pick(short) == short[:1] and fixed.runner.pick(short) == short
-    engine.runner.call_seconds = {s: 0.1 for s in engine.runner.shapes()}
+    engine.runner.call_shapes.call_seconds = {s: 0.1 for s in engine.runner.shapes()}
     assert engine.runner.pick(short) == short
     with pytest.raises(ValueError, match="call_rows must be an int >= 0"):
         Engine(model, call_rows=-1, **ENGINE)

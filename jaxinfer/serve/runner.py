@@ -27,8 +27,9 @@ Steering (`steering.py`, an engine built with steering_slots > 0): the slots' ad
 scales and layer gates are one more argument of the mixed and decode programs (`sites.Hooks`
 with rows [B, ...]), rewritten on the host where a slot's request changed and sent again only
 then; a scoring call builds its rows' own. LoRA adapters (`adapters.py`) ride in the same
-hooks: each slot's adapter index (`Hooks.adapter_ids` [B], -1 for the base model). Hidden states: scoring calls of requests that ask
-for them run "hidden" programs that also capture the engine's hidden sites at every layer.
+hooks: each slot's adapter index (`Hooks.adapter_ids` [B], -1 for the base model). Hidden
+states: scoring calls of requests that ask for them run "hidden" programs that also capture the
+engine's hidden sites at every layer.
 
 Shape letters: B slots (or a call's rows), C a chunk's length, W page-table width, V vocab,
 U bitmask words. (`_mixed` and `_prefill`, kept as they were, still write S and R.)
@@ -46,7 +47,6 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.decode import core
 from jaxinfer.model import cache as kv
-from jaxinfer.model import lora
 from jaxinfer.model import sites
 from jaxinfer.model.model import Model
 from jaxinfer.program_store import ProgramStore
@@ -108,15 +108,6 @@ class Runner:
     warming = property(lambda self: self.warm.warming, doc="A background warmup is under way.")
     warm_done = property(lambda self: self.warm.done, doc="An Event set when no warmup is under way.")
     warm_error = property(lambda self: self.warm.error, doc="What a background warmup failed with.")
-
-    @property
-    def call_seconds(self) -> dict[tuple[int, int], float]:
-        """(B, C) -> a mixed call's seconds, measured by `warmup`."""
-        return self.call_shapes.call_seconds
-
-    @call_seconds.setter
-    def call_seconds(self, seconds: dict[tuple[int, int], float]) -> None:
-        self.call_shapes.call_seconds = seconds
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (B, C) of a prompt-chunk call (`CallShapes.shapes`)."""
@@ -182,27 +173,17 @@ class Runner:
         B, C = chunks.tokens.shape
         return self._program(("mixed", B, C), mixed_program, dict(cfg=self.cfg, n_top=MAX_TOP_LOGPROBS,
                                                                   packing=self.packing), self.model.params, cache,
-                             counts, inputs.replace(hooks=self._steer_hooks()), chunks, chunk_rows)
+                             counts, inputs.replace(hooks=self.tables.steer_hooks()), chunks, chunk_rows)
 
     def _decode(self, cache, counts, inputs: SlotInputs):
         return self._program(("decode",), decode_program, dict(cfg=self.cfg, n_steps=self.decode_steps,
                                                               n_top=MAX_TOP_LOGPROBS, packing=self.packing),
-                             self.model.params, cache, counts, inputs.replace(hooks=self._steer_hooks()))
-
-    def _steer_hooks(self):
-        """The slots' steering hooks on the device (`SlotTables.steer_hooks`)."""
-        return self.tables.steer_hooks()
+                             self.model.params, cache, counts, inputs.replace(hooks=self.tables.steer_hooks()))
 
     def scoring_hooks(self, lives: list, hidden: bool):
-        """Host hooks of a scoring call's rows: their steering, and (`hidden`) the hidden sites
-        captured at every layer. None when there is neither."""
-        steering = self.tables.steering
-        hooks = steer.idle_hooks(steering, self.cfg, len(lives))
-        if hooks is not None:
-            for i, lv in enumerate(lives):
-                steer.write_row(hooks, i, None if lv is None else lv.steering, steering)
-        if self.tables.adapter_ids is not None:
-            hooks = lora.with_ids(hooks, np.array([-1 if lv is None else lv.adapter for lv in lives], np.int32))
+        """Host hooks of a scoring call's rows: their steering and adapters (`SlotTables.row_hooks`),
+        and (`hidden`) the hidden sites captured at every layer. None when there is none of these."""
+        hooks = self.tables.row_hooks(lives)
         if hidden:
             hooks = (hooks or sites.Hooks()).replace(capture=self.hidden_sites,
                                                      capture_layers=tuple(range(self.cfg.n_layers)))

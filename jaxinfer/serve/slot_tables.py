@@ -160,7 +160,7 @@ class SlotTables:
         next call's hooks where one changed."""
         if self.adapter_ids is None:
             return
-        ids = np.array([-1 if lv is None else lv.adapter for lv in by_slot], np.int32)
+        ids = _adapter_ids(by_slot)
         if not np.array_equal(ids, self.adapter_ids):
             self.adapter_ids = ids
             self._steer_sent = None
@@ -171,6 +171,15 @@ class SlotTables:
             return self.steer_rows
         return lora.with_ids(self.steer_rows, self.adapter_ids)
 
+    def row_hooks(self, lives: list) -> Optional[sites.Hooks]:
+        """Host hooks of a call's own rows (a scoring call: `Live`s, None for padding): their
+        steering and adapter ids, as the slots' hooks hold them (None with neither)."""
+        hooks = steer.idle_hooks(self.steering, self.cfg, len(lives))
+        if hooks is not None:
+            for i, lv in enumerate(lives):
+                steer.write_row(hooks, i, None if lv is None else lv.steering, self.steering)
+        return hooks if self.adapter_ids is None else lora.with_ids(hooks, _adapter_ids(lives))
+
     def steer_hooks(self):
         """The slots' hooks on the device (steering and adapter ids; None with neither), sent
         again only after a slot's request changed."""
@@ -179,6 +188,11 @@ class SlotTables:
         if self._steer_sent is None:
             self._steer_sent = jax.device_put(jax.tree.map(np.copy, self.host_hooks()))  # never the live host rows
         return self._steer_sent
+
+
+def _adapter_ids(lives: list) -> np.ndarray:
+    """Each row's adapter slot [len(lives)] int32 (`Live.adapter`; -1 for None: idle or padding)."""
+    return np.array([-1 if lv is None else lv.adapter for lv in lives], np.int32)
 
 
 class PageTable:
