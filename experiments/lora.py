@@ -2,14 +2,17 @@
 
     python -m experiments.lora [--rank 16] [--rounds 5] [--new-tokens 64] [--layout per_layer]
 
-Decode batch 8 (greedy, no stop) three ways, side by side in alternating rounds (medians):
+Decode batch 8 (greedy, no stop) four ways, side by side in alternating rounds (medians):
 the base model; the same rows with 8 different random rank-`--rank` adapters on all seven
-projections (one per row, kept apart: each row gathers its own A and B); and the model with one
-such adapter merged into its weights. Reported as decode time relative to the base (targets:
-<= 1.15 for 8 adapters, 1.0 merged), with the compiles a reassignment of adapters to rows costs (0).
+projections (one per row, kept apart), their A and B stored float32 and, again, bfloat16
+(`lora_dtype`); and the model with one such adapter merged into its weights. Reported as decode
+time relative to the base (targets: <= 1.15 for 8 adapters, 1.0 merged), with the compiles a
+reassignment of adapters to rows costs (0).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -42,39 +45,44 @@ def speed(args, m) -> dict:
     B = 8
     adapters = {f"a{i}": random_adapter(cfg, args.rank, i) for i in range(B)}
     with_lora = jaxinfer.lora.attach(m, adapters)
+    with_bf16 = jaxinfer.lora.attach(m, adapters, lora_dtype="bfloat16")
     merged = jaxinfer.lora.attach(m, {"a0": adapters["a0"]}, merge=True)
     ids = common.text_ids(m.tokenizer)
     prompts = [ids[i * 40:i * 40 + 32] for i in range(B)]
     names = list(adapters)
 
-    def decode_s(model, rows):
+    def decode_s(model, row_adapters):
         def run():
-            out = jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False, adapters=rows)
+            out = jaxinfer.generate(model, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False,
+                                    adapters=row_adapters)
             return out.timings.decode_s
         return run
 
     runs = interleaved({"base": decode_s(m, None), "adapters": decode_s(with_lora, names),
-                        "merged": decode_s(merged, None)}, args.rounds)
+                        "adapters_bf16": decode_s(with_bf16, names), "merged": decode_s(merged, None)}, args.rounds)
     med = {k: float(np.median(v)) for k, v in runs.items()}
     with CompileCounter() as compiles:
         jaxinfer.generate(with_lora, prompts, max_new_tokens=args.new_tokens, stop_at_eos=False,
                           adapters=names[::-1][:4] + [None] * 4)
-    rows = [{"row": f"decode b{B}, {B} different rank-{args.rank} adapters (all seven projections) / base",
-             "ratio": med["adapters"] / med["base"], "target": "<= 1.15"},
+    each = f"decode b{B}, {B} different rank-{args.rank} adapters (all seven projections)"
+    table = [{"row": f"{each}, float32 stacks / base", "ratio": med["adapters"] / med["base"], "target": "<= 1.15"},
+            {"row": f"{each}, bfloat16 stacks / base", "ratio": med["adapters_bf16"] / med["base"],
+             "target": "<= 1.15"},
             {"row": f"decode b{B}, one adapter merged / base", "ratio": med["merged"] / med["base"], "target": "1.0"},
             {"row": "programs compiled when rows switch adapters", "ratio": float(compiles.count), "target": "0"}]
-    for r in rows:
-        print(f"{r['row']:75} {r['ratio']:7.3f}  (target {r['target']})")
+    for r in table:
+        print(f"{r['row']:100} {r['ratio']:7.3f}  (target {r['target']})")
     fig, ax = common.plt().subplots(figsize=(7, 2.2))
-    ax.barh(range(2), [rows[0]["ratio"], rows[1]["ratio"]], color="C0")
+    ax.barh(range(3), [r["ratio"] for r in table[:3]], color="C0")
     ax.axvline(1.0, color="k", lw=0.5)
     ax.plot([1.15, 1.15], [-0.4, 0.4], color="C3")
-    ax.set_yticks(range(2), ["8 adapters, one per row", "one adapter merged"], fontsize=8)
+    ax.set_yticks(range(3), ["8 adapters, one per row, float32", "the same, bfloat16 stacks", "one adapter merged"],
+                  fontsize=8)
     ax.set_xlabel("decode time / base model's (red: the target)")
     ax.set_title(f"{args.model}: LoRA in decode, batch {B}, {args.new_tokens} tokens, rank {args.rank} "
                  f"({args.rounds} alternating rounds, medians)", fontsize=8)
     result = {"layout": cfg.layout, "rank": args.rank, "batch": B, "new_tokens": args.new_tokens,
-              "rounds": args.rounds, "decode_s": med, "runs": runs, "rows": rows}
+              "rounds": args.rounds, "load_average": os.getloadavg(), "decode_s": med, "runs": runs, "rows": table}
     common.save("lora_speed", result, args, fig=fig)
     return result
 

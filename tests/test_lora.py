@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -207,7 +209,81 @@ def test_bad_arguments_are_refused_by_name(llama):
             lora_api.attach(moe, {"x": os.path.join(GOLDEN, LLAMA[0])})
         with pytest.raises(ValueError, match="merge=True folds an adapter"):
             jaxinfer.load(os.path.join(TINY, "llama"), merge=True)
+        for bad in ("float16", "int8", None):
+            with pytest.raises(ValueError, match=f"lora_dtype must be one of float32, bfloat16, got {bad!r}"):
+                lora_api.attach(base, {"x": os.path.join(GOLDEN, LLAMA[0])}, lora_dtype=bad)
+        with pytest.raises(ValueError, match="lora_dtype must be one of"):
+            jaxinfer.load("/nonexistent/model", adapters={"x": os.path.join(GOLDEN, LLAMA[0])}, lora_dtype="fp8")
+        with pytest.raises(ValueError, match="lora_dtype='bfloat16' is for adapters kept apart"):
+            lora_api.attach(base, {"x": os.path.join(GOLDEN, LLAMA[0])}, merge=True, lora_dtype="bfloat16")
     assert compiles.count == 0
+
+
+def bf16_term_bound(x, w32, ids, n_in: int, n_k: int) -> np.ndarray:
+    """How far a row's LoRA term with bfloat16 stacks may lie from the float32 stacks' term, [B, T, out].
+
+    With bfloat16 stacks four values are rounded to 8 significant bits (unit roundoff u = 2^-8):
+    A and B when stored, x and x_A when cast for the two products; products of two bfloat16 values
+    are exact in float32, and both runs accumulate n_in (A) and n_k (B: n*r, the other adapters'
+    zeros included) terms plus the scale's product in float32 (unit roundoff v = 2^-24). Each run
+    lies within ((1+u)^4 (1+v)^m - 1) M resp. ((1+v)^m - 1) M of the exact term, m = n_in + n_k + 2,
+    where M = scale |x| |A|^T |B|^T (absolute values, the row's own adapter); the bound is their sum."""
+    u, v, m = 2.0 ** -8, 2.0 ** -24, n_in + n_k + 2
+    a = np.abs(np.asarray(w32["a"], np.float64))[ids]  # [B, r, in]
+    b = np.abs(np.asarray(w32["b"], np.float64))[ids]  # [B, r, out]
+    s = np.asarray(w32["scale"], np.float64)[ids]
+    big_m = np.einsum("BTI,BRI,BRO->BTO", np.abs(np.asarray(x, np.float64)), a, b) * s[:, None, None]
+    return (((1 + u) ** 4 * (1 + v) ** m - 1) + ((1 + v) ** m - 1)) * big_m
+
+
+@pytest.mark.parametrize("T", (1, 40))  # a decode step (every adapter, a select) and a prompt chunk (a gather)
+def test_bfloat16_stacks_differ_from_float32_by_their_rounding_alone(llama, T):
+    base, _ = llama["per_layer"]
+    cfg = base.config
+    adapters = [peft.read(os.path.join(GOLDEN, n), cfg) for n in LLAMA]
+    s32, s16 = lora.stack(adapters, cfg), lora.stack(adapters, cfg, "bfloat16")
+    rng = np.random.default_rng(3)
+    ids = np.asarray([0, 2, -1, 1], np.int32)
+    for t in ("q_proj", "down_proj"):
+        w32, w16 = ({k: v[1] for k, v in st[t].items()} for st in (s32, s16))  # layer 1
+        assert w16["a"].dtype == w16["b"].dtype == jnp.bfloat16 and w16["scale"].dtype == jnp.float32
+        n, r, n_in = w32["a"].shape
+        x = rng.standard_normal((4, T, n_in)).astype(np.float32)
+        y = rng.standard_normal((4, T, w32["b"].shape[-1])).astype(np.float32)
+        got32, got16 = (np.asarray(lora._rows_term(jnp.asarray(y), jnp.asarray(x), w, jnp.asarray(ids)))
+                        for w in (w32, w16))
+        on = ids >= 0
+        np.testing.assert_array_equal(got16[~on], y[~on])  # the base row: y bit for bit
+        bound = bf16_term_bound(x[on], w32, ids[on], n_in, n * r)
+        bound += 2.0 ** -24 * (np.abs(got32[on]) + np.abs(got16[on]))  # y + term rounded in float32, both runs
+        diff = np.abs(got16[on] - got32[on])
+        assert (diff <= bound).all(), f"{t} T={T}: max excess {(diff - bound).max():.3g}, max diff {diff.max():.3g}"
+        assert diff.max() > 0  # the stacks are rounded: the bound is not met by equality
+        print(f"{t} T={T}: max |bf16 - fp32| {diff.max():.3g}, bound at that element "
+              f"{bound.flat[diff.argmax()]:.3g}, max bound {bound.max():.3g}")
+
+
+def test_an_adapter_saved_in_bfloat16_is_stored_exactly(llama, tmp_path):
+    """A PEFT file in bfloat16 (as PEFT often saves) loses nothing in bfloat16 stacks: their values
+    are the float32 stacks' of the same file, and generate runs on them."""
+    base, _ = llama["per_layer"]
+    src = os.path.join(GOLDEN, LLAMA[0])
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    shutil.copy(os.path.join(src, "adapter_config.json"), folder)
+    tensors = {k: safetensors_io.read(i).astype(ml_dtypes.bfloat16)
+               for k, i in safetensors_io.read_header(os.path.join(src, "adapter_model.safetensors")).items()}
+    safetensors_io.write(folder / "adapter_model.safetensors", tensors)
+    m32 = lora_api.attach(base, {"x": folder})
+    m16 = lora_api.attach(base, {"x": folder}, lora_dtype="bfloat16")
+    for t, w in m16.params["lora"].items():
+        for k in ("a", "b"):
+            assert w[k].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(w[k], np.float32), np.asarray(m32.params["lora"][t][k]))
+    ids = ref(LLAMA[0])["ids"].tolist()
+    out = jaxinfer.generate(m16, [ids, ids], max_new_tokens=3, adapters=["x", None], stop_at_eos=False)
+    plain = jaxinfer.generate(base, [ids], max_new_tokens=3, stop_at_eos=False)
+    assert out.completions[1].token_ids == plain.completions[0].token_ids  # the base row is the base model's
 
 
 def saved_adapter(cfg) -> lora.Adapter:

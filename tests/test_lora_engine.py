@@ -14,6 +14,7 @@ import dataclasses
 import os
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -24,6 +25,8 @@ from jaxinfer import lora as lora_api
 from jaxinfer.compile_cache import CompileCounter
 from jaxinfer.decode.sampling import GREEDY, SamplingParams
 from jaxinfer.serve import Engine
+from jaxinfer.serve import adapters as serve_adapters
+from jaxinfer.serve.adapters import AdapterSlots
 from jaxinfer.weights import peft
 from tests.test_lora import GOLDEN, LLAMA, Q_A, TINY, _bad_copy
 from tests.tolerances import assert_close
@@ -164,7 +167,25 @@ def test_bad_adapters_and_names_are_refused_by_name_before_compiling(base, engin
             without.submit([1, 2, 3], adapter=R4)
         with pytest.raises(ValueError, match="lora_slots must be an int >= 0"):
             Engine(base, lora_slots=-1)
+        with pytest.raises(ValueError, match="lora_dtype must be one of float32, bfloat16, got 'float16'"):
+            Engine(base, lora_slots=1, lora_dtype="float16")
     assert compiles.count == 0
+
+
+def test_bfloat16_slots_hold_an_adapter_rounded_once(base):
+    """Engine(lora_dtype="bfloat16")'s slots: A and B stored bfloat16 (the float32 values rounded to
+    nearest, once), the scales float32, the other slots untouched."""
+    path = os.path.join(GOLDEN, R4)
+    slots16, slots32 = AdapterSlots(base.config, 2, 8, "bfloat16"), AdapterSlots(base.config, 2, 8)
+    written = serve_adapters._write(slots16.empty(), np.int32(1), slots16.check(R4, path))
+    exact = slots32.check(R4, path)
+    for t, w in written.items():
+        assert w["a"].dtype == w["b"].dtype == jax.numpy.bfloat16 and w["scale"].dtype == np.float32
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(np.asarray(w[k][:, 1], np.float32),
+                                          exact[t][k].astype(ml_dtypes.bfloat16).astype(np.float32))
+            assert not np.asarray(w[k][:, 0], np.float32).any()
+        np.testing.assert_array_equal(np.asarray(w["scale"][:, 1]), exact[t]["scale"])
 
 
 # Over HTTP ---------------------------------------------------------------------------------------

@@ -19,6 +19,11 @@ their own), for each target t of TARGETS:
   params["lora"][t]["b"]      [L, n, r, out]  B^T (a smaller rank is zero-padded: exact zeros add nothing)
   params["lora"][t]["scale"]  [L, n]          0 (with A = B = 0) where an adapter leaves layer l's t alone
 
+A and B are stored float32 (the default) or bfloat16 (`stack(..., dtype=)`, `jaxinfer.lora.attach(...,
+lora_dtype=)`: half the bytes a decode step reads; exact for an adapter saved in bfloat16, a rounding
+to 8 significant bits otherwise). As PEFT does, a row's x is cast to the stacks' dtype for the two
+products, which accumulate in float32; the scale and the sum with y are float32 (y's dtype).
+
 A is kept as PEFT stores it and B transposed, so that both of a decode step's products read their
 operand in place: XLA's CPU dot wants its right operand's contracted axis major, and the term is
 computed as (A x^T)^T (A on the left, contracted on its minor axis) then x_A [B, n*r] @ B^T [n*r, out].
@@ -91,11 +96,28 @@ def scale_of(alpha: float, rank: int, use_rslora: bool) -> float:
     return float(alpha) / (float(np.sqrt(rank)) if use_rslora else float(rank))
 
 
-def stack(adapters: Sequence[Adapter], cfg: ModelConfig) -> Params:
+# The dtypes A and B may be stored in (`stack`'s dtype, `attach`'s and `Engine`'s lora_dtype).
+DTYPES = ("float32", "bfloat16")
+
+
+def storage_dtype(lora_dtype) -> np.dtype:
+    """`lora_dtype` (a name of DTYPES or that dtype) as a numpy dtype; ValueError naming the allowed ones."""
+    try:
+        dt = np.dtype(jnp.dtype(lora_dtype)) if lora_dtype is not None and not isinstance(lora_dtype, bool) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise ValueError(f"lora_dtype must be one of {', '.join(DTYPES)}, got {lora_dtype!r}")
+    return dt
+
+
+def stack(adapters: Sequence[Adapter], cfg: ModelConfig, dtype="float32") -> Params:
     """The `params["lora"]` tree of several adapters (module docstring), on the default device.
 
     Every target any adapter changes gets a stack; an adapter that leaves a target alone has zeros
-    there. Ranks are padded to the largest per target."""
+    there. Ranks are padded to the largest per target. A and B are stored in `dtype` (DTYPES:
+    bfloat16 rounds each value to nearest), the scales in float32."""
+    dtype = storage_dtype(dtype)
     out = {}
     L = cfg.n_layers
     for t in TARGETS:
@@ -115,7 +137,7 @@ def stack(adapters: Sequence[Adapter], cfg: ModelConfig) -> Params:
             A[:, j, :ra] = np.asarray(w["a"], np.float32)
             B[:, j, :ra] = np.swapaxes(np.asarray(w["b"], np.float32), 1, 2)
             S[:, j] = np.asarray(w["scale"], np.float32)
-        out[t] = {"a": jnp.asarray(A), "b": jnp.asarray(B), "scale": jnp.asarray(S)}
+        out[t] = {"a": jnp.asarray(A, dtype), "b": jnp.asarray(B, dtype), "scale": jnp.asarray(S)}
     return out
 
 
@@ -239,23 +261,27 @@ FEW_ROW_ADAPTERS = 256  # B * T * n at most
 
 
 def _rows_term(y: jax.Array, x: jax.Array, w: Params, ids: jax.Array) -> jax.Array:
-    """y [B, T, *out] + scale (x A^T) B^T with each row's own A [r, in], B^T [r, out] (ids [B])."""
+    """y [B, T, *out] + scale (x A^T) B^T with each row's own A [r, in], B^T [r, out] (ids [B]).
+
+    Both products take their operands in the stacks' dtype and accumulate in float32."""
     B, T = x.shape[:2]
     n, r, I = w["a"].shape
+    dt, f32 = w["a"].dtype, jnp.float32
     i = jnp.maximum(ids, 0)
-    xf = x.reshape(B * T, I).astype(w["a"].dtype)
+    xf = x.reshape(B * T, I).astype(dt)
     if n == 1 or B * T * n <= FEW_ROW_ADAPTERS:
         # x_A [n*r, B*T] with A [n*r, in] on the left: A read where it lies (module docstring)
-        xa = jax.lax.dot_general(w["a"].reshape(n * r, I), xf, (((1,), (1,)), ((), ())))
+        xa = jax.lax.dot_general(w["a"].reshape(n * r, I), xf, (((1,), (1,)), ((), ())), preferred_element_type=f32)
         xa = xa.T.reshape(B, T, n, r)
         # each row's own adapter (times its scale), the others' exact zeros: a `where`, so that an
         # overflow in another adapter's product cannot reach this row as inf * 0
         own = (jnp.arange(n)[None, :] == i[:, None])[:, None, :, None]  # [B, 1, n, 1]
-        xa = jnp.where(own, xa * w["scale"][None, None, :, None], 0.0)
-        term = jnp.einsum("BTNR,NRO->BTO", xa, w["b"])
+        xa = jnp.where(own, xa * w["scale"][None, None, :, None], 0.0).astype(dt)
+        term = jnp.einsum("BTNR,NRO->BTO", xa, w["b"], preferred_element_type=f32)
     else:  # prompt chunks: each row's A and B gathered once for its T tokens
-        xa = jnp.einsum("BTI,BRI->BTR", xf.reshape(B, T, I), w["a"][i])  # [B, r, I]
-        term = jnp.einsum("BTR,BRO->BTO", xa, w["b"][i]) * w["scale"][i][:, None, None]  # [B, r, O]
+        xa = jnp.einsum("BTI,BRI->BTR", xf.reshape(B, T, I), w["a"][i], preferred_element_type=f32)  # [B, r, I]
+        term = jnp.einsum("BTR,BRO->BTO", xa.astype(dt), w["b"][i],
+                          preferred_element_type=f32) * w["scale"][i][:, None, None]  # [B, r, O]
     on = (ids >= 0).reshape((B,) + (1,) * (y.ndim - 1))
     return jnp.where(on, y + term.reshape(y.shape).astype(y.dtype), y)
 

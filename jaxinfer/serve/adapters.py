@@ -56,12 +56,13 @@ class AdapterError(ValueError):
         self.field = field
 
 
-def stacks(cfg: ModelConfig, slots: int, rank: int) -> Params:
-    """`params["lora"]` of `slots` empty adapter slots of rank `rank`, all seven targets (zeros)."""
+def stacks(cfg: ModelConfig, slots: int, rank: int, dtype=np.float32) -> Params:
+    """`params["lora"]` of `slots` empty adapter slots of rank `rank`, all seven targets (zeros), A and
+    B in `dtype` (`lora.DTYPES`), the scales float32."""
     L, out = cfg.n_layers, {}
     for t in lora.TARGETS:
         O, I = lora.shape_of(t, cfg)
-        out[t] = {"a": jnp.zeros((L, slots, rank, I), jnp.float32), "b": jnp.zeros((L, slots, rank, O), jnp.float32),
+        out[t] = {"a": jnp.zeros((L, slots, rank, I), dtype), "b": jnp.zeros((L, slots, rank, O), dtype),
                   "scale": jnp.zeros((L, slots), jnp.float32)}
     return out
 
@@ -78,7 +79,8 @@ _write = jax.jit(_write_one, donate_argnums=0)
 class AdapterSlots:
     """The engine's adapter slots: which adapter each holds, the requests holding them, the writes."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_rank: int):
+    def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, dtype="float32"):
+        self.dtype = lora.storage_dtype(dtype)  # A and B's storage (the scales stay float32)
         for name, v, low in (("lora_slots", slots, 0), ("max_lora_rank", max_rank, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
@@ -100,14 +102,14 @@ class AdapterSlots:
 
     def empty(self) -> Params:
         """The empty stacks (`stacks`), built with one write so the write program exists from here on."""
-        return _write(stacks(self.cfg, self.slots, self.max_rank), np.int32(0), self._zeros())
+        return _write(stacks(self.cfg, self.slots, self.max_rank, self.dtype), np.int32(0), self._zeros())
 
     def _zeros(self) -> Params:
         L, r = self.cfg.n_layers, self.max_rank
         out = {}
         for t in lora.TARGETS:
             O, I = lora.shape_of(t, self.cfg)
-            out[t] = {"a": np.zeros((L, r, I), np.float32), "b": np.zeros((L, r, O), np.float32),
+            out[t] = {"a": np.zeros((L, r, I), self.dtype), "b": np.zeros((L, r, O), self.dtype),
                       "scale": np.zeros((L,), np.float32)}
         return out
 

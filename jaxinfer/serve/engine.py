@@ -83,7 +83,8 @@ class Engine:
                  prefill_chunk: int = 512, prefix_cache: bool = True, decode_steps: int = 16,
                  busy_decode_steps: int = 4, admission_wait: float = ADMISSION_WAIT, call_rows: Optional[int] = None,
                  steering_slots: int = 0, steering_sites: Sequence[str] = ("resid_post",),
-                 hidden_sites: Sequence[str] = (), lora_slots: int = 0, max_lora_rank: int = 16):
+                 hidden_sites: Sequence[str] = (), lora_slots: int = 0, max_lora_rank: int = 16,
+                 lora_dtype: str = "float32"):
         """
         Args:
           model: a loaded Model (either params layout).
@@ -120,9 +121,10 @@ class Engine:
           lora_slots: LoRA adapters held at once (`serve.adapters`: `load_adapter`,
             `submit(adapter=...)`; 0: none, the programs of an engine without them).
           max_lora_rank: the largest rank an adapter loaded may use (the slots' rank r).
+          lora_dtype: the slots' A and B storage, "float32" or "bfloat16" (`jaxinfer.lora.attach`).
         """
         self.steering = steering.Steering(steering_slots, tuple(steering_sites))
-        self.lora = AdapterSlots(model.config, lora_slots, max_lora_rank)
+        self.lora = AdapterSlots(model.config, lora_slots, max_lora_rank, lora_dtype)
         model = self.lora.with_slots(model)
         hidden_sites = steering.check_hidden_sites(hidden_sites, model.config)
         use_default_cache()  # the persistent compile cache, unless the user opted out (compile_cache)

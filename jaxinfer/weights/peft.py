@@ -221,7 +221,8 @@ def _tensor(entry, where: Path) -> np.ndarray:
 AdapterSource = Union[str, os.PathLike, lora.Adapter]
 
 
-def attach(model: Model, adapters: Mapping[str, AdapterSource], *, merge: bool = False) -> Model:
+def attach(model: Model, adapters: Mapping[str, AdapterSource], *, merge: bool = False,
+           lora_dtype: str = "float32") -> Model:
     """`model` with LoRA adapters: kept apart, each row of a call picking one, or one merged in.
 
     Args:
@@ -231,6 +232,9 @@ def attach(model: Model, adapters: Mapping[str, AdapterSource], *, merge: bool =
       merge: fold the one adapter given into the weights (`lora.merge`; float weights only): the
         result is a plain model (no `adapters` argument needed or accepted) that runs as fast as
         the base.
+      lora_dtype: the dtype the kept-apart adapters' A and B are stored in (`lora.DTYPES`):
+        "float32", or "bfloat16", half the bytes a decode step reads (exact for adapters saved in
+        bfloat16, a rounding to 8 significant bits otherwise; docs/lora.md). Not with merge.
     Returns:
       The Model; without merge, `Model.adapters` lists the names that `generate(adapters=...)`,
       `logits`, `score` and `activations` take.
@@ -238,6 +242,10 @@ def attach(model: Model, adapters: Mapping[str, AdapterSource], *, merge: bool =
       PeftError / ValueError naming what is refused, before anything is compiled.
     """
     cfg = model.config
+    dtype = lora.storage_dtype(lora_dtype)
+    if merge and dtype != np.float32:
+        raise ValueError(f"lora_dtype={lora_dtype!r} is for adapters kept apart; merge folds the adapter into the "
+                         "weights in their own dtype")
     if model.adapters:
         raise ValueError(f"this model already has adapters ({', '.join(model.adapters)}); attach every adapter in "
                          "one call, to the base model")
@@ -261,7 +269,7 @@ def attach(model: Model, adapters: Mapping[str, AdapterSource], *, merge: bool =
                              f"({', '.join(read_)}): keep several apart (merge=False)")
         (a,) = read_.values()
         return dataclasses.replace(model, params=lora.merge(model.params, a, cfg))
-    params = dict(model.params, lora=lora.stack(list(read_.values()), cfg))
+    params = dict(model.params, lora=lora.stack(list(read_.values()), cfg, dtype))
     return dataclasses.replace(model, params=params, adapters=tuple(read_))
 
 
