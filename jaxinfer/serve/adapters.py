@@ -8,7 +8,8 @@
 The engine's params carry `params["lora"]` for all seven targets with K slots, allocated once
 (`stacks`: zeros, every rank padded to r = max_lora_rank):
 
-    A [L, K, r, in]   B^T [L, K, r, out]   scale [L, K]   (per target, `jaxinfer.model.lora`'s form)
+    A [L, K, r, in]   B^T [L, K, r, out]   scale [L, K]   (per target, `jaxinfer.model.lora`'s form;
+                                                       A and B float32 or bfloat16: `Engine(lora_dtype=)`)
 
 Loading writes an adapter's tensors (zero-padded to r; zeros for the targets it leaves alone)
 into a free slot with one jitted program of fixed shapes that donates the stacks (`_write`: the
