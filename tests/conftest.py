@@ -20,8 +20,9 @@ import pytest
 # emitters, which compile a tiny model's programs in about twice the time (14 MoE tests: 184 -> 108 s
 # of CPU). Neither changes what a program computes (the suite's exact-token and tolerance checks
 # against transformers hold either way); users and benchmarks compile at XLA's defaults. Tests
-# whose time goes into running the real model rather than compiling it take the `optimized`
-# fixture. Set here, before JAX starts a backend; xdist workers and subprocesses inherit both. A
+# whose time goes into running programs rather than compiling them (the real model at length, or
+# many top-p steps: at level 0 a sort of a 49,152-token vocabulary runs ~2.5x slower) take the
+# `optimized` fixture. Set here, before JAX starts a backend; xdist workers and subprocesses inherit both. A
 # value the caller sets (JAX_DISABLE_MOST_OPTIMIZATIONS, or the flags in XLA_FLAGS) is kept.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
