@@ -533,6 +533,30 @@ def test_a_call_waiting_on_a_cancelled_build_builds_the_program_itself():
 TINY_HF = os.path.join(ROOT, "tests", "golden", "tiny_hf", "llama")
 
 
+def test_the_server_runs_stacked_on_a_cpu_and_says_why():
+    """`jaxinfer serve --layout auto` (the default) loads the stacked layout on a CPU, whose
+    programs hold a fraction of per_layer's memory, and `load`'s own rule elsewhere; an explicit
+    --layout is kept. Each choice comes with the start-up report's line naming it."""
+    import argparse
+
+    from jaxinfer import cli
+
+    def serve_layout(backend, layout="auto", quant=None, mesh=None):
+        args = argparse.Namespace(layout=layout, quant=quant, mesh=mesh)
+        return cli._serve_layout(args, mesh, backend)
+
+    layout, why = serve_layout("cpu")
+    assert layout == "stacked" and why.startswith("layout stacked (") and "--layout per_layer" in why, why
+    assert serve_layout("cpu", quant="int8")[0] == "stacked"
+    assert serve_layout("gpu")[0] == serve_layout("tpu")[0] == "per_layer"
+    assert serve_layout("gpu", quant="int8")[0] == "per_layer"
+    assert serve_layout("gpu", quant="int4")[0] == "stacked"
+    assert serve_layout("gpu", mesh="data=1,model=2")[0] == "stacked"
+    for backend in ("cpu", "gpu"):
+        for layout in ("per_layer", "stacked"):
+            assert serve_layout(backend, layout) == (layout, f"layout {layout} (--layout {layout})")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_warm_up_stops_the_server_with_exit_status_0(tmp_path, sig):
     """`jaxinfer serve` with an empty compile cache, signalled while /health says it is warming
@@ -569,3 +593,4 @@ def test_a_signal_during_warm_up_stops_the_server_with_exit_status_0(tmp_path, s
     reader.join(timeout=10)
     assert rc == 0, (rc, lines[-5:])
     assert any(f"stopped by {sig.name} during warm-up" in ln for ln in lines), lines[-5:]
+    assert any(ln.startswith("jaxinfer serve: loaded ") and "; layout stacked (" in ln for ln in lines), lines[:3]
