@@ -96,9 +96,12 @@ def cache_env(cache_dir) -> dict:
 
 
 def cold_and_warm(once, args) -> dict:
-    """`once(args, cache_dir, run)` with an empty compile cache ("cold"), then with the cache it filled ("warm")."""
+    """`once(args, cache_dir, run)` with an empty compile cache ("cold"), then with the cache it filled
+    ("warm"); `--runs` picks which, `--compile-cache` keeps the folder (a warm run of its own later)."""
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-        return {run: once(args, Path(d) / "xla", run) for run in ("cold", "warm")}
+        cache_dir = Path(args.compile_cache) if args.compile_cache else Path(d) / "xla"
+        return {run: once(args, cache_dir, run) for run in runs}
 
 
 def serve_once(args, cache_dir: Path, run: str) -> dict:
@@ -211,6 +214,9 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--slots", type=int, default=32, help="host part: engine slots (default 32)")
     p.add_argument("--rounds", type=int, default=5, help="host part: bursts per tree (default 5)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one server or process may take")
+    p.add_argument("--runs", default="cold,warm", help="serve, generate: cold (an empty compile cache), warm (the "
+                   "cache the cold run filled), or both (default)")
+    p.add_argument("--compile-cache", help="serve, generate: the compile cache folder (default a temporary one)")
     p.add_argument("--serve-flags", default="", help="serve part: flags added to the server's command, e.g. "
                    "'--layout per_layer'")
     args = p.parse_args(argv)
