@@ -159,9 +159,7 @@ class Warmup:
                 self.error = e
             finally:
                 self.warming = False
-                # Every build done: join the idle workers, so that what their threads held is freed
-                # before `done` (after which the engine hands freed memory back to the OS).
-                pool.shutdown(wait=self.error is None and not self._cancelled)
+                pool.shutdown(wait=False)
                 self.done.set()
 
         threading.Thread(target=finish, name="jaxinfer-warmup", daemon=True).start()
