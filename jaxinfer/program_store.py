@@ -39,6 +39,10 @@ and is compiled again and stored over. The folder must be this user's alone
 The store is held to `compile_cache.max_size()` bytes: after each save the least recently used
 entries are deleted (a load marks an entry used by touching its modification time).
 
+A record (`save_record` / `load_record`: a small JSON object, such as the seconds a warm-up
+timed its calls in) is stored and authenticated the same way, under a key its caller makes with
+`key`.
+
 A load is reported to `compile_cache.CompileCounter` (event STORE_LOAD_EVENT) as an executable
 loaded from the cache. Programs this process holds already (another Engine of the same shapes)
 are handed out again, not loaded twice.

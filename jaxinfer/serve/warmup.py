@@ -3,7 +3,8 @@
 `builds` lists every program a runner's calls can use, each with a function that lowers it for
 abstract arguments shaped as serving passes them and compiles it (`programs.compile_for`).
 `Warmup.run` builds them `workers` at a time, the ones every request can be served with first
-(`minimal`), then times each chunk-call shape (the scheduler's `pick` chooses by those times)
+(`minimal`), then times each chunk-call shape (the scheduler's `pick` chooses by those times;
+a start that loaded its programs from the program store takes the seconds stored with them)
 and adds the mid shapes that the measured fixed cost makes worth their programs. In the
 background, serving starts as soon as the minimal programs are built, with the shapes built so
 far (`built`).
