@@ -7,7 +7,9 @@
 Parts (`--parts`, comma-separated; default all):
   serve     `jaxinfer serve --model M` with an empty compile cache, then with the cache it filled:
             seconds from the process start to /health "ok" and to every program built, resident
-            memory then and after 32 streaming completions, the server's log.
+            memory then and after 32 streaming completions, the server's CPU seconds at each point,
+            the programs the cache holds (count, serialized sizes), the server's log. `--serve-flags`
+            adds flags to the server's command (e.g. "--layout per_layer").
   generate  `jaxinfer generate`, the same two ways: load seconds, first token after the load, programs.
   engines   two `Engine(model)` in one process: what each compiled, loaded and found in memory.
   host      per `Engine.step` on the tiny preset, bursts of 2 x --slots sampled requests (medians of
@@ -94,19 +96,22 @@ def cache_env(cache_dir) -> dict:
 
 
 def cold_and_warm(once, args) -> dict:
-    """`once(args, cache_dir, run)` with an empty compile cache ("cold"), then with the cache it filled ("warm")."""
+    """`once(args, cache_dir, run)` with an empty compile cache ("cold"), then with the cache it filled
+    ("warm"); `--runs` picks which, `--compile-cache` keeps the folder (a warm run of its own later)."""
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as d:
-        return {run: once(args, Path(d) / "xla", run) for run in ("cold", "warm")}
+        cache_dir = Path(args.compile_cache) if args.compile_cache else Path(d) / "xla"
+        return {run: once(args, cache_dir, run) for run in runs}
 
 
 def serve_once(args, cache_dir: Path, run: str) -> dict:
     """Start `jaxinfer serve`, time it to ready and to every program built, sample its memory, load it."""
     log = Path(args.out) / f"startup_serve_{run}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = _serve.jaxinfer_server(args.model, [], log, env=cache_env(cache_dir))
+    server = _serve.jaxinfer_server(args.model, args.serve_flags.split(), log, env=cache_env(cache_dir))
     out = {"command": " ".join(server.cmd)}
     try:
-        out.update(ready_s=server.start(args.timeout), rss_ready=rss_bytes(server.proc.pid))
+        out.update(ready_s=server.start(args.timeout), rss_ready=rss_bytes(server.proc.pid), cpu_ready_s=server.cpu_s())
         out.update(warm_s=out["ready_s"] + server.wait_warm(args.timeout), rss_warm=rss_bytes(server.proc.pid))
         bodies = [{"id": i, "disconnect": False, "body": {
             "model": args.model, "prompt": f"Question {i}: what is the capital of France? Answer:", "max_tokens": 64,
@@ -115,17 +120,20 @@ def serve_once(args, cache_dir: Path, run: str) -> dict:
         load = _serve.http_summary(_serve.drive(server.url + "/v1/completions", bodies, LOAD_CLIENTS, args.timeout))
         if load["errors"]:
             raise RuntimeError(f"the load test's requests failed: {load['error_examples']}")
-        out.update(load=load, rss_after_load=rss_bytes(server.proc.pid))
+        out.update(load=load, rss_after_load=rss_bytes(server.proc.pid), cpu_after_load_s=server.cpu_s())
         metrics = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
         out["serving_compiles"] = next(int(ln.split()[-1]) for ln in metrics
                                        if ln.startswith("jaxinfer_serving_compiles_total "))
     finally:
         server.stop()
     out["log"] = log.read_text().splitlines()
+    sizes = sorted(f.stat().st_size for f in (cache_dir / "programs").glob("*.jaxprogram"))
+    out["stored_programs"] = dict(count=len(sizes), total_bytes=sum(sizes), bytes=sizes)
     gb = 1e9
-    print(f"serve {run}: ready {out['ready_s']:.1f} s, all programs {out['warm_s']:.1f} s; resident "
-          f"{out['rss_ready'] / gb:.2f} GB ready, {out['rss_warm'] / gb:.2f} GB warm, "
-          f"{out['rss_after_load'] / gb:.2f} GB after {load['requests_sent']} requests")
+    print(f"serve {run}: ready {out['ready_s']:.1f} s ({out['cpu_ready_s']:.1f} s CPU), all programs "
+          f"{out['warm_s']:.1f} s; resident {out['rss_ready'] / gb:.2f} GB ready, {out['rss_warm'] / gb:.2f} GB warm, "
+          f"{out['rss_after_load'] / gb:.2f} GB after {load['requests_sent']} requests; "
+          f"{len(sizes)} stored programs, {sum(sizes) / 1e6:.0f} MB ({', '.join(f'{b / 1e6:.1f}' for b in sizes)})")
     return out
 
 
@@ -206,6 +214,11 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--slots", type=int, default=32, help="host part: engine slots (default 32)")
     p.add_argument("--rounds", type=int, default=5, help="host part: bursts per tree (default 5)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one server or process may take")
+    p.add_argument("--runs", default="cold,warm", help="serve, generate: cold (an empty compile cache), warm (the "
+                   "cache the cold run filled), or both (default)")
+    p.add_argument("--compile-cache", help="serve, generate: the compile cache folder (default a temporary one)")
+    p.add_argument("--serve-flags", default="", help="serve part: flags added to the server's command, e.g. "
+                   "'--layout per_layer'")
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if set(parts) - set(PARTS):

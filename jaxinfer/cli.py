@@ -258,9 +258,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-cache", choices=KV_DTYPES, help=KV_CACHE_HELP)
     p.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard over a device mesh")
     p.add_argument("--layout", choices=["auto", "stacked", "per_layer"], default="auto",
-                   help="params layout (jaxinfer.layout): auto (default) = per_layer for float weights on one "
-                        "device (and int8 off the CPU), else stacked; stacked compiles faster, per_layer decodes "
-                        "faster")
+                   help="params layout (jaxinfer.layout): auto (default) = stacked on a CPU (its programs hold a "
+                        "fraction of per_layer's memory); elsewhere per_layer for float or int8 weights on one "
+                        "device, else stacked. per_layer decodes faster; on a CPU its programs hold GBs more")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
     p.add_argument("--steering-slots", type=int, default=None, metavar="K",
@@ -379,6 +379,29 @@ def _check_serve_flags(args):
     return kv_memory, mesh
 
 
+def _serve_layout(args, mesh, backend: str) -> tuple[str, str]:
+    """The params layout `jaxinfer serve` loads the weights in, and the start-up report's line on why.
+
+    `--layout auto` is `load`'s rule (`load.auto_layout`) except on a CPU, where it is stacked:
+    XLA's CPU executable of a per_layer program (the layer loop unrolled) keeps host memory for
+    every fused kernel, several times a stacked program's, and a server holds one program per
+    chunk shape, so a per_layer server outgrows its weights + KV pool + 1.5 GB while a stacked one
+    stays inside (docs/startup.md "The layout a server runs"). per_layer decodes faster there
+    and stays one flag away."""
+    from jaxinfer.weights.load import auto_layout
+
+    if args.layout != "auto":
+        return args.layout, f"layout {args.layout} (--layout {args.layout})"
+    if backend == "cpu":
+        return "stacked", ("layout stacked (the default on a CPU: XLA's CPU programs of the per_layer layout hold "
+                           "several times the memory; --layout per_layer decodes faster, for GBs more resident "
+                           "memory)")
+    layout = auto_layout(args.quant, mesh, backend)
+    if layout == "stacked":
+        return layout, f"layout stacked (--layout auto on {backend}: {args.quant or 'float'} weights, mesh {args.mesh})"
+    return layout, f"layout per_layer (--layout auto on {backend}: it decodes fastest; --layout stacked compiles faster)"
+
+
 def _serve(args) -> int:
     """`jaxinfer serve`: check the flags and bind the port, then load, warm up and serve until SIGTERM /
     Ctrl-C. Everything that can be refused without the model is refused before the (slow) load.
@@ -420,9 +443,12 @@ def _serve(args) -> int:
         t_start = time.perf_counter()
         cache = enable_persistent_cache(None)  # None: $JAXINFER_COMPILE_CACHE=off
         _announce_fetch(args.model)
-        model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=args.layout)
+        import jax
+
+        layout, why = _serve_layout(args, mesh, jax.default_backend())
+        model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=layout)
         memory.release()  # what the load freed (a layout conversion's first copy of the weights)
-        print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
+        print(f"jaxinfer serve: loaded {args.model} in {time.perf_counter() - t_start:.1f} s; {why}", file=sys.stderr)
         if vectors is not None:
             steering.check_widths(vectors, model.config.d_model, args.steering_vectors)
         steering_sites = tuple(s for s in args.steering_sites.split(",") if s)
@@ -452,7 +478,7 @@ def _serve(args) -> int:
                 print(f"jaxinfer serve: warning: warmup failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if not signals.received:
                 print(f"jaxinfer serve: ready after {time.perf_counter() - t_start:.1f} s (/health answers 200): "
-                      f"{engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
+                      f"layout {model.config.layout}, {engine.describe()}; resident {(memory.resident() or 0) / 1e9:.2f} GB",
                       file=sys.stderr, flush=True)
 
         threading.Thread(target=announce, name="jaxinfer-announce", daemon=True).start()

@@ -39,6 +39,10 @@ and is compiled again and stored over. The folder must be this user's alone
 The store is held to `compile_cache.max_size()` bytes: after each save the least recently used
 entries are deleted (a load marks an entry used by touching its modification time).
 
+A record (`save_record` / `load_record`: a small JSON object, such as the seconds a warm-up
+timed its calls in) is stored and authenticated the same way, under a key its caller makes with
+`key`.
+
 A load is reported to `compile_cache.CompileCounter` (event STORE_LOAD_EVENT) as an executable
 loaded from the cache. Programs this process holds already (another Engine of the same shapes)
 are handed out again, not loaded twice.
@@ -50,6 +54,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import json
 import logging
 import os
 import pickle
@@ -286,6 +291,35 @@ class ProgramStore:
           UnsafeCacheError: the folder, or the key file, is not this user's alone.
         """
         path = self.path(key, name)
+        body = self._read(path, key)
+        if body is None:
+            return None
+        try:
+            executable, in_tree, out_tree = pickle.loads(zlib.decompress(body))
+            program = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - an authenticated entry another jaxlib cannot read is rebuilt
+            log.warning("jaxinfer: the stored program %s cannot be deserialized (%s: %s); compiling it again", path,
+                        type(e).__name__, e)
+            return None
+        return program
+
+    def load_record(self, key: str, name: str) -> Optional[dict]:
+        """The record (a JSON object) stored under `key` by `save_record`, or None: none stored, or
+        an entry that fails authentication (a warning; moved aside) or is not one.
+
+        Raises:
+          UnsafeCacheError: the folder, or the key file, is not this user's alone.
+        """
+        body = self._read(self.path(key, name), key)
+        try:
+            record = None if body is None else json.loads(zlib.decompress(body))
+        except (ValueError, zlib.error):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _read(self, path: Path, key: str) -> Optional[memoryview]:
+        """The body of the entry at `path` once it is authenticated under `key` (and marked used),
+        or None: none there, unreadable (a warning), or failing authentication (moved aside)."""
         if not self.directory.is_dir():
             return None
         compile_cache.check_folder(self.directory, "program store folder")
@@ -294,7 +328,7 @@ class ProgramStore:
         except FileNotFoundError:
             return None
         except OSError as e:
-            log.warning("jaxinfer: cannot read the stored program %s (%s); compiling it again", path, e)
+            log.warning("jaxinfer: cannot read the stored entry %s (%s); building it again", path, e)
             return None
         secret = self._secret()
         if secret is None:
@@ -304,17 +338,10 @@ class ProgramStore:
             self._reject(path)
             return None
         try:
-            executable, in_tree, out_tree = pickle.loads(zlib.decompress(body))
-            program = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
-        except Exception as e:  # noqa: BLE001 - an authenticated entry another jaxlib cannot read is rebuilt
-            log.warning("jaxinfer: the stored program %s cannot be deserialized (%s: %s); compiling it again", path,
-                        type(e).__name__, e)
-            return None
-        try:
             os.utime(path)  # its last use, for the eviction
         except OSError:
             pass
-        return program
+        return body
 
     def _secret(self) -> Optional[bytes]:
         """This user's store key; None (a warning: the store is off) when it cannot be read or made."""
@@ -348,22 +375,32 @@ class ProgramStore:
         Raises:
           UnsafeCacheError: the folder, or the key file, is not this user's alone.
         """
+        try:
+            executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+            body = zlib.compress(pickle.dumps((executable, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL), 1)
+        except Exception as e:  # noqa: BLE001 - not storing a program costs the next start, nothing more
+            log.warning("jaxinfer: cannot store the program %s (%s: %s)", name, type(e).__name__, e)
+            return False
+        return self._write(key, name, body)
+
+    def save_record(self, key: str, record: dict, name: str) -> bool:
+        """Store `record` (a JSON object: what a start measured, e.g. its calls' seconds) under
+        `key`, as a program is stored (`save`). Returns False (a logged warning) when it cannot be
+        written."""
+        return self._write(key, name, zlib.compress(json.dumps(record, sort_keys=True).encode()))
+
+    def _write(self, key: str, name: str, body: bytes) -> bool:
+        """Write an entry of `body` under `key` (whole or not at all), then evict beyond the cap."""
         path = self.path(key, name)
         try:
             compile_cache.make_folder(self.directory, "program store folder")
         except UnsafeCacheError:
             raise
         except ValueError as e:
-            log.warning("jaxinfer: cannot store the program %s (%s)", name, e)
+            log.warning("jaxinfer: cannot store the entry %s (%s)", name, e)
             return False
         secret = self._secret()
         if secret is None:
-            return False
-        try:
-            executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-            body = zlib.compress(pickle.dumps((executable, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL), 1)
-        except Exception as e:  # noqa: BLE001 - not storing a program costs the next start, nothing more
-            log.warning("jaxinfer: cannot store the program %s (%s: %s)", name, type(e).__name__, e)
             return False
         head = MAGIC + FORMAT.to_bytes(4, "little")
         blob = head + _mac(secret, key, head, body) + body

@@ -262,6 +262,24 @@ def test_turning_the_cache_on_trims_it_to_the_cap_from_the_environment(tmp_path)
     assert [p.name for p in folder.glob("*-cache")] == ["jit_f2-cache"]
 
 
+def test_a_record_is_stored_authenticated_under_its_own_key(tmp_path, caplog):
+    """`save_record` / `load_record` (a warm-up's measured call seconds): the record comes back
+    under its key only; one whose body was changed fails authentication like a program (moved
+    aside, never read), and the cache command counts and clears it with the programs."""
+    store = program_store.ProgramStore(tmp_path / "programs")
+    record = {"(1, 16)": 0.25, "(8, 64)": 1.5}
+    assert store.save_record("k1", record, "call_seconds")
+    assert store.load_record("k1", "call_seconds") == record
+    assert store.load_record("k2", "call_seconds") is None and store.load_record("k1", "other") is None
+    path = _stored(store)
+    blob = path.read_bytes()
+    path.write_bytes(blob[:program_store._HEADER] + zlib.compress(b'{"(1, 16)": 0.0}'))
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.program_store"):
+        assert store.load_record("k1", "call_seconds") is None
+    assert "failed authentication" in caplog.text and not path.exists()
+    assert store.save_record("k1", record, "call_seconds") and store.clear()[0] == 2  # it and the one moved aside
+
+
 def test_the_cache_command_lists_sizes_and_clears(tmp_path, capsys):
     folder = tmp_path / "xla"
     store = program_store.ProgramStore(folder / program_store.FOLDER)

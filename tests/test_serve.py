@@ -227,8 +227,10 @@ def test_warmup_measures_a_calls_fixed_cost_unless_given(model, monkeypatch):
     and those times then pick a call's chunks; call_rows given is kept, and its rows pick them. Chunk buckets stop at the longest context (max_len 64: 16, 32 and 64),
     whatever prefill_chunk allows. Timed calls keep the token counts on the device, as serving
     does while nobody is penalized: only the very first call sends them."""
+    from jaxinfer.serve import warmup
     from jaxinfer.serve.scheduler import call_rows
 
+    monkeypatch.setattr(warmup, "timings_key", lambda runner, shapes: None)  # no stored seconds: it times them
     engine = Engine(model, max_slots=4, page_size=8, max_len=64, n_pages=40)
     assert engine.runner.chunks == [16, 32, 64] and engine.runner.wide == [(4, 16), (4, 32), (4, 64)]
     sent, counts = [], engine.runner._counts  # True: a call's [S, V] counts built and sent from the host

@@ -25,7 +25,7 @@ from jaxinfer.model import cache as kv
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params, nbytes
 from jaxinfer.serve import Engine
-from jaxinfer.serve import sizing
+from jaxinfer.serve import sizing, warmup
 from jaxinfer.serve import runner as runner_mod
 from tests.test_serve import assert_same, make_specs, reference, run_staggered, tiny_model
 
@@ -95,16 +95,20 @@ from jaxinfer.model import config
 from jaxinfer.model.model import Model
 from jaxinfer.model.params import init_params
 from jaxinfer.serve import Engine
+from jaxinfer.serve.runner import Runner
 traced = []  # every function traced in this process, on any thread
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, secs, fun_name=None, **k: event == TRACE_EVENT and traced.append(fun_name))
+timed, time_mixed = [], Runner.time_mixed  # every mixed call the warm-up ran to time it
+Runner.time_mixed = lambda self, shape: timed.append(shape) or time_mixed(self, shape)
 cfg = config.tiny(name="tiny-startup-cache")
 engine = Engine(Model(config=cfg, params=init_params(cfg, jax.random.key(0))), **json.loads({small!r}))
 engine.warmup(scoring=engine.hidden_sites != ())
 r = engine.startup_report()
 out = engine.submit([5, 6, 7, 8], max_new_tokens=6, sampling=SamplingParams(temperature=0.8), seed=3).result(300)
 print(json.dumps(dict(programs=r.programs, compiled=r.compiled, loaded=r.loaded, cache=r.compile_cache,
-                      tokens=list(out.token_ids), traced=traced)))
+                      tokens=list(out.token_ids), traced=traced, timed=len(timed),
+                      call_seconds=sorted(map(list, engine.runner.call_shapes.call_seconds.items())))))
 """
 
 PROGRAM_NAMES = ("mixed_program", "decode_program", "scoring_program", "scrub_program")
@@ -112,8 +116,9 @@ PROGRAM_NAMES = ("mixed_program", "decode_program", "scoring_program", "scrub_pr
 
 def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path):
     """Two processes with the same settings and a fresh cache folder: the first compiles every
-    program and stores it; the second compiles none and traces none of them (it loads each whole
-    from the program store), and samples the first one's tokens."""
+    program and stores it, with the seconds its warm-up timed each chunk call in; the second
+    compiles none and traces none of them (it loads each whole from the program store), runs no
+    call to time it (it takes the stored seconds), and samples the first one's tokens."""
     env = dict(os.environ, JAXINFER_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=ROOT)
     runs = []
     for _ in range(2):
@@ -127,10 +132,14 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     assert {n for n in first["traced"] if n in PROGRAM_NAMES} == {"mixed_program", "decode_program",
                                                                  "scrub_program"}, first["traced"]
     stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
+    assert stored.count(warmup.TIMINGS) == 1, stored
+    stored.remove(warmup.TIMINGS)
     assert len(stored) == first["programs"], stored
     assert set(stored) == {"mixed_program", "decode_program", "scrub_program"}, stored
     assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
     assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
+    assert first["timed"] == 2 * len(first["call_seconds"]) > 0 and second["timed"] == 0, runs
+    assert second["call_seconds"] == first["call_seconds"], runs
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
 
 
@@ -148,7 +157,7 @@ def test_an_engine_with_steering_slots_and_hidden_states_stores_its_programs(tmp
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first, second = runs
     stored = sorted(p.name.split("-")[0] for p in (tmp_path / "xla" / program_store.FOLDER).iterdir())
-    assert len(stored) == first["programs"] > 0 and "scoring_program" in stored, stored
+    assert len(stored) == first["programs"] + 1 > 1 and "scoring_program" in stored, stored  # + call seconds
     assert second["compiled"] == 0 and second["loaded"] == second["programs"] == first["programs"], runs
     assert not [n for n in second["traced"] if n in PROGRAM_NAMES], second["traced"]
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6, runs
@@ -533,6 +542,30 @@ def test_a_call_waiting_on_a_cancelled_build_builds_the_program_itself():
 TINY_HF = os.path.join(ROOT, "tests", "golden", "tiny_hf", "llama")
 
 
+def test_the_server_runs_stacked_on_a_cpu_and_says_why():
+    """`jaxinfer serve --layout auto` (the default) loads the stacked layout on a CPU, whose
+    programs hold a fraction of per_layer's memory, and `load`'s own rule elsewhere; an explicit
+    --layout is kept. Each choice comes with the start-up report's line naming it."""
+    import argparse
+
+    from jaxinfer import cli
+
+    def serve_layout(backend, layout="auto", quant=None, mesh=None):
+        args = argparse.Namespace(layout=layout, quant=quant, mesh=mesh)
+        return cli._serve_layout(args, mesh, backend)
+
+    layout, why = serve_layout("cpu")
+    assert layout == "stacked" and why.startswith("layout stacked (") and "--layout per_layer" in why, why
+    assert serve_layout("cpu", quant="int8")[0] == "stacked"
+    assert serve_layout("gpu")[0] == serve_layout("tpu")[0] == "per_layer"
+    assert serve_layout("gpu", quant="int8")[0] == "per_layer"
+    assert serve_layout("gpu", quant="int4")[0] == "stacked"
+    assert serve_layout("gpu", mesh="data=1,model=2")[0] == "stacked"
+    for backend in ("cpu", "gpu"):
+        for layout in ("per_layer", "stacked"):
+            assert serve_layout(backend, layout) == (layout, f"layout {layout} (--layout {layout})")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_warm_up_stops_the_server_with_exit_status_0(tmp_path, sig):
     """`jaxinfer serve` with an empty compile cache, signalled while /health says it is warming
@@ -569,3 +602,4 @@ def test_a_signal_during_warm_up_stops_the_server_with_exit_status_0(tmp_path, s
     reader.join(timeout=10)
     assert rc == 0, (rc, lines[-5:])
     assert any(f"stopped by {sig.name} during warm-up" in ln for ln in lines), lines[-5:]
+    assert any(ln.startswith("jaxinfer serve: loaded ") and "; layout stacked (" in ln for ln in lines), lines[:3]

@@ -3,7 +3,8 @@
 `builds` lists every program a runner's calls can use, each with a function that lowers it for
 abstract arguments shaped as serving passes them and compiles it (`programs.compile_for`).
 `Warmup.run` builds them `workers` at a time, the ones every request can be served with first
-(`minimal`), then times each chunk-call shape (the scheduler's `pick` chooses by those times)
+(`minimal`), then times each chunk-call shape (the scheduler's `pick` chooses by those times;
+a start that loaded its programs from the program store takes the seconds stored with them)
 and adds the mid shapes that the measured fixed cost makes worth their programs. In the
 background, serving starts as soon as the minimal programs are built, with the shapes built so
 far (`built`).
@@ -196,6 +197,36 @@ class Warmup:
         return added
 
     def _time_mixed(self, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
-        """Seconds of a mixed call of each shape (the faster of two runs when measuring)."""
-        runs = 2 if self.runner.call_shapes.measure_call_rows else 1
-        return {shape: min(self.runner.time_mixed(shape) for _ in range(runs)) for shape in shapes}
+        """Seconds of a mixed call of each shape (the faster of two runs when measuring): as a
+        start with these programs measured them, where the program store holds that record
+        (`timings_key`), else timed now and stored."""
+        if not shapes:
+            return {}
+        runner = self.runner
+        store, key = runner.store, timings_key(runner, shapes)
+        record = store.load_record(key, TIMINGS) if key is not None else None
+        if record is not None and sorted(record) == sorted(map(str, shapes)):
+            return {shape: float(record[str(shape)]) for shape in shapes}
+        runs = 2 if runner.call_shapes.measure_call_rows else 1
+        seconds = {shape: min(runner.time_mixed(shape) for _ in range(runs)) for shape in shapes}
+        if key is not None:
+            store.save_record(key, {str(shape): t for shape, t in seconds.items()}, TIMINGS)
+        return seconds
+
+
+# The program store's name for a warm-up's measured call seconds (`timings_key`).
+TIMINGS = "call_seconds"
+
+
+def timings_key(runner: "Runner", shapes: list[tuple[int, int]]) -> Optional[str]:
+    """The program store's key for the seconds of the runner's mixed calls of these shapes, None
+    without a store. Timing a call runs it (twice), the larger part of a start that loads its
+    programs (seconds on a CPU), so a start whose programs were stored reuses what the start
+    that stored them measured. The key is the mixed program's key (`ProgramStore.key`: the code,
+    the machine, XLA's flags, the params' and pool's shapes, the config) with the call shapes and
+    slots: the same programs on the same machine."""
+    if runner.store is None:
+        return None
+    static = dict(cfg=runner.cfg, packing=runner.packing, max_slots=runner.max_slots, width=runner.width,
+                  shapes=tuple(shapes), runs=2 if runner.call_shapes.measure_call_rows else 1)
+    return runner.store.key(mixed_program, abstract((runner.model.params, runner.cache)), static)
