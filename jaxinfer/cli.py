@@ -281,6 +281,9 @@ def _add_serve(sub) -> None:
                    help="LoRA adapters held at once (default: as many as --lora names; 0 = no LoRA)")
     p.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                    help="the largest LoRA rank an adapter may use (default 16)")
+    p.add_argument("--lora-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the adapters' A and B storage (default float32); bfloat16 halves the bytes a decode step "
+                        "reads for them, exact for adapters saved in bfloat16 (docs/lora.md)")
     p.add_argument("--hidden-states", default=None, metavar="SITES",
                    help="comma-separated sites the scoring call may return at chosen layers (the 'hidden_states' "
                         "extension field, e.g. resid_post; default off)")
@@ -461,6 +464,7 @@ def _serve(args) -> int:
         loras, lora_slots = _lora_flags(args)
         engine = server.make_engine(model, max_slots=args.max_slots, kv_memory=kv_memory, max_len=args.max_len,
                                     steering_slots=slots, lora_slots=lora_slots, max_lora_rank=args.max_lora_rank,
+                                    lora_dtype=args.lora_dtype,
                                     steering_sites=steering_sites,
                                     hidden_sites=tuple(s for s in (args.hidden_states or "").split(",") if s))
         for lora_name, path in loras.items():  # read and checked before anything compiles

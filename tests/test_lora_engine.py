@@ -281,3 +281,14 @@ def test_serve_lora_flags_are_checked_before_the_model_loads(capsys, flags, word
 
     assert cli.main(["serve", "--port", "0"] + flags) == 2
     assert words in capsys.readouterr().err
+
+
+def test_serve_lora_dtype_flag_names_the_allowed_dtypes(capsys):
+    from jaxinfer import cli
+    from jaxinfer.model import lora
+
+    with pytest.raises(SystemExit) as refused:  # argparse's choices: refused before anything loads
+        cli.main(["serve", "--port", "0", "--lora-dtype", "float16"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lora-dtype" in err and all(name in err for name in lora.DTYPES)
