@@ -121,17 +121,31 @@ def test_serving_engine(tiny_tok, tmp_path):
 
 
 def test_rl(tiny_tok, tmp_path):
-    """The GRPO loop's smoke run pushes its weights into the engine each step; --updates builds no
-    program while it times update_params."""
+    """The GRPO loop's smoke run: every step's weights go into the engine (params_version counts
+    them) with no program built; the engine sampled with the merged adapter, so the trainer's
+    teacher-forced logprobs before each step match the sampled ones to float error; the reward pays
+    a right answer, format alone a tenth of it. --updates builds no program while it times update_params."""
     from experiments import rl
 
     r = rl.main(["--smoke", "--out", str(tmp_path)], model=tiny_tok)
     assert (tmp_path / "rl.png").stat().st_size > 1000 and saved(tmp_path, "rl")
-    assert len(r["steps"]) == 2 and r["params_version"] == 2
-    assert all(0 <= s["reward"] <= 1 and np.isfinite(s["loss"]) for s in r["steps"])
-    assert all(0 <= s["correct"] <= 1 for s in r["steps"]) and r["throughput"]["plain_tokens_per_s"] > 0
-    assert rl.reward(" 12") == 1 and rl.reward("The answer is 12.") == 0 and rl.reward("none") == 0
-    assert rl.correct("The answer is 12.", 5, 7) == 1 and rl.correct("11", 5, 7) == 0 and rl.correct("none", 1, 1) == 0
+    assert len(r["steps"]) == 2 and r["params_version"] == 2 and r["compiles_while_serving"] == 0
+    for s in r["steps"]:
+        assert 0 <= s["correct"] <= s["reward"] <= s["correct"] + rl.FORMAT_BONUS and np.isfinite(s["loss"])
+        assert 0 <= s["number_only"] <= 1 and s["max_log_ratio"] < 1e-3
+        assert s["generated_tokens"] > 0 and s["plain_tokens"] > 0
+    # after an update the prefix cache is empty, yet the group's shared chat prefix is computed
+    # once: the loop's rollout computes at most one page more of prompt than the plain one
+    loop_computed, plain_computed = r["steps"][1]["prompt_tokens_computed"], r["steps"][1]["plain_prompt_tokens_computed"]
+    assert plain_computed < loop_computed <= plain_computed + 16
+    assert 0 <= r["held_out"]["before"] <= 1 and 0 <= r["held_out"]["after"] <= 1
+    assert r["throughput"]["plain_tokens_per_s"] > 0 and r["throughput"]["loop_tokens_per_s"] > 0
+    # right answers earn 1, a number alone FORMAT_BONUS more; format alone never more than that
+    assert rl.reward(" 7", 3, 4) == 1 + rl.FORMAT_BONUS and rl.reward("8", 3, 4) == rl.FORMAT_BONUS
+    assert rl.reward("3 + 4 = 7", 3, 4) == 1 and rl.reward("The answer is 7.", 3, 4) == 1
+    assert rl.reward("3 + 4 =", 3, 4) == 0 and rl.reward("7, no, 8", 3, 4) == 0 and rl.reward("none", 3, 4) == 0
+    train, held_out = rl.split(0)
+    assert len(train) + len(held_out) == 55 and not set(train) & set(held_out) and all(a + b <= 9 for a, b in train)
     np.testing.assert_allclose(rl.advantages(np.array([1, 0, 0, 0], np.float32), 2), [1, -1, 0, 0], atol=1e-3)
     u = rl.main(["--smoke", "--updates", "--out", str(tmp_path)], model=tiny_tok)
     assert u["compiles"] == 0 and u["median_s"]["update_host"] > 0
