@@ -81,13 +81,19 @@ class ScanLength:
             raise ValueError(f"admission_wait must be a finite number of seconds >= 0, got {wait!r}")
         object.__setattr__(self, "admission_wait", float(wait))
 
-    def steps(self, *, constrained: bool, waiting: bool, slot_free: bool, step_seconds: Optional[float]) -> int:
+    def steps(self, *, constrained: bool, waiting: bool, slot_free: bool, step_seconds: Optional[float],
+              first_token: bool = False) -> int:
         """One while a constrained request decodes (its next mask needs its last token), fewer
         while requests wait for a slot, and while a slot is free only as many as last about
         `admission_wait` seconds (a request arriving then takes the slot after this scan; a client
-        that sends its next request when its last one ends arrives just then)."""
+        that sends its next request when its last one ends arrives just then). With
+        `first_token` (a request samples its first token in the call before the scan, and it is
+        read only after the scan) no more than while a slot is free, however many wait."""
         if constrained:
             return 1
+        if first_token:
+            return min(self.steps(constrained=False, waiting=waiting, slot_free=slot_free, step_seconds=step_seconds),
+                       self.steps(constrained=False, waiting=False, slot_free=True, step_seconds=step_seconds))
         if waiting:
             return self.busy_decode_steps
         if slot_free:
@@ -116,10 +122,12 @@ class Flights:
         flight, self.under_way = self.under_way, None
         return flight
 
-    def steps_wanted(self) -> int:
-        """Decode steps for the next scan (`ScanLength.steps`)."""
+    def steps_wanted(self, freeing: bool = False) -> int:
+        """Decode steps for the next scan (`ScanLength.steps`); `freeing`: a slot is known to be
+        free by the time the scan starts (a row of the flight before it ends there), though the
+        scheduler still holds its request."""
         return self.scan_length.steps(constrained=bool(self.held.constrained), waiting=bool(self.scheduler.waiting),
-                                      slot_free=len(self.scheduler.running) < self.max_slots,
+                                      slot_free=freeing or len(self.scheduler.running) < self.max_slots,
                                       step_seconds=self.step_seconds)
 
     # ---- starting flights ---------------------------------------------------------------------
@@ -138,6 +146,10 @@ class Flights:
         steps = plan.steps
         if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
             steps = 1  # prompts still wait for their chunks: come back after one step
+        elif joining:  # their first tokens are read after the scan: a short one
+            steps = min(steps, self.scan_length.steps(
+                constrained=False, waiting=bool(self.scheduler.waiting), step_seconds=self.step_seconds,
+                slot_free=len(self.scheduler.running) < self.max_slots, first_token=True))
         budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
         chunk_lives = [self.held[ch.seq.rid] for ch in chunks]
         seqs, lives, flight_rows = [], [], []
@@ -184,7 +196,14 @@ class Flights:
             flying = {id(row.seq) for row in fl.slot_rows}  # (joining in it: decoding after it)
             if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
                 return None
-        steps, page, B = self.steps_wanted(), self.pool.page_size, self.max_slots
+        # A row that reaches its max_new_tokens in the flight frees its slot when the flight is
+        # read, and its client's next request comes just then: it waits for this scan, so the
+        # scan is as long as while a slot is free (`admission_wait`), not decode_steps.
+        ending = any(row.seq.remaining <= row.cap for row in fl.slot_rows
+                     if not (row.live.req.done or row.seq.state == DONE))
+        if ending and waiting:
+            return None  # the flight may free its slot: the next iteration admits to it
+        steps, page, B = self.steps_wanted(freeing=ending), self.pool.page_size, self.max_slots
         caps, limits, flight_rows, lacking, short, gone = [0] * B, [0] * B, [], [], 0, []
         for row in fl.slot_rows:
             slot, seq = row.slot, row.seq
@@ -193,8 +212,6 @@ class Flights:
                 continue
             left = seq.remaining - row.cap  # at least this many after the flight
             if left <= 0:
-                if waiting:
-                    return None  # the flight may free its slot: the next iteration admits to it
                 gone.append(slot)
                 continue
             n = min(steps, left)
