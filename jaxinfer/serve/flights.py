@@ -81,26 +81,25 @@ class ScanLength:
             raise ValueError(f"admission_wait must be a finite number of seconds >= 0, got {wait!r}")
         object.__setattr__(self, "admission_wait", float(wait))
 
-    def steps(self, *, constrained: bool, waiting: bool, slot_free: bool, step_seconds: Optional[float],
-              first_token: bool = False) -> int:
+    def steps(self, *, constrained: bool, waiting: bool, slot_free: bool, step_seconds: Optional[float]) -> int:
         """One while a constrained request decodes (its next mask needs its last token), fewer
         while requests wait for a slot, and while a slot is free only as many as last about
         `admission_wait` seconds (a request arriving then takes the slot after this scan; a client
-        that sends its next request when its last one ends arrives just then). With
-        `first_token` (a request samples its first token in the call before the scan, and it is
-        read only after the scan) no more than while a slot is free, however many wait."""
+        that sends its next request when its last one ends arrives just then)."""
         if constrained:
             return 1
-        if first_token:
-            return min(self.steps(constrained=False, waiting=waiting, slot_free=slot_free, step_seconds=step_seconds),
-                       self.steps(constrained=False, waiting=False, slot_free=True, step_seconds=step_seconds))
         if waiting:
             return self.busy_decode_steps
         if slot_free:
-            if step_seconds is None:
-                return min(self.busy_decode_steps, self.decode_steps)
-            return max(1, min(int(self.admission_wait // step_seconds), self.decode_steps))
+            return self.within_wait(step_seconds)
         return self.decode_steps
+
+    def within_wait(self, step_seconds: Optional[float]) -> int:
+        """Steps of about `admission_wait` seconds (1 to decode_steps; busy_decode_steps before a
+        step is timed): a scan that something waits for is no longer."""
+        if step_seconds is None:
+            return min(self.busy_decode_steps, self.decode_steps)
+        return max(1, min(int(self.admission_wait // step_seconds), self.decode_steps))
 
 
 class Flights:
@@ -146,10 +145,8 @@ class Flights:
         steps = plan.steps
         if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
             steps = 1  # prompts still wait for their chunks: come back after one step
-        elif joining:  # their first tokens are read after the scan: a short one
-            steps = min(steps, self.scan_length.steps(
-                constrained=False, waiting=bool(self.scheduler.waiting), step_seconds=self.step_seconds,
-                slot_free=len(self.scheduler.running) < self.max_slots, first_token=True))
+        elif joining:  # their first tokens are read after the scan: no longer than a request waits for a slot
+            steps = min(steps, self.scan_length.within_wait(self.step_seconds))
         budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
         chunk_lives = [self.held[ch.seq.rid] for ch in chunks]
         seqs, lives, flight_rows = [], [], []
