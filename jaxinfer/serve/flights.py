@@ -91,10 +91,15 @@ class ScanLength:
         if waiting:
             return self.busy_decode_steps
         if slot_free:
-            if step_seconds is None:
-                return min(self.busy_decode_steps, self.decode_steps)
-            return max(1, min(int(self.admission_wait // step_seconds), self.decode_steps))
+            return self.within_wait(step_seconds)
         return self.decode_steps
+
+    def within_wait(self, step_seconds: Optional[float]) -> int:
+        """Steps of about `admission_wait` seconds (1 to decode_steps; busy_decode_steps before a
+        step is timed): a scan that something waits for is no longer."""
+        if step_seconds is None:
+            return min(self.busy_decode_steps, self.decode_steps)
+        return max(1, min(int(self.admission_wait // step_seconds), self.decode_steps))
 
 
 class Flights:
@@ -116,10 +121,12 @@ class Flights:
         flight, self.under_way = self.under_way, None
         return flight
 
-    def steps_wanted(self) -> int:
-        """Decode steps for the next scan (`ScanLength.steps`)."""
+    def steps_wanted(self, freeing: bool = False) -> int:
+        """Decode steps for the next scan (`ScanLength.steps`); `freeing`: a slot is known to be
+        free by the time the scan starts (a row of the flight before it ends there), though the
+        scheduler still holds its request."""
         return self.scan_length.steps(constrained=bool(self.held.constrained), waiting=bool(self.scheduler.waiting),
-                                      slot_free=len(self.scheduler.running) < self.max_slots,
+                                      slot_free=freeing or len(self.scheduler.running) < self.max_slots,
                                       step_seconds=self.step_seconds)
 
     # ---- starting flights ---------------------------------------------------------------------
@@ -138,6 +145,8 @@ class Flights:
         steps = plan.steps
         if any(s.state == PREFILL and id(s) not in joining for s in self.scheduler.running):
             steps = 1  # prompts still wait for their chunks: come back after one step
+        elif joining:  # their first tokens are read after the scan: no longer than a request waits for a slot
+            steps = min(steps, self.scan_length.within_wait(self.step_seconds))
         budgets = [self.scheduler.join(c, steps) if c.last else 0 for c in chunks]
         chunk_lives = [self.held[ch.seq.rid] for ch in chunks]
         seqs, lives, flight_rows = [], [], []
@@ -184,7 +193,14 @@ class Flights:
             flying = {id(row.seq) for row in fl.slot_rows}  # (joining in it: decoding after it)
             if any(s.state == PREFILL and id(s) not in flying for s in scheduler.running):
                 return None
-        steps, page, B = self.steps_wanted(), self.pool.page_size, self.max_slots
+        # A row that reaches its max_new_tokens in the flight frees its slot when the flight is
+        # read, and its client's next request comes just then: it waits for this scan, so the
+        # scan is as long as while a slot is free (`admission_wait`), not decode_steps.
+        ending = any(row.seq.remaining <= row.cap for row in fl.slot_rows
+                     if not (row.live.req.done or row.seq.state == DONE))
+        if ending and waiting:
+            return None  # the flight may free its slot: the next iteration admits to it
+        steps, page, B = self.steps_wanted(freeing=ending), self.pool.page_size, self.max_slots
         caps, limits, flight_rows, lacking, short, gone = [0] * B, [0] * B, [], [], 0, []
         for row in fl.slot_rows:
             slot, seq = row.slot, row.seq
@@ -193,8 +209,6 @@ class Flights:
                 continue
             left = seq.remaining - row.cap  # at least this many after the flight
             if left <= 0:
-                if waiting:
-                    return None  # the flight may free its slot: the next iteration admits to it
                 gone.append(slot)
                 continue
             n = min(steps, left)
