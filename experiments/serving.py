@@ -190,7 +190,8 @@ def peer_servers(args, peer, skip) -> dict:
     def log(name):
         return os.path.join(args.out, f"serving_peer.{name}.log")
 
-    flags = ["--served-name", "m", "--max-slots", str(args.max_slots), "--kv-cache", args.kv_cache]
+    flags = ["--served-name", "m", "--max-slots", str(args.max_slots), "--kv-cache", args.kv_cache,
+             *args.serve_flags.split()]
     servers = {"jaxinfer": _serve.jaxinfer_server(args.model, flags + (["--max-len", "256"] if args.smoke else []),
                                                   log("jaxinfer"))}
     if not skip:
@@ -272,6 +273,8 @@ def main(argv=None, model=None) -> dict:
     p.add_argument("--disconnect", type=float, default=0.1, help="http: share of streams dropped after 1 token")
     p.add_argument("--rounds", type=int, default=1, help="peer: workloads per server, ABBA order")
     p.add_argument("--kv-cache", choices=sorted(LLAMA_CACHE_TYPES), default="float16", help="peer: both servers' KV dtype")
+    p.add_argument("--serve-flags", default="", help="peer: flags added to jaxinfer serve's command, e.g. "
+                                                     "\"--layout per_layer\"")
     p.add_argument("--timeout", type=float, default=1800.0, help="peer: seconds to start a server, or for one request")
     _peer.add_arguments(p)
     args = p.parse_args(argv)
