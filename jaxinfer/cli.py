@@ -18,6 +18,7 @@ import jax
 
 from jaxinfer.model.cache import KV_DTYPES
 from jaxinfer.model.forward import FEW_ROWS
+from jaxinfer.model.lora import DTYPES as LORA_DTYPES
 
 
 KV_CACHE_HELP = ("KV-cache dtype (default: the param dtype); float16 stores half of float32's bytes per token, "
@@ -281,7 +282,7 @@ def _add_serve(sub) -> None:
                    help="LoRA adapters held at once (default: as many as --lora names; 0 = no LoRA)")
     p.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                    help="the largest LoRA rank an adapter may use (default 16)")
-    p.add_argument("--lora-dtype", choices=["float32", "bfloat16"], default="float32",
+    p.add_argument("--lora-dtype", choices=LORA_DTYPES, default="float32",
                    help="the adapters' A and B storage (default float32); bfloat16 halves the bytes a decode step "
                         "reads for them, exact for adapters saved in bfloat16 (docs/lora.md)")
     p.add_argument("--hidden-states", default=None, metavar="SITES",
