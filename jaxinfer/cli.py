@@ -447,8 +447,6 @@ def _serve(args) -> int:
         t_start = time.perf_counter()
         cache = enable_persistent_cache(None)  # None: $JAXINFER_COMPILE_CACHE=off
         _announce_fetch(args.model)
-        import jax
-
         layout, why = _serve_layout(args, mesh, jax.default_backend())
         model = jaxinfer.load(args.model, quant=args.quant, kv_cache=args.kv_cache, mesh=mesh, layout=layout)
         memory.release()  # what the load freed (a layout conversion's first copy of the weights)
